@@ -1,0 +1,224 @@
+// HostArena: page-locked host memory in exact-size extents, fork-safe, budgeted, every byte owned.
+// Regions are anonymous mappings pinned as a unit (cudaHostRegister or mlock) and marked so a forked
+// child neither shares nor copies them. See docs/allocator.md.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "spillway/allocator/extent_map.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/owner.h"
+#include "spillway/allocator/status.h"
+
+namespace spillway::allocator {
+
+// How regions are made page-locked.
+enum class PinMode : uint8_t {
+  kAuto = 0,  // CUDA when a device is present at run time, mlock otherwise (logged once)
+  kCuda,      // cudaHostRegister on anonymous mmap; fails when no device is present
+  kMlock,     // mlock; needs RLIMIT_MEMLOCK or CAP_IPC_LOCK
+  kPageable,  // no pinning (DeepSpeed's pin_memory=false)
+};
+const char* PinModeName(PinMode mode);
+Result<PinMode> ParsePinMode(std::string_view name);
+
+// What a forked child sees of the arena. Note [Fork safety] in docs/allocator.md.
+enum class ForkSafety : uint8_t {
+  kDontFork = 0,  // MADV_DONTFORK: the child has no mapping; touching it faults (the default)
+  kWipeOnFork,    // MADV_WIPEONFORK: the child sees zero pages
+  kInherit,       // copy-on-write like any memory: for negative controls only
+};
+const char* ForkSafetyName(ForkSafety mode);
+Result<ForkSafety> ParseForkSafety(std::string_view name);
+
+// One-shot fault injection for tests: a non-zero errno makes the next map or pin fail with it.
+struct HostArenaFaults {
+  std::atomic<int> map_errno{0};
+  std::atomic<int> pin_errno{0};
+};
+
+struct HostArenaOptions {
+  std::string name = "host";           // tier name in reports and metrics
+  uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = 3/4 of RAM
+  uint64_t region_bytes = 64ull << 20; // smaller requests share regions of this size
+  uint64_t retain_limit_bytes = 256ull << 20;  // empty regions kept for reuse, at most
+  PinMode pin = PinMode::kAuto;
+  ForkSafety fork_safety = ForkSafety::kDontFork;
+  EscapePolicy policy = EscapePolicy::kReport;
+  bool capture_backtraces = false;     // record a backtrace per allocation (slow; for leak hunts)
+  Ledger* ledger = nullptr;            // null = Ledger::Default()
+  HostArenaFaults* faults = nullptr;   // test seam
+};
+
+struct HostArenaStats {
+  PinMode pin_mode = PinMode::kPageable;  // resolved: never kAuto
+  ForkSafety fork_safety = ForkSafety::kDontFork;
+  EscapePolicy policy = EscapePolicy::kReport;
+  uint64_t budget_bytes = 0;
+  uint64_t retain_limit_bytes = 0;
+  // Regions are mapped and pinned whole, so reserved == committed (Note [Regions]).
+  uint64_t reserved_bytes = 0;
+  uint64_t committed_bytes = 0;
+  uint64_t pinned_bytes = 0;           // cuda_registered_bytes + mlocked_bytes
+  uint64_t cuda_registered_bytes = 0;
+  uint64_t mlocked_bytes = 0;
+  uint64_t live_bytes = 0;             // page-rounded extents handed out
+  uint64_t requested_bytes = 0;        // what callers asked for
+  uint64_t retained_bytes = 0;         // empty regions kept for reuse (<= retain_limit_bytes)
+  uint64_t fragment_bytes = 0;         // free bytes inside regions that hold live extents
+  KindBytes live_by_kind{};
+  LifetimeBytes live_by_lifetime{};
+  uint64_t live_allocations = 0;
+  uint64_t regions = 0;
+  uint64_t peak_committed_bytes = 0;
+  uint64_t peak_live_bytes = 0;
+  uint64_t peak_requested_bytes = 0;
+  // Monotonic counters.
+  uint64_t alloc_count = 0;
+  uint64_t free_count = 0;
+  uint64_t region_map_count = 0;
+  uint64_t region_unmap_count = 0;
+  uint64_t trim_count = 0;             // Trim() calls and automatic trims
+  uint64_t trimmed_bytes = 0;
+  uint64_t escape_count = 0;
+  uint64_t escaped_bytes = 0;
+  uint64_t reclaim_count = 0;          // escapes freed by the reclaim policy
+  uint64_t reclaimed_bytes = 0;
+  uint64_t scope_freed_count = 0;      // freed by ReleaseScope
+  uint64_t scope_freed_bytes = 0;
+  uint64_t over_budget_count = 0;
+  uint64_t spill_calls = 0;
+  uint64_t spilled_bytes = 0;          // what spill handlers said they freed
+  uint64_t bad_free_count = 0;         // double, foreign or interior frees refused
+};
+
+// Thread-safe. One mutex guards the extent map and the tables; it is never held across a syscall,
+// a CUDA call, or a call into the ledger or the spill handler.
+//
+// Invariants (Validate):
+//   committed == live + retained + fragment        (all page multiples)
+//   committed <= budget;  retained <= retain_limit after every public call returns
+//   every live extent lies in one region; extents are disjoint and free neighbours are coalesced
+//   sum(live_by_kind) == sum(live_by_lifetime) == live
+class HostArena final : public Tier {
+ public:
+  // Called without locks when a request would cross the budget; returns the bytes it freed
+  // (by calling Free on this arena). Set by the offload layer to spill partitions to NVMe.
+  using SpillHandler = std::function<uint64_t(uint64_t bytes_needed)>;
+
+  // Resolves kAuto and checks the options; the arena maps nothing until the first Allocate.
+  static Result<std::unique_ptr<HostArena>> Create(HostArenaOptions options);
+  ~HostArena() override;
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  // Exact size at page granularity. On error nothing changed.
+  Result<void*> Allocate(uint64_t bytes, const OwnerTag& tag);
+  // Frees an allocation. A double free, a foreign or interior pointer, or a pointer whose scope was
+  // released returns kInvalidArgument naming what it was; nothing changes.
+  Status Free(void* ptr);
+  // Gives every empty region back to the OS. Returns the bytes released.
+  uint64_t Trim();
+
+  void SetSpillHandler(SpillHandler handler);
+  void set_policy(EscapePolicy policy);
+
+  // True when [ptr, ptr+bytes) lies inside one region of this arena (pinned memory for I/O).
+  bool Contains(const void* ptr, uint64_t bytes) const;
+  // The live allocation that starts at ptr: its size, or an error naming what ptr is.
+  Result<uint64_t> AllocationSize(const void* ptr) const;
+  struct RegionInfo {
+    void* base;
+    uint64_t bytes;
+  };
+  // The regions as they are now (for io_uring fixed-buffer registration).
+  std::vector<RegionInfo> Regions() const;
+
+  HostArenaStats Stats() const;
+  // Walks every structure and checks the invariants above. O(n log n).
+  Status Validate() const;
+
+  const std::string& tier_name() const override { return options_.name; }
+  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
+                         TierReport* out) override;
+  void ReleaseScope(ScopeId scope, TierReport* out) override;
+
+  Ledger& ledger() const { return *ledger_; }
+  uint64_t page_bytes() const { return page_; }
+
+ private:
+  struct Live {
+    uint64_t bytes;        // page-rounded
+    uint64_t requested;
+    OwnerTag tag;
+    int64_t birth_epoch;
+    int64_t birth_step;
+    uint32_t frame_count;
+    std::array<void*, 12> frames;  // valid when capture_backtraces
+  };
+  enum class FreeReason : uint8_t { kFreed, kReclaimed, kScopeReleased };
+  struct Tombstone {
+    uint64_t seq;
+    uint64_t bytes;
+    FreeReason reason;
+    ScopeId scope;
+    int64_t epoch;
+    int64_t step;
+  };
+  struct Region {
+    void* base;
+    uint64_t bytes;
+    PinMode pinned_with;
+  };
+
+  HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger);
+
+  // Private methods assume mu_ is held unless they say otherwise.
+  void RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested, const OwnerTag& tag);
+  void EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reason);
+  void AddTombstone(uint64_t addr, uint64_t bytes, FreeReason reason, ScopeId scope);
+  std::string DescribeBadFree(uint64_t addr) const;
+  std::string DescribeLive() const;  // "param 1.2 GiB, grad ..." for budget errors
+  // Detaches empty regions from the map until retained <= limit (or all, when limit is 0).
+  void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
+  void NoteCommitted();
+  Escape MakeEscape(uint64_t addr, const Live& live) const;
+
+  // Without the lock: syscalls.
+  Result<Region> MapRegion(uint64_t bytes);
+  void ReleaseRegions(const std::vector<Region>& regions);
+  void FinishEscapes(std::vector<Escape>* escapes) const;  // fills scope names and symbols
+
+  HostArenaOptions options_;
+  const PinMode pin_mode_;
+  Ledger* const ledger_;
+  const uint64_t page_;
+
+  mutable std::mutex mu_;
+  ExtentMap extents_;                          // guarded by mu_
+  std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
+  std::map<uint64_t, Live> live_;              // guarded by mu_; by address
+  std::set<uint64_t> step_live_;               // guarded by mu_; addresses with lifetime step
+  std::set<uint64_t> epoch_live_;              // guarded by mu_; addresses with lifetime epoch
+  std::unordered_map<uint64_t, Tombstone> tombstones_;  // guarded by mu_; recent frees
+  std::deque<std::pair<uint64_t, uint64_t>> tombstone_fifo_;  // guarded by mu_; (addr, seq)
+  uint64_t tombstone_seq_ = 0;                 // guarded by mu_
+  uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
+  uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
+  SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
+  HostArenaStats stats_;                       // guarded by mu_
+
+  static constexpr size_t kMaxTombstones = 4096;
+};
+
+}  // namespace spillway::allocator

@@ -1,0 +1,13 @@
+// Minimal leveled logging to stderr. SPILLWAY_LOG=error|warning|info|debug (default info).
+#pragma once
+
+#include <string_view>
+
+namespace spillway {
+
+enum class LogLevel : int { kError = 0, kWarning = 1, kInfo = 2, kDebug = 3 };
+
+bool LogEnabled(LogLevel level);
+void Log(LogLevel level, std::string_view message);
+
+}  // namespace spillway

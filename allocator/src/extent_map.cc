@@ -1,0 +1,220 @@
+// ExtentMap: best-fit with coalescing. Both indexes are ordered trees, so every operation is O(log n)
+// in the number of free extents, which stays small because neighbours always merge.
+#include "spillway/allocator/extent_map.h"
+
+#include <algorithm>
+
+namespace spillway::allocator {
+
+Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
+  if (size == 0) return Status::InvalidArgument("ExtentMap::AddSpan: a span of 0 bytes");
+  if (base + size < base) return Status::InvalidArgument("ExtentMap::AddSpan: span wraps around");
+  auto next = spans_.lower_bound(base);
+  if (next != spans_.end() && next->first < base + size) {
+    return Status::Internal(StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ",
+                                   next->first));
+  }
+  if (next != spans_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.size > base) {
+      return Status::Internal(StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ",
+                                     prev->first));
+    }
+  }
+  spans_.emplace(base, Span{base, size, 0, 0});
+  span_bytes_ += size;
+  empty_spans_.insert(base);
+  empty_bytes_ += size;
+  InsertFree(base, size, base);
+  return Status::Ok();
+}
+
+Status ExtentMap::RemoveSpan(uint64_t base) {
+  auto it = spans_.find(base);
+  if (it == spans_.end()) {
+    return Status::Internal(StrCat("ExtentMap::RemoveSpan: no span starts at ", base));
+  }
+  if (it->second.used_count != 0) {
+    return Status::Internal(StrCat("ExtentMap::RemoveSpan: span at ", base, " still holds ",
+                                   it->second.used_count, " allocations"));
+  }
+  auto free_it = free_by_addr_.find(base);
+  if (free_it == free_by_addr_.end() || free_it->second.size != it->second.size) {
+    return Status::Internal("ExtentMap::RemoveSpan: an empty span is not one free extent");
+  }
+  EraseFree(free_it);
+  span_bytes_ -= it->second.size;
+  empty_bytes_ -= it->second.size;
+  empty_spans_.erase(base);
+  spans_.erase(it);
+  return Status::Ok();
+}
+
+std::optional<uint64_t> ExtentMap::Allocate(uint64_t size) {
+  if (size == 0) return std::nullopt;
+  auto fit = free_by_size_.lower_bound({size, 0});
+  if (fit == free_by_size_.end()) return std::nullopt;
+  const uint64_t base = fit->second;
+  auto free_it = free_by_addr_.find(base);
+  const uint64_t extent_size = free_it->second.size;
+  const uint64_t span_base = free_it->second.span_base;
+  EraseFree(free_it);
+  if (extent_size > size) InsertFree(base + size, extent_size - size, span_base);
+  NoteUsed(spans_.at(span_base), static_cast<int64_t>(size), 1);
+  return base;
+}
+
+void ExtentMap::Free(uint64_t base, uint64_t size) {
+  Span* span = SpanOf(base);
+  uint64_t start = base;
+  uint64_t length = size;
+  // Merge with the free extent that ends at `base`, if it is in the same span.
+  auto next = free_by_addr_.lower_bound(base);
+  if (next != free_by_addr_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second.span_base == span->base && prev->first + prev->second.size == base) {
+      start = prev->first;
+      length += prev->second.size;
+      EraseFree(prev);
+    }
+  }
+  // Merge with the free extent that starts where this one ends.
+  next = free_by_addr_.find(base + size);
+  if (next != free_by_addr_.end() && next->second.span_base == span->base) {
+    length += next->second.size;
+    EraseFree(next);
+  }
+  InsertFree(start, length, span->base);
+  NoteUsed(*span, -static_cast<int64_t>(size), -1);
+}
+
+const ExtentMap::Span* ExtentMap::FindSpan(uint64_t addr) const {
+  auto it = spans_.upper_bound(addr);
+  if (it == spans_.begin()) return nullptr;
+  --it;
+  return addr < it->first + it->second.size ? &it->second : nullptr;
+}
+
+ExtentMap::Span* ExtentMap::SpanOf(uint64_t addr) {
+  return const_cast<Span*>(FindSpan(addr));
+}
+
+bool ExtentMap::IsFree(uint64_t addr) const {
+  auto it = free_by_addr_.upper_bound(addr);
+  if (it == free_by_addr_.begin()) return false;
+  --it;
+  return addr < it->first + it->second.size;
+}
+
+uint64_t ExtentMap::largest_free_extent() const {
+  return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
+}
+
+std::vector<ExtentMap::Span> ExtentMap::EmptySpans() const {
+  std::vector<Span> out;
+  out.reserve(empty_spans_.size());
+  for (uint64_t base : empty_spans_) out.push_back(spans_.at(base));
+  std::sort(out.begin(), out.end(), [](const Span& a, const Span& b) {
+    return a.size != b.size ? a.size > b.size : a.base < b.base;
+  });
+  return out;
+}
+
+void ExtentMap::InsertFree(uint64_t base, uint64_t size, uint64_t span_base) {
+  free_by_addr_.emplace(base, Free_{size, span_base});
+  free_by_size_.emplace(size, base);
+  free_bytes_ += size;
+}
+
+void ExtentMap::EraseFree(std::map<uint64_t, Free_>::iterator it) {
+  free_by_size_.erase({it->second.size, it->first});
+  free_bytes_ -= it->second.size;
+  free_by_addr_.erase(it);
+}
+
+void ExtentMap::NoteUsed(Span& span, int64_t delta_bytes, int64_t delta_count) {
+  const bool was_empty = span.used_count == 0;
+  span.used_bytes = static_cast<uint64_t>(static_cast<int64_t>(span.used_bytes) + delta_bytes);
+  span.used_count = static_cast<uint64_t>(static_cast<int64_t>(span.used_count) + delta_count);
+  const bool is_empty = span.used_count == 0;
+  if (was_empty && !is_empty) {
+    empty_spans_.erase(span.base);
+    empty_bytes_ -= span.size;
+  } else if (!was_empty && is_empty) {
+    empty_spans_.insert(span.base);
+    empty_bytes_ += span.size;
+  }
+}
+
+Status ExtentMap::Validate(const std::vector<std::pair<uint64_t, uint64_t>>& allocated) const {
+  // Every extent, free or allocated, tagged with whether it is free; then walk each span in order.
+  struct E {
+    uint64_t base, size;
+    bool is_free;
+  };
+  std::vector<E> all;
+  all.reserve(allocated.size() + free_by_addr_.size());
+  for (const auto& [b, s] : allocated) all.push_back({b, s, false});
+  uint64_t free_sum = 0;
+  for (const auto& [b, f] : free_by_addr_) {
+    all.push_back({b, f.size, true});
+    free_sum += f.size;
+    if (!free_by_size_.count({f.size, b})) {
+      return Status::Internal(StrCat("Validate: free extent at ", b, " missing from size index"));
+    }
+    const Span* s = FindSpan(b);
+    if (s == nullptr || s->base != f.span_base || b + f.size > s->base + s->size) {
+      return Status::Internal(StrCat("Validate: free extent at ", b, " is not inside its span"));
+    }
+  }
+  if (free_by_size_.size() != free_by_addr_.size()) {
+    return Status::Internal("Validate: size and address indexes differ in length");
+  }
+  if (free_sum != free_bytes_) return Status::Internal("Validate: free_bytes_ is stale");
+  std::sort(all.begin(), all.end(), [](const E& a, const E& b) { return a.base < b.base; });
+  uint64_t spans_sum = 0, empty_sum = 0;
+  size_t i = 0;
+  for (const auto& [base, span] : spans_) {
+    spans_sum += span.size;
+    uint64_t cursor = base, used = 0, count = 0;
+    bool prev_free = false;
+    while (i < all.size() && all[i].base < base + span.size) {
+      const E& e = all[i];
+      if (e.base != cursor) {
+        return Status::Internal(StrCat("Validate: gap or overlap at ", cursor, " in span ", base,
+                                       " (next extent starts at ", e.base, ")"));
+      }
+      if (e.is_free && prev_free) {
+        return Status::Internal(StrCat("Validate: free extents at ", e.base, " not coalesced"));
+      }
+      if (!e.is_free) {
+        used += e.size;
+        ++count;
+      }
+      prev_free = e.is_free;
+      cursor += e.size;
+      ++i;
+    }
+    if (cursor != base + span.size) {
+      return Status::Internal(StrCat("Validate: extents of span ", base, " cover ", cursor - base,
+                                     " of ", span.size, " bytes"));
+    }
+    if (used != span.used_bytes || count != span.used_count) {
+      return Status::Internal(StrCat("Validate: span ", base, " counts ", span.used_bytes,
+                                     " used bytes, extents say ", used));
+    }
+    if ((count == 0) != (empty_spans_.count(base) == 1)) {
+      return Status::Internal(StrCat("Validate: empty-span set wrong for span ", base));
+    }
+    if (count == 0) empty_sum += span.size;
+  }
+  if (i != all.size()) {
+    return Status::Internal(StrCat("Validate: extent at ", all[i].base, " lies outside every span"));
+  }
+  if (spans_sum != span_bytes_ || empty_sum != empty_bytes_) {
+    return Status::Internal("Validate: span_bytes_ or empty_bytes_ is stale");
+  }
+  return Status::Ok();
+}
+
+}  // namespace spillway::allocator

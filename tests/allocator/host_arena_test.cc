@@ -1,0 +1,424 @@
+// HostArena: exact sizes, the retained bound, Trim, pin modes, budget and spill, boundaries, scopes.
+#include "spillway/allocator/host_arena.h"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "test_util.h"
+
+namespace spillway::allocator {
+namespace {
+
+using testing::Has;
+using testing::kMiB;
+using testing::MakeArena;
+using testing::PageableOptions;
+using testing::Tag;
+
+class HostArenaTest : public ::testing::Test {
+ protected:
+  Ledger ledger_;
+};
+
+TEST_F(HostArenaTest, SizesArePageRoundedNeverPowerOfTwo) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  // Above region_bytes each request gets a region of its own exact (page-rounded) size.
+  const uint64_t sizes[] = {5 * kMiB + 1, 9 * kMiB, 17 * kMiB - 4096, 33 * kMiB + 12345};
+  uint64_t expected = 0;
+  for (uint64_t s : sizes) {
+    auto p = arena->Allocate(s, Tag(Kind::kParam, Lifetime::kPersistent));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    std::memset(*p, 0xab, s);  // the whole request is usable
+    expected += (s + 4095) / 4096 * 4096;
+  }
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.live_bytes, expected);
+  EXPECT_EQ(st.committed_bytes, expected);  // a power-of-two policy would hold 8+16+16+64 MiB
+  EXPECT_EQ(st.requested_bytes, sizes[0] + sizes[1] + sizes[2] + sizes[3]);
+  EXPECT_TRUE(arena->Validate().ok()) << arena->Validate().ToString();
+}
+
+TEST_F(HostArenaTest, SmallRequestsShareARegionAndFreedExtentsAreReused) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto a = arena->Allocate(100000, Tag(Kind::kGrad, Lifetime::kPersistent));
+  auto b = arena->Allocate(200000, Tag(Kind::kGrad, Lifetime::kPersistent));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(arena->Stats().regions, 1u);
+  ASSERT_TRUE(arena->Free(*a).ok());
+  auto c = arena->Allocate(90000, Tag(Kind::kGrad, Lifetime::kPersistent));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, *a);  // best fit lands in the hole a left
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.region_map_count, 1u);
+  EXPECT_EQ(st.committed_bytes, st.live_bytes + st.retained_bytes + st.fragment_bytes);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, RetainedBytesStayUnderTheLimit) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.retain_limit_bytes = 8 * kMiB;
+  auto arena = MakeArena(o);
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 10; ++i) {
+    auto p = arena->Allocate(4 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
+    ASSERT_TRUE(p.ok());
+    ptrs.push_back(*p);
+  }
+  EXPECT_EQ(arena->Stats().committed_bytes, 40 * kMiB);
+  for (void* p : ptrs) ASSERT_TRUE(arena->Free(p).ok());
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.live_bytes, 0u);
+  EXPECT_EQ(st.retained_bytes, 8 * kMiB);
+  EXPECT_EQ(st.committed_bytes, 8 * kMiB);
+  EXPECT_EQ(st.region_unmap_count, 8u);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, TrimGivesEmptyRegionsBackToTheOs) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto p = arena->Allocate(6 * kMiB, Tag(Kind::kCheckpoint, Lifetime::kEpoch));
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(testing::IsMapped(*p, 6 * kMiB));
+  ASSERT_TRUE(arena->Free(*p).ok());
+  EXPECT_EQ(arena->Stats().retained_bytes, 6 * kMiB);  // under the 16 MiB limit: kept
+  EXPECT_TRUE(testing::IsMapped(*p, 6 * kMiB));
+  EXPECT_EQ(arena->Trim(), 6 * kMiB);
+  EXPECT_FALSE(testing::IsMapped(*p, 6 * kMiB));  // really unmapped, not just counted
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.committed_bytes, 0u);
+  EXPECT_EQ(st.trim_count, 1u);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, TrimKeepsRegionsThatHoldLiveBytes) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto keep = arena->Allocate(8192, Tag(Kind::kParam, Lifetime::kPersistent));
+  auto drop = arena->Allocate(8192, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(keep.ok() && drop.ok());
+  ASSERT_TRUE(arena->Free(*drop).ok());
+  EXPECT_EQ(arena->Trim(), 0u);
+  EXPECT_EQ(arena->Stats().fragment_bytes, 4 * kMiB - 8192);
+  std::memset(*keep, 1, 8192);
+}
+
+TEST_F(HostArenaTest, PageableModePinsNothingAndSaysSo) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  ASSERT_TRUE(arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.pin_mode, PinMode::kPageable);
+  EXPECT_EQ(st.pinned_bytes, 0u);
+  EXPECT_EQ(st.mlocked_bytes, 0u);
+}
+
+TEST_F(HostArenaTest, MlockModeLocksEveryCommittedPage) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.pin = PinMode::kMlock;
+  auto arena = MakeArena(o);
+  const uint64_t before_kb = testing::ProcStatusKb("VmLck");
+  auto p = arena->Allocate(6 * kMiB, Tag(Kind::kMasterWeight, Lifetime::kPersistent));
+  if (!p.ok() && p.status().code() == StatusCode::kOutOfMemory &&
+      (p.status().sys_error() == EPERM || p.status().sys_error() == ENOMEM)) {
+    GTEST_SKIP() << "mlock is not permitted here (no CAP_IPC_LOCK, small RLIMIT_MEMLOCK): "
+                 << p.status().ToString();
+  }
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.pin_mode, PinMode::kMlock);
+  EXPECT_EQ(st.mlocked_bytes, 6 * kMiB);
+  EXPECT_EQ(st.pinned_bytes, st.committed_bytes);
+  ASSERT_TRUE(arena->Free(*p).ok());
+  const uint64_t locked_kb = testing::ProcStatusKb("VmLck");
+  arena->Trim();
+  EXPECT_EQ(arena->Stats().mlocked_bytes, 0u);
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers make mlock a no-op; VmLck not checked";
+  EXPECT_GE(locked_kb - before_kb, 6 * 1024u);
+  EXPECT_LE(testing::ProcStatusKb("VmLck"), before_kb);
+}
+
+TEST_F(HostArenaTest, AutoModeResolvesToAConcreteModeVisibleInStats) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.pin = PinMode::kAuto;
+  auto arena = MakeArena(o);
+  const PinMode mode = arena->Stats().pin_mode;
+  EXPECT_TRUE(mode == PinMode::kCuda || mode == PinMode::kMlock) << PinModeName(mode);
+}
+
+TEST_F(HostArenaTest, CudaModeWithoutADeviceIsAClearError) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.pin = PinMode::kCuda;
+  auto r = HostArena::Create(o);
+  if (r.ok()) {
+    // A device is present: the region must really be registered with CUDA.
+    auto p = (*r)->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ((*r)->Stats().cuda_registered_bytes, (*r)->Stats().committed_bytes);
+    return;
+  }
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(Has(r.status(), "pin mode cuda needs a CUDA device")) << r.status().ToString();
+  EXPECT_TRUE(Has(r.status(), "use pin mode auto or mlock")) << r.status().ToString();
+}
+
+TEST_F(HostArenaTest, MapFailureLeavesTheArenaUnchanged) {
+  HostArenaFaults faults;
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.faults = &faults;
+  auto arena = MakeArena(o);
+  auto keep = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(keep.ok());
+  std::memset(*keep, 7, 6 * kMiB);
+  const HostArenaStats before = arena->Stats();
+  faults.map_errno = ENOMEM;
+  auto p = arena->Allocate(8 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent, 42));
+  EXPECT_EQ(p.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_TRUE(Has(p.status(), "mmap")) << p.status().ToString();
+  EXPECT_TRUE(Has(p.status(), "owner 42")) << p.status().ToString();
+  const HostArenaStats after = arena->Stats();
+  EXPECT_EQ(after.committed_bytes, before.committed_bytes);
+  EXPECT_EQ(after.live_bytes, before.live_bytes);
+  EXPECT_EQ(static_cast<unsigned char*>(*keep)[6 * kMiB - 1], 7);
+  EXPECT_TRUE(arena->Allocate(8 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, PinFailureNamesTheLimitAndUnmapsTheRegion) {
+  HostArenaFaults faults;
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.pin = PinMode::kMlock;
+  o.faults = &faults;
+  auto arena = MakeArena(o);
+  faults.pin_errno = EPERM;
+  auto p = arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  EXPECT_EQ(p.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(p.status().sys_error(), EPERM);
+  EXPECT_TRUE(Has(p.status(), "RLIMIT_MEMLOCK")) << p.status().ToString();
+  EXPECT_TRUE(Has(p.status(), "pin_memory=false")) << p.status().ToString();
+  EXPECT_EQ(arena->Stats().committed_bytes, 0u);
+  EXPECT_EQ(arena->Stats().regions, 0u);
+}
+
+TEST_F(HostArenaTest, OverBudgetNamesTheBudgetTheLiveBytesAndTheSetting) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 16 * kMiB;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(arena->Allocate(12 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent)).ok());
+  const HostArenaStats before = arena->Stats();
+  auto p = arena->Allocate(8 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent, 7));
+  ASSERT_EQ(p.status().code(), StatusCode::kOverBudget);
+  const Status& st = p.status();
+  EXPECT_TRUE(Has(st, "host budget of 16.00 MiB")) << st.ToString();
+  EXPECT_TRUE(Has(st, "optimizer_state 12.00 MiB")) << st.ToString();
+  EXPECT_TRUE(Has(st, "spillway.host_budget_bytes")) << st.ToString();
+  EXPECT_TRUE(Has(st, "no spill handler")) << st.ToString();
+  HostArenaStats after = arena->Stats();
+  EXPECT_EQ(after.committed_bytes, before.committed_bytes);
+  EXPECT_EQ(after.over_budget_count, before.over_budget_count + 1);
+  EXPECT_LE(after.committed_bytes, o.budget_bytes);
+}
+
+TEST_F(HostArenaTest, SharedRegionsShrinkRatherThanCrossTheBudget) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 6 * kMiB;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(arena->Allocate(3 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  ASSERT_TRUE(arena->Allocate(2 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  // A third 4 MiB region would cross 6 MiB: the arena maps exactly what is left instead.
+  EXPECT_LE(arena->Stats().committed_bytes, 6 * kMiB);
+  ASSERT_TRUE(arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  EXPECT_LE(arena->Stats().committed_bytes, 6 * kMiB);
+  EXPECT_EQ(arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).status().code(),
+            StatusCode::kOverBudget);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, RetainedRegionsAreGivenBackToMakeRoomUnderTheBudget) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 8 * kMiB;
+  auto arena = MakeArena(o);
+  auto p = arena->Allocate(4 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(arena->Free(*p).ok());
+  EXPECT_EQ(arena->Stats().retained_bytes, 4 * kMiB);
+  auto q = arena->Allocate(6 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(arena->Stats().committed_bytes, 6 * kMiB);
+  EXPECT_EQ(arena->Stats().retained_bytes, 0u);
+}
+
+TEST_F(HostArenaTest, SpillHandlerMakesRoomBeforeTheBudgetErrorFires) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 8 * kMiB;
+  o.retain_limit_bytes = 0;
+  auto arena = MakeArena(o);
+  auto victim = arena->Allocate(6 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  ASSERT_TRUE(victim.ok());
+  uint64_t asked = 0;
+  int calls = 0;
+  arena->SetSpillHandler([&](uint64_t need) -> uint64_t {
+    ++calls;
+    asked = need;
+    // A real handler writes the partition to NVMe first; freeing it is what makes room.
+    return arena->Free(*victim).ok() ? 6 * kMiB : 0;
+  });
+  auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(asked, 4 * kMiB);  // 6 MiB wanted, 2 MiB of headroom
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.spill_calls, 1u);
+  EXPECT_EQ(st.spilled_bytes, 6 * kMiB);
+  EXPECT_LE(st.committed_bytes, 8 * kMiB);
+}
+
+TEST_F(HostArenaTest, SpillHandlerThatFreesNothingEndsInOverBudget) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 8 * kMiB;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
+  arena->SetSpillHandler([](uint64_t) -> uint64_t { return 0; });
+  auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  EXPECT_EQ(p.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(p.status(), "the spill handler freed nothing")) << p.status().ToString();
+}
+
+TEST_F(HostArenaTest, StepAllocationAliveAtEndStepIsReportedWithItsOwner) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  ASSERT_TRUE(ledger_.BeginEpoch(2).ok());
+  ASSERT_TRUE(ledger_.BeginStep(40).ok());
+  auto persistent = arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent, 1));
+  auto epochal = arena->Allocate(kMiB, Tag(Kind::kCheckpoint, Lifetime::kEpoch, 2));
+  auto freed = arena->Allocate(kMiB, Tag(Kind::kTransient, Lifetime::kStep, 3));
+  auto leaked = arena->Allocate(12345, Tag(Kind::kSwapBuffer, Lifetime::kStep, 4));
+  ASSERT_TRUE(persistent.ok() && epochal.ok() && freed.ok() && leaked.ok());
+  ASSERT_TRUE(arena->Free(*freed).ok());
+  BoundaryReport report;
+  ASSERT_TRUE(ledger_.EndStep(&report).ok());
+  ASSERT_EQ(report.tiers.size(), 1u);
+  const TierReport& t = report.tiers[0];
+  ASSERT_EQ(t.escape_count, 1u);
+  const Escape& e = t.escapes[0];
+  EXPECT_EQ(e.kind, Kind::kSwapBuffer);
+  EXPECT_EQ(e.owner_id, 4u);
+  EXPECT_EQ(e.bytes, 16384u);
+  EXPECT_EQ(e.birth_epoch, 2);
+  EXPECT_EQ(e.birth_step, 40);
+  EXPECT_NE(e.site.find("test_util.h:"), std::string::npos) << e.site;  // where Tag() was built
+  EXPECT_EQ(e.scope_name, "process");
+  EXPECT_FALSE(e.reclaimed);
+  EXPECT_EQ(t.live_by_lifetime[static_cast<int>(Lifetime::kPersistent)], kMiB);
+  EXPECT_EQ(t.live_by_lifetime[static_cast<int>(Lifetime::kEpoch)], kMiB);
+  EXPECT_EQ(t.live_by_kind[static_cast<int>(Kind::kSwapBuffer)], 16384u);
+  // Report policy leaves it alive; the epoch end reports both the step and the epoch allocation.
+  BoundaryReport epoch_report;
+  ASSERT_TRUE(ledger_.EndEpoch(&epoch_report).ok());
+  EXPECT_EQ(epoch_report.tiers[0].escape_count, 2u);
+  EXPECT_EQ(arena->Stats().escape_count, 3u);
+}
+
+TEST_F(HostArenaTest, ReclaimPolicyFreesEscapesAndALaterFreeSaysSo) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.policy = EscapePolicy::kReclaim;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(ledger_.BeginEpoch(0).ok());
+  ASSERT_TRUE(ledger_.BeginStep(0).ok());
+  auto leaked = arena->Allocate(2 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep, 9));
+  ASSERT_TRUE(leaked.ok());
+  BoundaryReport report;
+  ASSERT_TRUE(ledger_.EndStep(&report).ok());
+  EXPECT_EQ(report.tiers[0].reclaimed_count, 1u);
+  EXPECT_EQ(report.tiers[0].reclaimed_bytes, 2 * kMiB);
+  EXPECT_TRUE(report.tiers[0].escapes[0].reclaimed);
+  EXPECT_EQ(arena->Stats().live_bytes, 0u);
+  Status st = arena->Free(*leaked);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(st, "reclaimed as an escape")) << st.ToString();
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, FailPolicyReturnsAnErrorThatNamesTheFirstEscape) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.policy = EscapePolicy::kFail;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(ledger_.BeginEpoch(0).ok());
+  auto leaked = arena->Allocate(kMiB, Tag(Kind::kCheckpoint, Lifetime::kEpoch, 77));
+  ASSERT_TRUE(leaked.ok());
+  BoundaryReport report;
+  Status st = ledger_.EndEpoch(&report);
+  EXPECT_EQ(st.code(), StatusCode::kEscaped);
+  EXPECT_TRUE(Has(st, "checkpoint/epoch owner 77")) << st.ToString();
+  EXPECT_TRUE(Has(st, "end of epoch 0")) << st.ToString();
+  EXPECT_EQ(report.escape_count(), 1u);  // the report is filled even when the boundary fails
+  EXPECT_EQ(arena->Stats().live_bytes, kMiB);
+}
+
+TEST_F(HostArenaTest, AllocationsOfALaterStepAreNotEscapesOfAnEarlierOne) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  ASSERT_TRUE(ledger_.BeginStep(5).ok());
+  ASSERT_TRUE(ledger_.EndStep(nullptr).ok());
+  ASSERT_TRUE(ledger_.BeginStep(6).ok());
+  auto p = arena->Allocate(kMiB, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(p.ok());
+  TierReport tr;
+  // A boundary for step 5 that runs late must not see step 6's allocation.
+  ASSERT_TRUE(arena->CollectBoundary(BoundaryKind::kStep, -1, 5, &tr).ok());
+  EXPECT_EQ(tr.escape_count, 0u);
+  ASSERT_TRUE(arena->Free(*p).ok());
+}
+
+TEST_F(HostArenaTest, ReleasingAScopeFreesItsMemoryAndLaterUseIsAnError) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto scope = ledger_.CreateScope("engine-1");
+  ASSERT_TRUE(scope.ok());
+  auto a = arena->Allocate(3 * kMiB, Tag(Kind::kMasterWeight, Lifetime::kPersistent, 1, *scope));
+  auto b = arena->Allocate(kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent, 2, *scope));
+  auto other = arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent, 3));
+  ASSERT_TRUE(a.ok() && b.ok() && other.ok());
+  auto report = ledger_.ReleaseScope(*scope);
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->freed_bytes(), 4 * kMiB);
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.live_bytes, kMiB);
+  EXPECT_EQ(st.scope_freed_bytes, 4 * kMiB);
+  Status freed = arena->Free(*a);
+  EXPECT_EQ(freed.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(freed, "free after scope release")) << freed.ToString();
+  EXPECT_TRUE(Has(freed, "engine-1")) << freed.ToString();
+  auto again = arena->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent, 1, *scope));
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(again.status(), "was released")) << again.status().ToString();
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, BacktracesNameTheCallerWhenCaptured) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.capture_backtraces = true;
+  auto arena = MakeArena(o);
+  ASSERT_TRUE(ledger_.BeginStep(0).ok());
+  OwnerTag tag = Tag(Kind::kSwapBuffer, Lifetime::kStep);
+  tag.site = nullptr;
+  ASSERT_TRUE(arena->Allocate(4096, tag).ok());
+  BoundaryReport report;
+  ASSERT_TRUE(ledger_.EndStep(&report).ok());
+  ASSERT_EQ(report.tiers[0].escapes.size(), 1u);
+  // Symbolized frames look like "binary(symbol+0x..) [0x...]".
+  EXPECT_NE(report.tiers[0].escapes[0].site.find("host_arena_test"), std::string::npos)
+      << report.tiers[0].escapes[0].site;
+}
+
+TEST_F(HostArenaTest, ContainsAndAllocationSizeAnswerForArenaMemoryOnly) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto p = arena->Allocate(10000, Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(arena->Contains(*p, 10000));
+  int on_stack = 0;
+  EXPECT_FALSE(arena->Contains(&on_stack, sizeof(on_stack)));
+  EXPECT_EQ(*arena->AllocationSize(*p), 10000u);
+  EXPECT_FALSE(arena->AllocationSize(static_cast<char*>(*p) + 1).ok());
+  ASSERT_EQ(arena->Regions().size(), 1u);
+  EXPECT_EQ(arena->Regions()[0].bytes, 4 * kMiB);
+}
+
+}  // namespace
+}  // namespace spillway::allocator
