@@ -23,7 +23,7 @@ Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
   }
   spans_.emplace(base, Span{base, size, 0, 0});
   span_bytes_ += size;
-  empty_spans_.insert(base);
+  empty_count_++;
   empty_bytes_ += size;
   InsertFree(base, size, base);
   return Status::Ok();
@@ -45,7 +45,7 @@ Status ExtentMap::RemoveSpan(uint64_t base) {
   EraseFree(free_it);
   span_bytes_ -= it->second.size;
   empty_bytes_ -= it->second.size;
-  empty_spans_.erase(base);
+  empty_count_--;
   spans_.erase(it);
   return Status::Ok();
 }
@@ -55,36 +55,58 @@ std::optional<uint64_t> ExtentMap::Allocate(uint64_t size) {
   auto fit = free_by_size_.lower_bound({size, 0});
   if (fit == free_by_size_.end()) return std::nullopt;
   const uint64_t base = fit->second;
-  auto free_it = free_by_addr_.find(base);
-  const uint64_t extent_size = free_it->second.size;
-  const uint64_t span_base = free_it->second.span_base;
-  EraseFree(free_it);
-  if (extent_size > size) InsertFree(base + size, extent_size - size, span_base);
+  const uint64_t extent_size = fit->first;
+  // Re-key the nodes in place (extract + insert) so the hot path allocates no tree nodes.
+  auto size_node = free_by_size_.extract(fit);
+  auto addr_node = free_by_addr_.extract(base);
+  const uint64_t span_base = addr_node.mapped().span_base;
+  free_bytes_ -= size;
+  if (extent_size > size) {
+    size_node.value() = {extent_size - size, base + size};
+    free_by_size_.insert(std::move(size_node));
+    addr_node.key() = base + size;
+    addr_node.mapped().size = extent_size - size;
+    free_by_addr_.insert(std::move(addr_node));
+  }
   NoteUsed(spans_.at(span_base), static_cast<int64_t>(size), 1);
   return base;
 }
 
 void ExtentMap::Free(uint64_t base, uint64_t size) {
   Span* span = SpanOf(base);
-  uint64_t start = base;
-  uint64_t length = size;
-  // Merge with the free extent that ends at `base`, if it is in the same span.
   auto next = free_by_addr_.lower_bound(base);
-  if (next != free_by_addr_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->second.span_base == span->base && prev->first + prev->second.size == base) {
-      start = prev->first;
-      length += prev->second.size;
-      EraseFree(prev);
+  auto prev = next == free_by_addr_.begin() ? free_by_addr_.end() : std::prev(next);
+  const bool merge_prev = prev != free_by_addr_.end() && prev->second.span_base == span->base &&
+                          prev->first + prev->second.size == base;
+  const bool merge_next = next != free_by_addr_.end() && next->second.span_base == span->base &&
+                          next->first == base + size;
+  free_bytes_ += size;
+  if (merge_prev) {
+    // Grow the previous extent in place; swallow the next one if it touches too.
+    uint64_t grown = prev->second.size + size;
+    if (merge_next) {
+      grown += next->second.size;
+      free_by_size_.erase({next->second.size, next->first});
+      free_by_addr_.erase(next);
     }
+    auto size_node = free_by_size_.extract({prev->second.size, prev->first});
+    size_node.value().first = grown;
+    free_by_size_.insert(std::move(size_node));
+    prev->second.size = grown;
+  } else if (merge_next) {
+    // The next extent now starts at `base`: re-key both of its nodes.
+    const uint64_t grown = next->second.size + size;
+    auto size_node = free_by_size_.extract({next->second.size, next->first});
+    size_node.value() = {grown, base};
+    free_by_size_.insert(std::move(size_node));
+    auto addr_node = free_by_addr_.extract(next);
+    addr_node.key() = base;
+    addr_node.mapped().size = grown;
+    free_by_addr_.insert(std::move(addr_node));
+  } else {
+    free_by_addr_.emplace(base, Free_{size, span->base});
+    free_by_size_.emplace(size, base);
   }
-  // Merge with the free extent that starts where this one ends.
-  next = free_by_addr_.find(base + size);
-  if (next != free_by_addr_.end() && next->second.span_base == span->base) {
-    length += next->second.size;
-    EraseFree(next);
-  }
-  InsertFree(start, length, span->base);
   NoteUsed(*span, -static_cast<int64_t>(size), -1);
 }
 
@@ -112,8 +134,10 @@ uint64_t ExtentMap::largest_free_extent() const {
 
 std::vector<ExtentMap::Span> ExtentMap::EmptySpans() const {
   std::vector<Span> out;
-  out.reserve(empty_spans_.size());
-  for (uint64_t base : empty_spans_) out.push_back(spans_.at(base));
+  out.reserve(empty_count_);
+  for (const auto& [base, span] : spans_) {
+    if (span.used_count == 0) out.push_back(span);
+  }
   std::sort(out.begin(), out.end(), [](const Span& a, const Span& b) {
     return a.size != b.size ? a.size > b.size : a.base < b.base;
   });
@@ -138,10 +162,10 @@ void ExtentMap::NoteUsed(Span& span, int64_t delta_bytes, int64_t delta_count) {
   span.used_count = static_cast<uint64_t>(static_cast<int64_t>(span.used_count) + delta_count);
   const bool is_empty = span.used_count == 0;
   if (was_empty && !is_empty) {
-    empty_spans_.erase(span.base);
+    empty_count_--;
     empty_bytes_ -= span.size;
   } else if (!was_empty && is_empty) {
-    empty_spans_.insert(span.base);
+    empty_count_++;
     empty_bytes_ += span.size;
   }
 }
@@ -172,7 +196,7 @@ Status ExtentMap::Validate(const std::vector<std::pair<uint64_t, uint64_t>>& all
   }
   if (free_sum != free_bytes_) return Status::Internal("Validate: free_bytes_ is stale");
   std::sort(all.begin(), all.end(), [](const E& a, const E& b) { return a.base < b.base; });
-  uint64_t spans_sum = 0, empty_sum = 0;
+  uint64_t spans_sum = 0, empty_sum = 0, empty_n = 0;
   size_t i = 0;
   for (const auto& [base, span] : spans_) {
     spans_sum += span.size;
@@ -203,15 +227,15 @@ Status ExtentMap::Validate(const std::vector<std::pair<uint64_t, uint64_t>>& all
       return Status::Internal(StrCat("Validate: span ", base, " counts ", span.used_bytes,
                                      " used bytes, extents say ", used));
     }
-    if ((count == 0) != (empty_spans_.count(base) == 1)) {
-      return Status::Internal(StrCat("Validate: empty-span set wrong for span ", base));
+    if (count == 0) {
+      empty_sum += span.size;
+      empty_n++;
     }
-    if (count == 0) empty_sum += span.size;
   }
   if (i != all.size()) {
     return Status::Internal(StrCat("Validate: extent at ", all[i].base, " lies outside every span"));
   }
-  if (spans_sum != span_bytes_ || empty_sum != empty_bytes_) {
+  if (spans_sum != span_bytes_ || empty_sum != empty_bytes_ || empty_n != empty_count_) {
     return Status::Internal("Validate: span_bytes_ or empty_bytes_ is stale");
   }
   return Status::Ok();

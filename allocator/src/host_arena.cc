@@ -68,6 +68,12 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
                                           "': region_bytes is 0; use e.g. 64 MiB"));
   }
   options.region_bytes = RoundUp(options.region_bytes, page);
+  if (!(options.retain_fraction >= 0.0 && options.retain_fraction <= 1.0) ||
+      options.dedicated_divisor == 0) {
+    return Status::InvalidArgument(StrCat("host arena '", options.name,
+                                          "': retain_fraction must be in [0, 1] and "
+                                          "dedicated_divisor at least 1"));
+  }
   options.budget_bytes = options.budget_bytes / page * page;
   if (static_cast<size_t>(options.pin) >= kPinNames.size() ||
       static_cast<size_t>(options.fork_safety) >= kForkNames.size() ||
@@ -99,6 +105,8 @@ HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger)
   stats_.policy = options_.policy;
   stats_.budget_bytes = options_.budget_bytes;
   stats_.retain_limit_bytes = options_.retain_limit_bytes;
+  tombstones_.resize(kMaxTombstones);
+  live_nodes_.reserve(kMaxCachedNodes);
 }
 
 HostArena::~HostArena() {
@@ -186,6 +194,12 @@ void HostArena::DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* o
   }
 }
 
+uint64_t HostArena::RetainLimit() const {
+  const auto scaled = static_cast<uint64_t>(options_.retain_fraction *
+                                            static_cast<double>(stats_.live_bytes));
+  return std::min(options_.retain_limit_bytes, std::max(options_.region_bytes, scaled));
+}
+
 void HostArena::NoteCommitted() {
   stats_.reserved_bytes = stats_.committed_bytes;
   stats_.pinned_bytes = stats_.cuda_registered_bytes + stats_.mlocked_bytes;
@@ -223,9 +237,11 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                                           " was never created; call Ledger::CreateScope first"));
   }
   OwnerTag owned = tag;
-  std::array<void*, 12> frames{};
-  uint32_t frame_count = 0;
-  if (options_.capture_backtraces) frame_count = static_cast<uint32_t>(backtrace(frames.data(), 12));
+  std::vector<void*> frames;
+  if (options_.capture_backtraces) {
+    frames.resize(16);
+    frames.resize(static_cast<size_t>(backtrace(frames.data(), 16)));
+  }
 
   uint64_t spill_need = 0;
   for (int round = 0;; ++round) {
@@ -240,12 +256,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                    " was released; create a new scope for the rebuilt owner"));
       }
       if (auto addr = extents_.Allocate(rounded)) {
-        RecordLive(*addr, rounded, bytes, owned);
-        if (frame_count) {
-          auto& live = live_.at(*addr);
-          live.frames = frames;
-          live.frame_count = frame_count;
-        }
+        RecordLive(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }
       // No free extent fits: plan a new region within the budget, counting regions being mapped
@@ -256,7 +267,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       };
       if (headroom() < rounded) DetachEmptyRegions(0, &to_release);
       if (headroom() >= rounded) {
-        map_bytes = std::max(rounded, options_.region_bytes);
+        // Large requests get an exact region; small ones share a region of region_bytes.
+        const bool dedicated = rounded >= options_.region_bytes / options_.dedicated_divisor;
+        map_bytes = dedicated ? rounded : options_.region_bytes;
         if (map_bytes > headroom()) map_bytes = rounded;  // a shared region would cross it
         pending_map_bytes_ += map_bytes;
       } else {
@@ -290,12 +303,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       // Another thread may have taken the new region's space; then go round again.
       if (!ledger_->scope_live(owned.scope)) continue;
       if (auto addr = extents_.Allocate(rounded)) {
-        RecordLive(*addr, rounded, bytes, owned);
-        if (frame_count) {
-          auto& live = live_.at(*addr);
-          live.frames = frames;
-          live.frame_count = frame_count;
-        }
+        RecordLive(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }
       continue;
@@ -318,12 +326,18 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
 }
 
 void HostArena::RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested,
-                           const OwnerTag& tag) {
-  Live live{bytes, requested, tag, ledger_->epoch(), ledger_->step(), 0, {}};
-  live_.emplace(addr, live);
-  if (tag.lifetime == Lifetime::kStep) step_live_.insert(addr);
-  if (tag.lifetime == Lifetime::kEpoch) epoch_live_.insert(addr);
-  tombstones_.erase(addr);
+                           const OwnerTag& tag, std::vector<void*>* frames) {
+  Live live{bytes, requested, tag, ledger_->epoch(), ledger_->step()};
+  if (!live_nodes_.empty()) {
+    auto node = std::move(live_nodes_.back());
+    live_nodes_.pop_back();
+    node.key() = addr;
+    node.mapped() = live;
+    live_.insert(std::move(node));
+  } else {
+    live_.emplace(addr, live);
+  }
+  if (!frames->empty()) traces_[addr] = std::move(*frames);
   stats_.live_bytes += bytes;
   stats_.requested_bytes += requested;
   stats_.live_by_kind[static_cast<size_t>(tag.kind)] += bytes;
@@ -338,8 +352,6 @@ void HostArena::EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reas
   const uint64_t addr = it->first;
   const Live& live = it->second;
   extents_.Free(addr, live.bytes);
-  if (live.tag.lifetime == Lifetime::kStep) step_live_.erase(addr);
-  if (live.tag.lifetime == Lifetime::kEpoch) epoch_live_.erase(addr);
   stats_.live_bytes -= live.bytes;
   stats_.requested_bytes -= live.requested;
   stats_.live_by_kind[static_cast<size_t>(live.tag.kind)] -= live.bytes;
@@ -347,19 +359,18 @@ void HostArena::EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reas
   stats_.live_allocations--;
   stats_.free_count++;
   AddTombstone(addr, live.bytes, reason, live.tag.scope);
-  live_.erase(it);
+  if (!traces_.empty()) traces_.erase(addr);
+  if (live_nodes_.size() < kMaxCachedNodes) {
+    live_nodes_.push_back(live_.extract(it));
+  } else {
+    live_.erase(it);
+  }
 }
 
 void HostArena::AddTombstone(uint64_t addr, uint64_t bytes, FreeReason reason, ScopeId scope) {
-  const uint64_t seq = ++tombstone_seq_;
-  tombstones_[addr] = Tombstone{seq, bytes, reason, scope, ledger_->epoch(), ledger_->step()};
-  tombstone_fifo_.emplace_back(addr, seq);
-  while (tombstone_fifo_.size() > kMaxTombstones) {
-    auto [old_addr, old_seq] = tombstone_fifo_.front();
-    tombstone_fifo_.pop_front();
-    auto it = tombstones_.find(old_addr);
-    if (it != tombstones_.end() && it->second.seq == old_seq) tombstones_.erase(it);
-  }
+  tombstones_[tombstone_next_] =
+      Tombstone{addr, bytes, ledger_->epoch(), ledger_->step(), scope, reason};
+  tombstone_next_ = (tombstone_next_ + 1) % kMaxTombstones;
 }
 
 Status HostArena::Free(void* ptr) {
@@ -373,7 +384,7 @@ Status HostArena::Free(void* ptr) {
       return Status::InvalidArgument(DescribeBadFree(addr));
     }
     EraseLive(it, FreeReason::kFreed);
-    DetachEmptyRegions(options_.retain_limit_bytes, &to_release);
+    DetachEmptyRegions(RetainLimit(), &to_release);
     if (!to_release.empty()) stats_.trim_count++;
   }
   ReleaseRegions(to_release);
@@ -383,8 +394,14 @@ Status HostArena::Free(void* ptr) {
 std::string HostArena::DescribeBadFree(uint64_t addr) const {
   const std::string where = StrCat("host arena '", options_.name, "': Free(", Hex(addr), ")");
   if (addr == 0) return StrCat(where, ": null pointer; nothing to free");
-  if (auto t = tombstones_.find(addr); t != tombstones_.end()) {
-    const Tombstone& ts = t->second;
+  // The newest record for this address wins: it may have been freed, reused and freed again.
+  const Tombstone* found = nullptr;
+  for (size_t i = 1; i <= kMaxTombstones && found == nullptr; ++i) {
+    const Tombstone& t = tombstones_[(tombstone_next_ + kMaxTombstones - i) % kMaxTombstones];
+    if (t.bytes != 0 && t.addr == addr) found = &t;
+  }
+  if (found != nullptr) {
+    const Tombstone& ts = *found;
     switch (ts.reason) {
       case FreeReason::kFreed:
         return StrCat(where, ": double free; these ", ts.bytes,
@@ -474,6 +491,7 @@ std::vector<HostArena::RegionInfo> HostArena::Regions() const {
 HostArenaStats HostArena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   HostArenaStats s = stats_;
+  s.retain_limit_now_bytes = RetainLimit();
   s.retained_bytes = extents_.empty_span_bytes();
   s.fragment_bytes = extents_.free_bytes() - extents_.empty_span_bytes();
   return s;
@@ -508,14 +526,14 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
     // Escapes: step allocations born at or before this step; at an epoch end, also epoch ones
     // born at or before this epoch. Allocations of a step that began after this boundary are not
     // touched (they carry a later birth step).
+    // One pass over the live table: boundaries are rare, and keeping per-lifetime indexes would
+    // cost every allocation two tree operations.
     std::vector<uint64_t> escaped;
-    for (uint64_t addr : step_live_) {
-      if (live_.at(addr).birth_step <= step) escaped.push_back(addr);
-    }
-    if (kind == BoundaryKind::kEpoch) {
-      for (uint64_t addr : epoch_live_) {
-        if (live_.at(addr).birth_epoch <= epoch) escaped.push_back(addr);
-      }
+    for (const auto& [addr, live] : live_) {
+      const bool step_escape = live.tag.lifetime == Lifetime::kStep && live.birth_step <= step;
+      const bool epoch_escape = kind == BoundaryKind::kEpoch &&
+                                live.tag.lifetime == Lifetime::kEpoch && live.birth_epoch <= epoch;
+      if (step_escape || epoch_escape) escaped.push_back(addr);
     }
     std::sort(escaped.begin(), escaped.end(), [this](uint64_t a, uint64_t b) {
       const Live& la = live_.at(a);
@@ -530,10 +548,8 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
       if (out->escapes.size() < TierReport::kMaxListedEscapes) {
         out->escapes.push_back(MakeEscape(addr, it->second));
         out->escapes.back().reclaimed = reclaim;
-        if (it->second.frame_count) {
-          traces.emplace_back(out->escapes.size() - 1,
-                              std::vector<void*>(it->second.frames.begin(),
-                                                 it->second.frames.begin() + it->second.frame_count));
+        if (auto tr = traces_.find(addr); tr != traces_.end()) {
+          traces.emplace_back(out->escapes.size() - 1, tr->second);
         }
       }
       if (reclaim) {
@@ -546,7 +562,7 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
     stats_.escaped_bytes += out->escaped_bytes;
     stats_.reclaim_count += out->reclaimed_count;
     stats_.reclaimed_bytes += out->reclaimed_bytes;
-    DetachEmptyRegions(options_.retain_limit_bytes, &to_release);
+    DetachEmptyRegions(RetainLimit(), &to_release);
     out->live_bytes = stats_.live_bytes;
     out->live_allocations = stats_.live_allocations;
     out->live_by_kind = stats_.live_by_kind;
@@ -596,7 +612,7 @@ void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
     }
     stats_.scope_freed_count += out->reclaimed_count;
     stats_.scope_freed_bytes += out->reclaimed_bytes;
-    DetachEmptyRegions(options_.retain_limit_bytes, &to_release);
+    DetachEmptyRegions(RetainLimit(), &to_release);
     out->live_bytes = stats_.live_bytes;
     out->live_allocations = stats_.live_allocations;
     out->live_by_kind = stats_.live_by_kind;
@@ -619,15 +635,13 @@ Status HostArena::Validate() const {
     requested_sum += live.requested;
     by_kind[static_cast<size_t>(live.tag.kind)] += live.bytes;
     by_lifetime[static_cast<size_t>(live.tag.lifetime)] += live.bytes;
-    if (live.bytes % page_ != 0) return Status::Internal("Validate: live extent not page-sized");
-    if ((live.tag.lifetime == Lifetime::kStep) != (step_live_.count(addr) == 1) ||
-        (live.tag.lifetime == Lifetime::kEpoch) != (epoch_live_.count(addr) == 1)) {
-      return Status::Internal(StrCat("Validate: lifetime index wrong for ", Hex(addr)));
+    if (live.bytes % page_ != 0) {
+      return Status::Internal(StrCat("Validate: live extent at ", Hex(addr), " not page-sized"));
     }
   }
   SPILLWAY_RETURN_IF_ERROR(extents_.Validate(allocated));
-  if (step_live_.size() + epoch_live_.size() > live_.size()) {
-    return Status::Internal("Validate: lifetime indexes hold dead addresses");
+  for (const auto& [addr, frames] : traces_) {
+    if (!live_.count(addr)) return Status::Internal("Validate: a backtrace outlived its allocation");
   }
   if (live_sum != stats_.live_bytes || requested_sum != stats_.requested_bytes ||
       by_kind != stats_.live_by_kind || by_lifetime != stats_.live_by_lifetime ||
@@ -657,9 +671,9 @@ Status HostArena::Validate() const {
     return Status::Internal(StrCat("Validate: committed ", stats_.committed_bytes,
                                    " is over the budget ", options_.budget_bytes));
   }
-  if (retained > options_.retain_limit_bytes && pending_map_bytes_ == 0) {
+  if (retained > RetainLimit() && pending_map_bytes_ == 0) {
     return Status::Internal(StrCat("Validate: retained ", retained, " is over the limit ",
-                                   options_.retain_limit_bytes));
+                                   RetainLimit()));
   }
   return Status::Ok();
 }

@@ -52,10 +52,12 @@ TEST(HostArenaStressTest, FourThreadsWithBoundariesScopesAndTrims) {
                          static_cast<Lifetime>(rng() % kLifetimeCount), rng() % 64,
                          t == 3 ? *scope : kProcessScope, SPILLWAY_SITE};
             auto p = arena->Allocate(bytes, tag);
-            if (p.ok()) {
+            if (p.ok() && t == 3) {
+              // Not touched: the driver may release the scope (and unmap it) at any moment.
+            } else if (p.ok()) {
               static_cast<char*>(*p)[0] = 1;
               static_cast<char*>(*p)[bytes - 1] = 1;
-              if (t != 3) mine.push_back(*p);
+              mine.push_back(*p);
             } else if (p.status().code() == StatusCode::kOverBudget) {
               over_budget++;
             } else {

@@ -56,33 +56,70 @@ TEST_F(HostArenaTest, SmallRequestsShareARegionAndFreedExtentsAreReused) {
   EXPECT_TRUE(arena->Validate().ok());
 }
 
-TEST_F(HostArenaTest, RetainedBytesStayUnderTheLimit) {
+TEST_F(HostArenaTest, RetainedBytesStayUnderTheAbsoluteCap) {
   HostArenaOptions o = PageableOptions(&ledger_);
   o.retain_limit_bytes = 8 * kMiB;
+  o.retain_fraction = 1.0;  // the relative bound would allow everything; the cap must hold
   auto arena = MakeArena(o);
+  auto anchor = arena->Allocate(128 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(anchor.ok());
   std::vector<void*> ptrs;
   for (int i = 0; i < 10; ++i) {
     auto p = arena->Allocate(4 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
     ASSERT_TRUE(p.ok());
     ptrs.push_back(*p);
   }
-  EXPECT_EQ(arena->Stats().committed_bytes, 40 * kMiB);
+  EXPECT_EQ(arena->Stats().committed_bytes, 168 * kMiB);
   for (void* p : ptrs) ASSERT_TRUE(arena->Free(p).ok());
   HostArenaStats st = arena->Stats();
-  EXPECT_EQ(st.live_bytes, 0u);
+  EXPECT_EQ(st.live_bytes, 128 * kMiB);
+  EXPECT_EQ(st.retain_limit_now_bytes, 8 * kMiB);
   EXPECT_EQ(st.retained_bytes, 8 * kMiB);
-  EXPECT_EQ(st.committed_bytes, 8 * kMiB);
+  EXPECT_EQ(st.committed_bytes, 136 * kMiB);
   EXPECT_EQ(st.region_unmap_count, 8u);
   EXPECT_TRUE(arena->Validate().ok());
 }
 
+TEST_F(HostArenaTest, RetainedBytesScaleWithTheLiveSet) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.retain_limit_bytes = 1024 * kMiB;
+  o.retain_fraction = 1.0 / 16;
+  auto arena = MakeArena(o);
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 10; ++i) {
+    auto p = arena->Allocate(4 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+    ASSERT_TRUE(p.ok());
+    ptrs.push_back(*p);
+  }
+  // Small live set: the floor is one region (4 MiB here).
+  for (void* p : ptrs) ASSERT_TRUE(arena->Free(p).ok());
+  EXPECT_EQ(arena->Stats().retained_bytes, 4 * kMiB);
+  // 256 MiB live: a sixteenth of it, 16 MiB, may be retained.
+  auto big = arena->Allocate(256 * kMiB, Tag(Kind::kMasterWeight, Lifetime::kPersistent));
+  ASSERT_TRUE(big.ok());
+  ptrs.clear();
+  for (int i = 0; i < 10; ++i) {
+    auto p = arena->Allocate(4 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+    ASSERT_TRUE(p.ok());
+    ptrs.push_back(*p);
+  }
+  for (void* p : ptrs) ASSERT_TRUE(arena->Free(p).ok());
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.retain_limit_now_bytes, 16 * kMiB);
+  EXPECT_EQ(st.retained_bytes, 16 * kMiB);
+  EXPECT_EQ(st.committed_bytes, 256 * kMiB + 16 * kMiB);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
 TEST_F(HostArenaTest, TrimGivesEmptyRegionsBackToTheOs) {
-  auto arena = MakeArena(PageableOptions(&ledger_));
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.region_bytes = 8 * kMiB;  // the retained floor is one region: 8 MiB
+  auto arena = MakeArena(o);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kCheckpoint, Lifetime::kEpoch));
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE(testing::IsMapped(*p, 6 * kMiB));
   ASSERT_TRUE(arena->Free(*p).ok());
-  EXPECT_EQ(arena->Stats().retained_bytes, 6 * kMiB);  // under the 16 MiB limit: kept
+  EXPECT_EQ(arena->Stats().retained_bytes, 6 * kMiB);  // under the 8 MiB floor: kept
   EXPECT_TRUE(testing::IsMapped(*p, 6 * kMiB));
   EXPECT_EQ(arena->Trim(), 6 * kMiB);
   EXPECT_FALSE(testing::IsMapped(*p, 6 * kMiB));  // really unmapped, not just counted
@@ -128,8 +165,8 @@ TEST_F(HostArenaTest, MlockModeLocksEveryCommittedPage) {
   EXPECT_EQ(st.pin_mode, PinMode::kMlock);
   EXPECT_EQ(st.mlocked_bytes, 6 * kMiB);
   EXPECT_EQ(st.pinned_bytes, st.committed_bytes);
-  ASSERT_TRUE(arena->Free(*p).ok());
   const uint64_t locked_kb = testing::ProcStatusKb("VmLck");
+  ASSERT_TRUE(arena->Free(*p).ok());
   arena->Trim();
   EXPECT_EQ(arena->Stats().mlocked_bytes, 0u);
   if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers make mlock a no-op; VmLck not checked";

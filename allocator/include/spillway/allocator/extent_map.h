@@ -20,7 +20,7 @@ namespace spillway::allocator {
 //   for each span s:  s.size == sum(free extents in s) + s.used_bytes
 //   free extents are disjoint, lie inside one span, and two free extents never touch (coalesced)
 //   free_by_size_ and free_by_addr_ hold the same extents
-//   empty_spans_ == { s : s.used_count == 0 }, empty_bytes_ == sum of their sizes
+//   empty_count_ == |{ s : s.used_count == 0 }|, empty_bytes_ == sum of their sizes
 class ExtentMap {
  public:
   struct Span {
@@ -56,7 +56,7 @@ class ExtentMap {
   size_t free_extent_count() const { return free_by_addr_.size(); }
   uint64_t largest_free_extent() const;
   // Bases of the spans that hold no allocation, largest first.
-  std::vector<Span> EmptySpans() const;
+  std::vector<Span> EmptySpans() const;  // O(spans); only called when trimming
   const std::map<uint64_t, Span>& spans() const { return spans_; }
 
   // Walks every structure and checks the invariants above against the caller's list of allocated
@@ -76,7 +76,7 @@ class ExtentMap {
   std::map<uint64_t, Span> spans_;                     // by base
   std::map<uint64_t, Free_> free_by_addr_;             // by extent base
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, base)
-  std::set<uint64_t> empty_spans_;
+  uint64_t empty_count_ = 0;
   uint64_t span_bytes_ = 0;
   uint64_t free_bytes_ = 0;
   uint64_t empty_bytes_ = 0;

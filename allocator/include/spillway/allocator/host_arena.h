@@ -6,11 +6,9 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,8 +48,15 @@ struct HostArenaFaults {
 struct HostArenaOptions {
   std::string name = "host";           // tier name in reports and metrics
   uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = 3/4 of RAM
-  uint64_t region_bytes = 64ull << 20; // smaller requests share regions of this size
-  uint64_t retain_limit_bytes = 256ull << 20;  // empty regions kept for reuse, at most
+  uint64_t region_bytes = 32ull << 20; // smaller requests share regions of this size
+  // Empty regions kept for reuse (Note [Retained cache]): at most
+  //   min(retain_limit_bytes, max(region_bytes, retain_fraction * live_bytes))
+  // so the cache scales with the working set but never costs more than that fraction of it.
+  uint64_t retain_limit_bytes = 1ull << 30;
+  double retain_fraction = 1.0 / 64;
+  // Requests of at least region_bytes / dedicated_divisor get a region of their own exact size,
+  // so large transients never carve holes into regions shared with long-lived extents.
+  uint64_t dedicated_divisor = 8;
   PinMode pin = PinMode::kAuto;
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
@@ -65,7 +70,8 @@ struct HostArenaStats {
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
   uint64_t budget_bytes = 0;
-  uint64_t retain_limit_bytes = 0;
+  uint64_t retain_limit_bytes = 0;     // the absolute cap (see HostArenaOptions)
+  uint64_t retain_limit_now_bytes = 0; // the cap in force at this live size
   // Regions are mapped and pinned whole, so reserved == committed (Note [Regions]).
   uint64_t reserved_bytes = 0;
   uint64_t committed_bytes = 0;
@@ -107,7 +113,7 @@ struct HostArenaStats {
 //
 // Invariants (Validate):
 //   committed == live + retained + fragment        (all page multiples)
-//   committed <= budget;  retained <= retain_limit after every public call returns
+//   committed <= budget;  retained <= RetainLimit() after every Free/boundary/Trim returns
 //   every live extent lies in one region; extents are disjoint and free neighbours are coalesced
 //   sum(live_by_kind) == sum(live_by_lifetime) == live
 class HostArena final : public Tier {
@@ -163,17 +169,16 @@ class HostArena final : public Tier {
     OwnerTag tag;
     int64_t birth_epoch;
     int64_t birth_step;
-    uint32_t frame_count;
-    std::array<void*, 12> frames;  // valid when capture_backtraces
   };
   enum class FreeReason : uint8_t { kFreed, kReclaimed, kScopeReleased };
+  // A record of a recent free, read only when a Free fails, to say what the pointer was.
   struct Tombstone {
-    uint64_t seq;
-    uint64_t bytes;
-    FreeReason reason;
-    ScopeId scope;
-    int64_t epoch;
-    int64_t step;
+    uint64_t addr = 0;
+    uint64_t bytes = 0;
+    int64_t epoch = -1;
+    int64_t step = -1;
+    ScopeId scope = kProcessScope;
+    FreeReason reason = FreeReason::kFreed;
   };
   struct Region {
     void* base;
@@ -184,7 +189,8 @@ class HostArena final : public Tier {
   HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger);
 
   // Private methods assume mu_ is held unless they say otherwise.
-  void RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested, const OwnerTag& tag);
+  void RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested, const OwnerTag& tag,
+                  std::vector<void*>* frames);
   void EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reason);
   void AddTombstone(uint64_t addr, uint64_t bytes, FreeReason reason, ScopeId scope);
   std::string DescribeBadFree(uint64_t addr) const;
@@ -192,6 +198,7 @@ class HostArena final : public Tier {
   // Detaches empty regions from the map until retained <= limit (or all, when limit is 0).
   void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
   void NoteCommitted();
+  uint64_t RetainLimit() const;  // min(cap, max(region, fraction * live))
   Escape MakeEscape(uint64_t addr, const Live& live) const;
 
   // Without the lock: syscalls.
@@ -208,17 +215,20 @@ class HostArena final : public Tier {
   ExtentMap extents_;                          // guarded by mu_
   std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
   std::map<uint64_t, Live> live_;              // guarded by mu_; by address
-  std::set<uint64_t> step_live_;               // guarded by mu_; addresses with lifetime step
-  std::set<uint64_t> epoch_live_;              // guarded by mu_; addresses with lifetime epoch
-  std::unordered_map<uint64_t, Tombstone> tombstones_;  // guarded by mu_; recent frees
-  std::deque<std::pair<uint64_t, uint64_t>> tombstone_fifo_;  // guarded by mu_; (addr, seq)
-  uint64_t tombstone_seq_ = 0;                 // guarded by mu_
+  // Recent frees in a fixed ring, newest at tombstone_next_ - 1; scanned only on a failed Free.
+  std::vector<Tombstone> tombstones_;          // guarded by mu_
+  size_t tombstone_next_ = 0;                  // guarded by mu_
+  // Backtraces by address, kept only when capture_backtraces is on.
+  std::unordered_map<uint64_t, std::vector<void*>> traces_;  // guarded by mu_
+  // Extracted nodes of live_, reused so the hot path allocates no tree nodes (bounded).
+  std::vector<std::map<uint64_t, Live>::node_type> live_nodes_;  // guarded by mu_
   uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
   uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
   SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
   HostArenaStats stats_;                       // guarded by mu_
 
   static constexpr size_t kMaxTombstones = 4096;
+  static constexpr size_t kMaxCachedNodes = 64;
 };
 
 }  // namespace spillway::allocator
