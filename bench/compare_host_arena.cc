@@ -145,8 +145,10 @@ class Allocator {
 
 class SpillwayAlloc final : public Allocator {
  public:
-  SpillwayAlloc(spillway::allocator::PinMode pin, uint64_t region_bytes, uint64_t retain_bytes) {
+  SpillwayAlloc(spillway::allocator::PinMode pin, uint64_t region_bytes, uint64_t retain_bytes,
+                double peak_slack) {
     HostArenaOptions o;
+    o.peak_slack = peak_slack;
     o.pin = pin;
     o.region_bytes = region_bytes;
     o.retain_limit_bytes = retain_bytes;
@@ -305,6 +307,7 @@ int main(int argc, char** argv) {
   auto pin = spillway::allocator::PinMode::kPageable;
   uint64_t region_mib = HostArenaOptions{}.region_bytes / kMiB;
   uint64_t retain_mib = HostArenaOptions{}.retain_limit_bytes / kMiB;
+  double peak_slack = HostArenaOptions{}.peak_slack;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -323,6 +326,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = std::stoi(next());
     else if (a == "--region-mib") region_mib = std::stoull(next());
     else if (a == "--retain-mib") retain_mib = std::stoull(next());
+    else if (a == "--peak-slack") peak_slack = std::stod(next());
     else if (a == "--pin") {
       auto p = spillway::allocator::ParsePinMode(next());
       if (!p.ok()) { std::fprintf(stderr, "--pin: %s\n", p.status().message().c_str()); return 2; }
@@ -330,7 +334,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: compare_host_arena [--model 7b|34b] [--ranks N] [--epochs N] "
-                   "[--steps N] [--pin pageable|mlock|cuda|auto] [--region-mib N] [--retain-mib N]\nunknown argument: %s\n",
+                   "[--steps N] [--pin pageable|mlock|cuda|auto] [--region-mib N] [--retain-mib N] [--peak-slack F]\nunknown argument: %s\n",
                    a.c_str());
       return 2;
     }
@@ -366,7 +370,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   std::vector<std::unique_ptr<Allocator>> allocs;
-  allocs.push_back(std::make_unique<SpillwayAlloc>(pin, region_mib * kMiB, retain_mib * kMiB));
+  allocs.push_back(std::make_unique<SpillwayAlloc>(pin, region_mib * kMiB, retain_mib * kMiB, peak_slack));
   allocs.push_back(std::make_unique<Pow2Model>());
   allocs.push_back(std::make_unique<JemallocAlloc>());
   allocs.push_back(std::make_unique<MallocAlloc>());
@@ -380,6 +384,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "spillway arena invalid after the trace: %s\n", v.ToString().c_str());
     return 1;
   }
+  const auto sws = sw->arena().Stats();
+  std::printf("spillway regions: %" PRIu64 " mapped, %" PRIu64 " unmapped over the trace (each one "
+              "a pin and an unpin when pinned); retained now %.3f GiB\n",
+              sws.region_map_count, sws.region_unmap_count, sws.retained_bytes / kGiB);
 
   std::printf("\n%-20s %14s %14s %9s %12s %14s\n", "allocator", "peak held GiB",
               "peak asked GiB", "overhead", "trace ops/s", "alloc+free ns");
@@ -396,9 +404,10 @@ int main(int argc, char** argv) {
       "\"jemalloc_overhead\":%.4f,\"malloc_overhead\":%.4f,\"spillway_allocs_per_s\":%.0f,"
       "\"pow2_allocs_per_s\":%.0f,\"jemalloc_allocs_per_s\":%.0f,\"malloc_allocs_per_s\":%.0f,"
       "\"spillway_alloc_free_ns\":%.1f,\"pow2_alloc_free_ns\":%.1f,\"jemalloc_alloc_free_ns\":%.1f,"
-      "\"malloc_alloc_free_ns\":%.1f}\n",
+      "\"malloc_alloc_free_ns\":%.1f,\"spillway_region_maps\":%" PRIu64 "}\n",
       model.name, ranks, ops.size(), rows[0].r.peak_requested, overhead(0), overhead(1),
       overhead(2), overhead(3), 1e9 / rows[0].hot_ns, 1e9 / rows[1].hot_ns, 1e9 / rows[2].hot_ns,
-      1e9 / rows[3].hot_ns, rows[0].hot_ns, rows[1].hot_ns, rows[2].hot_ns, rows[3].hot_ns);
+      1e9 / rows[3].hot_ns, rows[0].hot_ns, rows[1].hot_ns, rows[2].hot_ns, rows[3].hot_ns,
+      sws.region_map_count);
   return 0;
 }

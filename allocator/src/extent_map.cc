@@ -50,10 +50,10 @@ Status ExtentMap::RemoveSpan(uint64_t base) {
   return Status::Ok();
 }
 
-std::optional<uint64_t> ExtentMap::Allocate(uint64_t size) {
+std::optional<uint64_t> ExtentMap::Allocate(uint64_t size, uint64_t max_extent) {
   if (size == 0) return std::nullopt;
   auto fit = free_by_size_.lower_bound({size, 0});
-  if (fit == free_by_size_.end()) return std::nullopt;
+  if (fit == free_by_size_.end() || fit->first > max_extent) return std::nullopt;
   const uint64_t base = fit->second;
   const uint64_t extent_size = fit->first;
   // Re-key the nodes in place (extract + insert) so the hot path allocates no tree nodes.

@@ -69,10 +69,12 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   }
   options.region_bytes = RoundUp(options.region_bytes, page);
   if (!(options.retain_fraction >= 0.0 && options.retain_fraction <= 1.0) ||
+      !(options.peak_slack >= 0.0 && options.peak_slack <= 1.0) ||
+      options.reuse_waste_divisor == 0 ||
       options.dedicated_divisor == 0) {
     return Status::InvalidArgument(StrCat("host arena '", options.name,
-                                          "': retain_fraction must be in [0, 1] and "
-                                          "dedicated_divisor at least 1"));
+                                          "': retain_fraction and peak_slack must be in [0, 1], "
+                                          "dedicated_divisor and reuse_waste_divisor at least 1"));
   }
   options.budget_bytes = options.budget_bytes / page * page;
   if (static_cast<size_t>(options.pin) >= kPinNames.size() ||
@@ -243,6 +245,11 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     frames.resize(static_cast<size_t>(backtrace(frames.data(), 16)));
   }
 
+  // Small requests stay in shared regions (extents no larger than a region); large ones reuse an
+  // extent only when it wastes at most 1/reuse_waste_divisor of it (Note [Regions]).
+  const bool dedicated = rounded >= options_.region_bytes / options_.dedicated_divisor;
+  const uint64_t max_extent =
+      dedicated ? rounded + rounded / options_.reuse_waste_divisor : options_.region_bytes;
   uint64_t spill_need = 0;
   for (int round = 0;; ++round) {
     std::vector<Region> to_release;
@@ -255,7 +262,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
             StrCat("HostArena::Allocate: scope ", owned.scope,
                    " was released; create a new scope for the rebuilt owner"));
       }
-      if (auto addr = extents_.Allocate(rounded)) {
+      if (auto addr = extents_.Allocate(rounded, max_extent)) {
         RecordLive(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }
@@ -268,9 +275,22 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       if (headroom() < rounded) DetachEmptyRegions(0, &to_release);
       if (headroom() >= rounded) {
         // Large requests get an exact region; small ones share a region of region_bytes.
-        const bool dedicated = rounded >= options_.region_bytes / options_.dedicated_divisor;
         map_bytes = dedicated ? rounded : options_.region_bytes;
         if (map_bytes > headroom()) map_bytes = rounded;  // a shared region would cross it
+        // The retained cache must not raise the high-water mark: if this region would lift
+        // committed bytes above their peak, give back retained regions first.
+        // Anchored to the peak of what is needed (held minus the cache), so it cannot ratchet.
+        const uint64_t held = stats_.committed_bytes + pending_map_bytes_ + pending_unmap_bytes_;
+        need_peak_bytes_ =
+            std::max(need_peak_bytes_, held - extents_.empty_span_bytes() + map_bytes);
+        const auto ceiling = static_cast<uint64_t>(static_cast<double>(need_peak_bytes_) *
+                                                   (1.0 + options_.peak_slack));
+        if (held + map_bytes > ceiling && extents_.empty_span_bytes() > 0) {
+          const uint64_t over = held + map_bytes - ceiling;
+          const uint64_t keep =
+              extents_.empty_span_bytes() > over ? extents_.empty_span_bytes() - over : 0;
+          DetachEmptyRegions(keep, &to_release);
+        }
         pending_map_bytes_ += map_bytes;
       } else {
         spill_need = rounded - headroom();
@@ -302,7 +322,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       NoteCommitted();
       // Another thread may have taken the new region's space; then go round again.
       if (!ledger_->scope_live(owned.scope)) continue;
-      if (auto addr = extents_.Allocate(rounded)) {
+      if (auto addr = extents_.Allocate(rounded, max_extent)) {
         RecordLive(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }

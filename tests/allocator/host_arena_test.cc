@@ -111,6 +111,65 @@ TEST_F(HostArenaTest, RetainedBytesScaleWithTheLiveSet) {
   EXPECT_TRUE(arena->Validate().ok());
 }
 
+TEST_F(HostArenaTest, RetainedCacheNeverRaisesTheHighWaterMark) {
+  auto arena = MakeArena(PageableOptions(&ledger_));  // peak_slack 0 by default
+  auto anchor = arena->Allocate(64 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  auto a = arena->Allocate(8 * kMiB, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(anchor.ok() && a.ok());
+  ASSERT_TRUE(arena->Free(*a).ok());
+  EXPECT_EQ(arena->Stats().retained_bytes, 8 * kMiB);  // kept: under the high-water mark
+  // 12 MiB cannot reuse the 8 MiB region; mapping it next to the cache would lift the peak to
+  // 84 MiB, so the cache gives way and the peak is what is needed: 76 MiB.
+  auto b = arena->Allocate(12 * kMiB, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(b.ok());
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.retained_bytes, 0u);
+  EXPECT_EQ(st.committed_bytes, 76 * kMiB);
+  EXPECT_EQ(st.peak_committed_bytes, 76 * kMiB);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST_F(HostArenaTest, PeakSlackLetsTheCacheLiftThePeakByThatFraction) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.peak_slack = 0.5;
+  auto arena = MakeArena(o);
+  auto anchor = arena->Allocate(64 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  auto a = arena->Allocate(8 * kMiB, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(anchor.ok() && a.ok());
+  ASSERT_TRUE(arena->Free(*a).ok());
+  auto b = arena->Allocate(12 * kMiB, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(b.ok());
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.retained_bytes, 8 * kMiB);  // 84 MiB is under 1.5 x 76 MiB: the cache stays
+  EXPECT_EQ(st.committed_bytes, 84 * kMiB);
+}
+
+TEST_F(HostArenaTest, RequestsDoNotCarveRegionsOfTheWrongSize) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.peak_slack = 1.0;  // keep the cache so the fit rule alone decides
+  auto arena = MakeArena(o);
+  auto anchor = arena->Allocate(64 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  auto big = arena->Allocate(16 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(anchor.ok() && big.ok());
+  auto* big_base = static_cast<char*>(*big);
+  ASSERT_TRUE(arena->Free(*big).ok());
+  // 8 MiB would waste half of the retained 16 MiB region (more than 1/8): a new exact region.
+  auto mid = arena->Allocate(8 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  // 100 kB is a small request: it goes to a shared region, never into a dedicated one.
+  auto small = arena->Allocate(100000, Tag(Kind::kTransient, Lifetime::kStep));
+  ASSERT_TRUE(mid.ok() && small.ok());
+  for (void* p : {*mid, *small}) {
+    auto* c = static_cast<char*>(p);
+    EXPECT_FALSE(c >= big_base && c < big_base + 16 * kMiB);
+  }
+  EXPECT_EQ(arena->Stats().retained_bytes, 16 * kMiB);
+  // 15 MiB wastes 1/16 of it: reused.
+  auto close = arena->Allocate(15 * kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(close.ok());
+  EXPECT_EQ(static_cast<char*>(*close), big_base);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
 TEST_F(HostArenaTest, TrimGivesEmptyRegionsBackToTheOs) {
   HostArenaOptions o = PageableOptions(&ledger_);
   o.region_bytes = 8 * kMiB;  // the retained floor is one region: 8 MiB

@@ -35,9 +35,10 @@ class ExtentMap {
   // Removes a span that holds no allocation. On error nothing changed.
   Status RemoveSpan(uint64_t base);
 
-  // Best fit: the smallest free extent that holds `size` (lowest address among equals). The extent is
-  // split and the remainder stays free. Returns nullopt when no free extent is large enough.
-  std::optional<uint64_t> Allocate(uint64_t size);
+  // Best fit: the smallest free extent that holds `size` (lowest address among equals), provided it
+  // is no larger than `max_extent`. The extent is split and the remainder stays free. Returns nullopt
+  // when no free extent fits.
+  std::optional<uint64_t> Allocate(uint64_t size, uint64_t max_extent = UINT64_MAX);
   // Returns [base, base+size) to the free set and coalesces it with free neighbours in its span.
   // The caller guarantees it is an extent returned by Allocate with that size (the arenas check this
   // against their live table before calling).

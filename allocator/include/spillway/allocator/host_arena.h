@@ -50,13 +50,20 @@ struct HostArenaOptions {
   uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = 3/4 of RAM
   uint64_t region_bytes = 32ull << 20; // smaller requests share regions of this size
   // Empty regions kept for reuse (Note [Retained cache]): at most
-  //   min(retain_limit_bytes, max(region_bytes, retain_fraction * live_bytes))
-  // so the cache scales with the working set but never costs more than that fraction of it.
+  //   min(retain_limit_bytes, max(region_bytes, retain_fraction * live_bytes)).
+  // Independently, the cache never raises the high-water mark: when a new region would lift
+  // committed bytes above their previous peak, retained regions are released first.
   uint64_t retain_limit_bytes = 1ull << 30;
-  double retain_fraction = 1.0 / 64;
+  double retain_fraction = 0.25;
+  // How far the retained cache may lift the high-water mark, as a fraction of live bytes: at 0 a
+  // new region first evicts retained regions until it fits under the previous peak; larger values
+  // trade peak memory for fewer re-pins (measured in docs/benchmarks.md).
+  double peak_slack = 0.0;
   // Requests of at least region_bytes / dedicated_divisor get a region of their own exact size,
-  // so large transients never carve holes into regions shared with long-lived extents.
+  // so large transients never carve holes into regions shared with long-lived extents. They reuse
+  // a free extent only if it wastes at most 1/reuse_waste_divisor of it.
   uint64_t dedicated_divisor = 8;
+  uint64_t reuse_waste_divisor = 8;
   PinMode pin = PinMode::kAuto;
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
@@ -223,6 +230,7 @@ class HostArena final : public Tier {
   // Extracted nodes of live_, reused so the hot path allocates no tree nodes (bounded).
   std::vector<std::map<uint64_t, Live>::node_type> live_nodes_;  // guarded by mu_
   uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
+  uint64_t need_peak_bytes_ = 0;               // guarded by mu_: peak of held minus retained
   uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
   SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
   HostArenaStats stats_;                       // guarded by mu_
