@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "cuda_host.h"
+#include "live_table.h"
 #include "os_memory.h"
 #include "spillway/allocator/log.h"
 
@@ -101,14 +102,16 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
 }
 
 HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger)
-    : options_(std::move(options)), pin_mode_(resolved), ledger_(ledger), page_(os::PageSize()) {
+    : options_(std::move(options)),
+      pin_mode_(resolved),
+      ledger_(ledger),
+      page_(os::PageSize()),
+      live_(std::make_unique<LiveTable>(ledger, StrCat("host arena '", options_.name, "'"))) {
   stats_.pin_mode = pin_mode_;
   stats_.fork_safety = options_.fork_safety;
   stats_.policy = options_.policy;
   stats_.budget_bytes = options_.budget_bytes;
   stats_.retain_limit_bytes = options_.retain_limit_bytes;
-  tombstones_.resize(kMaxTombstones);
-  live_nodes_.reserve(kMaxCachedNodes);
 }
 
 HostArena::~HostArena() {
@@ -116,10 +119,11 @@ HostArena::~HostArena() {
   std::vector<Region> regions;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!live_.empty()) {
+    if (live_->stats().live_allocations != 0) {
       Log(LogLevel::kWarning,
-          StrCat("host arena '", options_.name, "' destroyed with ", live_.size(),
-                 " live allocations (", FormatBytes(stats_.live_bytes), "); their memory is unmapped"));
+          StrCat("host arena '", options_.name, "' destroyed with ",
+                 live_->stats().live_allocations, " live allocations (",
+                 FormatBytes(live_->stats().live_bytes), "); their memory is unmapped"));
     }
     for (auto& [base, region] : regions_) regions.push_back(region);
     regions_.clear();
@@ -198,7 +202,7 @@ void HostArena::DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* o
 
 uint64_t HostArena::RetainLimit() const {
   const auto scaled = static_cast<uint64_t>(options_.retain_fraction *
-                                            static_cast<double>(stats_.live_bytes));
+                                            static_cast<double>(live_->stats().live_bytes));
   return std::min(options_.retain_limit_bytes, std::max(options_.region_bytes, scaled));
 }
 
@@ -263,7 +267,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                    " was released; create a new scope for the rebuilt owner"));
       }
       if (auto addr = extents_.Allocate(rounded, max_extent)) {
-        RecordLive(*addr, rounded, bytes, owned, &frames);
+        live_->Insert(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }
       // No free extent fits: plan a new region within the budget, counting regions being mapped
@@ -323,7 +327,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       // Another thread may have taken the new region's space; then go round again.
       if (!ledger_->scope_live(owned.scope)) continue;
       if (auto addr = extents_.Allocate(rounded, max_extent)) {
-        RecordLive(*addr, rounded, bytes, owned, &frames);
+        live_->Insert(*addr, rounded, bytes, owned, &frames);
         return reinterpret_cast<void*>(*addr);
       }
       continue;
@@ -345,65 +349,18 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   }
 }
 
-void HostArena::RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested,
-                           const OwnerTag& tag, std::vector<void*>* frames) {
-  Live live{bytes, requested, tag, ledger_->epoch(), ledger_->step()};
-  if (!live_nodes_.empty()) {
-    auto node = std::move(live_nodes_.back());
-    live_nodes_.pop_back();
-    node.key() = addr;
-    node.mapped() = live;
-    live_.insert(std::move(node));
-  } else {
-    live_.emplace(addr, live);
-  }
-  if (!frames->empty()) traces_[addr] = std::move(*frames);
-  stats_.live_bytes += bytes;
-  stats_.requested_bytes += requested;
-  stats_.live_by_kind[static_cast<size_t>(tag.kind)] += bytes;
-  stats_.live_by_lifetime[static_cast<size_t>(tag.lifetime)] += bytes;
-  stats_.live_allocations++;
-  stats_.alloc_count++;
-  stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
-  stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
-}
-
-void HostArena::EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reason) {
-  const uint64_t addr = it->first;
-  const Live& live = it->second;
-  extents_.Free(addr, live.bytes);
-  stats_.live_bytes -= live.bytes;
-  stats_.requested_bytes -= live.requested;
-  stats_.live_by_kind[static_cast<size_t>(live.tag.kind)] -= live.bytes;
-  stats_.live_by_lifetime[static_cast<size_t>(live.tag.lifetime)] -= live.bytes;
-  stats_.live_allocations--;
-  stats_.free_count++;
-  AddTombstone(addr, live.bytes, reason, live.tag.scope);
-  if (!traces_.empty()) traces_.erase(addr);
-  if (live_nodes_.size() < kMaxCachedNodes) {
-    live_nodes_.push_back(live_.extract(it));
-  } else {
-    live_.erase(it);
-  }
-}
-
-void HostArena::AddTombstone(uint64_t addr, uint64_t bytes, FreeReason reason, ScopeId scope) {
-  tombstones_[tombstone_next_] =
-      Tombstone{addr, bytes, ledger_->epoch(), ledger_->step(), scope, reason};
-  tombstone_next_ = (tombstone_next_ + 1) % kMaxTombstones;
-}
-
 Status HostArena::Free(void* ptr) {
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::vector<Region> to_release;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(addr);
-    if (it == live_.end()) {
-      stats_.bad_free_count++;
-      return Status::InvalidArgument(DescribeBadFree(addr));
+    const LiveTable::Live* live = live_->Find(addr);
+    if (live == nullptr) {
+      live_->NoteBadFree();
+      return Status::InvalidArgument(
+          live_->DescribeBadFree(addr, extents_.FindSpan(addr) != nullptr));
     }
-    EraseLive(it, FreeReason::kFreed);
+    FreeExtent(addr, live_->Erase(addr, LiveTable::FreeReason::kFreed).bytes);
     DetachEmptyRegions(RetainLimit(), &to_release);
     if (!to_release.empty()) stats_.trim_count++;
   }
@@ -411,60 +368,13 @@ Status HostArena::Free(void* ptr) {
   return Status::Ok();
 }
 
-std::string HostArena::DescribeBadFree(uint64_t addr) const {
-  const std::string where = StrCat("host arena '", options_.name, "': Free(", Hex(addr), ")");
-  if (addr == 0) return StrCat(where, ": null pointer; nothing to free");
-  // The newest record for this address wins: it may have been freed, reused and freed again.
-  const Tombstone* found = nullptr;
-  for (size_t i = 1; i <= kMaxTombstones && found == nullptr; ++i) {
-    const Tombstone& t = tombstones_[(tombstone_next_ + kMaxTombstones - i) % kMaxTombstones];
-    if (t.bytes != 0 && t.addr == addr) found = &t;
-  }
-  if (found != nullptr) {
-    const Tombstone& ts = *found;
-    switch (ts.reason) {
-      case FreeReason::kFreed:
-        return StrCat(where, ": double free; these ", ts.bytes,
-                      " bytes were already freed in epoch ", ts.epoch, " step ", ts.step,
-                      ". Free each allocation exactly once");
-      case FreeReason::kReclaimed:
-        return StrCat(where, ": these ", ts.bytes,
-                      " bytes were already reclaimed as an escape at the boundary of epoch ",
-                      ts.epoch, " step ", ts.step,
-                      ". The owner outlived its lifetime: free it before the boundary or give it "
-                      "a longer lifetime");
-      case FreeReason::kScopeReleased:
-        return StrCat(where, ": free after scope release; these ", ts.bytes,
-                      " bytes belonged to scope '", ledger_->scope_name(ts.scope),
-                      "', which was released and freed them. Drop pointers into a scope before "
-                      "releasing it");
-    }
-  }
-  auto next = live_.upper_bound(addr);
-  if (next != live_.begin()) {
-    auto prev = std::prev(next);
-    if (addr < prev->first + prev->second.bytes) {
-      return StrCat(where, ": interior pointer, ", addr - prev->first,
-                    " bytes into the allocation at ", Hex(prev->first), " (",
-                    KindName(prev->second.tag.kind), " owner ", prev->second.tag.owner_id, ", ",
-                    prev->second.requested, " bytes). Free the pointer Allocate returned");
-    }
-  }
-  if (extents_.FindSpan(addr) != nullptr) {
-    return StrCat(where, ": the address lies inside this arena but is not a live allocation "
-                         "(a double free whose record aged out, or a stale pointer)");
-  }
-  return StrCat(where, ": foreign pointer; this arena did not allocate it. Free it with the "
-                       "allocator that made it");
-}
-
 std::string HostArena::DescribeLive() const {
   std::string out = StrCat("committed ", FormatBytes(stats_.committed_bytes), ", live");
   bool any = false;
+  const KindBytes& by_kind = live_->stats().live_by_kind;
   for (int k = 0; k < kKindCount; ++k) {
-    if (stats_.live_by_kind[k] == 0) continue;
-    out += StrCat(any ? ", " : " ", KindName(static_cast<Kind>(k)), " ",
-                  FormatBytes(stats_.live_by_kind[k]));
+    if (by_kind[k] == 0) continue;
+    out += StrCat(any ? ", " : " ", KindName(static_cast<Kind>(k)), " ", FormatBytes(by_kind[k]));
     any = true;
   }
   if (!any) out += " nothing";
@@ -495,9 +405,12 @@ bool HostArena::Contains(const void* ptr, uint64_t bytes) const {
 Result<uint64_t> HostArena::AllocationSize(const void* ptr) const {
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(addr);
-  if (it == live_.end()) return Status::InvalidArgument(DescribeBadFree(addr));
-  return it->second.requested;
+  const LiveTable::Live* live = live_->Find(addr);
+  if (live == nullptr) {
+    return Status::InvalidArgument(
+        live_->DescribeBadFree(addr, extents_.FindSpan(addr) != nullptr));
+  }
+  return live->requested;
 }
 
 std::vector<HostArena::RegionInfo> HostArena::Regions() const {
@@ -511,108 +424,29 @@ std::vector<HostArena::RegionInfo> HostArena::Regions() const {
 HostArenaStats HostArena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   HostArenaStats s = stats_;
+  static_cast<LiveStats&>(s) = live_->stats();
   s.retain_limit_now_bytes = RetainLimit();
   s.retained_bytes = extents_.empty_span_bytes();
   s.fragment_bytes = extents_.free_bytes() - extents_.empty_span_bytes();
   return s;
 }
 
-Escape HostArena::MakeEscape(uint64_t addr, const Live& live) const {
-  Escape e;
-  e.kind = live.tag.kind;
-  e.lifetime = live.tag.lifetime;
-  e.owner_id = live.tag.owner_id;
-  e.scope = live.tag.scope;
-  e.bytes = live.bytes;
-  e.address = addr;
-  e.birth_epoch = live.birth_epoch;
-  e.birth_step = live.birth_step;
-  if (live.tag.site != nullptr) e.site = live.tag.site;
-  return e;
-}
-
-void HostArena::FinishEscapes(std::vector<Escape>* escapes) const {
-  for (Escape& e : *escapes) e.scope_name = ledger_->scope_name(e.scope);
-}
-
 Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                   TierReport* out) {
   std::vector<Region> to_release;
-  std::vector<std::pair<size_t, std::vector<void*>>> traces;  // escape index -> frames
+  LiveTable::Traces traces;
   out->tier = options_.name;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    out->policy = options_.policy;
-    // Escapes: step allocations born at or before this step; at an epoch end, also epoch ones
-    // born at or before this epoch. Allocations of a step that began after this boundary are not
-    // touched (they carry a later birth step).
-    // One pass over the live table: boundaries are rare, and keeping per-lifetime indexes would
-    // cost every allocation two tree operations.
-    std::vector<uint64_t> escaped;
-    for (const auto& [addr, live] : live_) {
-      const bool step_escape = live.tag.lifetime == Lifetime::kStep && live.birth_step <= step;
-      const bool epoch_escape = kind == BoundaryKind::kEpoch &&
-                                live.tag.lifetime == Lifetime::kEpoch && live.birth_epoch <= epoch;
-      if (step_escape || epoch_escape) escaped.push_back(addr);
-    }
-    std::sort(escaped.begin(), escaped.end(), [this](uint64_t a, uint64_t b) {
-      const Live& la = live_.at(a);
-      const Live& lb = live_.at(b);
-      return la.birth_step != lb.birth_step ? la.birth_step < lb.birth_step : a < b;
-    });
-    for (uint64_t addr : escaped) {
-      auto it = live_.find(addr);
-      out->escape_count++;
-      out->escaped_bytes += it->second.bytes;
-      const bool reclaim = options_.policy == EscapePolicy::kReclaim;
-      if (out->escapes.size() < TierReport::kMaxListedEscapes) {
-        out->escapes.push_back(MakeEscape(addr, it->second));
-        out->escapes.back().reclaimed = reclaim;
-        if (auto tr = traces_.find(addr); tr != traces_.end()) {
-          traces.emplace_back(out->escapes.size() - 1, tr->second);
-        }
-      }
-      if (reclaim) {
-        out->reclaimed_count++;
-        out->reclaimed_bytes += it->second.bytes;
-        EraseLive(it, FreeReason::kReclaimed);
-      }
-    }
-    stats_.escape_count += out->escape_count;
-    stats_.escaped_bytes += out->escaped_bytes;
-    stats_.reclaim_count += out->reclaimed_count;
-    stats_.reclaimed_bytes += out->reclaimed_bytes;
+    live_->CollectEscapes(kind, epoch, step, options_.policy, out, &traces,
+                          [this](uint64_t addr, uint64_t bytes) { FreeExtent(addr, bytes); });
     DetachEmptyRegions(RetainLimit(), &to_release);
-    out->live_bytes = stats_.live_bytes;
-    out->live_allocations = stats_.live_allocations;
-    out->live_by_kind = stats_.live_by_kind;
-    out->live_by_lifetime = stats_.live_by_lifetime;
     out->committed_bytes = stats_.committed_bytes;
   }
   ReleaseRegions(to_release);
-  FinishEscapes(&out->escapes);
-  for (auto& [index, frames] : traces) {
-    char** symbols = backtrace_symbols(frames.data(), static_cast<int>(frames.size()));
-    if (symbols == nullptr) continue;
-    std::string trace = out->escapes[index].site;
-    for (size_t i = 1; i < frames.size(); ++i) trace += StrCat(trace.empty() ? "" : " <- ", symbols[i]);
-    out->escapes[index].site = trace;
-    free(symbols);  // NOLINT: backtrace_symbols allocates with malloc
-  }
-  if (out->policy == EscapePolicy::kFail && out->escape_count > 0) {
-    const Escape& first = out->escapes.front();
-    return Status::Make(
-        StatusCode::kEscaped,
-        StrCat("host arena '", options_.name, "': ", out->escape_count, " allocations (",
-               FormatBytes(out->escaped_bytes), ") outlived their lifetime at the end of ",
-               kind == BoundaryKind::kEpoch ? StrCat("epoch ", epoch) : StrCat("step ", step),
-               "; first: ", KindName(first.kind), "/", LifetimeName(first.lifetime), " owner ",
-               first.owner_id, " (", first.bytes, " bytes, born epoch ", first.birth_epoch,
-               " step ", first.birth_step, first.site.empty() ? "" : " at ", first.site,
-               "). Free them before the boundary, give them a longer lifetime, or set the escape "
-               "policy to report or reclaim"));
-  }
-  return Status::Ok();
+  LiveTable::FinishEscapes(*ledger_, traces, out);
+  return LiveTable::EscapeError(StrCat("host arena '", options_.name, "'"), kind, epoch, step,
+                                *out);
 }
 
 void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
@@ -621,22 +455,9 @@ void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     out->policy = options_.policy;
-    for (auto it = live_.begin(); it != live_.end();) {
-      auto next = std::next(it);
-      if (it->second.tag.scope == scope) {
-        out->reclaimed_count++;
-        out->reclaimed_bytes += it->second.bytes;
-        EraseLive(it, FreeReason::kScopeReleased);
-      }
-      it = next;
-    }
-    stats_.scope_freed_count += out->reclaimed_count;
-    stats_.scope_freed_bytes += out->reclaimed_bytes;
+    live_->ReleaseScope(scope, out,
+                        [this](uint64_t addr, uint64_t bytes) { FreeExtent(addr, bytes); });
     DetachEmptyRegions(RetainLimit(), &to_release);
-    out->live_bytes = stats_.live_bytes;
-    out->live_allocations = stats_.live_allocations;
-    out->live_by_kind = stats_.live_by_kind;
-    out->live_by_lifetime = stats_.live_by_lifetime;
     out->committed_bytes = stats_.committed_bytes;
   }
   ReleaseRegions(to_release);
@@ -644,30 +465,15 @@ void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
 
 Status HostArena::Validate() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::pair<uint64_t, uint64_t>> allocated;
-  allocated.reserve(live_.size());
-  uint64_t live_sum = 0, requested_sum = 0;
-  KindBytes by_kind{};
-  LifetimeBytes by_lifetime{};
-  for (const auto& [addr, live] : live_) {
-    allocated.emplace_back(addr, live.bytes);
-    live_sum += live.bytes;
-    requested_sum += live.requested;
-    by_kind[static_cast<size_t>(live.tag.kind)] += live.bytes;
-    by_lifetime[static_cast<size_t>(live.tag.lifetime)] += live.bytes;
-    if (live.bytes % page_ != 0) {
+  SPILLWAY_RETURN_IF_ERROR(live_->Validate());
+  const auto allocated = live_->Extents();
+  for (const auto& [addr, bytes] : allocated) {
+    if (bytes % page_ != 0) {
       return Status::Internal(StrCat("Validate: live extent at ", Hex(addr), " not page-sized"));
     }
   }
   SPILLWAY_RETURN_IF_ERROR(extents_.Validate(allocated));
-  for (const auto& [addr, frames] : traces_) {
-    if (!live_.count(addr)) return Status::Internal("Validate: a backtrace outlived its allocation");
-  }
-  if (live_sum != stats_.live_bytes || requested_sum != stats_.requested_bytes ||
-      by_kind != stats_.live_by_kind || by_lifetime != stats_.live_by_lifetime ||
-      live_.size() != stats_.live_allocations) {
-    return Status::Internal("Validate: live counters disagree with the live table");
-  }
+  const uint64_t live_sum = live_->stats().live_bytes;
   uint64_t region_sum = 0;
   for (const auto& [base, r] : regions_) {
     region_sum += r.bytes;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -15,10 +16,13 @@
 
 #include "spillway/allocator/extent_map.h"
 #include "spillway/allocator/ledger.h"
+#include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/status.h"
 
 namespace spillway::allocator {
+
+class LiveTable;  // src/live_table.h
 
 // How regions are made page-locked.
 enum class PinMode : uint8_t {
@@ -72,7 +76,7 @@ struct HostArenaOptions {
   HostArenaFaults* faults = nullptr;   // test seam
 };
 
-struct HostArenaStats {
+struct HostArenaStats : LiveStats {
   PinMode pin_mode = PinMode::kPageable;  // resolved: never kAuto
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
@@ -85,34 +89,18 @@ struct HostArenaStats {
   uint64_t pinned_bytes = 0;           // cuda_registered_bytes + mlocked_bytes
   uint64_t cuda_registered_bytes = 0;
   uint64_t mlocked_bytes = 0;
-  uint64_t live_bytes = 0;             // page-rounded extents handed out
-  uint64_t requested_bytes = 0;        // what callers asked for
-  uint64_t retained_bytes = 0;         // empty regions kept for reuse (<= retain_limit_bytes)
+  uint64_t retained_bytes = 0;         // empty regions kept for reuse (<= retain limit)
   uint64_t fragment_bytes = 0;         // free bytes inside regions that hold live extents
-  KindBytes live_by_kind{};
-  LifetimeBytes live_by_lifetime{};
-  uint64_t live_allocations = 0;
   uint64_t regions = 0;
   uint64_t peak_committed_bytes = 0;
-  uint64_t peak_live_bytes = 0;
-  uint64_t peak_requested_bytes = 0;
-  // Monotonic counters.
-  uint64_t alloc_count = 0;
-  uint64_t free_count = 0;
+  // Monotonic counters (the owner-side ones are in LiveStats).
   uint64_t region_map_count = 0;
   uint64_t region_unmap_count = 0;
   uint64_t trim_count = 0;             // Trim() calls and automatic trims
   uint64_t trimmed_bytes = 0;
-  uint64_t escape_count = 0;
-  uint64_t escaped_bytes = 0;
-  uint64_t reclaim_count = 0;          // escapes freed by the reclaim policy
-  uint64_t reclaimed_bytes = 0;
-  uint64_t scope_freed_count = 0;      // freed by ReleaseScope
-  uint64_t scope_freed_bytes = 0;
   uint64_t over_budget_count = 0;
   uint64_t spill_calls = 0;
   uint64_t spilled_bytes = 0;          // what spill handlers said they freed
-  uint64_t bad_free_count = 0;         // double, foreign or interior frees refused
 };
 
 // Thread-safe. One mutex guards the extent map and the tables; it is never held across a syscall,
@@ -170,23 +158,6 @@ class HostArena final : public Tier {
   uint64_t page_bytes() const { return page_; }
 
  private:
-  struct Live {
-    uint64_t bytes;        // page-rounded
-    uint64_t requested;
-    OwnerTag tag;
-    int64_t birth_epoch;
-    int64_t birth_step;
-  };
-  enum class FreeReason : uint8_t { kFreed, kReclaimed, kScopeReleased };
-  // A record of a recent free, read only when a Free fails, to say what the pointer was.
-  struct Tombstone {
-    uint64_t addr = 0;
-    uint64_t bytes = 0;
-    int64_t epoch = -1;
-    int64_t step = -1;
-    ScopeId scope = kProcessScope;
-    FreeReason reason = FreeReason::kFreed;
-  };
   struct Region {
     void* base;
     uint64_t bytes;
@@ -196,22 +167,16 @@ class HostArena final : public Tier {
   HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger);
 
   // Private methods assume mu_ is held unless they say otherwise.
-  void RecordLive(uint64_t addr, uint64_t bytes, uint64_t requested, const OwnerTag& tag,
-                  std::vector<void*>* frames);
-  void EraseLive(std::map<uint64_t, Live>::iterator it, FreeReason reason);
-  void AddTombstone(uint64_t addr, uint64_t bytes, FreeReason reason, ScopeId scope);
-  std::string DescribeBadFree(uint64_t addr) const;
+  void FreeExtent(uint64_t addr, uint64_t bytes) { extents_.Free(addr, bytes); }
   std::string DescribeLive() const;  // "param 1.2 GiB, grad ..." for budget errors
-  // Detaches empty regions from the map until retained <= limit (or all, when limit is 0).
+  // Detaches empty regions from the map until retained <= retain_limit, largest first.
   void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
   void NoteCommitted();
   uint64_t RetainLimit() const;  // min(cap, max(region, fraction * live))
-  Escape MakeEscape(uint64_t addr, const Live& live) const;
 
   // Without the lock: syscalls.
   Result<Region> MapRegion(uint64_t bytes);
   void ReleaseRegions(const std::vector<Region>& regions);
-  void FinishEscapes(std::vector<Escape>* escapes) const;  // fills scope names and symbols
 
   HostArenaOptions options_;
   const PinMode pin_mode_;
@@ -221,22 +186,13 @@ class HostArena final : public Tier {
   mutable std::mutex mu_;
   ExtentMap extents_;                          // guarded by mu_
   std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
-  std::map<uint64_t, Live> live_;              // guarded by mu_; by address
-  // Recent frees in a fixed ring, newest at tombstone_next_ - 1; scanned only on a failed Free.
-  std::vector<Tombstone> tombstones_;          // guarded by mu_
-  size_t tombstone_next_ = 0;                  // guarded by mu_
-  // Backtraces by address, kept only when capture_backtraces is on.
-  std::unordered_map<uint64_t, std::vector<void*>> traces_;  // guarded by mu_
-  // Extracted nodes of live_, reused so the hot path allocates no tree nodes (bounded).
-  std::vector<std::map<uint64_t, Live>::node_type> live_nodes_;  // guarded by mu_
+  std::unique_ptr<LiveTable> live_;            // guarded by mu_ (owner records, tombstones)
   uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
   uint64_t need_peak_bytes_ = 0;               // guarded by mu_: peak of held minus retained
   uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
   SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
   HostArenaStats stats_;                       // guarded by mu_
 
-  static constexpr size_t kMaxTombstones = 4096;
-  static constexpr size_t kMaxCachedNodes = 64;
 };
 
 }  // namespace spillway::allocator
