@@ -29,6 +29,36 @@ Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
   return Status::Ok();
 }
 
+Status ExtentMap::GrowSpan(uint64_t base, uint64_t extra) {
+  auto it = spans_.find(base);
+  if (it == spans_.end()) return Status::Internal(StrCat("ExtentMap::GrowSpan: no span at ", base));
+  Span& span = it->second;
+  const uint64_t old_end = base + span.size;
+  auto next = std::next(it);
+  if (extra == 0 || old_end + extra < old_end ||
+      (next != spans_.end() && next->first < old_end + extra)) {
+    return Status::Internal(StrCat("ExtentMap::GrowSpan: growing span ", base, " by ", extra,
+                                   " would overlap or wrap"));
+  }
+  span.size += extra;
+  span_bytes_ += extra;
+  if (span.used_count == 0) empty_bytes_ += extra;
+  auto tail = free_by_addr_.lower_bound(old_end);
+  if (tail != free_by_addr_.begin()) {
+    auto prev = std::prev(tail);
+    if (prev->second.span_base == base && prev->first + prev->second.size == old_end) {
+      auto size_node = free_by_size_.extract({prev->second.size, prev->first});
+      size_node.value().first += extra;
+      free_by_size_.insert(std::move(size_node));
+      prev->second.size += extra;
+      free_bytes_ += extra;
+      return Status::Ok();
+    }
+  }
+  InsertFree(old_end, extra, base);
+  return Status::Ok();
+}
+
 Status ExtentMap::RemoveSpan(uint64_t base) {
   auto it = spans_.find(base);
   if (it == spans_.end()) {
@@ -126,6 +156,13 @@ bool ExtentMap::IsFree(uint64_t addr) const {
   if (it == free_by_addr_.begin()) return false;
   --it;
   return addr < it->first + it->second.size;
+}
+
+uint64_t ExtentMap::FreeBytesEndingAt(uint64_t end) const {
+  auto it = free_by_addr_.lower_bound(end);
+  if (it == free_by_addr_.begin()) return 0;
+  --it;
+  return it->first + it->second.size == end ? it->second.size : 0;
 }
 
 uint64_t ExtentMap::largest_free_extent() const {

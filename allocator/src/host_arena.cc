@@ -136,6 +136,39 @@ void HostArena::SetSpillHandler(SpillHandler handler) {
   spill_handler_ = std::move(handler);
 }
 
+void HostArena::AddRegionObserver(RegionObserver* observer) {
+  {
+    std::lock_guard<std::mutex> lock(observers_mu_);
+    observers_.push_back(observer);
+  }
+  for (const RegionInfo& r : Regions()) observer->OnRegionMapped(r.base, r.bytes);
+}
+
+void HostArena::RemoveRegionObserver(RegionObserver* observer) {
+  std::unique_lock<std::mutex> lock(observers_mu_);
+  observers_.erase(std::remove(observers_.begin(), observers_.end(), observer), observers_.end());
+  observers_idle_.wait(lock, [this] { return callbacks_in_flight_ == 0; });
+}
+
+void HostArena::NotifyObservers(bool mapped, void* base, uint64_t bytes) {
+  std::vector<RegionObserver*> observers;
+  {
+    std::lock_guard<std::mutex> lock(observers_mu_);
+    if (observers_.empty()) return;
+    observers = observers_;
+    ++callbacks_in_flight_;
+  }
+  for (RegionObserver* o : observers) {
+    if (mapped) {
+      o->OnRegionMapped(base, bytes);
+    } else {
+      o->OnRegionUnmapping(base, bytes);
+    }
+  }
+  std::lock_guard<std::mutex> lock(observers_mu_);
+  if (--callbacks_in_flight_ == 0) observers_idle_.notify_all();
+}
+
 void HostArena::set_policy(EscapePolicy policy) {
   std::lock_guard<std::mutex> lock(mu_);
   options_.policy = policy;
@@ -159,6 +192,7 @@ Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
     (void)os::Unmap(base, bytes);
     return st;
   }
+  NotifyObservers(true, base, bytes);  // before anyone can be handed memory from it
   return Region{base, bytes, pin_mode_};
 }
 
@@ -166,6 +200,7 @@ void HostArena::ReleaseRegions(const std::vector<Region>& regions) {
   if (regions.empty()) return;
   uint64_t total = 0;
   for (const Region& r : regions) {
+    NotifyObservers(false, r.base, r.bytes);
     if (r.pinned_with == PinMode::kCuda) {
       Status st = cuda::HostUnregister(r.base, r.bytes);
       if (!st.ok()) Log(LogLevel::kError, st.ToString());

@@ -32,6 +32,9 @@ class ExtentMap {
 
   // Adds [base, base+size) as one free extent. The range must not overlap an existing span.
   Status AddSpan(uint64_t base, uint64_t size);
+  // Extends the span at `base` by `extra` bytes at its end (a file that grew); the new space merges
+  // with a free extent that ends where the span did.
+  Status GrowSpan(uint64_t base, uint64_t extra);
   // Removes a span that holds no allocation. On error nothing changed.
   Status RemoveSpan(uint64_t base);
 
@@ -46,6 +49,8 @@ class ExtentMap {
 
   // The span that contains `addr`, or null.
   const Span* FindSpan(uint64_t addr) const;
+  // The size of the free extent that ends exactly at `end`, or 0.
+  uint64_t FreeBytesEndingAt(uint64_t end) const;
   // Whether `addr` lies inside a free extent.
   bool IsFree(uint64_t addr) const;
 

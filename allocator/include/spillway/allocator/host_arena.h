@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -113,6 +114,16 @@ struct HostArenaStats : LiveStats {
 //   sum(live_by_kind) == sum(live_by_lifetime) == live
 class HostArena final : public Tier {
  public:
+  // Told about every region the arena maps or is about to unmap, without any arena lock held: the
+  // I/O engine registers regions as io_uring fixed buffers. OnRegionUnmapping runs before the
+  // region's memory goes away.
+  class RegionObserver {
+   public:
+    virtual ~RegionObserver() = default;
+    virtual void OnRegionMapped(void* base, uint64_t bytes) = 0;
+    virtual void OnRegionUnmapping(void* base, uint64_t bytes) = 0;
+  };
+
   // Called without locks when a request would cross the budget; returns the bytes it freed
   // (by calling Free on this arena). Set by the offload layer to spill partitions to NVMe.
   using SpillHandler = std::function<uint64_t(uint64_t bytes_needed)>;
@@ -132,6 +143,10 @@ class HostArena final : public Tier {
   uint64_t Trim();
 
   void SetSpillHandler(SpillHandler handler);
+  // Adds an observer and reports every existing region to it. RemoveRegionObserver waits for
+  // callbacks in flight, after which the observer may be destroyed.
+  void AddRegionObserver(RegionObserver* observer);
+  void RemoveRegionObserver(RegionObserver* observer);
   void set_policy(EscapePolicy policy);
 
   // True when [ptr, ptr+bytes) lies inside one region of this arena (pinned memory for I/O).
@@ -186,6 +201,12 @@ class HostArena final : public Tier {
   mutable std::mutex mu_;
   ExtentMap extents_;                          // guarded by mu_
   std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
+  // Observers: their own mutex, never held while calling one (callbacks_in_flight_ counts those).
+  std::mutex observers_mu_;
+  std::condition_variable observers_idle_;
+  std::vector<RegionObserver*> observers_;     // guarded by observers_mu_
+  int callbacks_in_flight_ = 0;                // guarded by observers_mu_
+  void NotifyObservers(bool mapped, void* base, uint64_t bytes);  // without mu_
   std::unique_ptr<LiveTable> live_;            // guarded by mu_ (owner records, tombstones)
   uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
   uint64_t need_peak_bytes_ = 0;               // guarded by mu_: peak of held minus retained

@@ -1,0 +1,119 @@
+// NvmeArena: exact extents in one preallocated, anonymous swap file (DeepSpeed's nvme_path), with
+// the same owner tags, lifetimes, boundaries and budget as the host arena, and a CRC32C per extent
+// written with it and verified on every read. I/O runs on a UringEngine. See docs/nvme.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "spillway/allocator/extent_map.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/live_stats.h"
+#include "spillway/allocator/owner.h"
+#include "spillway/allocator/status.h"
+#include "spillway/allocator/uring_engine.h"
+
+namespace spillway::allocator {
+
+class LiveTable;
+
+struct NvmeArenaOptions {
+  std::string name = "nvme";
+  std::string directory;               // nvme_path: must exist and be writable
+  uint64_t budget_bytes = 0;           // the most the swap file may grow to; required
+  uint64_t grow_bytes = 256ull << 20;  // fallocate step
+  EscapePolicy policy = EscapePolicy::kReport;
+  bool checksum = true;                // CRC32C per extent, verified on read
+  Ledger* ledger = nullptr;            // null = Ledger::Default()
+};
+
+struct NvmeArenaStats : LiveStats {
+  EscapePolicy policy = EscapePolicy::kReport;
+  uint64_t budget_bytes = 0;
+  uint64_t capacity_bytes = 0;         // the file's preallocated size
+  uint64_t free_bytes = 0;             // inside the file, not allocated
+  uint64_t peak_capacity_bytes = 0;
+  uint32_t alignment = 0;              // direct-I/O granule in force
+  bool direct_io = true;
+  bool checksum = true;
+  uint64_t grow_count = 0;
+  uint64_t over_budget_count = 0;
+  uint64_t no_space_count = 0;
+  uint64_t checksum_failures = 0;
+  uint64_t write_failures = 0;
+  uint64_t read_failures = 0;
+  uint64_t written_bytes = 0;          // through Write (verified complete)
+  uint64_t read_bytes = 0;             // through Read (checksum verified)
+};
+
+// Thread-safe. mu_ guards the extent map, the live table and the checksum table; it is never held
+// across fallocate or I/O.
+// Invariants (Validate): capacity == live + free; every extent is a multiple of the alignment;
+// capacity <= budget; each checksum belongs to a live extent.
+class NvmeArena final : public Tier {
+ public:
+  // Opens the swap file. On error nothing is left on disk.
+  static Result<std::unique_ptr<NvmeArena>> Create(NvmeArenaOptions options, UringEngine* engine);
+  ~NvmeArena() override;
+  NvmeArena(const NvmeArena&) = delete;
+  NvmeArena& operator=(const NvmeArena&) = delete;
+
+  // An extent of `bytes` rounded up to the alignment; returns its file offset.
+  Result<uint64_t> Allocate(uint64_t bytes, const OwnerTag& tag);
+  Status Free(uint64_t offset);
+
+  // Writes the whole extent at `offset` from `src` (exactly the size it was allocated with) and
+  // records its checksum once the write completed. On error the extent holds no valid data and
+  // `src` is untouched: the caller's copy is still the only good one.
+  Status Write(uint64_t offset, const void* src, uint64_t bytes);
+  // Reads the whole extent into `dst` and verifies its checksum. A mismatch is kChecksumMismatch
+  // naming the owner; an extent never written (or whose last write failed) is an error too.
+  Status Read(uint64_t offset, void* dst, uint64_t bytes);
+
+  NvmeArenaStats Stats() const;
+  Status Validate() const;
+  uint32_t alignment() const { return alignment_; }
+  // The swap file's descriptor, for tests that corrupt it on purpose.
+  int fd_for_testing() const { return fd_; }
+
+  const std::string& tier_name() const override { return options_.name; }
+  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
+                         TierReport* out) override;
+  void ReleaseScope(ScopeId scope, TierReport* out) override;
+
+ private:
+  struct Check {
+    bool valid = false;   // the last write completed
+    uint32_t crc = 0;
+  };
+  NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd, int file_id,
+            uint32_t alignment, bool direct);
+  // Grows the file by fallocate so that `need` more bytes fit. Without mu_.
+  Status Grow(uint64_t need);
+  // mu_ held: checks that `offset` is a live extent of exactly `bytes` requested bytes and fills
+  // `what` with a description for messages ("param owner 3 (1.00 MiB at offset 8192)").
+  Status CheckExtentLocked(uint64_t offset, uint64_t bytes, const char* verb,
+                           std::string* what) const;
+
+  NvmeArenaOptions options_;
+  UringEngine* const engine_;
+  Ledger* const ledger_;
+  const int fd_;
+  const int file_id_;
+  const uint32_t alignment_;
+  const bool direct_;
+
+  mutable std::mutex mu_;
+  std::condition_variable grown_cv_;             // a growth finished
+  bool growing_ = false;                         // guarded by mu_: one fallocate at a time
+  ExtentMap extents_;                            // guarded by mu_: one span, the whole file
+  std::unique_ptr<LiveTable> live_;              // guarded by mu_
+  std::unordered_map<uint64_t, Check> checks_;   // guarded by mu_: by extent offset
+  NvmeArenaStats stats_;                         // guarded by mu_
+};
+
+}  // namespace spillway::allocator

@@ -1,0 +1,372 @@
+// NvmeArena: one anonymous, preallocated O_DIRECT swap file, carved into exact extents; owners,
+// boundaries and budget as in the host arena; a CRC32C per extent. Note [Swap file] in docs/nvme.md.
+#include "spillway/allocator/nvme_arena.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "crc32c.h"
+#include "live_table.h"
+#include "spillway/allocator/log.h"
+
+namespace spillway::allocator {
+namespace {
+
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string FreeSpace(const std::string& dir) {
+  struct statvfs vfs{};
+  if (statvfs(dir.c_str(), &vfs) != 0) return "unknown";
+  return FormatBytes(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize);
+}
+
+// Opens an anonymous file in `dir`: O_TMPFILE, or a 0600 file in a private 0700 directory that is
+// unlinked at once. Nothing is left on disk if the process dies.
+Result<int> OpenSwapFile(const std::string& dir, bool* direct) {
+  struct stat st{};
+  if (stat(dir.c_str(), &st) != 0) {
+    return Status::FromErrno(StatusCode::kInvalidArgument, errno,
+                             StrCat("nvme_path '", dir, "' cannot be used; create it, or point "
+                                    "offload_param/offload_optimizer.nvme_path at a directory on "
+                                    "the NVMe drive"));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument(StrCat("nvme_path '", dir, "' is not a directory"));
+  }
+  for (bool try_direct : {true, false}) {
+    const int flags = O_RDWR | O_CLOEXEC | (try_direct ? O_DIRECT : 0);
+    int fd = open(dir.c_str(), O_TMPFILE | flags, 0600);
+    if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
+      // No O_TMPFILE here: a private directory, a file in it, both unlinked at once.
+      std::string tmpl = dir + "/spillway-XXXXXX";
+      std::vector<char> path(tmpl.begin(), tmpl.end());
+      path.push_back('\0');
+      if (mkdtemp(path.data()) != nullptr) {
+        const std::string file = std::string(path.data()) + "/swap";
+        fd = open(file.c_str(), O_CREAT | O_EXCL | flags, 0600);
+        const int saved = errno;
+        unlink(file.c_str());
+        rmdir(path.data());
+        errno = saved;
+      }
+    }
+    if (fd >= 0) {
+      *direct = try_direct;
+      return fd;
+    }
+    if (errno == EINVAL && try_direct) continue;  // no O_DIRECT on this filesystem (tmpfs)
+    const int err = errno;
+    const bool perm = err == EACCES || err == EPERM || err == EROFS;
+    return Status::FromErrno(
+        perm ? StatusCode::kInvalidArgument : StatusCode::kIoError, err,
+        StrCat("creating the swap file in nvme_path '", dir, "'",
+               perm ? " (the directory is not writable by this process; choose a writable "
+                      "nvme_path)"
+                    : ""));
+  }
+  return Status::Internal("OpenSwapFile: unreachable");
+}
+
+uint32_t DirectIoAlignment(int fd) {
+  struct statx sx{};
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+      sx.stx_dio_offset_align != 0) {
+    return std::max<uint32_t>({sx.stx_dio_offset_align, sx.stx_dio_mem_align, 512u});
+  }
+  return 4096;  // kernels before 6.1, or filesystems that do not say
+}
+
+}  // namespace
+
+Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options,
+                                                     UringEngine* engine) {
+  if (engine == nullptr) return Status::InvalidArgument("NvmeArena: an I/O engine is required");
+  if (options.budget_bytes == 0) {
+    return Status::InvalidArgument(StrCat("nvme arena '", options.name,
+                                          "': no NVMe budget; set spillway.nvme_budget_bytes to "
+                                          "the most this rank may write to nvme_path"));
+  }
+  if (options.grow_bytes == 0) {
+    return Status::InvalidArgument("nvme arena: grow_bytes must be positive");
+  }
+  bool direct = false;
+  auto fd = OpenSwapFile(options.directory, &direct);
+  if (!fd.ok()) return fd.status().WithContext(StrCat("nvme arena '", options.name, "'"));
+  const uint32_t alignment = direct ? DirectIoAlignment(*fd) : 4096;
+  if (!direct) {
+    Log(LogLevel::kWarning, StrCat("nvme arena '", options.name, "': '", options.directory,
+                                   "' does not support O_DIRECT; the swap file goes through the "
+                                   "page cache (not an NVMe drive?)"));
+  }
+  auto file_id = engine->RegisterFile(*fd, StrCat("swap file in ", options.directory), alignment);
+  if (!file_id.ok()) {
+    close(*fd);
+    return file_id.status();
+  }
+  options.budget_bytes = options.budget_bytes / alignment * alignment;
+  options.grow_bytes = RoundUp(options.grow_bytes, alignment);
+  Ledger* ledger = options.ledger != nullptr ? options.ledger : &Ledger::Default();
+  std::unique_ptr<NvmeArena> arena(
+      new NvmeArena(std::move(options), engine, ledger, *fd, *file_id, alignment, direct));
+  ledger->Attach(arena.get());
+  return arena;
+}
+
+NvmeArena::NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd,
+                     int file_id, uint32_t alignment, bool direct)
+    : options_(std::move(options)),
+      engine_(engine),
+      ledger_(ledger),
+      fd_(fd),
+      file_id_(file_id),
+      alignment_(alignment),
+      direct_(direct),
+      live_(std::make_unique<LiveTable>(ledger, StrCat("nvme arena '", options_.name, "'"))) {
+  stats_.policy = options_.policy;
+  stats_.budget_bytes = options_.budget_bytes;
+  stats_.alignment = alignment_;
+  stats_.direct_io = direct_;
+  stats_.checksum = options_.checksum;
+}
+
+NvmeArena::~NvmeArena() {
+  ledger_->Detach(this);
+  Status st = engine_->UnregisterFile(file_id_);
+  if (!st.ok()) Log(LogLevel::kError, st.ToString());
+  close(fd_);  // the file was never linked: closing it frees the space
+}
+
+Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
+  if (static_cast<int>(tag.kind) >= kKindCount ||
+      static_cast<int>(tag.lifetime) >= kLifetimeCount) {
+    return Status::InvalidArgument("NvmeArena::Allocate: owner tag kind or lifetime out of range");
+  }
+  if (bytes == 0) {
+    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size 0 for ", KindName(tag.kind),
+                                          " owner ", tag.owner_id, "; ask for at least 1 byte"));
+  }
+  if (bytes > UINT64_MAX - alignment_) {
+    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size ", bytes, " overflows"));
+  }
+  if (!ledger_->scope_exists(tag.scope)) {
+    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: scope ", tag.scope,
+                                          " was never created"));
+  }
+  const uint64_t rounded = RoundUp(bytes, alignment_);
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (!ledger_->scope_live(tag.scope)) {
+      return Status::FailedPrecondition(StrCat("NvmeArena::Allocate: scope ", tag.scope,
+                                               " was released"));
+    }
+    if (auto off = extents_.Allocate(rounded)) {
+      live_->Insert(*off, rounded, bytes, tag, nullptr);
+      checks_[*off] = Check{};
+      return *off;
+    }
+    // Grow the file. The free tail of the file merges with the new space, so only the rest counts.
+    const uint64_t capacity = extents_.span_bytes();
+    const uint64_t tail = capacity == 0 ? 0 : extents_.FreeBytesEndingAt(capacity);
+    const uint64_t need = rounded - tail;
+    if (capacity + need > options_.budget_bytes) {
+      stats_.over_budget_count++;
+      return Status::OverBudget(StrCat(
+          "nvme arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
+          KindName(tag.kind), " owner ", tag.owner_id, " would grow the swap file to ",
+          FormatBytes(capacity + need), ", over the NVMe budget of ",
+          FormatBytes(options_.budget_bytes), " (live ", FormatBytes(live_->stats().live_bytes),
+          ", free inside the file ", FormatBytes(extents_.free_bytes()),
+          "). Raise spillway.nvme_budget_bytes or free NVMe extents first"));
+    }
+    if (growing_) {
+      grown_cv_.wait(lock);
+      continue;
+    }
+    const uint64_t grow = std::min(std::max(options_.grow_bytes, RoundUp(need, alignment_)),
+                                   options_.budget_bytes - capacity);
+    growing_ = true;
+    lock.unlock();
+    int rc = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow));
+    const int err = rc == 0 ? 0 : errno;
+    lock.lock();
+    growing_ = false;
+    grown_cv_.notify_all();
+    if (err != 0) {
+      stats_.no_space_count++;
+      const bool fbig = err == EFBIG;
+      return Status::FromErrno(
+          StatusCode::kNoSpace, err,
+          StrCat("nvme arena '", options_.name, "': growing the swap file in '", options_.directory,
+                 "' from ", FormatBytes(capacity), " by ", FormatBytes(grow), " failed (",
+                 FreeSpace(options_.directory), " free there); ",
+                 fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
+                        "reached; raise the limit or lower spillway.nvme_budget_bytes"
+                      : "free space on the device or lower spillway.nvme_budget_bytes",
+                 ". Nothing was allocated"));
+    }
+    Status st = capacity == 0 ? extents_.AddSpan(0, grow) : extents_.GrowSpan(0, grow);
+    if (!st.ok()) return st;
+    stats_.grow_count++;
+  }
+}
+
+Status NvmeArena::Free(uint64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (live_->Find(offset) == nullptr) {
+    live_->NoteBadFree();
+    return Status::InvalidArgument(
+        live_->DescribeBadFree(offset, offset < extents_.span_bytes()));
+  }
+  extents_.Free(offset, live_->Erase(offset, LiveTable::FreeReason::kFreed).bytes);
+  checks_.erase(offset);
+  return Status::Ok();
+}
+
+Status NvmeArena::CheckExtentLocked(uint64_t offset, uint64_t bytes, const char* verb,
+                                    std::string* what) const {
+  const LiveTable::Live* live = live_->Find(offset);
+  if (live == nullptr) {
+    return Status::InvalidArgument(StrCat(
+        verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
+  }
+  *what = StrCat(KindName(live->tag.kind), " owner ", live->tag.owner_id, " (",
+                 FormatBytes(live->requested), " at offset ", offset, " of the swap file in '",
+                 options_.directory, "')");
+  if (bytes != live->requested) {
+    return Status::InvalidArgument(StrCat(verb, " of ", bytes, " bytes into ", *what,
+                                          ": the extent holds ", live->requested,
+                                          " bytes; transfer exactly that many"));
+  }
+  return Status::Ok();
+}
+
+Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
+  if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
+  std::string what;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &what));
+    checks_[offset].valid = false;  // until this write completes, the old contents are gone
+  }
+  const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
+  Status st = engine_->WriteSync(file_id_, offset, src, bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = checks_.find(offset);
+  if (!st.ok()) {
+    stats_.write_failures++;
+    return st.WithContext(StrCat("writing ", what, "; the host copy is untouched and still valid"));
+  }
+  if (it != checks_.end()) it->second = Check{true, crc};
+  stats_.written_bytes += bytes;
+  return Status::Ok();
+}
+
+Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
+  if (dst == nullptr) return Status::InvalidArgument("NvmeArena::Read: null destination");
+  std::string what;
+  Check check;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Read", &what));
+    check = checks_.at(offset);
+    if (!check.valid) {
+      return Status::FailedPrecondition(StrCat("reading ", what,
+                                               ": it holds no valid data (never written, or its "
+                                               "last write failed)"));
+    }
+  }
+  Status st = engine_->ReadSync(file_id_, offset, dst, bytes);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.read_failures++;
+    return st.WithContext(StrCat("reading ", what, "; the destination is not valid"));
+  }
+  if (options_.checksum) {
+    const uint32_t crc = Crc32c(dst, bytes);
+    if (crc != check.crc) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.checksum_failures++;
+      char hex[64];
+      std::snprintf(hex, sizeof(hex), "stored crc32c 0x%08x, read back 0x%08x", check.crc, crc);
+      return Status::Make(StatusCode::kChecksumMismatch,
+                          StrCat("checksum mismatch reading ", what, ": ", hex,
+                                 ". The data on disk is corrupt; the destination holds the bad "
+                                 "bytes and must not be used. Restore from the host copy or a "
+                                 "checkpoint"));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.read_bytes += bytes;
+  return Status::Ok();
+}
+
+NvmeArenaStats NvmeArena::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  NvmeArenaStats s = stats_;
+  static_cast<LiveStats&>(s) = live_->stats();
+  s.capacity_bytes = extents_.span_bytes();
+  s.free_bytes = extents_.free_bytes();
+  return s;
+}
+
+Status NvmeArena::Validate() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPILLWAY_RETURN_IF_ERROR(live_->Validate());
+  const auto allocated = live_->Extents();
+  SPILLWAY_RETURN_IF_ERROR(extents_.Validate(allocated));
+  for (const auto& [off, bytes] : allocated) {
+    if (off % alignment_ != 0 || bytes % alignment_ != 0) {
+      return Status::Internal(StrCat("Validate: extent at ", off, " is not aligned"));
+    }
+  }
+  if (extents_.span_bytes() != live_->stats().live_bytes + extents_.free_bytes()) {
+    return Status::Internal("Validate: capacity != live + free");
+  }
+  if (extents_.span_bytes() > options_.budget_bytes) {
+    return Status::Internal("Validate: the swap file is larger than the budget");
+  }
+  if (checks_.size() != allocated.size()) {
+    return Status::Internal("Validate: checksum table and live table differ");
+  }
+  return Status::Ok();
+}
+
+Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
+                                  TierReport* out) {
+  LiveTable::Traces traces;
+  out->tier = options_.name;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_->CollectEscapes(kind, epoch, step, options_.policy, out, &traces,
+                          [this](uint64_t off, uint64_t bytes) {
+                            extents_.Free(off, bytes);
+                            checks_.erase(off);
+                          });
+    out->committed_bytes = extents_.span_bytes();
+  }
+  LiveTable::FinishEscapes(*ledger_, traces, out);
+  return LiveTable::EscapeError(StrCat("nvme arena '", options_.name, "'"), kind, epoch, step,
+                                *out);
+}
+
+void NvmeArena::ReleaseScope(ScopeId scope, TierReport* out) {
+  out->tier = options_.name;
+  std::lock_guard<std::mutex> lock(mu_);
+  out->policy = options_.policy;
+  live_->ReleaseScope(scope, out, [this](uint64_t off, uint64_t bytes) {
+    extents_.Free(off, bytes);
+    checks_.erase(off);
+  });
+  out->committed_bytes = extents_.span_bytes();
+}
+
+}  // namespace spillway::allocator

@@ -1,0 +1,232 @@
+// UringEngine on real files, on both backends: round trips through fixed buffers and the bounce
+// pool, many requests in flight, alignment rules, and every fault the seam can inject.
+#include "spillway/allocator/uring_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "nvme_test_util.h"
+
+namespace spillway::allocator {
+namespace {
+
+using testing::FillRandom;
+using testing::Has;
+using testing::IoRig;
+using testing::kMiB;
+
+class UringEngineTest : public ::testing::TestWithParam<bool> {  // param: thread pool
+ protected:
+  void SetUp() override {
+    rig_ = std::make_unique<IoRig>(GetParam(), &faults_);
+    ASSERT_NE(rig_->engine, nullptr);
+    fd_ = testing::OpenScratch();
+    ASSERT_GE(fd_, 0);
+    auto id = rig_->engine->RegisterFile(fd_, "scratch", 4096);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    file_ = *id;
+  }
+  void TearDown() override {
+    if (rig_ && rig_->engine) {
+      EXPECT_TRUE(rig_->engine->UnregisterFile(file_).ok());
+    }
+    rig_.reset();
+    close(fd_);
+  }
+  // Writes `bytes` of random data from `src` at `offset`, reads into `dst`, compares.
+  void RoundTrip(void* src, void* dst, uint64_t bytes, uint64_t offset, uint64_t seed) {
+    FillRandom(src, bytes, seed);
+    Status w = rig_->engine->WriteSync(file_, offset, src, bytes);
+    ASSERT_TRUE(w.ok()) << w.ToString();
+    std::memset(dst, 0, bytes);
+    Status r = rig_->engine->ReadSync(file_, offset, dst, bytes);
+    ASSERT_TRUE(r.ok()) << r.ToString();
+    ASSERT_EQ(std::memcmp(src, dst, bytes), 0);
+  }
+  IoFaults faults_;
+  std::unique_ptr<IoRig> rig_;
+  int fd_ = -1;
+  int file_ = -1;
+};
+
+TEST_P(UringEngineTest, ReportsItsBackend) {
+  IoStats st = rig_->engine->Stats();
+  if (GetParam()) {
+    EXPECT_EQ(st.backend, IoBackend::kThreadPool);
+    EXPECT_NE(st.fallback_reason.find("forced"), std::string::npos) << st.fallback_reason;
+  } else {
+    EXPECT_EQ(st.backend, IoBackend::kUring)
+        << "io_uring is unavailable here: " << st.fallback_reason;
+  }
+}
+
+TEST_P(UringEngineTest, ArenaBuffersRoundTripInManyChunks) {
+  const uint64_t bytes = 9 * kMiB + 3 * 4096;
+  void* src = rig_->HostBuffer(bytes);
+  void* dst = rig_->HostBuffer(bytes);
+  RoundTrip(src, dst, bytes, 8192, 1);
+  IoStats st = rig_->engine->Stats();
+  EXPECT_EQ(st.bounce_chunks, 0u);
+  EXPECT_EQ(st.write_ops, 10u);  // 9 whole 1 MiB chunks and one of 12 KiB
+  EXPECT_EQ(st.read_bytes, bytes);
+  EXPECT_EQ(st.write_bytes, bytes);
+  if (!GetParam()) {
+    EXPECT_EQ(st.fixed_buffer_chunks, 20u);  // every chunk used read/write_fixed
+  }
+}
+
+TEST_P(UringEngineTest, ForeignAndUnalignedBuffersGoThroughTheBouncePool) {
+  const uint64_t bytes = 3 * kMiB + 100;  // a tail that is not a multiple of the alignment
+  std::vector<char> src(bytes + 1), dst(bytes + 1);
+  RoundTrip(src.data() + 1, dst.data() + 1, bytes, 0, 2);  // misaligned on purpose
+  IoStats st = rig_->engine->Stats();
+  EXPECT_EQ(st.bounce_chunks, 8u);  // 4 chunks each way
+  EXPECT_EQ(st.bounce_bytes, 2 * bytes);
+}
+
+TEST_P(UringEngineTest, ManyRequestsInFlightThenOneWaitAll) {
+  constexpr int kRequests = 64;
+  constexpr uint64_t kBytes = 256 * 1024;
+  std::vector<char*> src(kRequests), dst(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    src[i] = static_cast<char*>(rig_->HostBuffer(kBytes));
+    dst[i] = static_cast<char*>(rig_->HostBuffer(kBytes));
+    FillRandom(src[i], kBytes, 100 + i);
+    ASSERT_TRUE(rig_->engine->Write(file_, i * kBytes, src[i], kBytes).ok());
+  }
+  ASSERT_TRUE(rig_->engine->WaitAll().ok());
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(rig_->engine->Read(file_, i * kBytes, dst[i], kBytes).ok());
+  }
+  ASSERT_TRUE(rig_->engine->WaitAll().ok());
+  for (int i = 0; i < kRequests; ++i) ASSERT_EQ(std::memcmp(src[i], dst[i], kBytes), 0) << i;
+  EXPECT_EQ(rig_->engine->Stats().queued_requests, 0u);
+}
+
+TEST_P(UringEngineTest, FourThreadsShareTheEngine) {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      const uint64_t bytes = 2 * kMiB;
+      std::vector<char> src(bytes), dst(bytes);
+      for (int round = 0; round < 4; ++round) {
+        FillRandom(src.data(), bytes, t * 10 + round);
+        const uint64_t off = static_cast<uint64_t>(t) * 4 * kMiB;
+        ASSERT_TRUE(rig_->engine->WriteSync(file_, off, src.data(), bytes).ok());
+        ASSERT_TRUE(rig_->engine->ReadSync(file_, off, dst.data(), bytes).ok());
+        ASSERT_EQ(std::memcmp(src.data(), dst.data(), bytes), 0);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+}
+
+TEST_P(UringEngineTest, MisalignedFileOffsetIsRefused) {
+  std::vector<char> buf(4096);
+  auto t = rig_->engine->Write(file_, 100, buf.data(), buf.size());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(t.status(), "multiple of the direct-I/O alignment 4096")) << t.status().ToString();
+}
+
+TEST_P(UringEngineTest, TicketsAreWaitedForOnce) {
+  std::vector<char> buf(4096);
+  auto t = rig_->engine->Write(file_, 0, buf.data(), buf.size());
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(rig_->engine->Wait(*t).ok());
+  Status again = rig_->engine->Wait(*t);
+  EXPECT_EQ(again.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(again, "already waited")) << again.ToString();
+  EXPECT_EQ(rig_->engine->Write(99, 0, buf.data(), 4096).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_P(UringEngineTest, ReadPastTheEndOfTheFileSaysSo) {
+  void* src = rig_->HostBuffer(kMiB);
+  ASSERT_TRUE(rig_->engine->WriteSync(file_, 0, src, kMiB).ok());
+  void* dst = rig_->HostBuffer(2 * kMiB);
+  Status st = rig_->engine->ReadSync(file_, 0, dst, 2 * kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_TRUE(Has(st, "reached the end of the file")) << st.ToString();
+  EXPECT_TRUE(Has(st, "'scratch'")) << st.ToString();
+}
+
+TEST_P(UringEngineTest, WriteEioNamesFileOffsetAndErrnoAndTheEngineCarriesOn) {
+  void* src = rig_->HostBuffer(3 * kMiB);
+  faults_.write_errno = EIO;
+  Status st = rig_->engine->WriteSync(file_, 4096, src, 3 * kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_EQ(st.sys_error(), EIO);
+  // Chunks run concurrently; whichever takes the fault first names its own offset.
+  bool names_a_chunk = false;
+  for (uint64_t off : {4096ull, 4096ull + kMiB, 4096ull + 2 * kMiB}) {
+    names_a_chunk |= Has(st, StrCat("write of 1048576 bytes at offset ", off, " of 'scratch'"));
+  }
+  EXPECT_TRUE(names_a_chunk) << st.ToString();
+  EXPECT_TRUE(Has(st, "Input/output error (errno 5)")) << st.ToString();
+  EXPECT_EQ(rig_->engine->Stats().failed_requests, 1u);
+  void* dst = rig_->HostBuffer(3 * kMiB);
+  RoundTrip(src, dst, 3 * kMiB, 4096, 3);  // usable afterwards
+}
+
+TEST_P(UringEngineTest, ReadEioIsReportedAndARetrySucceeds) {
+  void* src = rig_->HostBuffer(kMiB);
+  void* dst = rig_->HostBuffer(kMiB);
+  FillRandom(src, kMiB, 4);
+  ASSERT_TRUE(rig_->engine->WriteSync(file_, 0, src, kMiB).ok());
+  faults_.read_errno = EIO;
+  Status st = rig_->engine->ReadSync(file_, 0, dst, kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_TRUE(Has(st, "read of 1048576 bytes at offset 0")) << st.ToString();
+  ASSERT_TRUE(rig_->engine->ReadSync(file_, 0, dst, kMiB).ok());
+  EXPECT_EQ(std::memcmp(src, dst, kMiB), 0);
+}
+
+TEST_P(UringEngineTest, EnospcIsANoSpaceErrorThatSaysWhatToDo) {
+  void* src = rig_->HostBuffer(kMiB);
+  faults_.write_errno = ENOSPC;
+  Status st = rig_->engine->WriteSync(file_, 0, src, kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(Has(st, "free space on the NVMe path")) << st.ToString();
+}
+
+TEST_P(UringEngineTest, ShortReadsAndWritesAreResubmitted) {
+  void* src = rig_->HostBuffer(4 * kMiB);
+  void* dst = rig_->HostBuffer(4 * kMiB);
+  faults_.short_writes = 3;
+  faults_.short_reads = 3;
+  RoundTrip(src, dst, 4 * kMiB, 0, 5);
+  EXPECT_EQ(rig_->engine->Stats().short_resubmits, 6u);
+}
+
+TEST_P(UringEngineTest, EintrAndEagainAreRetried) {
+  void* src = rig_->HostBuffer(2 * kMiB);
+  void* dst = rig_->HostBuffer(2 * kMiB);
+  faults_.eintr = 3;
+  faults_.eagain = 2;
+  RoundTrip(src, dst, 2 * kMiB, 0, 6);
+  EXPECT_EQ(rig_->engine->Stats().retries, 5u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, UringEngineTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "ThreadPool" : "IoUring";
+                         });
+
+TEST(UringEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
+  Ledger ledger;
+  auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
+  UringEngineOptions o;
+  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "options.arena is required"));
+  o.arena = arena.get();
+  o.queue_depth = 0;
+  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.queue_depth"));
+  o.queue_depth = 8;
+  o.block_size = 1000;
+  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.block_size"));
+}
+
+}  // namespace
+}  // namespace spillway::allocator
