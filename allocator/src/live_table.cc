@@ -143,6 +143,10 @@ void LiveTable::CollectEscapes(BoundaryKind kind, int64_t epoch, int64_t step,
     const Live& live = live_.at(addr);
     out->escape_count++;
     out->escaped_bytes += live.bytes;
+    const auto k = static_cast<size_t>(live.tag.kind);
+    const auto l = static_cast<size_t>(live.tag.lifetime);
+    stats_.escapes_by[k][l]++;
+    stats_.escaped_bytes_by[k][l] += live.bytes;
     if (out->escapes.size() < TierReport::kMaxListedEscapes) {
       Escape e;
       e.kind = live.tag.kind;

@@ -1,0 +1,61 @@
+// Exporter: a live Prometheus /metrics endpoint for Spillway. A scrape reads the stats snapshots of
+// the watched components (arenas, engines, the ledger) and renders them; nothing on the allocation
+// or I/O hot path calls prometheus-cpp or takes a lock for metrics. See docs/metrics.md.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/status.h"
+#include "spillway/allocator/uring_engine.h"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace spillway::metrics {
+
+struct ExporterOptions {
+  std::string address = "127.0.0.1:9464";  // host:port; port 0 picks a free one
+  bool enabled = true;                      // false: serve nothing (Render still works)
+};
+
+class Collector;  // src/collector.h
+
+// Thread-safe. Watched components must stay alive until unwatched or until the exporter is
+// destroyed; Unwatch waits for a scrape in progress.
+class Exporter {
+ public:
+  // Binds the address and starts serving. A port already in use is an UNAVAILABLE status naming
+  // the address and the setting to change, never a crash.
+  static Result<std::unique_ptr<Exporter>> Start(ExporterOptions options);
+  ~Exporter();
+  Exporter(const Exporter&) = delete;
+  Exporter& operator=(const Exporter&) = delete;
+
+  void Watch(const allocator::HostArena* arena);
+  void Watch(const allocator::NvmeArena* arena);
+  void Watch(const allocator::UringEngine* engine);
+  void Watch(const allocator::Ledger* ledger);
+  void Unwatch(const void* component);
+
+  // The port actually bound (useful with port 0); 0 when disabled.
+  int port() const { return port_; }
+  std::string address() const;
+  // The text exposition a scrape returns now.
+  std::string Render() const;
+
+ private:
+  Exporter() = default;
+  std::shared_ptr<Collector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string host_;
+  int port_ = 0;
+};
+
+}  // namespace spillway::metrics

@@ -1,0 +1,259 @@
+// Collector: every Spillway metric family, built from stats snapshots at scrape time.
+// Names follow the Prometheus conventions: one prefix, base units, _total on counters, few
+// bounded labels (arena names are chosen by the operator; kinds, lifetimes, ops are enums).
+#include "collector.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <string>
+
+namespace spillway::metrics {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+using Labels = std::vector<std::pair<std::string, std::string>>;
+
+class Families {
+ public:
+  // Returns the family of that name, creating it with its help text and type on first use.
+  MetricFamily& Get(const std::string& name, const std::string& help, MetricType type) {
+    auto it = index_.find(name);
+    if (it != index_.end()) return families_[it->second];
+    index_[name] = families_.size();
+    families_.push_back(MetricFamily{name, help, type, {}});
+    return families_.back();
+  }
+  void Gauge(const std::string& name, const std::string& help, const Labels& labels, double v) {
+    Get(name, help, MetricType::Gauge).metric.push_back(Sample(labels, v, false));
+  }
+  void Counter(const std::string& name, const std::string& help, const Labels& labels, double v) {
+    Get(name, help, MetricType::Counter).metric.push_back(Sample(labels, v, true));
+  }
+  void Histogram(const std::string& name, const std::string& help, const Labels& labels,
+                 const uint64_t* counts, size_t n, double sum) {
+    ClientMetric m = Sample(labels, 0, false);
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < n; ++i) {
+      cumulative += counts[i];
+      ClientMetric::Bucket b;
+      b.cumulative_count = cumulative;
+      b.upper_bound = i < allocator::kIoLatencyBuckets.size()
+                          ? allocator::kIoLatencyBuckets[i]
+                          : std::numeric_limits<double>::infinity();
+      m.histogram.bucket.push_back(b);
+    }
+    m.histogram.sample_count = cumulative;
+    m.histogram.sample_sum = sum;
+    Get(name, help, MetricType::Histogram).metric.push_back(std::move(m));
+  }
+  std::vector<MetricFamily> Take() { return std::move(families_); }
+
+ private:
+  static ClientMetric Sample(const Labels& labels, double v, bool counter) {
+    ClientMetric m;
+    for (const auto& [k, val] : labels) m.label.push_back({k, val});
+    if (counter) {
+      m.counter.value = v;
+    } else {
+      m.gauge.value = v;
+    }
+    return m;
+  }
+  std::vector<MetricFamily> families_;
+  std::map<std::string, size_t> index_;
+};
+
+// Rss and Pss of this process, in bytes, from /proc/self/smaps_rollup.
+std::pair<double, double> ProcessMemory() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string key;
+  double rss = 0, pss = 0, kb = 0;
+  while (in >> key) {
+    if (key == "Rss:" && in >> kb) rss = kb * 1024;
+    if (key == "Pss:" && in >> kb) pss = kb * 1024;
+  }
+  return {rss, pss};
+}
+
+void AddOwnerFamilies(Families& f, const std::string& tier, const std::string& arena,
+                      const allocator::LiveStats& s) {
+  using allocator::Kind;
+  using allocator::Lifetime;
+  for (int k = 0; k < allocator::kKindCount; ++k) {
+    const char* kind = allocator::KindName(static_cast<Kind>(k));
+    f.Gauge("spillway_live_bytes_by_kind", "Live bytes by owner kind.",
+            {{"tier", tier}, {"arena", arena}, {"kind", kind}},
+            static_cast<double>(s.live_by_kind[k]));
+    for (int l = 0; l < allocator::kLifetimeCount; ++l) {
+      const char* lifetime = allocator::LifetimeName(static_cast<Lifetime>(l));
+      f.Counter("spillway_escapes_total",
+                "Allocations found alive past their lifetime at a step or epoch boundary.",
+                {{"tier", tier}, {"arena", arena}, {"kind", kind}, {"lifetime", lifetime}},
+                static_cast<double>(s.escapes_by[k][l]));
+      f.Counter("spillway_escaped_bytes_total", "Bytes of the escapes found at boundaries.",
+                {{"tier", tier}, {"arena", arena}, {"kind", kind}, {"lifetime", lifetime}},
+                static_cast<double>(s.escaped_bytes_by[k][l]));
+    }
+  }
+  for (int l = 0; l < allocator::kLifetimeCount; ++l) {
+    f.Gauge("spillway_live_bytes_by_lifetime", "Live bytes by lifetime.",
+            {{"tier", tier},
+             {"arena", arena},
+             {"lifetime", allocator::LifetimeName(static_cast<Lifetime>(l))}},
+            static_cast<double>(s.live_by_lifetime[l]));
+  }
+  const Labels ta = {{"tier", tier}, {"arena", arena}};
+  f.Gauge("spillway_live_allocations", "Live allocations.", ta,
+          static_cast<double>(s.live_allocations));
+  f.Counter("spillway_allocations_total", "Allocations made.", ta,
+            static_cast<double>(s.alloc_count));
+  f.Counter("spillway_frees_total", "Allocations freed (by Free, reclaim or scope release).", ta,
+            static_cast<double>(s.free_count));
+  f.Counter("spillway_reclaimed_total", "Escapes freed by the reclaim policy.", ta,
+            static_cast<double>(s.reclaim_count));
+  f.Counter("spillway_reclaimed_bytes_total", "Bytes freed by the reclaim policy.", ta,
+            static_cast<double>(s.reclaimed_bytes));
+  f.Counter("spillway_scope_freed_bytes_total", "Bytes freed by releasing owner scopes.", ta,
+            static_cast<double>(s.scope_freed_bytes));
+  f.Counter("spillway_bad_frees_total", "Frees refused: double, foreign or interior.", ta,
+            static_cast<double>(s.bad_free_count));
+}
+
+}  // namespace
+
+void Collector::Watch(const allocator::HostArena* a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hosts_.push_back(a);
+}
+void Collector::Watch(const allocator::NvmeArena* a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  nvmes_.push_back(a);
+}
+void Collector::Watch(const allocator::UringEngine* e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  engines_.push_back(e);
+}
+void Collector::Watch(const allocator::Ledger* l) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ledgers_.push_back(l);
+}
+void Collector::Unwatch(const void* c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto drop = [c](auto& v) {
+    v.erase(std::remove_if(v.begin(), v.end(), [c](const void* p) { return p == c; }), v.end());
+  };
+  drop(hosts_);
+  drop(nvmes_);
+  drop(engines_);
+  drop(ledgers_);
+}
+
+std::vector<MetricFamily> Collector::Collect() const {
+  Families f;
+  const auto [rss, pss] = ProcessMemory();  // syscalls before taking mu_
+  f.Gauge("spillway_build_info", "Build information; the value is always 1.",
+          {{"version", "0.1.0"}, {"cuda", SPILLWAY_WITH_CUDA ? "true" : "false"}}, 1);
+  f.Gauge("spillway_process_resident_bytes", "Resident set size of this process (Rss).", {}, rss);
+  f.Gauge("spillway_process_proportional_bytes",
+          "Proportional set size of this process (Pss): shared pages divided among sharers, so "
+          "copy-on-write copies after a fork show up here.",
+          {}, pss);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const allocator::Ledger* l : ledgers_) {
+    f.Gauge("spillway_epoch", "The current (or last) epoch; -1 before the first.", {},
+            static_cast<double>(l->epoch()));
+    f.Gauge("spillway_step", "The current (or last) step; -1 before the first.", {},
+            static_cast<double>(l->step()));
+  }
+  for (const allocator::HostArena* a : hosts_) {
+    const allocator::HostArenaStats s = a->Stats();
+    const std::string& name = a->tier_name();
+    const std::pair<const char*, uint64_t> states[] = {
+        {"reserved", s.reserved_bytes}, {"committed", s.committed_bytes},
+        {"pinned", s.pinned_bytes},     {"live", s.live_bytes},
+        {"retained", s.retained_bytes}, {"fragment", s.fragment_bytes}};
+    for (const auto& [state, bytes] : states) {
+      f.Gauge("spillway_host_bytes",
+              "Host arena bytes by state: reserved, committed (held from the OS), pinned, live "
+              "(handed out), retained (empty regions cached), fragment (free inside used regions).",
+              {{"arena", name}, {"state", state}}, static_cast<double>(bytes));
+    }
+    f.Gauge("spillway_host_peak_committed_bytes", "Most host bytes ever held from the OS.",
+            {{"arena", name}}, static_cast<double>(s.peak_committed_bytes));
+    f.Gauge("spillway_host_pin_mode_info", "How the host arena pins memory; the value is 1.",
+            {{"arena", name}, {"mode", allocator::PinModeName(s.pin_mode)}}, 1);
+    f.Gauge("spillway_budget_bytes", "The configured budget of each tier.",
+            {{"tier", "host"}, {"arena", name}}, static_cast<double>(s.budget_bytes));
+    f.Counter("spillway_over_budget_total", "Requests refused because they would cross a budget.",
+              {{"tier", "host"}, {"arena", name}}, static_cast<double>(s.over_budget_count));
+    f.Counter("spillway_spills_total", "Calls to the spill handler to make room under a budget.",
+              {{"arena", name}}, static_cast<double>(s.spill_calls));
+    f.Counter("spillway_spilled_bytes_total", "Bytes the spill handler freed.", {{"arena", name}},
+              static_cast<double>(s.spilled_bytes));
+    f.Counter("spillway_host_region_maps_total", "Regions mapped (and pinned) from the OS.",
+              {{"arena", name}}, static_cast<double>(s.region_map_count));
+    f.Counter("spillway_host_region_unmaps_total", "Regions given back to the OS.",
+              {{"arena", name}}, static_cast<double>(s.region_unmap_count));
+    AddOwnerFamilies(f, "host", name, s);
+  }
+  for (const allocator::NvmeArena* a : nvmes_) {
+    const allocator::NvmeArenaStats s = a->Stats();
+    const std::string& name = a->tier_name();
+    const std::pair<const char*, uint64_t> states[] = {
+        {"capacity", s.capacity_bytes}, {"live", s.live_bytes}, {"free", s.free_bytes}};
+    for (const auto& [state, bytes] : states) {
+      f.Gauge("spillway_nvme_bytes",
+              "NVMe arena bytes by state: capacity (the preallocated swap file), live, free.",
+              {{"arena", name}, {"state", state}}, static_cast<double>(bytes));
+    }
+    f.Gauge("spillway_budget_bytes", "The configured budget of each tier.",
+            {{"tier", "nvme"}, {"arena", name}}, static_cast<double>(s.budget_bytes));
+    f.Counter("spillway_over_budget_total", "Requests refused because they would cross a budget.",
+              {{"tier", "nvme"}, {"arena", name}}, static_cast<double>(s.over_budget_count));
+    f.Counter("spillway_checksum_failures_total", "Reads whose CRC32C did not match.",
+              {{"arena", name}}, static_cast<double>(s.checksum_failures));
+    f.Counter("spillway_nvme_no_space_total", "Swap-file growths refused by the filesystem.",
+              {{"arena", name}}, static_cast<double>(s.no_space_count));
+    AddOwnerFamilies(f, "nvme", name, s);
+  }
+  for (const allocator::UringEngine* e : engines_) {
+    const allocator::IoStats s = e->Stats();
+    const char* backend = allocator::IoBackendName(s.backend);
+    for (const char* op : {"read", "write"}) {
+      const bool read = op[0] == 'r';
+      const Labels l = {{"op", op}, {"backend", backend}};
+      f.Counter("spillway_io_bytes_total", "Bytes moved between host memory and files.", l,
+                static_cast<double>(read ? s.read_bytes : s.write_bytes));
+      f.Counter("spillway_io_operations_total", "Chunk operations completed.", l,
+                static_cast<double>(read ? s.read_ops : s.write_ops));
+      const auto& h = read ? s.read_latency : s.write_latency;
+      f.Histogram("spillway_io_latency_seconds", "Latency of one chunk, submission to completion.",
+                  l, h.data(), h.size(),
+                  read ? s.read_latency_sum_seconds : s.write_latency_sum_seconds);
+    }
+    const Labels b = {{"backend", backend}};
+    f.Gauge("spillway_io_in_flight", "Chunks submitted and not yet complete.", b,
+            static_cast<double>(s.in_flight_chunks));
+    f.Gauge("spillway_io_queued_requests", "Requests accepted and not yet complete.", b,
+            static_cast<double>(s.queued_requests));
+    f.Counter("spillway_io_failed_requests_total", "Requests that completed with an error.", b,
+              static_cast<double>(s.failed_requests));
+    f.Counter("spillway_io_retries_total", "Chunks resubmitted after EINTR or EAGAIN.", b,
+              static_cast<double>(s.retries));
+    f.Counter("spillway_io_short_resubmits_total", "Short transfers whose rest was resubmitted.", b,
+              static_cast<double>(s.short_resubmits));
+    f.Counter("spillway_bounce_buffer_uses_total",
+              "Chunks staged through the bounce pool (buffer outside the arena or unaligned).", b,
+              static_cast<double>(s.bounce_chunks));
+    f.Counter("spillway_bounce_bytes_total", "Bytes staged through the bounce pool.", b,
+              static_cast<double>(s.bounce_bytes));
+    f.Gauge("spillway_io_registered_regions", "Host arena regions registered as fixed buffers.", b,
+            static_cast<double>(s.registered_regions));
+  }
+  return f.Take();
+}
+
+}  // namespace spillway::metrics

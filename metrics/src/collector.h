@@ -1,0 +1,38 @@
+// Collector: turns stats snapshots into Prometheus metric families at scrape time.
+#pragma once
+
+#include <prometheus/collectable.h>
+#include <prometheus/metric_family.h>
+
+#include <mutex>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/uring_engine.h"
+
+namespace spillway::metrics {
+
+// Thread-safe: mu_ guards the watch lists and is held for a whole Collect, so Unwatch cannot
+// free a component mid-scrape. Collect takes each component's own lock briefly through Stats();
+// the only syscalls it makes (reading /proc/self) happen before mu_ is taken.
+class Collector final : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+  void Watch(const allocator::HostArena* a);
+  void Watch(const allocator::NvmeArena* a);
+  void Watch(const allocator::UringEngine* e);
+  void Watch(const allocator::Ledger* l);
+  void Unwatch(const void* component);
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<const allocator::HostArena*> hosts_;   // guarded by mu_
+  std::vector<const allocator::NvmeArena*> nvmes_;   // guarded by mu_
+  std::vector<const allocator::UringEngine*> engines_;  // guarded by mu_
+  std::vector<const allocator::Ledger*> ledgers_;    // guarded by mu_
+};
+
+}  // namespace spillway::metrics

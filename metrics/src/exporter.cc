@@ -1,0 +1,51 @@
+// Exporter: prometheus-cpp's CivetWeb exposer serving the Collector.
+#include "spillway/metrics/exporter.h"
+
+#include <prometheus/exposer.h>
+#include <prometheus/text_serializer.h>
+
+#include <exception>
+
+#include "collector.h"
+
+namespace spillway::metrics {
+
+Result<std::unique_ptr<Exporter>> Exporter::Start(ExporterOptions options) {
+  std::unique_ptr<Exporter> e(new Exporter());
+  e->collector_ = std::make_shared<Collector>();
+  if (!options.enabled) return e;
+  const auto colon = options.address.rfind(':');
+  if (colon == std::string::npos || colon + 1 == options.address.size()) {
+    return Status::InvalidArgument(StrCat("metrics address '", options.address,
+                                          "' is not host:port; e.g. 127.0.0.1:9464"));
+  }
+  e->host_ = options.address.substr(0, colon);
+  try {
+    e->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
+  } catch (const std::exception& ex) {
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("metrics exporter could not listen on ", options.address, " (",
+                               ex.what(), "); the port is probably in use. Set "
+                               "spillway.metrics_address to a free port, or turn metrics off"));
+  }
+  e->exposer_->RegisterCollectable(e->collector_, "/metrics");
+  const auto ports = e->exposer_->GetListeningPorts();
+  e->port_ = ports.empty() ? 0 : ports.front();
+  return e;
+}
+
+Exporter::~Exporter() { exposer_.reset(); }  // stop serving before the collector goes
+
+void Exporter::Watch(const allocator::HostArena* a) { collector_->Watch(a); }
+void Exporter::Watch(const allocator::NvmeArena* a) { collector_->Watch(a); }
+void Exporter::Watch(const allocator::UringEngine* e) { collector_->Watch(e); }
+void Exporter::Watch(const allocator::Ledger* l) { collector_->Watch(l); }
+void Exporter::Unwatch(const void* c) { collector_->Unwatch(c); }
+
+std::string Exporter::address() const { return StrCat(host_, ":", port_); }
+
+std::string Exporter::Render() const {
+  return prometheus::TextSerializer().Serialize(collector_->Collect());
+}
+
+}  // namespace spillway::metrics
