@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <chrono>
 #include <thread>
 
 #include "nvme_test_util.h"
@@ -226,6 +227,43 @@ TEST(UringEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
   o.queue_depth = 8;
   o.block_size = 1000;
   EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.block_size"));
+}
+
+}  // namespace
+}  // namespace spillway::allocator
+
+namespace spillway::allocator {
+namespace {
+
+TEST(UringEngineSqpollTest, ASubmissionThreadRingMovesDataToo) {
+  Ledger ledger;
+  auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
+  UringEngineOptions o;
+  o.arena = arena.get();
+  o.sqpoll = true;
+  auto engine = UringEngine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  if ((*engine)->backend() != IoBackend::kUring) {
+    GTEST_SKIP() << "SQPOLL ring refused here: " << (*engine)->Stats().fallback_reason;
+  }
+  const int fd = testing::OpenScratch();
+  auto file = (*engine)->RegisterFile(fd, "sqpoll", 4096);
+  ASSERT_TRUE(file.ok());
+  auto src = arena->Allocate(4 * kMiB, testing::Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
+  auto dst = arena->Allocate(4 * kMiB, testing::Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
+  ASSERT_TRUE(src.ok() && dst.ok());
+  // Several rounds with idle gaps, so the kernel thread goes to sleep and must be woken
+  // (IORING_SQ_NEED_WAKEUP, handled in liburing's submit).
+  for (int round = 0; round < 3; ++round) {
+    testing::FillRandom(*src, 4 * kMiB, 50 + round);
+    ASSERT_TRUE((*engine)->WriteSync(*file, 0, *src, 4 * kMiB).ok());
+    ASSERT_TRUE((*engine)->ReadSync(*file, 0, *dst, 4 * kMiB).ok());
+    ASSERT_EQ(std::memcmp(*src, *dst, 4 * kMiB), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));  // > sq_thread_idle (50 ms)
+  }
+  EXPECT_TRUE((*engine)->UnregisterFile(*file).ok());
+  engine->reset();
+  close(fd);
 }
 
 }  // namespace
