@@ -1,0 +1,91 @@
+// Config: a DeepSpeed JSON config read once and validated: the keys Spillway acts on
+// (zero_optimization.offload_param / offload_optimizer, aio, sub_group_size) with DeepSpeed's
+// names and defaults, plus a `spillway` section of our own. See docs/offload.md, Note [Config].
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/owner.h"
+#include "spillway/allocator/status.h"
+#include "spillway/allocator/uring_engine.h"
+
+namespace spillway::offload {
+
+enum class OffloadDevice : uint8_t { kNone = 0, kCpu, kNvme };
+const char* OffloadDeviceName(OffloadDevice device);
+
+struct OffloadParamConfig {  // zero_optimization.offload_param
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  uint64_t buffer_count = 5;
+  uint64_t buffer_size = 100'000'000;  // elements
+  uint64_t max_in_cpu = 1'000'000'000;  // elements
+  bool pin_memory = false;
+};
+
+struct OffloadOptimizerConfig {  // zero_optimization.offload_optimizer
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  uint64_t buffer_count = 4;
+  bool pin_memory = false;
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  bool fast_init = false;
+  double ratio = 1.0;
+};
+
+struct AioConfig {  // aio
+  uint64_t block_size = 1 << 20;
+  uint64_t queue_depth = 8;
+  uint64_t intra_op_parallelism = 1;
+  bool single_submit = false;
+  bool overlap_events = true;
+  bool use_gds = false;
+};
+
+struct SpillwayConfig {  // spillway (ours)
+  uint64_t host_budget_bytes = 0;   // 0: 3/4 of physical memory
+  uint64_t nvme_budget_bytes = 0;   // 0: 90% of the free space at nvme_path, found at start
+  allocator::EscapePolicy host_escape_policy = allocator::EscapePolicy::kReport;
+  allocator::EscapePolicy nvme_escape_policy = allocator::EscapePolicy::kReport;
+  std::string metrics_address = "127.0.0.1:9464";  // "off" disables the exporter
+  bool checksum = true;
+  allocator::ForkSafety fork_safety = allocator::ForkSafety::kDontFork;
+  bool capture_backtraces = false;
+  uint64_t retain_limit_bytes = allocator::HostArenaOptions{}.retain_limit_bytes;
+  double peak_slack = allocator::HostArenaOptions{}.peak_slack;
+};
+
+struct Config {
+  int zero_stage = 0;
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  uint64_t sub_group_size = 1'000'000'000;  // elements
+  AioConfig aio;
+  SpillwayConfig spillway;
+  // DeepSpeed keys present in the file that Spillway accepts but does not act on ("fp16",
+  // "zero_optimization.overlap_comm", ...), listed once in a warning by Parse.
+  std::vector<std::string> ignored_keys;
+
+  // Reads a JSON document. Errors name the key (as a dotted path), what it was, and what is
+  // allowed. An unknown key under "spillway" is an error; unknown DeepSpeed keys are ignored_keys.
+  static Result<Config> Parse(std::string_view json);
+  static Result<Config> Load(const std::string& path);
+
+  // The settings each allocator-layer component takes, derived in one place.
+  allocator::HostArenaOptions HostArenaOptions() const;
+  allocator::UringEngineOptions EngineOptions(allocator::HostArena* arena) const;
+  // For offload_param or offload_optimizer on nvme (the optimizer's path wins when both are set).
+  allocator::NvmeArenaOptions NvmeArenaOptions() const;
+  bool any_nvme() const {
+    return offload_param.device == OffloadDevice::kNvme ||
+           offload_optimizer.device == OffloadDevice::kNvme;
+  }
+};
+
+}  // namespace spillway::offload

@@ -1,0 +1,369 @@
+// Config parsing on nlohmann::json. Every key Spillway reads is checked for type and range here,
+// once; the rest of the code trusts a Config.
+#include "spillway/offload/config.h"
+
+#include <sys/statvfs.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "spillway/allocator/log.h"
+
+namespace spillway::offload {
+namespace {
+
+using nlohmann::json;
+
+std::string Describe(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+// Reads one object's keys against a table of handlers; keys without a handler are either
+// collected as ignored (DeepSpeed sections) or an error (the spillway section).
+class Reader {
+ public:
+  explicit Reader(Config* c) : c_(c) {}
+  Status error;
+
+  bool Fail(const std::string& path, const std::string& what) {
+    if (error.ok()) error = Status::InvalidArgument(StrCat("config key '", path, "': ", what));
+    return false;
+  }
+  bool Bool(const json& v, const std::string& path, bool* out) {
+    if (!v.is_boolean()) return Fail(path, StrCat("is ", Describe(v), "; expected true or false"));
+    *out = v.get<bool>();
+    return true;
+  }
+  // DeepSpeed writes counts as 1e8; accept numbers with an integral value, >= min.
+  bool Count(const json& v, const std::string& path, uint64_t min, uint64_t* out) {
+    if (v.is_string() && v.get<std::string>() == "auto") {
+      return Fail(path, "is \"auto\"; Spillway reads the resolved config. Replace \"auto\" with a "
+                        "number (the HF Trainer does this before DeepSpeed sees the file)");
+    }
+    if (!v.is_number()) return Fail(path, StrCat("is ", Describe(v), "; expected a number"));
+    const double d = v.get<double>();
+    if (!(d >= static_cast<double>(min)) || d != std::floor(d) || d > 9.2e18) {
+      return Fail(path, StrCat("is ", Describe(v), "; expected a whole number >= ", min));
+    }
+    *out = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(d);
+    return true;
+  }
+  // Byte sizes: a number, or a string with a unit ("64GiB", "512 MiB", "1.5TB").
+  bool Bytes(const json& v, const std::string& path, uint64_t* out) {
+    if (v.is_number()) return Count(v, path, 1, out);
+    if (!v.is_string()) return Fail(path, StrCat("is ", Describe(v), "; expected bytes"));
+    std::istringstream in(v.get<std::string>());
+    double n = 0;
+    std::string unit;
+    in >> n >> unit;
+    static const std::pair<const char*, double> kUnits[] = {
+        {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1048576.0},
+        {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
+        {"GB", 1e9},      {"TB", 1e12}};
+    for (const auto& [name, mult] : kUnits) {
+      if (unit == name && in.eof() && n > 0) {
+        *out = static_cast<uint64_t>(n * mult);
+        return true;
+      }
+    }
+    return Fail(path, StrCat("is ", Describe(v), "; expected bytes, e.g. 68719476736 or \"64GiB\" "
+                             "(units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"));
+  }
+  bool String(const json& v, const std::string& path, std::string* out) {
+    if (!v.is_string()) return Fail(path, StrCat("is ", Describe(v), "; expected a string"));
+    *out = v.get<std::string>();
+    return true;
+  }
+  bool Device(const json& v, const std::string& path, OffloadDevice* out) {
+    std::string s;
+    if (!String(v, path, &s)) return false;
+    if (s == "none") *out = OffloadDevice::kNone;
+    else if (s == "cpu") *out = OffloadDevice::kCpu;
+    else if (s == "nvme") *out = OffloadDevice::kNvme;
+    else return Fail(path, StrCat("is \"", s, "\"; allowed values: none, cpu, nvme"));
+    return true;
+  }
+  bool Policy(const json& v, const std::string& path, allocator::EscapePolicy* out) {
+    std::string s;
+    if (!String(v, path, &s)) return false;
+    auto p = allocator::ParseEscapePolicy(s);
+    if (!p.ok()) return Fail(path, p.status().message());
+    *out = *p;
+    return true;
+  }
+
+  void OffloadParam(const json& o, const std::string& path) {
+    if (!Object(o, path)) return;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = path + "." + k;
+      auto& c = c_->offload_param;
+      if (k == "device") Device(v, p, &c.device);
+      else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
+      else if (k == "buffer_count") Count(v, p, 0, &c.buffer_count);
+      else if (k == "buffer_size") Count(v, p, 0, &c.buffer_size);
+      else if (k == "max_in_cpu") Count(v, p, 0, &c.max_in_cpu);
+      else if (k == "pin_memory") Bool(v, p, &c.pin_memory);
+      else c_->ignored_keys.push_back(p);
+    }
+  }
+  void OffloadOptimizer(const json& o, const std::string& path) {
+    if (!Object(o, path)) return;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = path + "." + k;
+      auto& c = c_->offload_optimizer;
+      if (k == "device") Device(v, p, &c.device);
+      else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
+      else if (k == "buffer_count") Count(v, p, 0, &c.buffer_count);
+      else if (k == "pin_memory") Bool(v, p, &c.pin_memory);
+      else if (k == "pipeline_read") Bool(v, p, &c.pipeline_read);
+      else if (k == "pipeline_write") Bool(v, p, &c.pipeline_write);
+      else if (k == "fast_init") Bool(v, p, &c.fast_init);
+      else if (k == "ratio") {
+        if (!v.is_number() || !(v.get<double>() > 0.0 && v.get<double>() <= 1.0)) {
+          Fail(p, StrCat("is ", Describe(v), "; expected a fraction in (0, 1]"));
+        } else {
+          c.ratio = v.get<double>();
+        }
+      } else {
+        c_->ignored_keys.push_back(p);
+      }
+    }
+  }
+  void Aio(const json& o) {
+    if (!Object(o, "aio")) return;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = "aio." + k;
+      auto& c = c_->aio;
+      if (k == "block_size") Count(v, p, 4096, &c.block_size);
+      else if (k == "queue_depth") Count(v, p, 1, &c.queue_depth);
+      else if (k == "intra_op_parallelism" || k == "thread_count") {
+        Count(v, p, 1, &c.intra_op_parallelism);
+      } else if (k == "single_submit") Bool(v, p, &c.single_submit);
+      else if (k == "overlap_events") Bool(v, p, &c.overlap_events);
+      else if (k == "use_gds") Bool(v, p, &c.use_gds);
+      else c_->ignored_keys.push_back(p);
+    }
+  }
+  void Spillway(const json& o) {
+    if (!Object(o, "spillway")) return;
+    auto& c = c_->spillway;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = "spillway." + k;
+      if (k == "host_budget_bytes") Bytes(v, p, &c.host_budget_bytes);
+      else if (k == "nvme_budget_bytes") Bytes(v, p, &c.nvme_budget_bytes);
+      else if (k == "retain_limit_bytes") Bytes(v, p, &c.retain_limit_bytes);
+      else if (k == "escape_policy") {
+        if (v.is_object()) {
+          for (const auto& [tier, pv] : v.items()) {
+            if (tier == "host") Policy(pv, p + ".host", &c.host_escape_policy);
+            else if (tier == "nvme") Policy(pv, p + ".nvme", &c.nvme_escape_policy);
+            else Fail(p + "." + tier, "is not a tier; allowed keys: host, nvme");
+          }
+        } else if (Policy(v, p, &c.host_escape_policy)) {
+          c.nvme_escape_policy = c.host_escape_policy;
+        }
+      } else if (k == "metrics_address") {
+        if (String(v, p, &c.metrics_address) && c.metrics_address != "off" &&
+            c.metrics_address.find(':') == std::string::npos) {
+          Fail(p, StrCat("is \"", c.metrics_address, "\"; expected host:port or \"off\""));
+        }
+      } else if (k == "checksum") Bool(v, p, &c.checksum);
+      else if (k == "capture_backtraces") Bool(v, p, &c.capture_backtraces);
+      else if (k == "fork_safety") {
+        std::string s;
+        if (String(v, p, &s)) {
+          auto f = allocator::ParseForkSafety(s);
+          if (f.ok()) c.fork_safety = *f;
+          else Fail(p, f.status().message());
+        }
+      } else if (k == "peak_slack") {
+        if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
+          Fail(p, StrCat("is ", Describe(v), "; expected a fraction in [0, 1]"));
+        } else {
+          c.peak_slack = v.get<double>();
+        }
+      } else {
+        Fail(p, "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
+                "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
+                "retain_limit_bytes, peak_slack");
+      }
+    }
+  }
+  void Zero(const json& o) {
+    if (!Object(o, "zero_optimization")) return;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = "zero_optimization." + k;
+      if (k == "stage") {
+        uint64_t stage = 0;
+        if (Count(v, p, 0, &stage)) {
+          if (stage > 3) Fail(p, StrCat("is ", stage, "; allowed values: 0, 1, 2, 3"));
+          c_->zero_stage = static_cast<int>(stage);
+        }
+      } else if (k == "offload_param") OffloadParam(v, p);
+      else if (k == "offload_optimizer") OffloadOptimizer(v, p);
+      else if (k == "sub_group_size") Count(v, p, 1, &c_->sub_group_size);
+      else c_->ignored_keys.push_back(p);
+    }
+  }
+  void Root(const json& root) {
+    if (!root.is_object()) {
+      Fail("(root)", StrCat("is ", Describe(root), "; a DeepSpeed config is a JSON object"));
+      return;
+    }
+    for (const auto& [k, v] : root.items()) {
+      if (k == "zero_optimization") Zero(v);
+      else if (k == "aio") Aio(v);
+      else if (k == "spillway") Spillway(v);
+      else c_->ignored_keys.push_back(k);
+    }
+  }
+
+ private:
+  bool Object(const json& v, const std::string& path) {
+    if (v.is_object()) return true;
+    return Fail(path, StrCat("is ", Describe(v), "; expected an object"));
+  }
+  bool NvmePath(const json& v, const std::string& path, std::string* out) {
+    if (v.is_null()) return true;  // DeepSpeed's default
+    return String(v, path, out);
+  }
+  Config* c_;
+};
+
+// Whole-config rules: what no single key can check.
+Status CrossCheck(const Config& c) {
+  auto need_path = [](const std::string& section, OffloadDevice d, const std::string& path) {
+    if (d == OffloadDevice::kNvme && path.empty()) {
+      return Status::InvalidArgument(StrCat("config key 'zero_optimization.", section,
+                                            ".nvme_path' is missing; device \"nvme\" needs a "
+                                            "directory on the NVMe drive"));
+    }
+    return Status::Ok();
+  };
+  SPILLWAY_RETURN_IF_ERROR(
+      need_path("offload_param", c.offload_param.device, c.offload_param.nvme_path));
+  SPILLWAY_RETURN_IF_ERROR(
+      need_path("offload_optimizer", c.offload_optimizer.device, c.offload_optimizer.nvme_path));
+  if (c.offload_param.device != OffloadDevice::kNone && c.zero_stage != 3) {
+    return Status::InvalidArgument(StrCat(
+        "config key 'zero_optimization.offload_param.device' is \"",
+        OffloadDeviceName(c.offload_param.device), "\" with zero_optimization.stage ",
+        c.zero_stage, "; parameter offload needs stage 3"));
+  }
+  if (c.aio.block_size % 4096 != 0) {
+    return Status::InvalidArgument(StrCat("config key 'aio.block_size' is ", c.aio.block_size,
+                                          "; it must be a multiple of 4096 for direct I/O"));
+  }
+  if (c.aio.block_size % c.aio.intra_op_parallelism != 0) {
+    return Status::InvalidArgument(StrCat("config key 'aio.intra_op_parallelism' is ",
+                                          c.aio.intra_op_parallelism,
+                                          "; aio.block_size must divide evenly by it"));
+  }
+  if (c.aio.queue_depth > 4096) {
+    return Status::InvalidArgument(StrCat("config key 'aio.queue_depth' is ", c.aio.queue_depth,
+                                          "; the most Spillway keeps in flight is 4096"));
+  }
+  if (c.aio.use_gds) {
+    return Status::InvalidArgument(
+        "config key 'aio.use_gds' is true; Spillway does not implement GPUDirect Storage. Set it "
+        "to false (Spillway stages through pinned host memory) or use DeepSpeed's own GDS op");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* OffloadDeviceName(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::kNone: return "none";
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+Result<Config> Config::Parse(std::string_view text) {
+  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) {
+    // Parse again with exceptions on to get the position and reason.
+    try {
+      const json again = json::parse(text);
+      (void)again;
+    } catch (const json::parse_error& e) {
+      return Status::InvalidArgument(StrCat("config is not valid JSON: ", e.what()));
+    }
+    return Status::InvalidArgument("config is not valid JSON");
+  }
+  Config c;
+  Reader reader(&c);
+  reader.Root(root);
+  SPILLWAY_RETURN_IF_ERROR(reader.error);
+  SPILLWAY_RETURN_IF_ERROR(CrossCheck(c));
+  if (!c.ignored_keys.empty()) {
+    std::string list;
+    for (const auto& k : c.ignored_keys) list += StrCat(list.empty() ? "" : ", ", k);
+    Log(LogLevel::kWarning, StrCat("config: DeepSpeed keys accepted and not acted on by Spillway: ",
+                                list));
+  }
+  return c;
+}
+
+Result<Config> Config::Load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return Status::FromErrno(StatusCode::kInvalidArgument, errno,
+                             StrCat("cannot read config file '", path, "'"));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto c = Parse(ss.str());
+  if (!c.ok()) return c.status().WithContext(path);
+  return c;
+}
+
+allocator::HostArenaOptions Config::HostArenaOptions() const {
+  allocator::HostArenaOptions o;
+  o.budget_bytes = spillway.host_budget_bytes;
+  // DeepSpeed pins when either offload asks for it; otherwise pageable, as DeepSpeed does.
+  const bool pin = offload_param.pin_memory || offload_optimizer.pin_memory;
+  o.pin = pin ? allocator::PinMode::kAuto : allocator::PinMode::kPageable;
+  o.fork_safety = spillway.fork_safety;
+  o.policy = spillway.host_escape_policy;
+  o.capture_backtraces = spillway.capture_backtraces;
+  o.retain_limit_bytes = spillway.retain_limit_bytes;
+  o.peak_slack = spillway.peak_slack;
+  return o;
+}
+
+allocator::UringEngineOptions Config::EngineOptions(allocator::HostArena* arena) const {
+  allocator::UringEngineOptions o;
+  o.arena = arena;
+  o.block_size = aio.block_size;
+  o.queue_depth = static_cast<uint32_t>(aio.queue_depth);
+  o.pool_threads = static_cast<uint32_t>(std::max<uint64_t>(aio.intra_op_parallelism, 1));
+  return o;
+}
+
+allocator::NvmeArenaOptions Config::NvmeArenaOptions() const {
+  allocator::NvmeArenaOptions o;
+  o.directory = offload_optimizer.device == OffloadDevice::kNvme ? offload_optimizer.nvme_path
+                                                                 : offload_param.nvme_path;
+  o.budget_bytes = spillway.nvme_budget_bytes;
+  if (o.budget_bytes == 0 && !o.directory.empty()) {
+    struct statvfs vfs{};
+    if (statvfs(o.directory.c_str(), &vfs) == 0) {
+      o.budget_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / 10 * 9;
+      Log(LogLevel::kInfo, StrCat("spillway.nvme_budget_bytes not set: using 90% of the free "
+                                  "space at ", o.directory, ", ", FormatBytes(o.budget_bytes)));
+    }
+  }
+  o.policy = spillway.nvme_escape_policy;
+  o.checksum = spillway.checksum;
+  return o;
+}
+
+}  // namespace spillway::offload
