@@ -1,0 +1,163 @@
+// PartitionStore: ZeRO-3 partitions (16-bit params, grads, fp32 master weights, Adam moments) by
+// (rank, sub-group, state kind), each with a home tier from the DeepSpeed config, served to callers
+// through RAII handles. Under the host budget it spills to NVMe the resident partition needed
+// furthest in the future under the registered access schedule (Belady's OPT, as Colossal-AI's
+// Gemini does), never one in use. See docs/offload.md, Note [Spill].
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/status.h"
+#include "spillway/offload/config.h"
+
+namespace spillway::offload {
+
+enum class StateKind : uint8_t { kParam = 0, kGrad, kMasterWeight, kExpAvg, kExpAvgSq };
+const char* StateKindName(StateKind kind);
+
+struct PartitionKey {
+  uint32_t rank = 0;
+  uint32_t group = 0;  // sub-group (sub_group_size elements) or parameter index
+  StateKind kind = StateKind::kParam;
+};
+
+enum class Tier : uint8_t { kHost = 0, kNvme };  // the device tier arrives with the device seam
+const char* TierName(Tier tier);
+
+using PartitionId = uint32_t;
+
+class PartitionStore;
+
+// A view of one partition in host memory, pinned in place while the handle lives. Move-only; the
+// destructor releases it. Using a released handle is an error status, not a crash.
+class Handle {
+ public:
+  Handle() = default;
+  Handle(Handle&& other) noexcept { *this = std::move(other); }
+  Handle& operator=(Handle&& other) noexcept;
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  Result<void*> Data() const;
+  uint64_t bytes() const { return bytes_; }
+  PartitionId id() const { return id_; }
+  bool valid() const { return store_ != nullptr; }
+
+ private:
+  friend class PartitionStore;
+  PartitionStore* store_ = nullptr;
+  uint64_t handle_id_ = 0;
+  PartitionId id_ = 0;
+  void* data_ = nullptr;
+  uint64_t bytes_ = 0;
+  bool write_ = false;
+};
+
+enum class Access : uint8_t { kRead, kReadWrite };
+
+struct StoreStats {
+  uint64_t partitions = 0;
+  uint64_t resident_bytes = 0;     // host copies held now
+  uint64_t nvme_bytes = 0;         // NVMe extents held now
+  uint64_t swap_ins = 0;
+  uint64_t swap_in_bytes = 0;
+  uint64_t spills = 0;             // host copies written out (if dirty) and dropped under budget
+  uint64_t spill_bytes = 0;
+  uint64_t spill_writes = 0;       // of those, how many needed a write (dirty or never written)
+  uint64_t flush_writes = 0;
+  uint64_t live_handles = 0;
+  uint64_t refused_releases = 0;   // double releases and released-handle uses
+};
+
+// Thread-safe. mu_ guards the partition table; it is never held across an allocation (which may
+// call back into the spill handler), I/O, or a copy. A partition in transition (being swapped in
+// or spilled) is marked busy; others wait on busy_cv_.
+class PartitionStore {
+ public:
+  // `nvme` may be null (no spill possible: the budget error then says how to allow it).
+  // Registers itself as `host`'s spill handler; the store must outlive nothing it holds.
+  static Result<std::unique_ptr<PartitionStore>> Create(const Config& config,
+                                                        allocator::HostArena* host,
+                                                        allocator::NvmeArena* nvme,
+                                                        allocator::ScopeId scope);
+  ~PartitionStore();
+  PartitionStore(const PartitionStore&) = delete;
+  PartitionStore& operator=(const PartitionStore&) = delete;
+
+  // Places a partition in its home tier (from offload_param / offload_optimizer.device) and
+  // zero-fills it. Host-homed partitions are host-arena memory; nvme-homed ones get an extent and
+  // are brought in on Acquire.
+  Result<PartitionId> Register(PartitionKey key, uint64_t bytes);
+  // The order partitions are used in one step; it repeats every step. OPT picks victims by it.
+  Status SetSchedule(std::vector<PartitionId> order);
+
+  Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite);
+  Status Release(Handle& handle);
+  // Brings partitions into host memory ahead of use (no handle kept).
+  Status Prefetch(const std::vector<PartitionId>& ids);
+  // Writes every dirty host copy that has an NVMe home or extent; host copies stay resident.
+  Status Flush();
+  // Writes (if needed) and drops the host copy of one partition not in use.
+  Status Evict(PartitionId id);
+
+  bool resident(PartitionId id) const;
+  Tier home(PartitionId id) const;
+  StoreStats Stats() const;
+
+ private:
+  friend class Handle;
+  struct Part {
+    PartitionKey key;
+    uint64_t bytes = 0;
+    Tier home = Tier::kHost;
+    void* host = nullptr;          // host copy, or null
+    uint64_t nvme_off = kNoExtent; // NVMe extent, or kNoExtent
+    bool nvme_valid = false;       // the NVMe copy holds the latest data
+    bool dirty = false;            // the host copy is newer than the NVMe copy
+    uint32_t pins = 0;             // live handles
+    bool busy = false;             // being swapped in or spilled
+    std::vector<uint64_t> uses;    // positions in the schedule
+  };
+  static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
+
+  PartitionStore(const Config& config, allocator::HostArena* host, allocator::NvmeArena* nvme,
+                 allocator::ScopeId scope);
+  allocator::OwnerTag Tag(PartitionId id) const;
+  std::string Describe(PartitionId id) const;  // "master_weight rank 0 group 3 (4.00 MiB)"
+  Tier HomeFor(StateKind kind) const;
+  // Spill handler: frees at least `need` host bytes by spilling OPT victims; returns bytes freed.
+  uint64_t Spill(uint64_t need);
+  // Without mu_: makes the host copy of `id` exist (allocate + read or zero-fill). `id` is busy.
+  Status SwapIn(PartitionId id);
+  // Without mu_: writes `id` out if needed and drops its host copy. `id` is busy.
+  Status SpillOne(PartitionId id, uint64_t* freed);
+  void ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool* ok);
+  // mu_ held: schedule distance from the cursor to the next use of `id`.
+  uint64_t NextUseDistance(const Part& p) const;
+
+  const Config config_;
+  allocator::HostArena* const host_;
+  allocator::NvmeArena* const nvme_;
+  const allocator::ScopeId scope_;
+
+  mutable std::mutex mu_;
+  std::condition_variable busy_cv_;
+  std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
+  uint64_t schedule_length_ = 0;             // guarded by mu_
+  uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
+  std::unordered_set<uint64_t> live_handles_;  // guarded by mu_
+  uint64_t next_handle_id_ = 1;              // guarded by mu_
+  StoreStats stats_;                         // guarded by mu_
+};
+
+}  // namespace spillway::offload

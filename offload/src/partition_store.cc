@@ -1,0 +1,473 @@
+// PartitionStore: home tiers, handles, swap-in, and OPT spill under the host budget.
+// Note [Spill] in docs/offload.md.
+#include "spillway/offload/partition_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "spillway/allocator/log.h"
+
+namespace spillway::offload {
+
+const char* StateKindName(StateKind kind) {
+  static const char* kNames[] = {"param", "grad", "master_weight", "exp_avg", "exp_avg_sq"};
+  return kNames[static_cast<int>(kind)];
+}
+
+const char* TierName(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
+
+Handle& Handle::operator=(Handle&& other) noexcept {
+  if (this != &other) {
+    if (store_ != nullptr) {
+      bool ok;
+      store_->ReleaseHandle(handle_id_, id_, write_, &ok);
+    }
+    store_ = std::exchange(other.store_, nullptr);
+    handle_id_ = other.handle_id_;
+    id_ = other.id_;
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = other.bytes_;
+    write_ = other.write_;
+  }
+  return *this;
+}
+
+Handle::~Handle() {
+  if (store_ != nullptr) {
+    bool ok;
+    store_->ReleaseHandle(handle_id_, id_, write_, &ok);
+  }
+}
+
+Result<void*> Handle::Data() const {
+  if (store_ == nullptr) {
+    return Status::FailedPrecondition(StrCat("handle of partition ", id_,
+                                             " was released (or moved from); Acquire it again"));
+  }
+  return data_;
+}
+
+Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& config,
+                                                              allocator::HostArena* host,
+                                                              allocator::NvmeArena* nvme,
+                                                              allocator::ScopeId scope) {
+  if (host == nullptr) return Status::InvalidArgument("PartitionStore: a host arena is required");
+  if (config.any_nvme() && nvme == nullptr) {
+    return Status::InvalidArgument(
+        "PartitionStore: the config offloads to nvme (offload_param/offload_optimizer.device) "
+        "but no NVMe arena was given");
+  }
+  std::unique_ptr<PartitionStore> store(new PartitionStore(config, host, nvme, scope));
+  PartitionStore* raw = store.get();
+  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); });
+  return store;
+}
+
+PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
+                               allocator::NvmeArena* nvme, allocator::ScopeId scope)
+    : config_(config), host_(host), nvme_(nvme), scope_(scope) {}
+
+PartitionStore::~PartitionStore() {
+  host_->SetSpillHandler(nullptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!live_handles_.empty()) {
+    Log(LogLevel::kWarning, StrCat("PartitionStore destroyed with ", live_handles_.size(),
+                                   " live handles; their memory is freed now"));
+  }
+  for (Part& p : parts_) {
+    if (p.host != nullptr) (void)host_->Free(p.host);
+    if (p.nvme_off != kNoExtent) (void)nvme_->Free(p.nvme_off);
+  }
+}
+
+Tier PartitionStore::HomeFor(StateKind kind) const {
+  const OffloadDevice d = kind == StateKind::kParam ? config_.offload_param.device
+                                                    : config_.offload_optimizer.device;
+  return d == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
+}
+
+allocator::OwnerTag PartitionStore::Tag(PartitionId id) const {
+  static const allocator::Kind kKinds[] = {
+      allocator::Kind::kParam, allocator::Kind::kGrad, allocator::Kind::kMasterWeight,
+      allocator::Kind::kOptimizerState, allocator::Kind::kOptimizerState};
+  return allocator::OwnerTag{kKinds[static_cast<int>(parts_[id].key.kind)],
+                             allocator::Lifetime::kPersistent, id, scope_, SPILLWAY_SITE};
+}
+
+std::string PartitionStore::Describe(PartitionId id) const {
+  const Part& p = parts_[id];
+  return StrCat(StateKindName(p.key.kind), " rank ", p.key.rank, " group ", p.key.group,
+                " (partition ", id, ", ", FormatBytes(p.bytes), ")");
+}
+
+Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
+  if (bytes == 0) return Status::InvalidArgument("PartitionStore::Register: a partition of 0 bytes");
+  if (static_cast<int>(key.kind) > static_cast<int>(StateKind::kExpAvgSq)) {
+    return Status::InvalidArgument("PartitionStore::Register: state kind out of range");
+  }
+  PartitionId id;
+  allocator::OwnerTag tag;
+  Tier home = HomeFor(key.kind);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Part& p : parts_) {
+      if (p.key.rank == key.rank && p.key.group == key.group && p.key.kind == key.kind) {
+        return Status::InvalidArgument(StrCat("PartitionStore::Register: ", StateKindName(key.kind),
+                                              " rank ", key.rank, " group ", key.group,
+                                              " is already registered"));
+      }
+    }
+    id = static_cast<PartitionId>(parts_.size());
+    Part p;
+    p.key = key;
+    p.bytes = bytes;
+    p.home = home;
+    p.busy = true;  // until placed
+    parts_.push_back(std::move(p));
+    tag = Tag(id);
+  }
+  Status st;
+  void* host = nullptr;
+  uint64_t off = kNoExtent;
+  if (home == Tier::kHost) {
+    auto r = host_->Allocate(bytes, tag);  // may spill others to make room
+    if (r.ok()) {
+      host = *r;
+      std::memset(host, 0, bytes);
+    } else {
+      st = r.status();
+    }
+  } else {
+    auto r = nvme_->Allocate(bytes, tag);
+    if (r.ok()) {
+      off = *r;
+    } else {
+      st = r.status();
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  Part& p = parts_[id];
+  p.busy = false;
+  busy_cv_.notify_all();
+  if (!st.ok()) {
+    p.bytes = 0;  // a tombstone: the id stays, nothing is held
+    return st.WithContext(StrCat("registering ", StateKindName(key.kind), " rank ", key.rank,
+                                 " group ", key.group, " in its home tier ", TierName(home)));
+  }
+  p.host = host;
+  p.nvme_off = off;
+  p.dirty = host != nullptr;  // a zero-filled host copy the NVMe tier has never seen
+  stats_.partitions++;
+  return id;
+}
+
+Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (PartitionId id : order) {
+    if (id >= parts_.size() || parts_[id].bytes == 0) {
+      return Status::InvalidArgument(StrCat("SetSchedule: partition ", id, " is not registered"));
+    }
+  }
+  for (Part& p : parts_) p.uses.clear();
+  for (uint64_t pos = 0; pos < order.size(); ++pos) parts_[order[pos]].uses.push_back(pos);
+  schedule_length_ = order.size();
+  cursor_ = schedule_length_ == 0 ? 0 : schedule_length_ - 1;
+  return Status::Ok();
+}
+
+uint64_t PartitionStore::NextUseDistance(const Part& p) const {
+  const uint64_t len = schedule_length_;
+  uint64_t best = len + 1;  // never used again under the schedule: evict first
+  for (uint64_t u : p.uses) best = std::min(best, (u + len - cursor_ - 1) % len + 1);
+  return best;
+}
+
+Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
+  bool need_swap_in = false;
+  uint64_t handle_id;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (id >= parts_.size() || parts_[id].bytes == 0) {
+      return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
+    }
+    busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+    Part& p = parts_[id];
+    if (!p.uses.empty()) {  // advance the schedule cursor to this use
+      uint64_t best = p.uses.front(), best_d = UINT64_MAX;
+      for (uint64_t u : p.uses) {
+        const uint64_t d = (u + schedule_length_ - cursor_ - 1) % schedule_length_ + 1;
+        if (d < best_d) {
+          best_d = d;
+          best = u;
+        }
+      }
+      cursor_ = best;
+    }
+    p.pins++;
+    if (p.host == nullptr) {
+      p.busy = true;
+      need_swap_in = true;
+    }
+    handle_id = next_handle_id_++;
+    live_handles_.insert(handle_id);
+    stats_.live_handles = live_handles_.size();
+  }
+  if (need_swap_in) {
+    Status st = SwapIn(id);
+    std::lock_guard<std::mutex> lock(mu_);
+    parts_[id].busy = false;
+    busy_cv_.notify_all();
+    if (!st.ok()) {
+      parts_[id].pins--;
+      live_handles_.erase(handle_id);
+      stats_.live_handles = live_handles_.size();
+      return st.WithContext(StrCat("acquiring ", Describe(id)));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  Handle h;
+  h.store_ = this;
+  h.handle_id_ = handle_id;
+  h.id_ = id;
+  h.data_ = parts_[id].host;
+  h.bytes_ = parts_[id].bytes;
+  h.write_ = access == Access::kReadWrite;
+  return h;
+}
+
+Status PartitionStore::SwapIn(PartitionId id) {
+  uint64_t bytes, off;
+  bool valid;
+  allocator::OwnerTag tag;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes = parts_[id].bytes;
+    off = parts_[id].nvme_off;
+    valid = parts_[id].nvme_valid;
+    tag = Tag(id);
+  }
+  auto host = host_->Allocate(bytes, tag);  // may spill other partitions (never this busy one)
+  if (!host.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t pinned = 0;
+    for (const Part& p : parts_) pinned += p.pins > 0 && p.host != nullptr ? p.bytes : 0;
+    return host.status().WithContext(StrCat(FormatBytes(pinned), " of host memory is held by "
+                                            "partitions in use (live handles) and cannot spill"));
+  }
+  if (valid) {
+    Status st = nvme_->Read(off, *host, bytes);
+    if (!st.ok()) {
+      (void)host_->Free(*host);
+      return st;  // the NVMe copy is where it was; nothing changed
+    }
+  } else {
+    std::memset(*host, 0, bytes);  // never written: a fresh partition reads as zeros
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  parts_[id].host = *host;
+  parts_[id].dirty = !valid;
+  stats_.swap_ins++;
+  stats_.swap_in_bytes += bytes;
+  return Status::Ok();
+}
+
+uint64_t PartitionStore::Spill(uint64_t need) {
+  if (nvme_ == nullptr) return 0;
+  uint64_t freed = 0;
+  while (freed < need) {
+    PartitionId victim;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t best = 0;
+      bool found = false;
+      for (PartitionId i = 0; i < parts_.size(); ++i) {
+        const Part& p = parts_[i];
+        if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
+        const uint64_t d = NextUseDistance(p);
+        if (!found || d > best) {
+          best = d;
+          victim = i;
+          found = true;
+        }
+      }
+      if (!found) break;
+      parts_[victim].busy = true;
+    }
+    Status st = SpillOne(victim, &freed);
+    std::lock_guard<std::mutex> lock(mu_);
+    parts_[victim].busy = false;
+    busy_cv_.notify_all();
+    if (!st.ok()) {
+      Log(LogLevel::kError, st.WithContext("spilling to NVMe under the host budget").ToString());
+      break;  // the victim keeps its host copy; the caller gets the budget error
+    }
+  }
+  return freed;
+}
+
+Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
+  uint64_t bytes, off;
+  void* host;
+  bool write;
+  allocator::OwnerTag tag;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Part& p = parts_[id];
+    bytes = p.bytes;
+    off = p.nvme_off;
+    host = p.host;
+    write = p.dirty || !p.nvme_valid;
+    tag = Tag(id);
+  }
+  if (off == kNoExtent) {
+    auto r = nvme_->Allocate(bytes, tag);
+    if (!r.ok()) return r.status();
+    off = *r;
+    std::lock_guard<std::mutex> lock(mu_);
+    parts_[id].nvme_off = off;
+  }
+  if (write) {
+    // Nothing is lost: the host copy is freed only after the write completed in full.
+    SPILLWAY_RETURN_IF_ERROR(nvme_->Write(off, host, bytes));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Part& p = parts_[id];
+    p.nvme_valid = true;
+    p.dirty = false;
+    p.host = nullptr;
+    stats_.spills++;
+    stats_.spill_bytes += bytes;
+    stats_.spill_writes += write ? 1 : 0;
+  }
+  SPILLWAY_RETURN_IF_ERROR(host_->Free(host));
+  *freed += bytes;
+  return Status::Ok();
+}
+
+void PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool* ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (live_handles_.erase(handle_id) == 0) {
+    stats_.refused_releases++;
+    *ok = false;
+    return;
+  }
+  Part& p = parts_[id];
+  p.pins--;
+  if (write) p.dirty = true;
+  stats_.live_handles = live_handles_.size();
+  *ok = true;
+}
+
+Status PartitionStore::Release(Handle& handle) {
+  if (handle.store_ == nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.refused_releases++;
+    return Status::FailedPrecondition(StrCat("Release: the handle of partition ", handle.id_,
+                                             " was already released; release each handle once"));
+  }
+  if (handle.store_ != this) {
+    return Status::InvalidArgument("Release: the handle belongs to another PartitionStore");
+  }
+  bool ok;
+  ReleaseHandle(handle.handle_id_, handle.id_, handle.write_, &ok);
+  handle.store_ = nullptr;
+  handle.data_ = nullptr;
+  if (!ok) return Status::Internal("Release: a live handle was not in the live set");
+  return Status::Ok();
+}
+
+Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
+  for (PartitionId id : ids) {
+    auto h = Acquire(id, Access::kRead);
+    if (!h.ok()) return h.status();
+  }
+  return Status::Ok();
+}
+
+Status PartitionStore::Flush() {
+  std::vector<PartitionId> todo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (PartitionId i = 0; i < parts_.size(); ++i) {
+      const Part& p = parts_[i];
+      if (p.host != nullptr && p.dirty && (p.home == Tier::kNvme || p.nvme_off != kNoExtent)) {
+        todo.push_back(i);
+      }
+    }
+  }
+  for (PartitionId id : todo) {
+    void* host;
+    uint64_t off, bytes;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+      Part& p = parts_[id];
+      if (p.host == nullptr || !p.dirty) continue;
+      p.busy = true;
+      host = p.host;
+      off = p.nvme_off;
+      bytes = p.bytes;
+    }
+    Status st = nvme_->Write(off, host, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    Part& p = parts_[id];
+    p.busy = false;
+    busy_cv_.notify_all();
+    if (!st.ok()) return st.WithContext(StrCat("flushing ", Describe(id)));
+    p.dirty = false;
+    p.nvme_valid = true;
+    stats_.flush_writes++;
+  }
+  return Status::Ok();
+}
+
+Status PartitionStore::Evict(PartitionId id) {
+  if (nvme_ == nullptr) {
+    return Status::FailedPrecondition("Evict: no NVMe arena to evict to; offload to nvme first");
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (id >= parts_.size() || parts_[id].bytes == 0) {
+      return Status::InvalidArgument(StrCat("Evict: partition ", id, " is not registered"));
+    }
+    busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+    Part& p = parts_[id];
+    if (p.pins > 0) {
+      return Status::FailedPrecondition(StrCat("Evict: ", Describe(id), " is in use by ", p.pins,
+                                               " handles; release them first"));
+    }
+    if (p.host == nullptr) return Status::Ok();
+    p.busy = true;
+  }
+  uint64_t freed = 0;
+  Status st = SpillOne(id, &freed);
+  std::lock_guard<std::mutex> lock(mu_);
+  parts_[id].busy = false;
+  busy_cv_.notify_all();
+  return st;
+}
+
+bool PartitionStore::resident(PartitionId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return id < parts_.size() && parts_[id].host != nullptr;
+}
+
+Tier PartitionStore::home(PartitionId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return parts_.at(id).home;
+}
+
+StoreStats PartitionStore::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats s = stats_;
+  s.resident_bytes = 0;
+  s.nvme_bytes = 0;
+  for (const Part& p : parts_) {
+    if (p.host != nullptr) s.resident_bytes += p.bytes;
+    if (p.nvme_off != kNoExtent) s.nvme_bytes += p.bytes;
+  }
+  return s;
+}
+
+}  // namespace spillway::offload

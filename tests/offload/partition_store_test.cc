@@ -1,0 +1,332 @@
+// PartitionStore on the real arenas and engine: tier round trips, spill under a quarter budget
+// with results identical to an unbounded run, the OPT choice, handles, faults, 4-thread stress.
+#include "spillway/offload/partition_store.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "../allocator/nvme_test_util.h"
+
+namespace spillway::offload {
+namespace {
+
+using allocator::testing::FillRandom;
+using allocator::testing::kMiB;
+
+bool Has(const Status& st, const std::string& text) {
+  return st.message().find(text) != std::string::npos;
+}
+
+Config ParseOrDie(const std::string& json) {
+  auto c = Config::Parse(json);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? *c : Config{};
+}
+
+std::string OffloadJson(const char* param_dev, const char* opt_dev) {
+  const std::string dir = allocator::testing::NvmeTestDir();
+  return StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": ")", param_dev,
+                R"(", "nvme_path": ")", dir, R"("}, "offload_optimizer": {"device": ")", opt_dev,
+                R"(", "nvme_path": ")", dir, R"("}}})");
+}
+
+// A ledger, a host arena with `budget`, an engine, an NVMe arena, and a store over them.
+struct StoreRig {
+  StoreRig(const Config& config, uint64_t host_budget, bool with_nvme = true,
+           allocator::IoFaults* faults = nullptr) {
+    auto ho = allocator::testing::PageableOptions(&ledger);
+    ho.budget_bytes = host_budget;
+    ho.retain_limit_bytes = 4 * kMiB;
+    host = allocator::testing::MakeArena(ho);
+    allocator::UringEngineOptions eo;
+    eo.arena = host.get();
+    eo.faults = faults;
+    engine = std::move(allocator::UringEngine::Create(eo).value());
+    if (with_nvme) {
+      allocator::NvmeArenaOptions no;
+      no.directory = allocator::testing::NvmeTestDir();
+      no.budget_bytes = 512 * kMiB;
+      no.ledger = &ledger;
+      nvme = std::move(allocator::NvmeArena::Create(no, engine.get()).value());
+    }
+    auto s = PartitionStore::Create(config, host.get(), nvme.get(), allocator::kProcessScope);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (s.ok()) store = std::move(s.value());
+  }
+  ~StoreRig() {
+    store.reset();
+    nvme.reset();
+    engine.reset();
+    host.reset();
+  }
+  allocator::Ledger ledger;
+  std::unique_ptr<allocator::HostArena> host;
+  std::unique_ptr<allocator::UringEngine> engine;
+  std::unique_ptr<allocator::NvmeArena> nvme;
+  std::unique_ptr<PartitionStore> store;
+};
+
+// The 8 MiB bounce pool of the engine lives in the host arena too.
+constexpr uint64_t kBounce = 8 * kMiB;
+
+struct TierCase {
+  const char* param;
+  const char* optimizer;
+};
+
+class TierRoundTripTest : public ::testing::TestWithParam<TierCase> {};
+
+TEST_P(TierRoundTripTest, RandomDataSurvivesEveryTierAndEviction) {
+  StoreRig rig(ParseOrDie(OffloadJson(GetParam().param, GetParam().optimizer)), 256 * kMiB);
+  ASSERT_NE(rig.store, nullptr);
+  std::vector<PartitionId> ids;
+  std::vector<std::vector<char>> expect;
+  const StateKind kinds[] = {StateKind::kParam, StateKind::kGrad, StateKind::kMasterWeight,
+                             StateKind::kExpAvg, StateKind::kExpAvgSq};
+  for (uint32_t g = 0; g < 2; ++g) {
+    for (StateKind k : kinds) {
+      const uint64_t bytes = 3 * kMiB + 4096 * g + 12;  // odd sizes
+      auto id = rig.store->Register({0, g, k}, bytes);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      ids.push_back(*id);
+      auto h = rig.store->Acquire(*id);
+      ASSERT_TRUE(h.ok());
+      std::vector<char> data(bytes);
+      FillRandom(data.data(), bytes, *id + 1);
+      std::memcpy(*h->Data(), data.data(), bytes);
+      expect.push_back(std::move(data));
+    }
+  }
+  ASSERT_TRUE(rig.store->Flush().ok());
+  for (PartitionId id : ids) {
+    if (rig.store->home(id) == Tier::kNvme) {
+      ASSERT_TRUE(rig.store->Evict(id).ok());
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto h = rig.store->Acquire(ids[i], Access::kRead);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    ASSERT_EQ(std::memcmp(*h->Data(), expect[i].data(), expect[i].size()), 0) << i;
+  }
+  const bool param_nvme = std::string(GetParam().param) == "nvme";
+  EXPECT_EQ(rig.store->home(ids[0]), param_nvme ? Tier::kNvme : Tier::kHost);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, TierRoundTripTest,
+                         ::testing::Values(TierCase{"cpu", "cpu"}, TierCase{"nvme", "nvme"},
+                                           TierCase{"nvme", "cpu"}, TierCase{"cpu", "nvme"}),
+                         [](const ::testing::TestParamInfo<TierCase>& p) {
+                           return std::string(p.param.param) + "_" + p.param.optimizer;
+                         });
+
+// Five "optimizer steps" over 16 partitions of 4 MiB in schedule order; returns a digest of
+// each partition's final contents.
+std::vector<uint64_t> Train(PartitionStore& store, int parts, int steps) {
+  std::vector<PartitionId> ids;
+  for (int i = 0; i < parts; ++i) {
+    ids.push_back(*store.Register({0, static_cast<uint32_t>(i), StateKind::kMasterWeight},
+                                  4 * kMiB));
+  }
+  EXPECT_TRUE(store.SetSchedule(ids).ok());
+  for (int s = 0; s < steps; ++s) {
+    for (PartitionId id : ids) {
+      auto h = store.Acquire(id);
+      EXPECT_TRUE(h.ok()) << h.status().ToString();
+      if (!h.ok()) return {};
+      auto* w = static_cast<uint32_t*>(*h->Data());
+      for (uint64_t i = 0; i < 4 * kMiB / 4; i += 7) w[i] = w[i] * 3 + s + id;
+    }
+  }
+  std::vector<uint64_t> digest;
+  for (PartitionId id : ids) {
+    auto h = store.Acquire(id, Access::kRead);
+    const auto* w = static_cast<const uint32_t*>(*h->Data());
+    uint64_t d = 1469598103934665603ull;
+    for (uint64_t i = 0; i < 4 * kMiB / 4; ++i) d = (d ^ w[i]) * 1099511628211ull;
+    digest.push_back(d);
+  }
+  return digest;
+}
+
+TEST(PartitionStoreTest, SpillUnderAQuarterOfTheStatesMatchesAnUnboundedRun) {
+  const Config cfg = ParseOrDie(OffloadJson("cpu", "cpu"));
+  StoreRig unbounded(cfg, 1024 * kMiB);
+  const auto expected = Train(*unbounded.store, 16, 5);
+  EXPECT_EQ(unbounded.store->Stats().spills, 0u);
+  StoreRig bounded(cfg, kBounce + 16 * kMiB);  // 16 of the 64 MiB of states fit
+  const auto got = Train(*bounded.store, 16, 5);
+  EXPECT_EQ(got, expected);
+  const StoreStats st = bounded.store->Stats();
+  EXPECT_GT(st.spills, 40u);
+  EXPECT_GT(st.swap_ins, 40u);
+  EXPECT_LE(bounded.host->Stats().peak_committed_bytes, kBounce + 16 * kMiB);
+  EXPECT_TRUE(bounded.host->Validate().ok());
+}
+
+TEST(PartitionStoreTest, OptSpillsThePartitionNeededFurthestInTheFuture) {
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), kBounce + 12 * kMiB);  // room for 3
+  std::vector<PartitionId> id;
+  for (uint32_t g = 0; g < 3; ++g) {
+    id.push_back(*rig.store->Register({0, g, StateKind::kExpAvg}, 4 * kMiB));
+  }
+  // D does not fit yet; register it on NVMe by evicting nothing: it spills one of A, B, C.
+  ASSERT_TRUE(rig.store->SetSchedule({}).ok());
+  auto d = rig.store->Register({0, 3, StateKind::kExpAvg}, 4 * kMiB);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  id.push_back(*d);
+  // Now the schedule A B C D: after using A, B, C, the next use of A is the soonest, of C the
+  // furthest. Bringing D back in must spill C (an LRU policy would spill A).
+  ASSERT_TRUE(rig.store->SetSchedule(id).ok());
+  for (int i = 0; i < 3; ++i) {
+    auto h = rig.store->Acquire(id[i]);
+    ASSERT_TRUE(h.ok()) << i << ": " << h.status().ToString();
+  }
+  ASSERT_TRUE(rig.store->resident(id[0]) && rig.store->resident(id[1]) &&
+              rig.store->resident(id[2]));
+  ASSERT_FALSE(rig.store->resident(id[3]));
+  auto hd = rig.store->Acquire(id[3]);
+  ASSERT_TRUE(hd.ok()) << hd.status().ToString();
+  EXPECT_TRUE(rig.store->resident(id[0]));
+  EXPECT_TRUE(rig.store->resident(id[1]));
+  EXPECT_FALSE(rig.store->resident(id[2]));
+}
+
+TEST(PartitionStoreTest, HandlesReleaseOnceAndAReleasedHandleIsAnError) {
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "nvme")), 256 * kMiB);
+  auto id = rig.store->Register({0, 0, StateKind::kMasterWeight}, kMiB);
+  ASSERT_TRUE(id.ok());
+  auto h = rig.store->Acquire(*id);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(rig.store->Release(*h).ok());
+  Status twice = rig.store->Release(*h);
+  EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(twice, "already released")) << twice.ToString();
+  EXPECT_EQ(h->Data().status().code(), StatusCode::kFailedPrecondition);
+  {
+    auto scoped = rig.store->Acquire(*id);
+    ASSERT_TRUE(scoped.ok());
+    EXPECT_EQ(rig.store->Evict(*id).code(), StatusCode::kFailedPrecondition);  // in use
+  }  // the handle's destructor released it
+  EXPECT_TRUE(rig.store->Evict(*id).ok());
+  EXPECT_FALSE(rig.store->resident(*id));
+  EXPECT_EQ(rig.store->Stats().live_handles, 0u);
+  EXPECT_EQ(rig.store->Acquire(999).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.store->Register({0, 0, StateKind::kMasterWeight}, kMiB).status().code(),
+            StatusCode::kInvalidArgument);  // registered twice
+}
+
+TEST(PartitionStoreTest, PartitionsInUseAreNeverSpilledAndTheErrorSaysSo) {
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), kBounce + 8 * kMiB);  // room for 2
+  auto a = rig.store->Register({0, 0, StateKind::kGrad}, 4 * kMiB);
+  auto b = rig.store->Register({0, 1, StateKind::kGrad}, 4 * kMiB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto ha = rig.store->Acquire(*a);
+  auto hb = rig.store->Acquire(*b);
+  ASSERT_TRUE(ha.ok() && hb.ok());
+  std::memset(*ha->Data(), 0x11, 4 * kMiB);
+  auto c = rig.store->Register({0, 2, StateKind::kGrad}, 4 * kMiB);
+  EXPECT_EQ(c.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(c.status(), "host budget")) << c.status().ToString();
+  EXPECT_TRUE(rig.store->resident(*a) && rig.store->resident(*b));
+  EXPECT_EQ(static_cast<unsigned char*>(*ha->Data())[4 * kMiB - 1], 0x11);
+}
+
+TEST(PartitionStoreTest, WithoutNvmeTheBudgetErrorSaysHowToAllowSpill) {
+  Config cfg = ParseOrDie(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  StoreRig rig(cfg, kBounce + 4 * kMiB, /*with_nvme=*/false);
+  ASSERT_TRUE(rig.store->Register({0, 0, StateKind::kExpAvg}, 4 * kMiB).ok());
+  auto b = rig.store->Register({0, 1, StateKind::kExpAvg}, 4 * kMiB);
+  EXPECT_EQ(b.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(b.status(), "offload_optimizer.device")) << b.status().ToString();
+  EXPECT_TRUE(Has(b.status(), "exp_avg rank 0 group 1")) << b.status().ToString();
+}
+
+TEST(PartitionStoreTest, AnNvmeConfigWithoutAnNvmeArenaIsRefused) {
+  allocator::Ledger ledger;
+  auto host = allocator::testing::MakeArena(allocator::testing::PageableOptions(&ledger));
+  auto s = PartitionStore::Create(ParseOrDie(OffloadJson("nvme", "cpu")), host.get(), nullptr, 0);
+  EXPECT_TRUE(Has(s.status(), "no NVMe arena was given")) << s.status().ToString();
+}
+
+TEST(PartitionStoreTest, AReadFaultSurfacesThroughAcquireAndTheDataIsStillThere) {
+  allocator::IoFaults faults;
+  StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), 256 * kMiB, true, &faults);
+  auto id = rig.store->Register({0, 0, StateKind::kParam}, 2 * kMiB);
+  ASSERT_TRUE(id.ok());
+  std::vector<char> data(2 * kMiB);
+  FillRandom(data.data(), data.size(), 77);
+  {
+    auto h = rig.store->Acquire(*id);
+    ASSERT_TRUE(h.ok());
+    std::memcpy(*h->Data(), data.data(), data.size());
+  }
+  ASSERT_TRUE(rig.store->Evict(*id).ok());
+  faults.read_errno = EIO;
+  auto bad = rig.store->Acquire(*id);
+  EXPECT_EQ(bad.status().code(), StatusCode::kIoError);
+  EXPECT_TRUE(Has(bad.status(), "acquiring param rank 0 group 0")) << bad.status().ToString();
+  EXPECT_FALSE(rig.store->resident(*id));
+  auto good = rig.store->Acquire(*id);
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_EQ(std::memcmp(*good->Data(), data.data(), data.size()), 0);
+}
+
+TEST(PartitionStoreTest, AWriteFaultDuringSpillKeepsTheHostCopy) {
+  allocator::IoFaults faults;
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), kBounce + 4 * kMiB, true, &faults);
+  auto a = rig.store->Register({0, 0, StateKind::kMasterWeight}, 4 * kMiB);
+  ASSERT_TRUE(a.ok());
+  {
+    auto h = rig.store->Acquire(*a);
+    std::memset(*h->Data(), 0x5a, 4 * kMiB);
+  }
+  faults.write_errno = EIO;
+  auto b = rig.store->Register({0, 1, StateKind::kMasterWeight}, 4 * kMiB);
+  EXPECT_EQ(b.status().code(), StatusCode::kOverBudget);  // the spill failed, so no room
+  ASSERT_TRUE(rig.store->resident(*a));
+  auto h = rig.store->Acquire(*a, Access::kRead);
+  EXPECT_EQ(static_cast<unsigned char*>(*h->Data())[123], 0x5a);
+}
+
+TEST(PartitionStoreTest, FourThreadsUnderATightBudget) {
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), kBounce + 12 * kMiB);
+  constexpr int kPerThread = 4;
+  std::vector<std::vector<PartitionId>> ids(4);
+  for (uint32_t t = 0; t < 4; ++t) {
+    for (uint32_t i = 0; i < kPerThread; ++i) {
+      auto id = rig.store->Register({t, i, StateKind::kMasterWeight}, kMiB);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      ids[t].push_back(*id);
+    }
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 25; ++round) {
+        for (PartitionId id : ids[t]) {
+          auto h = rig.store->Acquire(id);
+          ASSERT_TRUE(h.ok()) << h.status().ToString();
+          auto* w = static_cast<uint32_t*>(*h->Data());
+          for (int k = 0; k < 64; ++k) w[k * 1024] += 1;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) {
+    for (PartitionId id : ids[t]) {
+      auto h = rig.store->Acquire(id, Access::kRead);
+      ASSERT_TRUE(h.ok());
+      const auto* w = static_cast<const uint32_t*>(*h->Data());
+      for (int k = 0; k < 64; ++k) ASSERT_EQ(w[k * 1024], 25u) << "partition " << id;
+    }
+  }
+  EXPECT_GT(rig.store->Stats().spills, 0u);
+  EXPECT_TRUE(rig.host->Validate().ok());
+  EXPECT_TRUE(rig.nvme->Validate().ok());
+}
+
+}  // namespace
+}  // namespace spillway::offload
