@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "crc32c.h"
+#include "spillway/allocator/crc32c.h"
 #include "live_table.h"
 #include "spillway/allocator/log.h"
 
@@ -306,6 +306,71 @@ Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.read_bytes += bytes;
+  return Status::Ok();
+}
+
+Status NvmeArena::CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint64_t length,
+                                   const char* verb) const {
+  const LiveTable::Live* live = live_->Find(offset);
+  if (live == nullptr) {
+    return Status::InvalidArgument(StrCat(
+        verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
+  }
+  if (length == 0 || range_offset % alignment_ != 0 || range_offset + length > live->requested ||
+      (length % alignment_ != 0 && range_offset + length != live->requested)) {
+    return Status::InvalidArgument(StrCat(
+        verb, ": range [", range_offset, ", ", range_offset + length, ") of the extent at offset ",
+        offset, " (", live->requested, " bytes) must start on the alignment ", alignment_,
+        " and end on it or at the extent's end"));
+  }
+  return Status::Ok();
+}
+
+Result<uint32_t> NvmeArena::ExpectedChecksum(uint64_t offset, uint64_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string what;
+  SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::ExpectedChecksum", &what));
+  const Check& c = checks_.at(offset);
+  if (!c.valid) {
+    return Status::FailedPrecondition(StrCat("reading ", what, ": it holds no valid data (never "
+                                             "written, or its last write failed)"));
+  }
+  return c.crc;
+}
+
+Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void* dst,
+                                    uint64_t length) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(CheckRangeLocked(offset, range_offset, length, "NvmeArena::ReadRange"));
+  }
+  return engine_->Read(file_id_, offset + range_offset, dst, length);
+}
+
+Status NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string what;
+  SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::BeginWrite", &what));
+  checks_[offset].valid = false;
+  return Status::Ok();
+}
+
+Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
+                                     uint64_t length) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(
+        CheckRangeLocked(offset, range_offset, length, "NvmeArena::WriteRange"));
+  }
+  return engine_->Write(file_id_, offset + range_offset, src, length);
+}
+
+Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string what;
+  SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::CommitWrite", &what));
+  checks_[offset] = Check{true, options_.checksum ? crc : 0};
+  stats_.written_bytes += bytes;
   return Status::Ok();
 }
 

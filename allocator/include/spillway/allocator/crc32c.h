@@ -8,5 +8,8 @@ namespace spillway::allocator {
 
 // Standard CRC32C: Crc32c("123456789", 9) == 0xE3069283.
 uint32_t Crc32c(const void* data, size_t bytes);
+// The CRC32C of (what `crc` covered) followed by `data`: Crc32cExtend(Crc32c(a), b) == Crc32c(ab),
+// and Crc32cExtend(0, b) == Crc32c(b). For checking data that arrives in chunks.
+uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t bytes);
 
 }  // namespace spillway::allocator

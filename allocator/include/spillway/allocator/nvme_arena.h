@@ -74,6 +74,21 @@ class NvmeArena final : public Tier {
   // naming the owner; an extent never written (or whose last write failed) is an error too.
   Status Read(uint64_t offset, void* dst, uint64_t bytes);
 
+  // Chunked access, for the transfer pipeline that streams an extent through staging buffers.
+  // Ranges start on the alignment; only the last may end unaligned (at the extent's end).
+  // The checksum an extent's data must have; FAILED_PRECONDITION when it holds no valid data.
+  // Checking it is the caller's job (it sees the chunks in order: Crc32cExtend).
+  Result<uint32_t> ExpectedChecksum(uint64_t offset, uint64_t bytes) const;
+  Result<Ticket> ReadRange(uint64_t offset, uint64_t range_offset, void* dst, uint64_t length);
+  // A chunked write: BeginWrite invalidates the extent, WriteRange queues pieces, CommitWrite
+  // records the checksum of the whole once every piece completed (or leaves it invalid on error).
+  Status BeginWrite(uint64_t offset, uint64_t bytes);
+  Result<Ticket> WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
+                            uint64_t length);
+  Status CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc);
+  Status WaitRange(Ticket ticket) { return engine_->Wait(ticket); }
+  bool checksum_enabled() const { return options_.checksum; }
+
   NvmeArenaStats Stats() const;
   Status Validate() const;
   uint32_t alignment() const { return alignment_; }
@@ -98,6 +113,9 @@ class NvmeArena final : public Tier {
   // `what` with a description for messages ("param owner 3 (1.00 MiB at offset 8192)").
   Status CheckExtentLocked(uint64_t offset, uint64_t bytes, const char* verb,
                            std::string* what) const;
+  // mu_ held: checks [range_offset, +length) against the extent at `offset`.
+  Status CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint64_t length,
+                          const char* verb) const;
 
   NvmeArenaOptions options_;
   UringEngine* const engine_;
