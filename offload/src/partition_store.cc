@@ -50,24 +50,39 @@ Result<void*> Handle::Data() const {
 Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& config,
                                                               allocator::HostArena* host,
                                                               allocator::NvmeArena* nvme,
-                                                              allocator::ScopeId scope) {
+                                                              allocator::ScopeId scope,
+                                                              uint32_t prefetch_window) {
   if (host == nullptr) return Status::InvalidArgument("PartitionStore: a host arena is required");
   if (config.any_nvme() && nvme == nullptr) {
     return Status::InvalidArgument(
         "PartitionStore: the config offloads to nvme (offload_param/offload_optimizer.device) "
         "but no NVMe arena was given");
   }
-  std::unique_ptr<PartitionStore> store(new PartitionStore(config, host, nvme, scope));
+  std::unique_ptr<PartitionStore> store(
+      new PartitionStore(config, host, nvme, scope, prefetch_window));
   PartitionStore* raw = store.get();
   host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); });
+  if (prefetch_window > 0) store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
   return store;
 }
 
 PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
-                               allocator::NvmeArena* nvme, allocator::ScopeId scope)
-    : config_(config), host_(host), nvme_(nvme), scope_(scope) {}
+                               allocator::NvmeArena* nvme, allocator::ScopeId scope,
+                               uint32_t prefetch_window)
+    : config_(config),
+      host_(host),
+      nvme_(nvme),
+      scope_(scope),
+      prefetch_window_(prefetch_window) {}
 
 PartitionStore::~PartitionStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    prefetch_queue_.clear();
+  }
+  prefetch_cv_.notify_all();
+  if (prefetcher_.joinable()) prefetcher_.join();
   host_->SetSpillHandler(nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   if (!live_handles_.empty()) {
@@ -202,6 +217,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
         }
       }
       cursor_ = best;
+      QueuePrefetchLocked();
     }
     p.pins++;
     if (p.host == nullptr) {
@@ -375,6 +391,52 @@ Status PartitionStore::Release(Handle& handle) {
   handle.data_ = nullptr;
   if (!ok) return Status::Internal("Release: a live handle was not in the live set");
   return Status::Ok();
+}
+
+void PartitionStore::QueuePrefetchLocked() {
+  if (prefetch_window_ == 0 || schedule_length_ == 0) return;
+  // The schedule entries after the cursor, in order; each is at some position of its partition.
+  std::vector<PartitionId> order(schedule_length_);
+  for (PartitionId i = 0; i < parts_.size(); ++i) {
+    for (uint64_t u : parts_[i].uses) order[u] = i;
+  }
+  prefetch_queue_.clear();
+  for (uint64_t k = 1; k <= prefetch_window_ && k < schedule_length_; ++k) {
+    const PartitionId id = order[(cursor_ + k) % schedule_length_];
+    if (parts_[id].host == nullptr) prefetch_queue_.push_back(id);
+  }
+  if (!prefetch_queue_.empty()) prefetch_cv_.notify_all();
+}
+
+void PartitionStore::PrefetchLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    prefetch_cv_.wait(lock, [this] { return stopping_ || !prefetch_queue_.empty(); });
+    if (stopping_) return;
+    const PartitionId id = prefetch_queue_.front();
+    prefetch_queue_.erase(prefetch_queue_.begin());
+    Part& p = parts_[id];
+    if (p.host != nullptr || p.busy) continue;  // already there, or someone is on it
+    p.busy = true;
+    prefetch_running_ = true;
+    lock.unlock();
+    Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
+    lock.lock();
+    parts_[id].busy = false;
+    prefetch_running_ = false;
+    busy_cv_.notify_all();
+    if (st.ok()) {
+      stats_.prefetches++;
+    } else {
+      stats_.prefetch_failures++;  // the Acquire that needs it will retry and report the error
+    }
+    prefetch_cv_.notify_all();
+  }
+}
+
+void PartitionStore::DrainPrefetch() {
+  std::unique_lock<std::mutex> lock(mu_);
+  prefetch_cv_.wait(lock, [this] { return prefetch_queue_.empty() && !prefetch_running_; });
 }
 
 Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {

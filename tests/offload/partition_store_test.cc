@@ -35,7 +35,7 @@ std::string OffloadJson(const char* param_dev, const char* opt_dev) {
 // A ledger, a host arena with `budget`, an engine, an NVMe arena, and a store over them.
 struct StoreRig {
   StoreRig(const Config& config, uint64_t host_budget, bool with_nvme = true,
-           allocator::IoFaults* faults = nullptr) {
+           allocator::IoFaults* faults = nullptr, uint32_t prefetch_window = 0) {
     auto ho = allocator::testing::PageableOptions(&ledger);
     ho.budget_bytes = host_budget;
     ho.retain_limit_bytes = 4 * kMiB;
@@ -51,7 +51,8 @@ struct StoreRig {
       no.ledger = &ledger;
       nvme = std::move(allocator::NvmeArena::Create(no, engine.get()).value());
     }
-    auto s = PartitionStore::Create(config, host.get(), nvme.get(), allocator::kProcessScope);
+    auto s = PartitionStore::Create(config, host.get(), nvme.get(), allocator::kProcessScope,
+                                    prefetch_window);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (s.ok()) store = std::move(s.value());
   }
@@ -162,6 +163,46 @@ TEST(PartitionStoreTest, SpillUnderAQuarterOfTheStatesMatchesAnUnboundedRun) {
   EXPECT_GT(st.spills, 40u);
   EXPECT_GT(st.swap_ins, 40u);
   EXPECT_LE(bounded.host->Stats().peak_committed_bytes, kBounce + 16 * kMiB);
+  EXPECT_TRUE(bounded.host->Validate().ok());
+}
+
+TEST(PartitionStoreTest, PrefetchBringsInTheNextPartitionsOfTheScheduleAhead) {
+  StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), 256 * kMiB, true, nullptr,
+               /*prefetch_window=*/2);
+  std::vector<PartitionId> ids;
+  for (uint32_t g = 0; g < 5; ++g) {
+    ids.push_back(*rig.store->Register({0, g, StateKind::kParam}, 2 * kMiB));
+    {
+      auto h = rig.store->Acquire(ids.back());
+      std::memset(*h->Data(), static_cast<int>(g + 1), 2 * kMiB);
+    }
+    ASSERT_TRUE(rig.store->Evict(ids.back()).ok());
+  }
+  ASSERT_TRUE(rig.store->SetSchedule(ids).ok());
+  rig.store->DrainPrefetch();
+  const uint64_t before = rig.store->Stats().prefetches;
+  {
+    auto a = rig.store->Acquire(ids[0]);
+    ASSERT_TRUE(a.ok());
+  }
+  rig.store->DrainPrefetch();
+  EXPECT_TRUE(rig.store->resident(ids[1]));
+  EXPECT_TRUE(rig.store->resident(ids[2]));
+  EXPECT_FALSE(rig.store->resident(ids[3]));  // outside the window
+  EXPECT_EQ(rig.store->Stats().prefetches - before, 2u);
+  auto b = rig.store->Acquire(ids[1], Access::kRead);  // already there: no swap-in on the path
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(static_cast<unsigned char*>(*b->Data())[2 * kMiB - 1], 2);
+}
+
+TEST(PartitionStoreTest, PrefetchingUnderAQuarterBudgetStillMatchesAnUnboundedRun) {
+  const Config cfg = ParseOrDie(OffloadJson("cpu", "cpu"));
+  StoreRig unbounded(cfg, 1024 * kMiB);
+  const auto expected = Train(*unbounded.store, 16, 5);
+  StoreRig bounded(cfg, kBounce + 16 * kMiB, true, nullptr, /*prefetch_window=*/2);
+  const auto got = Train(*bounded.store, 16, 5);
+  EXPECT_EQ(got, expected);
+  EXPECT_GT(bounded.store->Stats().prefetches, 0u);
   EXPECT_TRUE(bounded.host->Validate().ok());
 }
 

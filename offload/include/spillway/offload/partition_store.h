@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -77,6 +78,8 @@ struct StoreStats {
   uint64_t flush_writes = 0;
   uint64_t live_handles = 0;
   uint64_t refused_releases = 0;   // double releases and released-handle uses
+  uint64_t prefetches = 0;         // swap-ins done ahead of use by the prefetch thread
+  uint64_t prefetch_failures = 0;  // ahead-of-use swap-ins that failed (the Acquire retries)
 };
 
 // Thread-safe. mu_ guards the partition table; it is never held across an allocation (which may
@@ -86,10 +89,13 @@ class PartitionStore {
  public:
   // `nvme` may be null (no spill possible: the budget error then says how to allow it).
   // Registers itself as `host`'s spill handler; the store must outlive nothing it holds.
+  // `prefetch_window`: after each Acquire, the next that many partitions of the schedule are
+  // swapped in ahead of use by a background thread (0 = no prefetching).
   static Result<std::unique_ptr<PartitionStore>> Create(const Config& config,
                                                         allocator::HostArena* host,
                                                         allocator::NvmeArena* nvme,
-                                                        allocator::ScopeId scope);
+                                                        allocator::ScopeId scope,
+                                                        uint32_t prefetch_window = 0);
   ~PartitionStore();
   PartitionStore(const PartitionStore&) = delete;
   PartitionStore& operator=(const PartitionStore&) = delete;
@@ -103,8 +109,10 @@ class PartitionStore {
 
   Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite);
   Status Release(Handle& handle);
-  // Brings partitions into host memory ahead of use (no handle kept).
+  // Brings partitions into host memory now (no handle kept).
   Status Prefetch(const std::vector<PartitionId>& ids);
+  // Blocks until the prefetch thread has nothing queued (for tests and step boundaries).
+  void DrainPrefetch();
   // Writes every dirty host copy that has an NVMe home or extent; host copies stay resident.
   Status Flush();
   // Writes (if needed) and drops the host copy of one partition not in use.
@@ -131,7 +139,10 @@ class PartitionStore {
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
 
   PartitionStore(const Config& config, allocator::HostArena* host, allocator::NvmeArena* nvme,
-                 allocator::ScopeId scope);
+                 allocator::ScopeId scope, uint32_t prefetch_window);
+  void PrefetchLoop();
+  // mu_ held: queues the next prefetch_window_ partitions of the schedule after the cursor.
+  void QueuePrefetchLocked();
   allocator::OwnerTag Tag(PartitionId id) const;
   std::string Describe(PartitionId id) const;  // "master_weight rank 0 group 3 (4.00 MiB)"
   Tier HomeFor(StateKind kind) const;
@@ -158,6 +169,12 @@ class PartitionStore {
   std::unordered_set<uint64_t> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
   StoreStats stats_;                         // guarded by mu_
+  const uint32_t prefetch_window_;
+  std::vector<PartitionId> prefetch_queue_;  // guarded by mu_
+  bool prefetch_running_ = false;            // guarded by mu_: the thread is swapping one in
+  bool stopping_ = false;                    // guarded by mu_
+  std::condition_variable prefetch_cv_;      // work queued, or the queue drained
+  std::thread prefetcher_;
 };
 
 }  // namespace spillway::offload
