@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "spillway/allocator/log.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
 
@@ -14,15 +15,24 @@ const char* StateKindName(StateKind kind) {
   return kNames[static_cast<int>(kind)];
 }
 
-const char* TierName(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kHost: return "host";
+    case Tier::kNvme: return "nvme";
+    case Tier::kDevice: return "device";
+  }
+  return "?";
+}
 
 Handle& Handle::operator=(Handle&& other) noexcept {
   if (this != &other) {
     if (store_ != nullptr) {
       bool ok;
-      store_->ReleaseHandle(handle_id_, id_, write_, &ok);
+      Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
+      if (!st.ok()) Log(LogLevel::kError, st.ToString());
     }
     store_ = std::exchange(other.store_, nullptr);
+    device_ = other.device_;
     handle_id_ = other.handle_id_;
     id_ = other.id_;
     data_ = std::exchange(other.data_, nullptr);
@@ -35,7 +45,9 @@ Handle& Handle::operator=(Handle&& other) noexcept {
 Handle::~Handle() {
   if (store_ != nullptr) {
     bool ok;
-    store_->ReleaseHandle(handle_id_, id_, write_, &ok);
+    // A destructor cannot return the write-back error; Release() does. Log it here.
+    Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
+    if (!st.ok()) Log(LogLevel::kError, st.ToString());
   }
 }
 
@@ -90,6 +102,7 @@ PartitionStore::~PartitionStore() {
                                    " live handles; their memory is freed now"));
   }
   for (Part& p : parts_) {
+    if (p.device != nullptr && pipeline_ != nullptr) (void)pipeline_->device()->Free(p.device);
     if (p.host != nullptr) (void)host_->Free(p.host);
     if (p.nvme_off != kNoExtent) (void)nvme_->Free(p.nvme_off);
   }
@@ -197,16 +210,38 @@ uint64_t PartitionStore::NextUseDistance(const Part& p) const {
   return best;
 }
 
-Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
+void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pipeline_ = pipeline;
+}
+
+Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier) {
   bool need_swap_in = false;
+  bool need_fill = false;
   uint64_t handle_id;
+  const bool device = tier == Tier::kDevice;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (id >= parts_.size() || parts_[id].bytes == 0) {
       return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
     }
+    if (tier == Tier::kNvme) {
+      return Status::InvalidArgument("Acquire: a view is host or device memory; kNvme is a home "
+                                     "tier, not a view");
+    }
+    if (device && pipeline_ == nullptr) {
+      return Status::FailedPrecondition(
+          "Acquire on the device tier: no device attached; call AttachDevice with a pipeline");
+    }
     busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
     Part& p = parts_[id];
+    const uint32_t other_tier_pins = device ? p.pins - p.device_pins : p.device_pins;
+    if (other_tier_pins > 0) {
+      return Status::FailedPrecondition(StrCat(
+          "Acquire of ", Describe(id), " on ", TierName(tier), ": it is in use on ",
+          TierName(device ? Tier::kHost : Tier::kDevice),
+          " by ", other_tier_pins, " handles; a partition is used in one tier at a time"));
+    }
     if (!p.uses.empty()) {  // advance the schedule cursor to this use
       uint64_t best = p.uses.front(), best_d = UINT64_MAX;
       for (uint64_t u : p.uses) {
@@ -220,7 +255,13 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
       QueuePrefetchLocked();
     }
     p.pins++;
-    if (p.host == nullptr) {
+    if (device) {
+      p.device_pins++;
+      if (p.device == nullptr) {
+        p.busy = true;
+        need_fill = true;
+      }
+    } else if (p.host == nullptr) {
       p.busy = true;
       need_swap_in = true;
     }
@@ -228,16 +269,17 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
     live_handles_.insert(handle_id);
     stats_.live_handles = live_handles_.size();
   }
-  if (need_swap_in) {
-    Status st = SwapIn(id);
+  if (need_swap_in || need_fill) {
+    Status st = need_fill ? FillDevice(id) : SwapIn(id);
     std::lock_guard<std::mutex> lock(mu_);
     parts_[id].busy = false;
     busy_cv_.notify_all();
     if (!st.ok()) {
       parts_[id].pins--;
+      if (device) parts_[id].device_pins--;
       live_handles_.erase(handle_id);
       stats_.live_handles = live_handles_.size();
-      return st.WithContext(StrCat("acquiring ", Describe(id)));
+      return st.WithContext(StrCat("acquiring ", Describe(id), " on ", TierName(tier)));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -245,10 +287,100 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access) {
   h.store_ = this;
   h.handle_id_ = handle_id;
   h.id_ = id;
-  h.data_ = parts_[id].host;
+  h.data_ = device ? parts_[id].device : parts_[id].host;
   h.bytes_ = parts_[id].bytes;
   h.write_ = access == Access::kReadWrite;
+  h.device_ = device;
   return h;
+}
+
+Status PartitionStore::FillDevice(PartitionId id) {
+  TransferPipeline* pipe;
+  void* host;
+  uint64_t bytes, off;
+  bool valid;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pipe = pipeline_;
+    host = parts_[id].host;
+    bytes = parts_[id].bytes;
+    off = parts_[id].nvme_off;
+    valid = parts_[id].nvme_valid;
+  }
+  auto dev = pipe->device()->Allocate(bytes);
+  if (!dev.ok()) return dev.status();
+  Status st;
+  if (host != nullptr) {
+    st = pipe->HostToDevice(host, *dev, bytes);  // the host copy is the newest
+  } else if (valid) {
+    st = pipe->NvmeToDevice(off, bytes, *dev);  // straight from NVMe, no host copy made
+  } else {
+    std::vector<char> zeros(bytes, 0);  // never written: a fresh partition reads as zeros
+    st = pipe->device()->CopyFromHost(*dev, zeros.data(), bytes);
+  }
+  if (!st.ok()) {
+    (void)pipe->device()->Free(*dev);
+    return st;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  parts_[id].device = *dev;
+  parts_[id].device_dirty = false;
+  stats_.device_fills++;
+  return Status::Ok();
+}
+
+Status PartitionStore::WriteBackDevice(PartitionId id) {
+  TransferPipeline* pipe;
+  void *host, *dev;
+  uint64_t bytes, off;
+  bool dirty;
+  allocator::OwnerTag tag;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Part& p = parts_[id];
+    pipe = pipeline_;
+    host = p.host;
+    dev = p.device;
+    bytes = p.bytes;
+    off = p.nvme_off;
+    dirty = p.device_dirty;
+    tag = Tag(id);
+  }
+  Status st;
+  bool to_nvme = false;
+  if (dirty && host != nullptr) {
+    st = pipe->device()->CopyToHost(host, dev, bytes);
+  } else if (dirty) {
+    if (off == kNoExtent) {
+      auto r = nvme_ != nullptr ? nvme_->Allocate(bytes, tag)
+                                : Result<uint64_t>(Status::FailedPrecondition(
+                                      "no NVMe arena and no host copy to write the device view "
+                                      "back to"));
+      if (!r.ok()) return r.status();
+      off = *r;
+      std::lock_guard<std::mutex> lock(mu_);
+      parts_[id].nvme_off = off;
+    }
+    st = pipe->DeviceToNvme(dev, off, bytes);
+    to_nvme = true;
+  }
+  if (!st.ok()) {
+    // The device view is the only good copy: keep it, so a later release can retry.
+    return st.WithContext(StrCat("writing back the device view of ", Describe(id),
+                                 "; the device copy is kept"));
+  }
+  (void)pipe->device()->Free(dev);
+  std::lock_guard<std::mutex> lock(mu_);
+  Part& p = parts_[id];
+  if (dirty && !to_nvme) p.dirty = true;  // the host copy is now newer than NVMe
+  if (to_nvme) {
+    p.nvme_valid = true;
+    p.dirty = false;
+  }
+  p.device = nullptr;
+  p.device_dirty = false;
+  if (dirty) stats_.device_writebacks++;
+  return Status::Ok();
 }
 
 Status PartitionStore::SwapIn(PartitionId id) {
@@ -361,18 +493,43 @@ Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
   return Status::Ok();
 }
 
-void PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool* ok) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (live_handles_.erase(handle_id) == 0) {
-    stats_.refused_releases++;
-    *ok = false;
-    return;
+Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device,
+                                     bool* ok) {
+  bool write_back = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (live_handles_.erase(handle_id) == 0) {
+      stats_.refused_releases++;
+      *ok = false;
+      return Status::Ok();
+    }
+    *ok = true;
+    stats_.live_handles = live_handles_.size();
+    Part& p = parts_[id];
+    if (!device) {
+      p.pins--;
+      if (write) p.dirty = true;
+      return Status::Ok();
+    }
+    if (write) p.device_dirty = true;
+    if (p.device_pins > 1) {
+      p.device_pins--;
+      p.pins--;
+      return Status::Ok();
+    }
+    // The last device handle: write the view back (if dirty) and free it, outside the lock. The
+    // partition stays pinned and busy until then, so nothing spills or re-reads it meanwhile.
+    p.busy = true;
+    write_back = true;
   }
+  Status st = write_back ? WriteBackDevice(id) : Status::Ok();
+  std::lock_guard<std::mutex> lock(mu_);
   Part& p = parts_[id];
+  p.busy = false;
+  p.device_pins--;
   p.pins--;
-  if (write) p.dirty = true;
-  stats_.live_handles = live_handles_.size();
-  *ok = true;
+  busy_cv_.notify_all();
+  return st;
 }
 
 Status PartitionStore::Release(Handle& handle) {
@@ -386,11 +543,11 @@ Status PartitionStore::Release(Handle& handle) {
     return Status::InvalidArgument("Release: the handle belongs to another PartitionStore");
   }
   bool ok;
-  ReleaseHandle(handle.handle_id_, handle.id_, handle.write_, &ok);
+  Status st = ReleaseHandle(handle.handle_id_, handle.id_, handle.write_, handle.device_, &ok);
   handle.store_ = nullptr;
   handle.data_ = nullptr;
   if (!ok) return Status::Internal("Release: a live handle was not in the live set");
-  return Status::Ok();
+  return st;
 }
 
 void PartitionStore::QueuePrefetchLocked() {

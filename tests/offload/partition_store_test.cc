@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "../allocator/nvme_test_util.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
 namespace {
@@ -204,6 +205,103 @@ TEST(PartitionStoreTest, PrefetchingUnderAQuarterBudgetStillMatchesAnUnboundedRu
   EXPECT_EQ(got, expected);
   EXPECT_GT(bounded.store->Stats().prefetches, 0u);
   EXPECT_TRUE(bounded.host->Validate().ok());
+}
+
+// Device views on the CPU backend (the same schedule the CUDA backend runs).
+struct DeviceRig {
+  explicit DeviceRig(const Config& cfg) : rig(cfg, 256 * kMiB) {
+    device = std::move(Device::OpenCpu().value());
+    pipe = std::move(
+        TransferPipeline::Create(rig.host.get(), rig.nvme.get(), device.get(), {kMiB, 4}).value());
+    rig.store->AttachDevice(pipe.get());
+  }
+  ~DeviceRig() { rig.store.reset(); }
+  std::vector<char> ReadDevice(const Handle& h) {
+    std::vector<char> out(h.bytes());
+    EXPECT_TRUE(device->CopyToHost(out.data(), *h.Data(), h.bytes()).ok());
+    return out;
+  }
+  StoreRig rig;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<TransferPipeline> pipe;
+};
+
+TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) {
+  DeviceRig d(ParseOrDie(OffloadJson("nvme", "cpu")));
+  PartitionStore& store = *d.rig.store;
+  const uint64_t bytes = 3 * kMiB + 100;
+  std::vector<char> v1(bytes), v2(bytes);
+  FillRandom(v1.data(), bytes, 1);
+  FillRandom(v2.data(), bytes, 2);
+  // A host-homed master weight: the device view comes from the host copy and goes back into it.
+  auto master = *store.Register({0, 0, StateKind::kMasterWeight}, bytes);
+  {
+    auto h = store.Acquire(master);
+    std::memcpy(*h->Data(), v1.data(), bytes);
+  }
+  {
+    auto dv = store.Acquire(master, Access::kReadWrite, Tier::kDevice);
+    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
+    EXPECT_EQ(d.ReadDevice(*dv), v1);
+    ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
+    ASSERT_TRUE(store.Release(*dv).ok());
+  }
+  {
+    auto h = store.Acquire(master, Access::kRead);
+    EXPECT_EQ(std::memcmp(*h->Data(), v2.data(), bytes), 0);
+  }
+  // An NVMe-homed param that is not resident: filled straight from NVMe, written back to NVMe,
+  // and no host copy is made on the way.
+  auto param = *store.Register({0, 0, StateKind::kParam}, bytes);
+  {
+    auto h = store.Acquire(param);
+    std::memcpy(*h->Data(), v1.data(), bytes);
+  }
+  ASSERT_TRUE(store.Evict(param).ok());
+  {
+    auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
+    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
+    EXPECT_FALSE(store.resident(param));
+    EXPECT_EQ(d.ReadDevice(*dv), v1);
+    ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
+  }  // the destructor writes it back
+  EXPECT_FALSE(store.resident(param));
+  {
+    auto h = store.Acquire(param, Access::kRead);
+    EXPECT_EQ(std::memcmp(*h->Data(), v2.data(), bytes), 0);
+  }
+  const StoreStats st = store.Stats();
+  EXPECT_EQ(st.device_fills, 2u);
+  EXPECT_EQ(st.device_writebacks, 2u);
+  EXPECT_EQ(d.pipe->stats().nvme_to_device_bytes.load(), bytes);
+  EXPECT_EQ(d.pipe->stats().device_to_nvme_bytes.load(), bytes);
+}
+
+TEST(PartitionStoreTest, APartitionIsUsedInOneTierAtATime) {
+  DeviceRig d(ParseOrDie(OffloadJson("cpu", "cpu")));
+  PartitionStore& store = *d.rig.store;
+  auto id = *store.Register({0, 0, StateKind::kGrad}, kMiB);
+  {
+    auto h = store.Acquire(id);
+    ASSERT_TRUE(h.ok());
+    auto dv = store.Acquire(id, Access::kRead, Tier::kDevice);
+    EXPECT_EQ(dv.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(Has(dv.status(), "in use on host by 1 handles")) << dv.status().ToString();
+  }
+  auto dv = store.Acquire(id, Access::kRead, Tier::kDevice);
+  ASSERT_TRUE(dv.ok());
+  auto h = store.Acquire(id);
+  EXPECT_TRUE(Has(h.status(), "in use on device")) << h.status().ToString();
+  EXPECT_EQ(store.Acquire(id, Access::kRead, Tier::kNvme).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(PartitionStoreTest, TheDeviceTierNeedsAnAttachedDevice) {
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), 256 * kMiB);
+  auto id = *rig.store->Register({0, 0, StateKind::kGrad}, kMiB);
+  auto dv = rig.store->Acquire(id, Access::kRead, Tier::kDevice);
+  EXPECT_EQ(dv.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(dv.status(), "AttachDevice")) << dv.status().ToString();
 }
 
 TEST(PartitionStoreTest, OptSpillsThePartitionNeededFurthestInTheFuture) {

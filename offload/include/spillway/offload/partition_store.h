@@ -22,6 +22,8 @@
 
 namespace spillway::offload {
 
+class TransferPipeline;  // transfer_pipeline.h
+
 enum class StateKind : uint8_t { kParam = 0, kGrad, kMasterWeight, kExpAvg, kExpAvgSq };
 const char* StateKindName(StateKind kind);
 
@@ -31,7 +33,7 @@ struct PartitionKey {
   StateKind kind = StateKind::kParam;
 };
 
-enum class Tier : uint8_t { kHost = 0, kNvme };  // the device tier arrives with the device seam
+enum class Tier : uint8_t { kHost = 0, kNvme, kDevice };
 const char* TierName(Tier tier);
 
 using PartitionId = uint32_t;
@@ -62,6 +64,7 @@ class Handle {
   void* data_ = nullptr;
   uint64_t bytes_ = 0;
   bool write_ = false;
+  bool device_ = false;
 };
 
 enum class Access : uint8_t { kRead, kReadWrite };
@@ -78,6 +81,8 @@ struct StoreStats {
   uint64_t flush_writes = 0;
   uint64_t live_handles = 0;
   uint64_t refused_releases = 0;   // double releases and released-handle uses
+  uint64_t device_fills = 0;       // device views filled (from host or straight from NVMe)
+  uint64_t device_writebacks = 0;  // dirty device views written back on their last release
   uint64_t prefetches = 0;         // swap-ins done ahead of use by the prefetch thread
   uint64_t prefetch_failures = 0;  // ahead-of-use swap-ins that failed (the Acquire retries)
 };
@@ -107,7 +112,15 @@ class PartitionStore {
   // The order partitions are used in one step; it repeats every step. OPT picks victims by it.
   Status SetSchedule(std::vector<PartitionId> order);
 
-  Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite);
+  // A view of the partition in host memory (kHost) or device memory (kDevice, through the transfer
+  // pipeline given to AttachDevice: from the host copy when resident, else straight from NVMe).
+  // A partition is used in one tier at a time: acquiring it on the other tier while handles are
+  // live is FAILED_PRECONDITION. A dirty device view is written back on its last release (into the
+  // host copy if resident, else to NVMe), and its device memory freed.
+  Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite,
+                         Tier tier = Tier::kHost);
+  // Enables the device tier. The pipeline (and its device) must outlive the store.
+  void AttachDevice(TransferPipeline* pipeline);
   Status Release(Handle& handle);
   // Brings partitions into host memory now (no handle kept).
   Status Prefetch(const std::vector<PartitionId>& ids);
@@ -133,7 +146,10 @@ class PartitionStore {
     bool nvme_valid = false;       // the NVMe copy holds the latest data
     bool dirty = false;            // the host copy is newer than the NVMe copy
     uint32_t pins = 0;             // live handles
-    bool busy = false;             // being swapped in or spilled
+    bool busy = false;             // being swapped in, spilled, or moved to or from the device
+    void* device = nullptr;        // device view while device handles are live
+    uint32_t device_pins = 0;      // of `pins`, how many are device handles
+    bool device_dirty = false;
     std::vector<uint64_t> uses;    // positions in the schedule
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
@@ -152,7 +168,10 @@ class PartitionStore {
   Status SwapIn(PartitionId id);
   // Without mu_: writes `id` out if needed and drops its host copy. `id` is busy.
   Status SpillOne(PartitionId id, uint64_t* freed);
-  void ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool* ok);
+  // Returns the write-back status when this was the last device handle of a dirty view.
+  Status ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device, bool* ok);
+  Status FillDevice(PartitionId id);       // without mu_; `id` is busy
+  Status WriteBackDevice(PartitionId id);  // without mu_; `id` is busy
   // mu_ held: schedule distance from the cursor to the next use of `id`.
   uint64_t NextUseDistance(const Part& p) const;
 
@@ -169,6 +188,7 @@ class PartitionStore {
   std::unordered_set<uint64_t> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
   StoreStats stats_;                         // guarded by mu_
+  TransferPipeline* pipeline_ = nullptr;     // guarded by mu_; set once by AttachDevice
   const uint32_t prefetch_window_;
   std::vector<PartitionId> prefetch_queue_;  // guarded by mu_
   bool prefetch_running_ = false;            // guarded by mu_: the thread is swapping one in
