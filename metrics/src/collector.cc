@@ -140,6 +140,15 @@ void Collector::Watch(const allocator::Ledger* l) {
   std::lock_guard<std::mutex> lock(mu_);
   ledgers_.push_back(l);
 }
+void Collector::Watch(const offload::PartitionStore* st) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stores_.push_back(st);
+}
+void Collector::Watch(const offload::TransferPipeline* p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pipelines_.push_back(p);
+}
+
 void Collector::Unwatch(const void* c) {
   std::lock_guard<std::mutex> lock(mu_);
   auto drop = [c](auto& v) {
@@ -149,6 +158,8 @@ void Collector::Unwatch(const void* c) {
   drop(nvmes_);
   drop(engines_);
   drop(ledgers_);
+  drop(stores_);
+  drop(pipelines_);
 }
 
 std::vector<MetricFamily> Collector::Collect() const {
@@ -252,6 +263,44 @@ std::vector<MetricFamily> Collector::Collect() const {
               static_cast<double>(s.bounce_bytes));
     f.Gauge("spillway_io_registered_regions", "Host arena regions registered as fixed buffers.", b,
             static_cast<double>(s.registered_regions));
+  }
+  for (const offload::PartitionStore* store : stores_) {
+    const offload::StoreStats s = store->Stats();
+    f.Gauge("spillway_partitions", "ZeRO-3 partitions registered in the store.", {},
+            static_cast<double>(s.partitions));
+    f.Gauge("spillway_partition_bytes", "Partition bytes by where their copies are now.",
+            {{"tier", "host"}}, static_cast<double>(s.resident_bytes));
+    f.Gauge("spillway_partition_bytes", "Partition bytes by where their copies are now.",
+            {{"tier", "nvme"}}, static_cast<double>(s.nvme_bytes));
+    f.Counter("spillway_partition_swap_ins_total", "Partitions read back into host memory.", {},
+              static_cast<double>(s.swap_ins));
+    f.Counter("spillway_partition_swap_in_bytes_total", "Bytes read back into host memory.", {},
+              static_cast<double>(s.swap_in_bytes));
+    f.Counter("spillway_partition_spills_total",
+              "Partitions dropped from host memory under the budget (OPT victims).", {},
+              static_cast<double>(s.spills));
+    f.Counter("spillway_partition_spill_bytes_total", "Bytes dropped from host memory.", {},
+              static_cast<double>(s.spill_bytes));
+    f.Counter("spillway_partition_prefetches_total", "Swap-ins done ahead of use.", {},
+              static_cast<double>(s.prefetches));
+    f.Gauge("spillway_partition_handles", "Live partition handles.", {},
+            static_cast<double>(s.live_handles));
+  }
+  for (const offload::TransferPipeline* p : pipelines_) {
+    const offload::PipelineStats& s = p->stats();
+    const std::pair<const char*, double> dirs[] = {
+        {"nvme_to_device", static_cast<double>(s.nvme_to_device_bytes.load())},
+        {"device_to_nvme", static_cast<double>(s.device_to_nvme_bytes.load())},
+        {"host_to_device", static_cast<double>(s.host_to_device_bytes.load())}};
+    for (const auto& [dir, bytes] : dirs) {
+      f.Counter("spillway_transfer_bytes_total", "Bytes moved by the transfer pipeline.",
+                {{"direction", dir}}, bytes);
+    }
+    f.Counter("spillway_transfer_failures_total", "Pipeline transfers that failed.", {},
+              static_cast<double>(s.failures.load()));
+    f.Counter("spillway_transfer_checksum_failures_total",
+              "Pipeline transfers whose chunked checksum did not match.", {},
+              static_cast<double>(s.checksum_failures.load()));
   }
   return f.Take();
 }

@@ -11,6 +11,8 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
+#include "spillway/offload/partition_store.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::metrics {
 
@@ -25,6 +27,8 @@ class Collector final : public prometheus::Collectable {
   void Watch(const allocator::NvmeArena* a);
   void Watch(const allocator::UringEngine* e);
   void Watch(const allocator::Ledger* l);
+  void Watch(const offload::PartitionStore* s);
+  void Watch(const offload::TransferPipeline* p);
   void Unwatch(const void* component);
 
  private:
@@ -33,6 +37,8 @@ class Collector final : public prometheus::Collectable {
   std::vector<const allocator::NvmeArena*> nvmes_;   // guarded by mu_
   std::vector<const allocator::UringEngine*> engines_;  // guarded by mu_
   std::vector<const allocator::Ledger*> ledgers_;    // guarded by mu_
+  std::vector<const offload::PartitionStore*> stores_;       // guarded by mu_
+  std::vector<const offload::TransferPipeline*> pipelines_;  // guarded by mu_
 };
 
 }  // namespace spillway::metrics

@@ -40,6 +40,8 @@ void Exporter::Watch(const allocator::HostArena* a) { collector_->Watch(a); }
 void Exporter::Watch(const allocator::NvmeArena* a) { collector_->Watch(a); }
 void Exporter::Watch(const allocator::UringEngine* e) { collector_->Watch(e); }
 void Exporter::Watch(const allocator::Ledger* l) { collector_->Watch(l); }
+void Exporter::Watch(const offload::PartitionStore* s) { collector_->Watch(s); }
+void Exporter::Watch(const offload::TransferPipeline* p) { collector_->Watch(p); }
 void Exporter::Unwatch(const void* c) { collector_->Unwatch(c); }
 
 std::string Exporter::address() const { return StrCat(host_, ":", port_); }

@@ -274,3 +274,65 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
 
 }  // namespace
 }  // namespace spillway::metrics
+
+namespace spillway::metrics {
+namespace {
+
+TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool) {
+  allocator::Ledger ledger;
+  auto ho = allocator::testing::PageableOptions(&ledger);
+  auto host = allocator::testing::MakeArena(ho);
+  allocator::UringEngineOptions eo;
+  eo.arena = host.get();
+  auto engine = std::move(allocator::UringEngine::Create(eo).value());
+  allocator::NvmeArenaOptions no;
+  no.directory = ".";
+  no.budget_bytes = 64 * kMiB;
+  no.ledger = &ledger;
+  auto nvme = std::move(allocator::NvmeArena::Create(no, engine.get()).value());
+  auto cfg = offload::Config::Parse(
+      R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "."}}})");
+  ASSERT_TRUE(cfg.ok());
+  auto store = std::move(offload::PartitionStore::Create(*cfg, host.get(), nvme.get(), 0).value());
+  auto device = std::move(offload::Device::OpenCpu().value());
+  auto pipe = std::move(
+      offload::TransferPipeline::Create(host.get(), nvme.get(), device.get(), {kMiB, 2}).value());
+  store->AttachDevice(pipe.get());
+  auto id = *store->Register({0, 0, offload::StateKind::kParam}, 2 * kMiB);
+  { auto h = store->Acquire(id); }
+  ASSERT_TRUE(store->Evict(id).ok());
+  { auto d = store->Acquire(id, offload::Access::kRead, offload::Tier::kDevice); }
+  auto e = Exporter::Start({"127.0.0.1:0", false});
+  ASSERT_TRUE(e.ok());
+  (*e)->Watch(host.get());
+  (*e)->Watch(nvme.get());
+  (*e)->Watch(engine.get());
+  (*e)->Watch(&ledger);
+  (*e)->Watch(store.get());
+  (*e)->Watch(pipe.get());
+  const std::string text = (*e)->Render();
+  EXPECT_EQ(Sample(text, "spillway_partitions"), 1);
+  EXPECT_EQ(Sample(text, "spillway_partition_spills_total"), 1);
+  EXPECT_EQ(Sample(text, "spillway_transfer_bytes_total{direction=\"nvme_to_device\"}"),
+            static_cast<double>(2 * kMiB));
+  EXPECT_EQ(Sample(text, "spillway_partition_bytes{tier=\"nvme\"}"), static_cast<double>(2 * kMiB));
+  if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+    const std::string path = ::testing::TempDir() + "/spillway-full-exposition.txt";
+    std::ofstream(path) << text;
+    FILE* p = popen(("promtool check metrics < " + path + " 2>&1").c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+    EXPECT_EQ(pclose(p), 0) << out;
+    EXPECT_EQ(out, "") << out;
+  }
+  (*e)->Unwatch(store.get());
+  (*e)->Unwatch(pipe.get());
+  store.reset();
+  pipe.reset();
+  nvme.reset();
+  engine.reset();
+}
+
+}  // namespace
+}  // namespace spillway::metrics

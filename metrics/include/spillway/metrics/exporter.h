@@ -13,6 +13,8 @@
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/status.h"
 #include "spillway/allocator/uring_engine.h"
+#include "spillway/offload/partition_store.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace prometheus {
 class Exposer;
@@ -42,6 +44,8 @@ class Exporter {
   void Watch(const allocator::NvmeArena* arena);
   void Watch(const allocator::UringEngine* engine);
   void Watch(const allocator::Ledger* ledger);
+  void Watch(const offload::PartitionStore* store);
+  void Watch(const offload::TransferPipeline* pipeline);
   void Unwatch(const void* component);
 
   // The port actually bound (useful with port 0); 0 when disabled.
