@@ -23,20 +23,6 @@ using testing::IoRig;
 using testing::kMiB;
 using testing::Tag;
 
-// Overwrites one byte of the swap file through a second, buffered descriptor of the same unlinked
-// file; an O_DIRECT read writes dirty page-cache pages back first, so it sees the change.
-void FlipByteOnDisk(const NvmeArena& nvme, uint64_t offset) {
-  const std::string self = "/proc/self/fd/" + std::to_string(nvme.fd_for_testing());
-  int fd = open(self.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << strerror(errno);
-  char byte;
-  ASSERT_EQ(pread(fd, &byte, 1, static_cast<off_t>(offset)), 1);
-  byte ^= 0x40;
-  ASSERT_EQ(pwrite(fd, &byte, 1, static_cast<off_t>(offset)), 1);
-  ASSERT_EQ(fsync(fd), 0);
-  close(fd);
-}
-
 class NvmeArenaTest : public ::testing::TestWithParam<bool> {  // param: thread pool backend
  protected:
   void SetUp() override {
@@ -220,7 +206,7 @@ TEST_P(NvmeArenaTest, ACorruptedByteOnDiskIsCaughtByTheChecksum) {
   auto off = nvme_->Allocate(bytes, Tag(Kind::kOptimizerState, Lifetime::kPersistent, 21));
   ASSERT_TRUE(off.ok());
   ASSERT_TRUE(nvme_->Write(*off, src.data(), bytes).ok());
-  FlipByteOnDisk(*nvme_, *off + 12345);
+  testing::FlipByteOnDisk(*nvme_, *off + 12345);
   Status st = nvme_->Read(*off, dst.data(), bytes);
   EXPECT_EQ(st.code(), StatusCode::kChecksumMismatch);
   EXPECT_TRUE(Has(st, "optimizer_state owner 21")) << st.ToString();
@@ -241,7 +227,7 @@ TEST_P(NvmeArenaTest, WithoutChecksumsTheSameCorruptionGoesUnnoticed) {
   auto off = nvme_->Allocate(kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   ASSERT_TRUE(off.ok());
   ASSERT_TRUE(nvme_->Write(*off, src.data(), kMiB).ok());
-  FlipByteOnDisk(*nvme_, *off + 100);
+  testing::FlipByteOnDisk(*nvme_, *off + 100);
   ASSERT_TRUE(nvme_->Read(*off, dst.data(), kMiB).ok());
   EXPECT_NE(src, dst);
 }

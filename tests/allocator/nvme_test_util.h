@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,6 +42,20 @@ inline void FillRandom(void* p, size_t n, uint64_t seed) {
     std::memcpy(b + i, &v, 8);
   }
   for (; i < n; ++i) b[i] = static_cast<unsigned char>(rng());
+}
+
+// Overwrites one byte of the swap file through a second, buffered descriptor of the same unlinked
+// file; an O_DIRECT read writes dirty page-cache pages back first, so it sees the change.
+inline void FlipByteOnDisk(const NvmeArena& nvme, uint64_t offset) {
+  const std::string self = "/proc/self/fd/" + std::to_string(nvme.fd_for_testing());
+  int fd = open(self.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << strerror(errno);
+  char byte;
+  ASSERT_EQ(pread(fd, &byte, 1, static_cast<off_t>(offset)), 1);
+  byte ^= 0x40;
+  ASSERT_EQ(pwrite(fd, &byte, 1, static_cast<off_t>(offset)), 1);
+  ASSERT_EQ(fsync(fd), 0);
+  close(fd);
 }
 
 // A ledger, a pageable host arena and an engine on one backend.

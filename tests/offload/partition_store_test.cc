@@ -16,9 +16,7 @@ namespace {
 using allocator::testing::FillRandom;
 using allocator::testing::kMiB;
 
-bool Has(const Status& st, const std::string& text) {
-  return st.message().find(text) != std::string::npos;
-}
+using allocator::testing::Has;
 
 Config ParseOrDie(const std::string& json) {
   auto c = Config::Parse(json);

@@ -15,9 +15,7 @@ namespace {
 using allocator::testing::FillRandom;
 using allocator::testing::kMiB;
 
-bool Has(const Status& st, const std::string& text) {
-  return st.message().find(text) != std::string::npos;
-}
+using allocator::testing::Has;
 
 struct PipeRig {
   explicit PipeRig(allocator::IoFaults* faults = nullptr, Device* dev = nullptr)
@@ -112,13 +110,7 @@ TEST(TransferPipelineTest, ACorruptedChunkMarksTheDestinationInvalid) {
   FillRandom(host.data(), bytes, 4);
   auto off = rig.nvme->Allocate(bytes, {allocator::Kind::kParam, allocator::Lifetime::kPersistent});
   ASSERT_TRUE(rig.nvme->Write(*off, host.data(), bytes).ok());
-  const std::string self = "/proc/self/fd/" + std::to_string(rig.nvme->fd_for_testing());
-  int fd = open(self.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  const char flipped = static_cast<char>(~host[3 * kMiB + 77]);
-  ASSERT_EQ(pwrite(fd, &flipped, 1, static_cast<off_t>(*off + 3 * kMiB + 77)), 1);
-  ASSERT_EQ(fsync(fd), 0);
-  close(fd);
+  allocator::testing::FlipByteOnDisk(*rig.nvme, *off + 3 * kMiB + 77);
   void* dev = *rig.device->Allocate(bytes);
   Status st = rig.pipe->NvmeToDevice(*off, bytes, dev);
   EXPECT_EQ(st.code(), StatusCode::kChecksumMismatch);
