@@ -1,0 +1,315 @@
+// HostOptimizer: validation, the norm/plan/update sequence and the fan-out over sub-group chunks.
+// The arithmetic lives in the kernels (kernels_body.inc). See docs/engine.md, Note [Fused step].
+#include "spillway/engine/host_optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "kernels.h"
+#include "worker_pool.h"
+
+namespace spillway::engine {
+namespace {
+
+const kernels::Table& TableFor(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx2: return kernels::Avx2Table();
+    case Isa::kAvx512: return kernels::Avx512Table();
+    case Isa::kAvx512Bf16: return kernels::Avx512Bf16Table();
+    default: return kernels::ScalarTable();
+  }
+}
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+std::string GroupName(const SubGroup& g) {
+  return g.name.empty() ? std::string("sub-group") : StrCat("sub-group '", g.name, "'");
+}
+
+// A chunk of one group: the unit of work handed to a thread.
+struct Task {
+  size_t group;
+  uint64_t begin, end;
+};
+
+std::vector<Task> Split(std::span<const SubGroup> groups, uint64_t chunk) {
+  std::vector<Task> tasks;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (uint64_t b = 0; b < groups[g].numel; b += chunk) {
+      tasks.push_back({g, b, std::min(groups[g].numel, b + chunk)});
+    }
+  }
+  return tasks;
+}
+
+}  // namespace
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32: return "fp32";
+    case DType::kBf16: return "bf16";
+    case DType::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+uint64_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+
+Result<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(const HostOptimizerOptions& options) {
+  const AdamWConfig& a = options.adam;
+  if (!(a.lr >= 0.0) || !std::isfinite(a.lr)) {
+    return Status::InvalidArgument(StrCat("AdamW lr = ", a.lr, " is invalid; use a finite lr >= 0"));
+  }
+  for (auto [name, beta] : {std::pair{"beta1", a.beta1}, std::pair{"beta2", a.beta2}}) {
+    if (!(beta >= 0.0 && beta < 1.0)) {
+      return Status::InvalidArgument(
+          StrCat("AdamW ", name, " = ", beta, " is invalid; use a value in [0, 1)"));
+    }
+  }
+  if (!(a.eps > 0.0) || !std::isfinite(a.eps)) {
+    return Status::InvalidArgument(StrCat("AdamW eps = ", a.eps, " is invalid; use eps > 0"));
+  }
+  if (!(a.weight_decay >= 0.0) || !std::isfinite(a.weight_decay)) {
+    return Status::InvalidArgument(
+        StrCat("AdamW weight_decay = ", a.weight_decay, " is invalid; use a value >= 0"));
+  }
+  if (options.chunk_elems == 0 || options.chunk_elems % kernels::kBlock != 0) {
+    return Status::InvalidArgument(StrCat("chunk_elems = ", options.chunk_elems,
+                                          " is invalid; use a positive multiple of ",
+                                          kernels::kBlock));
+  }
+  if (options.threads > 1024) {
+    return Status::InvalidArgument(
+        StrCat("threads = ", options.threads, " is invalid; use 0 (one per CPU) up to 1024"));
+  }
+  Result<Isa> isa = ResolveIsa(options.isa);
+  if (!isa.ok()) return isa.status();
+  return std::unique_ptr<HostOptimizer>(new HostOptimizer(options, *isa));
+}
+
+HostOptimizer::HostOptimizer(const HostOptimizerOptions& options, Isa isa)
+    : options_(options), isa_(isa), table_(&TableFor(isa)) {
+  uint32_t threads = options.threads;
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  pool_ = std::make_unique<WorkerPool>(threads);
+}
+
+HostOptimizer::~HostOptimizer() = default;
+
+uint32_t HostOptimizer::threads() const { return pool_->threads(); }
+
+Status HostOptimizer::SetLearningRate(double lr) {
+  if (!(lr >= 0.0) || !std::isfinite(lr)) {
+    return Status::InvalidArgument(StrCat("AdamW lr = ", lr, " is invalid; use a finite lr >= 0"));
+  }
+  options_.adam.lr = lr;
+  return Status::Ok();
+}
+
+Status HostOptimizer::Check(const SubGroup& g, bool needs_state) const {
+  if (g.numel == 0) {
+    return Status::InvalidArgument(StrCat(GroupName(g), " has numel 0; register non-empty groups"));
+  }
+  if (g.grad == nullptr) return Status::InvalidArgument(StrCat(GroupName(g), " has no gradient"));
+  if (static_cast<unsigned>(g.grad_dtype) > 2 || static_cast<unsigned>(g.param_dtype) > 2) {
+    return Status::InvalidArgument(
+        StrCat(GroupName(g), " has an unknown dtype; use fp32, bf16 or fp16"));
+  }
+  if (!needs_state) return Status::Ok();
+  struct Range {
+    const char* what;
+    const void* p;
+    uint64_t bytes;
+  };
+  const Range ranges[] = {{"master", g.master, g.numel * 4},
+                          {"exp_avg", g.exp_avg, g.numel * 4},
+                          {"exp_avg_sq", g.exp_avg_sq, g.numel * 4},
+                          {"grad", g.grad, g.numel * DTypeBytes(g.grad_dtype)},
+                          {"param", g.param, g.numel * DTypeBytes(g.param_dtype)}};
+  for (const Range& r : ranges) {
+    if (r.p == nullptr && std::string_view(r.what) != "param") {
+      return Status::InvalidArgument(StrCat(GroupName(g), " has no ", r.what, " buffer"));
+    }
+  }
+  for (size_t i = 0; i < std::size(ranges); ++i) {
+    for (size_t j = i + 1; j < std::size(ranges); ++j) {
+      if (ranges[i].p == nullptr || ranges[j].p == nullptr) continue;
+      const auto a = reinterpret_cast<uintptr_t>(ranges[i].p);
+      const auto b = reinterpret_cast<uintptr_t>(ranges[j].p);
+      if (a < b + ranges[j].bytes && b < a + ranges[i].bytes) {
+        return Status::InvalidArgument(StrCat(GroupName(g), ": the ", ranges[i].what, " and ",
+                                              ranges[j].what, " buffers overlap; each state ",
+                                              "needs its own ", g.numel, "-element buffer"));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Result<double> HostOptimizer::SumOfSquaresAll(std::span<const SubGroup> groups) {
+  for (const SubGroup& g : groups) SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/false));
+  const auto& t = *static_cast<const kernels::Table*>(table_);
+  const std::vector<Task> tasks = Split(groups, options_.chunk_elems);
+  std::vector<double> partial(tasks.size());
+  pool_->Run(tasks.size(), [&](size_t i) {
+    const Task& k = tasks[i];
+    const SubGroup& g = groups[k.group];
+    partial[i] = t.sum_sq[static_cast<int>(g.grad_dtype)](g.grad, k.begin, k.end);
+  });
+  double sum = 0.0;
+  for (double p : partial) sum += p;  // chunk order: independent of threads and path
+  return sum;
+}
+
+Result<double> HostOptimizer::SumOfSquares(const SubGroup& group) {
+  return SumOfSquaresAll(std::span<const SubGroup>(&group, 1));
+}
+
+Result<StepReport> HostOptimizer::Plan(double sum_of_squares, const StepOptions& options) {
+  if (!(options.loss_scale > 0.0) || !std::isfinite(options.loss_scale)) {
+    return Status::InvalidArgument(StrCat("loss_scale = ", options.loss_scale,
+                                          " is invalid; use a finite value > 0 (1 without fp16)"));
+  }
+  if (!(options.max_grad_norm >= 0.0)) {
+    return Status::InvalidArgument(StrCat("max_grad_norm = ", options.max_grad_norm,
+                                          " is invalid; use a value > 0, or 0 for no clipping"));
+  }
+  StepReport r;
+  r.grad_norm = std::sqrt(sum_of_squares) / options.loss_scale;
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+    r.combined_scale = 0.0;
+    skipped_.fetch_add(1, std::memory_order_relaxed);
+    return r;
+  }
+  double clip = 1.0;
+  if (options.max_grad_norm > 0.0) {
+    clip = std::min(1.0, options.max_grad_norm / (r.grad_norm + 1e-6));  // torch's clip_grad_norm_
+  }
+  r.combined_scale = clip / options.loss_scale;
+  r.step = ++step_;
+  steps_.fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const StepReport& plan, bool fused) {
+  const auto& t = *static_cast<const kernels::Table*>(table_);
+  const AdamWConfig& c = options_.adam;
+  const double step = static_cast<double>(plan.step);
+  const double bc1 = c.bias_correction ? 1.0 - std::pow(c.beta1, step) : 1.0;
+  const double bc2 = c.bias_correction ? 1.0 - std::pow(c.beta2, step) : 1.0;
+  kernels::AdamArgs base{};
+  base.grad_scale = fused ? static_cast<float>(plan.combined_scale) : 1.0f;
+  base.beta1 = static_cast<float>(c.beta1);
+  base.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
+  base.beta2 = static_cast<float>(c.beta2);
+  base.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+  base.eps = static_cast<float>(c.eps);
+  base.decay = c.adamw_mode ? static_cast<float>(1.0 - c.lr * c.weight_decay) : 1.0f;
+  base.l2 = c.adamw_mode ? 0.0f : static_cast<float>(c.weight_decay);
+  base.neg_step_size = static_cast<float>(-c.lr / bc1);
+  base.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+
+  const std::vector<Task> tasks = Split(groups, options_.chunk_elems);
+  if (!fused) {  // pass 2 of the unfused sequence: rewrite the gradients scaled
+    const float scale = static_cast<float>(plan.combined_scale);
+    pool_->Run(tasks.size(), [&](size_t i) {
+      const Task& k = tasks[i];
+      const SubGroup& g = groups[k.group];
+      t.scale[static_cast<int>(g.grad_dtype)](const_cast<void*>(g.grad), scale, k.begin, k.end);
+    });
+  }
+  pool_->Run(tasks.size(), [&](size_t i) {
+    const Task& k = tasks[i];
+    const SubGroup& g = groups[k.group];
+    kernels::AdamArgs a = base;
+    a.master = g.master;
+    a.exp_avg = g.exp_avg;
+    a.exp_avg_sq = g.exp_avg_sq;
+    a.grad = g.grad;
+    a.param = g.param;
+    const int p = (g.param == nullptr || !fused) ? kernels::kNone : static_cast<int>(g.param_dtype);
+    t.adam[static_cast<int>(g.grad_dtype)][p](a, k.begin, k.end);
+  });
+  if (!fused) {  // pass 4: the 16-bit copy
+    pool_->Run(tasks.size(), [&](size_t i) {
+      const Task& k = tasks[i];
+      const SubGroup& g = groups[k.group];
+      if (g.param != nullptr) t.cast[static_cast<int>(g.param_dtype)](g.master, g.param, k.begin, k.end);
+    });
+  }
+}
+
+Status HostOptimizer::Update(const SubGroup& group, const StepReport& plan) {
+  SPILLWAY_RETURN_IF_ERROR(Check(group, /*needs_state=*/true));
+  if (plan.skipped) return Status::Ok();
+  if (plan.step == 0 || plan.step > step_) {
+    return Status::FailedPrecondition(StrCat("Update got a plan for step ", plan.step,
+                                             " but the optimizer is at step ", step_,
+                                             "; pass the StepReport that Plan returned"));
+  }
+  const uint64_t t0 = NowNs();
+  RunAdam(std::span<const SubGroup>(&group, 1), plan, /*fused=*/true);
+  elements_.fetch_add(group.numel, std::memory_order_relaxed);
+  step_ns_total_.fetch_add(NowNs() - t0, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+void HostOptimizer::Finish(const StepReport& report, uint64_t elements, uint64_t ns) {
+  if (!report.skipped) elements_.fetch_add(elements, std::memory_order_relaxed);
+  step_ns_total_.fetch_add(ns, std::memory_order_relaxed);
+  last_step_ns_.store(ns, std::memory_order_relaxed);
+}
+
+Result<StepReport> HostOptimizer::Step(std::span<const SubGroup> groups,
+                                       const StepOptions& options) {
+  const uint64_t t0 = NowNs();
+  uint64_t elements = 0;
+  for (const SubGroup& g : groups) {
+    SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
+    elements += g.numel;
+  }
+  Result<double> sum = SumOfSquaresAll(groups);
+  if (!sum.ok()) return sum.status();
+  Result<StepReport> plan = Plan(*sum, options);
+  if (!plan.ok()) return plan.status();
+  if (!plan->skipped) RunAdam(groups, *plan, /*fused=*/true);
+  Finish(*plan, elements, NowNs() - t0);
+  return plan;
+}
+
+Result<StepReport> HostOptimizer::StepUnfused(std::span<const SubGroup> groups,
+                                              const StepOptions& options) {
+  const uint64_t t0 = NowNs();
+  uint64_t elements = 0;
+  for (const SubGroup& g : groups) {
+    SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
+    elements += g.numel;
+  }
+  Result<double> sum = SumOfSquaresAll(groups);
+  if (!sum.ok()) return sum.status();
+  Result<StepReport> plan = Plan(*sum, options);
+  if (!plan.ok()) return plan.status();
+  if (!plan->skipped) RunAdam(groups, *plan, /*fused=*/false);
+  Finish(*plan, elements, NowNs() - t0);
+  return plan;
+}
+
+OptimizerStats HostOptimizer::Stats() const {
+  OptimizerStats s;
+  s.steps = steps_.load(std::memory_order_relaxed);
+  s.skipped_steps = skipped_.load(std::memory_order_relaxed);
+  s.elements_updated = elements_.load(std::memory_order_relaxed);
+  s.step_ns_total = step_ns_total_.load(std::memory_order_relaxed);
+  s.last_step_ns = last_step_ns_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace spillway::engine
