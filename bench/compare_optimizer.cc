@@ -1,0 +1,347 @@
+// compare_optimizer: one host optimizer step over N elements in sub-groups, side by side in one
+// run, repetitions interleaved, medians reported with their spread:
+//   fused    HostOptimizer::Step: norm pass + one fused pass (unscale/clip, AdamW, 16-bit copy)
+//   unfused  the 4-pass sequence DeepSpeed runs (norm; unscale/clip rewriting the gradients;
+//            Adam; fp32 -> 16-bit copy), built from the same SIMD kernels
+//   torch    libtorch's torch::optim::AdamW on fp32 tensors of the same size (no norm, no copy)
+//   roofline memory bandwidth measured here (STREAM triad and an in-place read-modify-write,
+//            the faster of the two) divided by the bytes the fused step must move per element
+// Last line: {"bench":"optimizer","fused_gelem_s":F,"unfused_gelem_s":U,"torch_gelem_s":T,
+//             "fused_vs_unfused":F/U,"roofline_fraction":R}
+#include <immintrin.h>
+#include <sys/mman.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "spillway/engine/cpu_features.h"
+#include "spillway/engine/host_optimizer.h"
+
+namespace {
+
+using namespace spillway;
+using namespace spillway::engine;
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "compare_optimizer: %s\n", what.c_str());
+  std::exit(1);
+}
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+struct Summary {
+  double median, lo, hi;
+};
+Summary Summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+// Anonymous memory, first touched by the threads that will use it (NUMA- and THP-friendly).
+template <typename T>
+T* Map(uint64_t n) {
+  void* p = mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) Die("mmap failed: lower --elements");
+  madvise(p, n * sizeof(T), MADV_HUGEPAGE);
+  return static_cast<T*>(p);
+}
+
+template <typename Fn>
+void Parallel(uint32_t threads, uint64_t n, Fn fn) {
+  std::vector<std::thread> ts;
+  for (uint32_t t = 0; t < threads; ++t) {
+    const uint64_t b = n * t / threads, e = n * (t + 1) / threads;
+    ts.emplace_back([=] { fn(b, e); });
+  }
+  for (auto& t : ts) t.join();
+}
+
+// The roofline kernel: the fused step's exact memory traffic with no arithmetic to speak of. A
+// read of the gradients (the norm pass), then per element: read grad, master, exp_avg,
+// exp_avg_sq; write master, exp_avg, exp_avg_sq (each plus a runtime zero, so no store can be
+// elided) and the bf16 parameter (truncated master). Whatever the fused step loses to this is
+// compute or scheduling; what both lose to the hardware is the memory system's.
+volatile float g_zero = 0.0f;
+
+__attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
+    const unsigned char* grad, uint64_t gbytes, float* w, float* m, float* v, uint16_t* p,
+    uint64_t begin, uint64_t end) {
+  const __m512 z = _mm512_set1_ps(g_zero);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const uint64_t step = 64 / gbytes;  // elements per 64-byte line of gradients
+  for (uint64_t i = begin; i + step <= end; i += step) {  // norm pass: read the gradients
+    acc0 = _mm512_add_ps(acc0, _mm512_castsi512_ps(_mm512_loadu_si512(grad + i * gbytes)));
+  }
+  uint64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 g;
+    if (gbytes == 4) {
+      g = _mm512_loadu_ps(reinterpret_cast<const float*>(grad) + i);
+    } else {
+      g = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + 2 * i))), 16));
+    }
+    acc1 = _mm512_add_ps(acc1, g);
+    const __m512 nw = _mm512_add_ps(_mm512_loadu_ps(w + i), z);
+    _mm512_storeu_ps(w + i, nw);
+    _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), z));
+    _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), z));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(nw), 16)));
+  }
+  float out[16];
+  _mm512_storeu_ps(out, _mm512_add_ps(acc0, acc1));
+  return out[0];
+}
+
+__attribute__((target("avx2"))) float MemoryOnlyAvx2(const unsigned char* grad, uint64_t gbytes,
+                                                    float* w, float* m, float* v, uint16_t* p,
+                                                    uint64_t begin, uint64_t end) {
+  const __m256 z = _mm256_set1_ps(g_zero);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  const uint64_t step = 32 / gbytes;
+  for (uint64_t i = begin; i + step <= end; i += step) {
+    acc0 = _mm256_add_ps(acc0, _mm256_castsi256_ps(
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + i * gbytes))));
+  }
+  for (uint64_t i = begin; i + 8 <= end; i += 8) {
+    __m256 g;
+    if (gbytes == 4) {
+      g = _mm256_loadu_ps(reinterpret_cast<const float*>(grad) + i);
+    } else {
+      g = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + 2 * i))), 16));
+    }
+    acc1 = _mm256_add_ps(acc1, g);
+    const __m256 nw = _mm256_add_ps(_mm256_loadu_ps(w + i), z);
+    _mm256_storeu_ps(w + i, nw);
+    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), z));
+    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), z));
+    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(nw), 16);
+    const __m256i packed = _mm256_packus_epi32(top, top);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+  float out[8];
+  _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+  return out[0];
+}
+
+// STREAM triad, for reference (its write stream costs a read-for-ownership the fused step's
+// in-place stores do not pay).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void Triad(
+    float* __restrict a, const float* __restrict b, const float* __restrict c, float s,
+    uint64_t begin, uint64_t end) {
+  for (uint64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint64_t elements = 256ull << 20;
+  uint64_t group = 32ull << 20;
+  int reps = 5;
+  uint32_t threads = std::max(1u, std::thread::hardware_concurrency());
+  std::string grad_name = "bf16", isa_name = "auto";
+  bool run_torch = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) Die("missing value after " + a);
+      return argv[++i];
+    };
+    if (a == "--elements") elements = std::stoull(next());
+    else if (a == "--group") group = std::stoull(next());
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--threads") threads = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--grad") grad_name = next();
+    else if (a == "--isa") isa_name = next();
+    else if (a == "--no-torch") run_torch = false;
+    else {
+      std::fprintf(stderr,
+                   "usage: compare_optimizer [--elements N] [--group N] [--reps N] [--threads N]\n"
+                   "                         [--grad bf16|fp32] [--isa auto|scalar|avx2|avx512|avx512_bf16]\n"
+                   "                         [--no-torch]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  if (grad_name != "bf16" && grad_name != "fp32") Die("--grad must be bf16 or fp32");
+  if (group == 0 || elements == 0 || reps < 1) Die("--elements, --group and --reps must be positive");
+  auto isa = ParseIsa(isa_name);
+  if (!isa.ok()) Die(isa.status().ToString());
+  const DType gd = grad_name == "bf16" ? DType::kBf16 : DType::kFp32;
+  const uint64_t gbytes = DTypeBytes(gd);
+
+  HostOptimizerOptions o;
+  o.isa = *isa;
+  o.threads = threads;
+  auto fused = HostOptimizer::Create(o);
+  auto unfused = HostOptimizer::Create(o);
+  if (!fused.ok()) Die(fused.status().ToString());
+  if (!unfused.ok()) Die(unfused.status().ToString());
+
+  // Two copies of the state (fused and unfused each step their own).
+  struct State {
+    float *w, *m, *v;
+    unsigned char* g;
+    uint16_t* p;
+  };
+  auto make_state = [&]() {
+    State s{Map<float>(elements), Map<float>(elements), Map<float>(elements),
+            Map<unsigned char>(elements * gbytes), Map<uint16_t>(elements)};
+    Parallel(threads, elements, [&](uint64_t b, uint64_t e) {
+      for (uint64_t i = b; i < e; ++i) {
+        s.w[i] = 0.01f * static_cast<float>(i % 1000) - 5.0f;
+        s.m[i] = 0.0f;
+        s.v[i] = 0.0f;
+        const float gv = 1e-3f * static_cast<float>(static_cast<int>(i % 977) - 488);
+        if (gd == DType::kFp32) {
+          std::memcpy(s.g + 4 * i, &gv, 4);
+        } else {
+          uint32_t bits;
+          std::memcpy(&bits, &gv, 4);
+          const uint16_t h = static_cast<uint16_t>(bits >> 16);
+          std::memcpy(s.g + 2 * i, &h, 2);
+        }
+        s.p[i] = 0;
+      }
+    });
+    return s;
+  };
+  State sf = make_state(), su = make_state();
+  auto groups_of = [&](State& s) {
+    std::vector<SubGroup> gs;
+    for (uint64_t b = 0; b < elements; b += group) {
+      SubGroup g;
+      g.name = "bench";
+      g.numel = std::min(group, elements - b);
+      g.master = s.w + b;
+      g.exp_avg = s.m + b;
+      g.exp_avg_sq = s.v + b;
+      g.grad = s.g + b * gbytes;
+      g.grad_dtype = gd;
+      g.param = s.p + b;
+      g.param_dtype = DType::kBf16;
+      gs.push_back(g);
+    }
+    return gs;
+  };
+  std::vector<SubGroup> gf = groups_of(sf), gu = groups_of(su);
+
+  // libtorch: fp32 parameters and gradients of the same size, one tensor per sub-group.
+  std::vector<torch::Tensor> tparams;
+  std::unique_ptr<torch::optim::AdamW> topt;
+  if (run_torch) {
+    torch::set_num_threads(static_cast<int>(threads));
+    for (uint64_t b = 0; b < elements; b += group) {
+      const int64_t n = static_cast<int64_t>(std::min(group, elements - b));
+      torch::Tensor p = torch::full({n}, 0.5f).set_requires_grad(true);
+      p.mutable_grad() = torch::full({n}, 1e-3f);
+      tparams.push_back(p);
+    }
+    topt = std::make_unique<torch::optim::AdamW>(tparams, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  }
+
+  // Triad arrays: 3 x 1 GiB or the state size, whichever is smaller (both far beyond cache).
+  const uint64_t bw_n = std::min<uint64_t>(elements, 256ull << 20);
+  float* a = Map<float>(bw_n);
+  float* b = Map<float>(bw_n);
+  float* c = Map<float>(bw_n);
+  Parallel(threads, bw_n, [&](uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; ++i) a[i] = b[i] = c[i] = 1.0f;
+  });
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (!avx512 && !__builtin_cpu_supports("avx2")) Die("the roofline kernel needs AVX2 or AVX-512");
+  // The memory-only pass runs on the fused state (it changes no value) in 16-element-aligned
+  // thread slices, as the optimizer's chunks are.
+  auto memory_only = [&] {
+    Parallel(threads, elements / 16, [&](uint64_t lo, uint64_t hi) {
+      lo *= 16;
+      hi = hi == elements / 16 ? elements : hi * 16;
+      if (avx512) {
+        MemoryOnlyAvx512(sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
+      } else {
+        MemoryOnlyAvx2(sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
+      }
+    });
+  };
+
+  std::vector<double> t_fused, t_unfused, t_torch, t_memory, bw_triad;
+  StepOptions so;  // loss scale 1, no clipping: the unscale pass multiplies by 1 but still runs
+  for (int r = 0; r < reps + 1; ++r) {  // repetition 0 warms up and is dropped
+    auto t0 = Clock::now();
+    auto rf = (*fused)->Step(gf, so);
+    auto t1 = Clock::now();
+    if (!rf.ok()) Die(rf.status().ToString());
+    auto ru = (*unfused)->StepUnfused(gu, so);
+    auto t2 = Clock::now();
+    if (!ru.ok()) Die(ru.status().ToString());
+    double tt = 0;
+    if (run_torch) {
+      auto t3 = Clock::now();
+      topt->step();
+      tt = Seconds(t3, Clock::now());
+    }
+    auto t4 = Clock::now();
+    memory_only();
+    auto t5 = Clock::now();
+    Parallel(threads, bw_n, [&](uint64_t lo, uint64_t hi) { Triad(a, b, c, 1.0001f, lo, hi); });
+    auto t6 = Clock::now();
+    if (r == 0) continue;
+    t_fused.push_back(Seconds(t0, t1));
+    t_unfused.push_back(Seconds(t1, t2));
+    t_torch.push_back(tt);
+    t_memory.push_back(Seconds(t4, t5));
+    bw_triad.push_back(12.0 * static_cast<double>(bw_n) / Seconds(t5, t6) / 1e9);
+  }
+  // The fused and unfused states must agree (same kernels, loss scale 1): a broken variant would
+  // otherwise look fast.
+  if (std::memcmp(sf.w, su.w, elements * 4) != 0) Die("fused and unfused results differ");
+
+  const double n = static_cast<double>(elements);
+  const Summary f = Summarize(t_fused), u = Summarize(t_unfused), t = Summarize(t_torch);
+  const Summary mem = Summarize(t_memory), tri = Summarize(bw_triad);
+  const double fused_gelem = n / f.median / 1e9;
+  const double unfused_gelem = n / u.median / 1e9;
+  const double torch_gelem = run_torch ? n / t.median / 1e9 : 0.0;
+  // Bytes the fused step moves per element: the norm reads the gradient; the pass reads
+  // gradient, master, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq, param.
+  const double fused_bytes = static_cast<double>(gbytes) + (gbytes + 12) + (12 + 2);
+  const double unfused_bytes = static_cast<double>(gbytes) + 2.0 * gbytes + (gbytes + 24) + (4 + 2);
+  const double roofline_gelem = n / mem.median / 1e9;
+  const double bw = roofline_gelem * fused_bytes;
+
+  std::printf("compare_optimizer: %llu elements in sub-groups of %llu, grad %s, param bf16, "
+              "%u threads, isa %s, %d reps (median [min, max])\n",
+              static_cast<unsigned long long>(elements), static_cast<unsigned long long>(group),
+              DTypeName(gd), threads, IsaName((*fused)->isa()), reps);
+  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (%g B/elem)\n", "fused",
+              f.median, f.lo, f.hi, fused_gelem, fused_gelem * fused_bytes, fused_bytes);
+  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (%g B/elem)\n", "unfused",
+              u.median, u.lo, u.hi, unfused_gelem, unfused_gelem * unfused_bytes, unfused_bytes);
+  if (run_torch) {
+    std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  (fp32 AdamW, %d intra-op threads)\n",
+                "torch", t.median, t.lo, t.hi, torch_gelem, torch::get_num_threads());
+  }
+  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (the fused step's traffic, no math)\n",
+              "roofline", mem.median, mem.lo, mem.hi, roofline_gelem, bw);
+  std::printf("  STREAM triad %.1f GB/s [%.1f, %.1f] (reference; its stores pay a read for ownership)\n",
+              tri.median, tri.lo, tri.hi);
+  std::printf("  fused/unfused %.3f  fused/torch %.2f  fused/roofline %.3f\n",
+              fused_gelem / unfused_gelem, run_torch ? fused_gelem / torch_gelem : 0.0,
+              fused_gelem / roofline_gelem);
+  std::printf("{\"bench\":\"optimizer\",\"fused_gelem_s\":%.4f,\"unfused_gelem_s\":%.4f,"
+              "\"torch_gelem_s\":%.4f,\"fused_vs_unfused\":%.3f,\"roofline_fraction\":%.3f}\n",
+              fused_gelem, unfused_gelem, torch_gelem, fused_gelem / unfused_gelem,
+              fused_gelem / roofline_gelem);
+  return 0;
+}
