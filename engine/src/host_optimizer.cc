@@ -215,7 +215,7 @@ void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const StepReport& 
   base.decay = c.adamw_mode ? static_cast<float>(1.0 - c.lr * c.weight_decay) : 1.0f;
   base.l2 = c.adamw_mode ? 0.0f : static_cast<float>(c.weight_decay);
   base.neg_step_size = static_cast<float>(-c.lr / bc1);
-  base.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  base.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
 
   const std::vector<Task> tasks = Split(groups, options_.chunk_elems);
   if (!fused) {  // pass 2 of the unfused sequence: rewrite the gradients scaled

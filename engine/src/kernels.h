@@ -32,7 +32,7 @@ struct AdamArgs {
   float decay;            // AdamW: 1 - lr * weight_decay; Adam (L2) mode: 1
   float l2;               // Adam (L2) mode: weight_decay added to the gradient as l2 * w; AdamW: 0
   float neg_step_size;    // -lr / bias_correction1
-  float bc2_sqrt;         // sqrt(bias_correction2); denom = sqrt(v) / bc2_sqrt + eps, as torch
+  float inv_bc2_sqrt;     // 1 / sqrt(bias_correction2); denom = sqrt(v) * inv_bc2_sqrt + eps
 };
 
 struct Table {

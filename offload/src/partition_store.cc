@@ -667,6 +667,11 @@ Status PartitionStore::Evict(PartitionId id) {
   return st;
 }
 
+uint64_t PartitionStore::bytes(PartitionId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return id < parts_.size() ? parts_[id].bytes : 0;
+}
+
 bool PartitionStore::resident(PartitionId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return id < parts_.size() && parts_[id].host != nullptr;

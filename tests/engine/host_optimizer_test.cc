@@ -47,7 +47,7 @@ void ReferenceStep(GroupBuffers& b, const AdamWConfig& c, uint64_t step, float s
   const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(step));
   const float neg_step = static_cast<float>(-c.lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   const float b1 = static_cast<float>(c.beta1), omb1 = static_cast<float>(1.0 - c.beta1);
   const float b2 = static_cast<float>(c.beta2), omb2 = static_cast<float>(1.0 - c.beta2);
   const float decay = c.adamw_mode ? static_cast<float>(1.0 - c.lr * c.weight_decay) : 1.0f;
@@ -59,7 +59,7 @@ void ReferenceStep(GroupBuffers& b, const AdamWConfig& c, uint64_t step, float s
     w = w * decay;
     const float m = std::fma(b1, b.exp_avg[i], omb1 * g);
     const float v = std::fma(b2, b.exp_avg_sq[i], (omb2 * g) * g);
-    const float denom = std::sqrt(v) / bc2_sqrt + static_cast<float>(c.eps);
+    const float denom = std::sqrt(v) * inv_bc2_sqrt + static_cast<float>(c.eps);
     w = std::fma(neg_step, m / denom, w);
     b.master[i] = w;
     b.exp_avg[i] = m;

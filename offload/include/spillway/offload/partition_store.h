@@ -132,6 +132,8 @@ class PartitionStore {
   Status Evict(PartitionId id);
 
   bool resident(PartitionId id) const;
+  // Registered size in bytes; 0 for an id that is not registered.
+  uint64_t bytes(PartitionId id) const;
   Tier home(PartitionId id) const;
   StoreStats Stats() const;
 

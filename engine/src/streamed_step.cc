@@ -1,0 +1,166 @@
+// StreamedStep. Note [Streamed step] in docs/engine.md.
+#include "spillway/engine/streamed_step.h"
+
+#include <chrono>
+#include <future>
+#include <optional>
+#include <vector>
+
+namespace spillway::engine {
+namespace {
+
+using offload::Access;
+using offload::Handle;
+using offload::PartitionId;
+using offload::PartitionStore;
+using offload::Tier;
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+std::vector<PartitionId> StateOf(const StreamedGroup& g) { return {g.master, g.exp_avg, g.exp_avg_sq}; }
+
+// Writes an NVMe-homed group back and drops its host copies (host-homed ones stay).
+Status WriteBack(PartitionStore& store, const StreamedGroup& g, uint64_t* evicted) {
+  for (PartitionId id : StateOf(g)) {
+    if (store.home(id) != Tier::kNvme) continue;
+    Status st = store.Evict(id);
+    if (!st.ok()) return Status::Make(st.code(), StrCat("writing back ", g.name, ": ", st.message()), st.sys_error());
+    ++*evicted;
+  }
+  return Status::Ok();
+}
+
+Status Annotate(const Status& st, const StreamedGroup& g, size_t index, uint64_t step) {
+  return Status::Make(st.code(),
+                      StrCat("streamed step ", step, " stopped at ", g.name, " (group ", index,
+                             "): ", st.message(), "; groups before it have step ", step,
+                             " applied, this one and those after it do not"),
+                      st.sys_error());
+}
+
+}  // namespace
+
+Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
+                                std::span<const StreamedGroup> groups, const StepOptions& options,
+                                StreamStats* stats) {
+  StreamStats local;
+  StreamStats& s = stats ? *stats : local;
+  s = StreamStats{};
+  const uint64_t t_start = NowNs();
+  // Validate every group's partitions before anything moves.
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const StreamedGroup& g = groups[i];
+    for (PartitionId id : StateOf(g)) {
+      const uint64_t bytes = store.bytes(id);
+      if (bytes != g.numel * 4) {
+        return Status::InvalidArgument(StrCat(
+            g.name, " (group ", i, "): partition ", id,
+            bytes == 0 ? std::string(" is not registered") : StrCat(" holds ", bytes, " bytes"),
+            " but ", g.numel, " fp32 elements need ", g.numel * 4,
+            "; register each state partition with numel * 4 bytes"));
+      }
+    }
+  }
+  // The norm: the gradients are host buffers, read once here.
+  double sum = 0.0;
+  for (const StreamedGroup& g : groups) {
+    SubGroup view;
+    view.name = g.name;
+    view.numel = g.numel;
+    view.grad = g.grad;
+    view.grad_dtype = g.grad_dtype;
+    auto part = optimizer.SumOfSquares(view);
+    if (!part.ok()) return part.status();
+    sum += *part;
+  }
+  auto plan = optimizer.Plan(sum, options);
+  if (!plan.ok() || plan->skipped) return plan;
+
+  std::future<Status> reading;  // swap-in of group i + 1
+  std::future<Status> writing;  // write-back of group i - 1
+  uint64_t evicted = 0;         // written by the writer thread, read after it is joined
+  auto finish_writes = [&]() -> Status {
+    if (!writing.valid()) return Status::Ok();
+    const uint64_t t0 = NowNs();
+    Status st = writing.get();
+    s.wait_write_ns += NowNs() - t0;
+    return st;
+  };
+  // A failed read or update of group i: let the in-flight work finish, then report.
+  auto fail = [&](const Status& st, size_t i) -> Status {
+    if (reading.valid()) (void)reading.get();  // a prefetch error resurfaces on the next Acquire
+    Status w = finish_writes();
+    Status out = Annotate(st, groups[i], i, plan->step);
+    if (w.ok()) return out;
+    return Status::Make(out.code(), StrCat(out.message(), "; also: ", w.message()), out.sys_error());
+  };
+  // A failed write-back of group `failed`, found after group `last` was updated: groups up to
+  // `last` have the step; `failed` (and `last`) are still in host memory.
+  auto write_failed = [&](const Status& st, size_t failed, size_t last) -> Status {
+    if (reading.valid()) (void)reading.get();
+    return Status::Make(
+        st.code(),
+        StrCat("streamed step ", plan->step, ": ", st.message(), "; groups 0..", last,
+               " have the step applied and group ", failed,
+               "'s state is still in host memory (nothing lost): PartitionStore::Flush() retries",
+               " the write", last + 1 < groups.size() ? StrCat("; groups ", last + 1, ".. do not have the step") : std::string()),
+        st.sys_error());
+  };
+
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const StreamedGroup& g = groups[i];
+    if (reading.valid()) {
+      const uint64_t t0 = NowNs();
+      Status st = reading.get();
+      s.wait_read_ns += NowNs() - t0;
+      if (!st.ok()) return fail(st, i);
+    }
+    if (i + 1 < groups.size()) {
+      reading = std::async(std::launch::async, [&store, ids = StateOf(groups[i + 1])] {
+        return store.Prefetch(ids);
+      });
+    }
+    // Acquire group i (resident by now, or swapped in here) and update it.
+    std::optional<Handle> h[3];
+    const PartitionId ids[3] = {g.master, g.exp_avg, g.exp_avg_sq};
+    for (int k = 0; k < 3; ++k) {
+      auto r = store.Acquire(ids[k], Access::kReadWrite);
+      if (!r.ok()) return fail(r.status(), i);
+      h[k].emplace(std::move(*r));
+    }
+    SubGroup view;
+    view.name = g.name;
+    view.numel = g.numel;
+    view.master = static_cast<float*>(*h[0]->Data());
+    view.exp_avg = static_cast<float*>(*h[1]->Data());
+    view.exp_avg_sq = static_cast<float*>(*h[2]->Data());
+    view.grad = g.grad;
+    view.grad_dtype = g.grad_dtype;
+    view.param = g.param;
+    view.param_dtype = g.param_dtype;
+    const uint64_t t0 = NowNs();
+    Status st = optimizer.Update(view, *plan);
+    s.update_ns += NowNs() - t0;
+    for (int k = 0; k < 3; ++k) {
+      Status rs = store.Release(*h[k]);
+      if (st.ok() && !rs.ok()) st = rs;
+    }
+    if (!st.ok()) return fail(st, i);
+    // Keep one write-back in flight: group i - 1 must be out before group i goes.
+    Status ws = finish_writes();
+    if (!ws.ok()) return write_failed(ws, i - 1, i);
+    writing = std::async(std::launch::async, [&store, &g, &evicted] { return WriteBack(store, g, &evicted); });
+    ++s.groups;
+  }
+  Status ws = finish_writes();
+  if (!ws.ok()) return write_failed(ws, groups.size() - 1, groups.size() - 1);
+  s.evictions = evicted;
+  s.total_ns = NowNs() - t_start;
+  return plan;
+}
+
+}  // namespace spillway::engine
