@@ -149,6 +149,11 @@ void Collector::Watch(const offload::TransferPipeline* p) {
   pipelines_.push_back(p);
 }
 
+void Collector::Watch(const engine::HostOptimizer* o) {
+  std::lock_guard<std::mutex> lock(mu_);
+  optimizers_.push_back(o);
+}
+
 void Collector::Unwatch(const void* c) {
   std::lock_guard<std::mutex> lock(mu_);
   auto drop = [c](auto& v) {
@@ -160,6 +165,7 @@ void Collector::Unwatch(const void* c) {
   drop(ledgers_);
   drop(stores_);
   drop(pipelines_);
+  drop(optimizers_);
 }
 
 std::vector<MetricFamily> Collector::Collect() const {
@@ -301,6 +307,21 @@ std::vector<MetricFamily> Collector::Collect() const {
     f.Counter("spillway_transfer_checksum_failures_total",
               "Pipeline transfers whose chunked checksum did not match.", {},
               static_cast<double>(s.checksum_failures.load()));
+  }
+  for (const engine::HostOptimizer* o : optimizers_) {
+    const engine::OptimizerStats s = o->Stats();
+    const Labels isa = {{"isa", engine::IsaName(o->isa())}};
+    f.Counter("spillway_optimizer_steps_total", "Host optimizer steps applied.", isa,
+              static_cast<double>(s.steps));
+    f.Counter("spillway_optimizer_skipped_steps_total",
+              "Host optimizer steps skipped for inf/NaN gradients (loss scaling).", isa,
+              static_cast<double>(s.skipped_steps));
+    f.Counter("spillway_optimizer_elements_total", "Elements updated by the host optimizer.", isa,
+              static_cast<double>(s.elements_updated));
+    f.Counter("spillway_optimizer_step_seconds_total", "Time spent in host optimizer steps.", isa,
+              static_cast<double>(s.step_ns_total) / 1e9);
+    f.Gauge("spillway_optimizer_last_step_seconds", "Duration of the last host optimizer step.",
+            isa, static_cast<double>(s.last_step_ns) / 1e9);
   }
   return f.Take();
 }

@@ -12,6 +12,7 @@
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/offload/partition_store.h"
+#include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::metrics {
@@ -29,6 +30,7 @@ class Collector final : public prometheus::Collectable {
   void Watch(const allocator::Ledger* l);
   void Watch(const offload::PartitionStore* s);
   void Watch(const offload::TransferPipeline* p);
+  void Watch(const engine::HostOptimizer* o);
   void Unwatch(const void* component);
 
  private:
@@ -39,6 +41,7 @@ class Collector final : public prometheus::Collectable {
   std::vector<const allocator::Ledger*> ledgers_;    // guarded by mu_
   std::vector<const offload::PartitionStore*> stores_;       // guarded by mu_
   std::vector<const offload::TransferPipeline*> pipelines_;  // guarded by mu_
+  std::vector<const engine::HostOptimizer*> optimizers_;     // guarded by mu_
 };
 
 }  // namespace spillway::metrics

@@ -42,6 +42,7 @@ void Exporter::Watch(const allocator::UringEngine* e) { collector_->Watch(e); }
 void Exporter::Watch(const allocator::Ledger* l) { collector_->Watch(l); }
 void Exporter::Watch(const offload::PartitionStore* s) { collector_->Watch(s); }
 void Exporter::Watch(const offload::TransferPipeline* p) { collector_->Watch(p); }
+void Exporter::Watch(const engine::HostOptimizer* o) { collector_->Watch(o); }
 void Exporter::Unwatch(const void* c) { collector_->Unwatch(c); }
 
 std::string Exporter::address() const { return StrCat(host_, ":", port_); }

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -245,6 +247,8 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
   (*e)->Watch(nvme->get());
   (*e)->Watch(engine->get());
   (*e)->Watch(&ledger);
+  auto opt = std::move(engine::HostOptimizer::Create({}).value());
+  (*e)->Watch(opt.get());
   const std::string exposition = (*e)->Render();
   std::ifstream in(std::string(SPILLWAY_SOURCE_DIR) + "/docs/grafana/spillway.json");
   ASSERT_TRUE(in.good());
@@ -270,6 +274,7 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
   nvme->reset();
   (*e)->Unwatch(engine->get());
   engine->reset();
+  (*e)->Unwatch(opt.get());
 }
 
 }  // namespace
@@ -310,7 +315,25 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   (*e)->Watch(&ledger);
   (*e)->Watch(store.get());
   (*e)->Watch(pipe.get());
+  // The host optimizer: one applied step, one skipped for an inf gradient.
+  auto opt = std::move(engine::HostOptimizer::Create({}).value());
+  std::vector<float> w(1000, 1.0f), m(1000), v(1000), g(1000, 0.5f);
+  engine::SubGroup sg;
+  sg.numel = w.size();
+  sg.master = w.data();
+  sg.exp_avg = m.data();
+  sg.exp_avg_sq = v.data();
+  sg.grad = g.data();
+  ASSERT_TRUE(opt->Step({&sg, 1}).ok());
+  g[7] = INFINITY;
+  ASSERT_TRUE(opt->Step({&sg, 1})->skipped);
+  (*e)->Watch(opt.get());
   const std::string text = (*e)->Render();
+  const std::string isa = StrCat("{isa=\"", engine::IsaName(opt->isa()), "\"}");
+  EXPECT_EQ(Sample(text, "spillway_optimizer_steps_total" + isa), 1);
+  EXPECT_EQ(Sample(text, "spillway_optimizer_skipped_steps_total" + isa), 1);
+  EXPECT_EQ(Sample(text, "spillway_optimizer_elements_total" + isa), 1000);
+  EXPECT_GT(Sample(text, "spillway_optimizer_step_seconds_total" + isa), 0);
   EXPECT_EQ(Sample(text, "spillway_partitions"), 1);
   EXPECT_EQ(Sample(text, "spillway_partition_spills_total"), 1);
   EXPECT_EQ(Sample(text, "spillway_transfer_bytes_total{direction=\"nvme_to_device\"}"),
@@ -328,6 +351,7 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   }
   (*e)->Unwatch(store.get());
   (*e)->Unwatch(pipe.get());
+  (*e)->Unwatch(opt.get());
   store.reset();
   pipe.reset();
   nvme.reset();

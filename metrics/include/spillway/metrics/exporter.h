@@ -13,6 +13,7 @@
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/status.h"
 #include "spillway/allocator/uring_engine.h"
+#include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
 
@@ -46,6 +47,7 @@ class Exporter {
   void Watch(const allocator::Ledger* ledger);
   void Watch(const offload::PartitionStore* store);
   void Watch(const offload::TransferPipeline* pipeline);
+  void Watch(const engine::HostOptimizer* optimizer);
   void Unwatch(const void* component);
 
   // The port actually bound (useful with port 0); 0 when disabled.
