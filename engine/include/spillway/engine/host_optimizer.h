@@ -15,12 +15,9 @@
 
 #include "spillway/allocator/status.h"
 #include "spillway/engine/cpu_features.h"
+#include "spillway/engine/dtype.h"
 
 namespace spillway::engine {
-
-enum class DType : uint8_t { kFp32 = 0, kBf16 = 1, kFp16 = 2 };
-const char* DTypeName(DType dtype);
-uint64_t DTypeBytes(DType dtype);
 
 struct AdamWConfig {
   double lr = 1e-3;
