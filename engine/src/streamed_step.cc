@@ -46,7 +46,7 @@ Status Annotate(const Status& st, const StreamedGroup& g, size_t index, uint64_t
 
 Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
                                 std::span<const StreamedGroup> groups, const StepOptions& options,
-                                StreamStats* stats) {
+                                StreamStats* stats, const NormReducer& reduce_sum) {
   StreamStats local;
   StreamStats& s = stats ? *stats : local;
   s = StreamStats{};
@@ -76,6 +76,11 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     auto part = optimizer.SumOfSquares(view);
     if (!part.ok()) return part.status();
     sum += *part;
+  }
+  if (reduce_sum) {
+    auto global = reduce_sum(sum);
+    if (!global.ok()) return global.status();
+    sum = *global;
   }
   auto plan = optimizer.Plan(sum, options);
   if (!plan.ok() || plan->skipped) return plan;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -42,8 +43,12 @@ struct StreamStats {
 // the step applied and those from it on do not (no buffer is ever half-updated). A failed
 // write-back names the groups that have the step; their state stays in host memory and
 // PartitionStore::Flush() retries the write. Nothing is lost either way.
+// `reduce_sum`, when given, turns this rank's sum of squared gradients into the global one (an
+// all-reduce across ZeRO ranks) before the plan is made.
+using NormReducer = std::function<Result<double>(double local_sum_of_squares)>;
 Result<StepReport> StreamedStep(HostOptimizer& optimizer, offload::PartitionStore& store,
                                 std::span<const StreamedGroup> groups,
-                                const StepOptions& options = {}, StreamStats* stats = nullptr);
+                                const StepOptions& options = {}, StreamStats* stats = nullptr,
+                                const NormReducer& reduce_sum = nullptr);
 
 }  // namespace spillway::engine

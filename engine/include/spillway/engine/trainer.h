@@ -1,0 +1,106 @@
+// The reference ZeRO-3 trainer (libtorch): a small GPT-style model written as a sequence of units
+// (embedding, N transformer blocks, head), each unit's parameters one flat fp32 vector
+// partitioned across ranks in the PartitionStore. Per micro-batch: for each unit gather -> forward
+// -> release (activation checkpoints at unit boundaries only); backward in reverse, recomputing
+// each unit from its checkpoint, reduce-scattering its gradient into this rank's partition;
+// gradient accumulation over micro-batches; then the host optimizer step (streamed from NVMe when
+// the optimizer state lives there). Steps bracket the ledger's BeginStep/EndStep. See
+// docs/engine.md, Note [Trainer].
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/status.h"
+#include "spillway/engine/collectives.h"
+#include "spillway/engine/host_optimizer.h"
+#include "spillway/engine/streamed_step.h"
+#include "spillway/offload/partition_store.h"
+
+namespace spillway::engine {
+
+struct GptConfig {
+  int64_t vocab = 96;
+  int64_t d_model = 64;
+  int64_t n_layer = 2;
+  int64_t n_head = 4;
+  int64_t seq_len = 32;
+  uint64_t seed = 1234;
+};
+
+// The model, as plain functions so that a plain libtorch training loop (the tests' reference)
+// runs exactly the same math. Unit 0 is the embedding, 1..n_layer the blocks, n_layer+1 the head.
+namespace gpt {
+int64_t Units(const GptConfig& c);
+int64_t UnitNumel(const GptConfig& c, int64_t unit);
+torch::Tensor InitUnit(const GptConfig& c, int64_t unit);  // deterministic from c.seed
+// x: token ids [B, T] for unit 0, hidden states [B, T, d_model] otherwise. Returns hidden states,
+// or logits [B, T, vocab] from the head.
+torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& flat,
+                      const torch::Tensor& x);
+torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
+}  // namespace gpt
+
+struct TrainerOptions {
+  GptConfig model;
+  AdamWConfig adam;
+  uint32_t optimizer_threads = 0;
+  double max_grad_norm = 0.0;  // 0: no clipping
+};
+
+struct TrainStepResult {
+  double loss = 0.0;  // mean over micro-batches and ranks
+  StepReport report;  // the optimizer's
+  allocator::BoundaryReport boundary;  // the ledger's EndStep report (empty without a ledger)
+  StreamStats stream;                  // when the optimizer state streamed from NVMe
+};
+
+// Owned by one thread; collectives are issued in the same order on every rank.
+class Trainer {
+ public:
+  // The store decides each state's home from the DeepSpeed config it was created with. The
+  // ledger may be null. Every pointer must outlive the trainer.
+  static Result<std::unique_ptr<Trainer>> Create(const TrainerOptions& options,
+                                                 Collectives* collectives,
+                                                 offload::PartitionStore* store,
+                                                 allocator::HostArena* arena,
+                                                 allocator::Ledger* ledger,
+                                                 allocator::ScopeId scope);
+  ~Trainer();
+
+  // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len;
+  // gradients are averaged over all of them and over ranks).
+  Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
+  // The full parameters of one unit (an all-gather: call it on every rank).
+  Result<torch::Tensor> GatherUnit(int64_t unit);
+  HostOptimizer& optimizer() { return *optimizer_; }
+  int64_t steps() const { return steps_; }
+
+ private:
+  struct Unit;
+  Trainer(const TrainerOptions& options, Collectives* collectives, offload::PartitionStore* store,
+          allocator::HostArena* arena, allocator::Ledger* ledger, allocator::ScopeId scope,
+          std::unique_ptr<HostOptimizer> optimizer);
+  Status Init();
+  Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
+  Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
+  Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
+  Result<StepReport> OptimizerStep(StreamStats* stream);
+
+  const TrainerOptions options_;
+  Collectives* const coll_;
+  offload::PartitionStore* const store_;
+  allocator::HostArena* const arena_;
+  allocator::Ledger* const ledger_;
+  const allocator::ScopeId scope_;
+  std::unique_ptr<HostOptimizer> optimizer_;
+  std::vector<Unit> units_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace spillway::engine

@@ -1,0 +1,389 @@
+// The reference ZeRO-3 trainer. See trainer.h and docs/engine.md, Note [Trainer].
+#include "spillway/engine/trainer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "spillway/allocator/log.h"
+
+namespace spillway::engine {
+
+// ---- the model ----
+namespace gpt {
+namespace {
+
+struct Shape {
+  const char* name;
+  std::vector<int64_t> dims;
+  enum Init { kNormal, kOnes, kZeros } init;
+};
+
+std::vector<Shape> Layout(const GptConfig& c, int64_t unit) {
+  const int64_t d = c.d_model, h = 4 * c.d_model;
+  if (unit == 0) return {{"wte", {c.vocab, d}, Shape::kNormal}, {"wpe", {c.seq_len, d}, Shape::kNormal}};
+  if (unit == c.n_layer + 1) {
+    return {{"lnf_w", {d}, Shape::kOnes}, {"lnf_b", {d}, Shape::kZeros}, {"lm_w", {c.vocab, d}, Shape::kNormal}};
+  }
+  return {{"ln1_w", {d}, Shape::kOnes},        {"ln1_b", {d}, Shape::kZeros},
+          {"qkv_w", {3 * d, d}, Shape::kNormal}, {"qkv_b", {3 * d}, Shape::kZeros},
+          {"proj_w", {d, d}, Shape::kNormal},    {"proj_b", {d}, Shape::kZeros},
+          {"ln2_w", {d}, Shape::kOnes},        {"ln2_b", {d}, Shape::kZeros},
+          {"fc_w", {h, d}, Shape::kNormal},      {"fc_b", {h}, Shape::kZeros},
+          {"fc2_w", {d, h}, Shape::kNormal},     {"fc2_b", {d}, Shape::kZeros}};
+}
+
+int64_t Numel(const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (int64_t x : dims) n *= x;
+  return n;
+}
+
+std::vector<torch::Tensor> Views(const GptConfig& c, int64_t unit, const torch::Tensor& flat) {
+  std::vector<torch::Tensor> out;
+  int64_t off = 0;
+  for (const Shape& s : Layout(c, unit)) {
+    const int64_t n = Numel(s.dims);
+    out.push_back(flat.narrow(0, off, n).view(s.dims));
+    off += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t Units(const GptConfig& c) { return c.n_layer + 2; }
+
+int64_t UnitNumel(const GptConfig& c, int64_t unit) {
+  int64_t n = 0;
+  for (const Shape& s : Layout(c, unit)) n += Numel(s.dims);
+  return n;
+}
+
+torch::Tensor InitUnit(const GptConfig& c, int64_t unit) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed * 1000 + static_cast<uint64_t>(unit));
+  std::vector<torch::Tensor> parts;
+  for (const Shape& s : Layout(c, unit)) {
+    const int64_t n = Numel(s.dims);
+    if (s.init == Shape::kNormal) {
+      parts.push_back(at::normal(0.0, 0.02, {n}, gen));
+    } else {
+      parts.push_back(s.init == Shape::kOnes ? torch::ones({n}) : torch::zeros({n}));
+    }
+  }
+  return torch::cat(parts);
+}
+
+torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& flat,
+                      const torch::Tensor& x) {
+  const std::vector<torch::Tensor> p = Views(c, unit, flat);
+  if (unit == 0) {
+    const int64_t t = x.size(1);
+    return torch::embedding(p[0], x) + p[1].narrow(0, 0, t);
+  }
+  const int64_t d = c.d_model;
+  if (unit == c.n_layer + 1) {
+    return torch::linear(torch::layer_norm(x, {d}, p[0], p[1]), p[2]);
+  }
+  const int64_t b = x.size(0), t = x.size(1), nh = c.n_head, hd = d / nh;
+  const torch::Tensor qkv = torch::linear(torch::layer_norm(x, {d}, p[0], p[1]), p[2], p[3]);
+  auto heads = [&](const torch::Tensor& z) { return z.view({b, t, nh, hd}).transpose(1, 2); };
+  const std::vector<torch::Tensor> qkv3 = qkv.split(d, -1);
+  const torch::Tensor q = heads(qkv3[0]), k = heads(qkv3[1]), v = heads(qkv3[2]);
+  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
+  const torch::Tensor h = x + torch::linear(y, p[4], p[5]);
+  const torch::Tensor m = torch::linear(torch::gelu(torch::linear(torch::layer_norm(h, {d}, p[6], p[7]), p[8], p[9])), p[10], p[11]);
+  return h + m;
+}
+
+torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+}  // namespace gpt
+
+// ---- the trainer ----
+
+struct Trainer::Unit {
+  int64_t numel = 0;
+  int64_t shard = 0;  // elements per rank (numel padded up to world * shard)
+  offload::PartitionId param = 0, grad = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
+};
+
+Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
+                 offload::PartitionStore* store, allocator::HostArena* arena,
+                 allocator::Ledger* ledger, allocator::ScopeId scope,
+                 std::unique_ptr<HostOptimizer> optimizer)
+    : options_(options), coll_(collectives), store_(store), arena_(arena), ledger_(ledger),
+      scope_(scope), optimizer_(std::move(optimizer)) {}
+
+Trainer::~Trainer() = default;
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
+                                                 Collectives* collectives,
+                                                 offload::PartitionStore* store,
+                                                 allocator::HostArena* arena,
+                                                 allocator::Ledger* ledger,
+                                                 allocator::ScopeId scope) {
+  const GptConfig& m = options.model;
+  if (collectives == nullptr || store == nullptr || arena == nullptr) {
+    return Status::InvalidArgument("Trainer needs collectives, a partition store and a host arena");
+  }
+  if (m.vocab < 2 || m.d_model < 1 || m.n_layer < 0 || m.n_head < 1 || m.seq_len < 1 ||
+      m.d_model % m.n_head != 0) {
+    return Status::InvalidArgument(StrCat("GPT config vocab=", m.vocab, " d_model=", m.d_model,
+                                          " n_layer=", m.n_layer, " n_head=", m.n_head, " seq_len=",
+                                          m.seq_len, " is impossible; d_model must be a multiple of "
+                                          "n_head and every size positive"));
+  }
+  HostOptimizerOptions oo;
+  oo.adam = options.adam;
+  oo.threads = options.optimizer_threads;
+  auto opt = HostOptimizer::Create(oo);
+  if (!opt.ok()) return opt.status();
+  std::unique_ptr<Trainer> t(new Trainer(options, collectives, store, arena, ledger, scope, std::move(*opt)));
+  SPILLWAY_RETURN_IF_ERROR(t->Init());
+  return t;
+}
+
+Status Trainer::Init() {
+  const int64_t world = coll_->world_size(), rank = coll_->rank();
+  for (int64_t u = 0; u < gpt::Units(options_.model); ++u) {
+    Unit unit;
+    unit.numel = gpt::UnitNumel(options_.model, u);
+    unit.shard = (unit.numel + world - 1) / world;
+    const uint64_t bytes = static_cast<uint64_t>(unit.shard) * 4;
+    const auto key = [&](offload::StateKind k) {
+      return offload::PartitionKey{static_cast<uint32_t>(rank), static_cast<uint32_t>(u), k};
+    };
+    offload::PartitionId* ids[] = {&unit.param, &unit.grad, &unit.master, &unit.exp_avg, &unit.exp_avg_sq};
+    const offload::StateKind kinds[] = {offload::StateKind::kParam, offload::StateKind::kGrad,
+                                        offload::StateKind::kMasterWeight, offload::StateKind::kExpAvg,
+                                        offload::StateKind::kExpAvgSq};
+    for (int k = 0; k < 5; ++k) {
+      auto id = store_->Register(key(kinds[k]), bytes);
+      if (!id.ok()) return id.status();
+      *ids[k] = *id;
+    }
+    // This rank's slice of the deterministic initial weights, zero-padded.
+    torch::Tensor full = torch::zeros({unit.shard * world});
+    full.narrow(0, 0, unit.numel).copy_(gpt::InitUnit(options_.model, u));
+    const float* mine = full.data_ptr<float>() + rank * unit.shard;
+    for (offload::PartitionId id : {unit.param, unit.master}) {
+      auto h = store_->Acquire(id, offload::Access::kReadWrite);
+      if (!h.ok()) return h.status();
+      auto data = h->Data();
+      if (!data.ok()) return data.status();
+      std::memcpy(*data, mine, bytes);
+      SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+    }
+    units_.push_back(unit);
+  }
+  return Status::Ok();
+}
+
+Result<torch::Tensor> Trainer::Gather(int64_t u) {
+  const Unit& unit = units_[u];
+  const uint64_t full_elems = static_cast<uint64_t>(unit.shard * coll_->world_size());
+  auto buf = arena_->Allocate(full_elems * 4, allocator::OwnerTag{allocator::Kind::kTransient,
+                                                                  allocator::Lifetime::kStep,
+                                                                  static_cast<uint64_t>(u), scope_,
+                                                                  SPILLWAY_SITE});
+  if (!buf.ok()) return buf.status();
+  allocator::HostArena* arena = arena_;
+  // Freed back to the arena when the last reference (autograd's included) dies.
+  torch::Tensor full = torch::from_blob(
+      *buf, {static_cast<int64_t>(full_elems)},
+      [arena](void* p) {
+        Status st = arena->Free(p);
+        if (!st.ok()) Log(LogLevel::kError, StrCat("freeing a gather buffer: ", st.ToString()));
+      },
+      torch::kFloat32);
+  auto h = store_->Acquire(unit.param, offload::Access::kRead);
+  if (!h.ok()) return h.status();
+  auto data = h->Data();
+  if (!data.ok()) return data.status();
+  Status st = coll_->AllGather(static_cast<const float*>(*data), static_cast<uint64_t>(unit.shard),
+                               static_cast<float*>(*buf));
+  SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+  SPILLWAY_RETURN_IF_ERROR(st);
+  return full.narrow(0, 0, unit.numel);
+}
+
+Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
+  const Unit& unit = units_[u];
+  const int64_t world = coll_->world_size();
+  torch::Tensor padded = torch::zeros({unit.shard * world});
+  padded.narrow(0, 0, unit.numel).copy_(grad);
+  torch::Tensor mine = torch::empty({unit.shard});
+  SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded.data_ptr<float>(),
+                                                   static_cast<uint64_t>(unit.shard),
+                                                   mine.data_ptr<float>()));
+  auto h = store_->Acquire(unit.grad, offload::Access::kReadWrite);
+  if (!h.ok()) return h.status();
+  auto data = h->Data();
+  if (!data.ok()) return data.status();
+  torch::from_blob(*data, {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
+  return store_->Release(*h);
+}
+
+Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
+  const GptConfig& c = options_.model;
+  if (tokens.scalar_type() != torch::kInt64 || tokens.dim() != 2 || tokens.size(1) < 2 ||
+      tokens.size(1) - 1 > c.seq_len || !tokens.device().is_cpu()) {
+    return Status::InvalidArgument(StrCat("a micro-batch must be CPU int64 tokens [B, T + 1] with T <= ",
+                                          "seq_len=", c.seq_len, "; got ", tokens.sizes(), " ",
+                                          tokens.dtype(), " on ", tokens.device()));
+  }
+  if (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c.vocab) {
+    return Status::InvalidArgument(StrCat("token ids must be in [0, vocab=", c.vocab, ")"));
+  }
+  const int64_t t = tokens.size(1) - 1;
+  const torch::Tensor input = tokens.narrow(1, 0, t);
+  const torch::Tensor targets = tokens.narrow(1, 1, t);
+  const int64_t units = gpt::Units(c);
+  std::vector<torch::Tensor> checkpoints;  // the input of each unit
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor x = input;
+    for (int64_t u = 0; u < units; ++u) {
+      auto full = Gather(u);
+      if (!full.ok()) return full.status();
+      checkpoints.push_back(x);
+      x = gpt::Forward(c, u, *full, x);
+    }  // each gathered unit is released as `full` goes out of scope
+  }
+  torch::Tensor grad_out;
+  for (int64_t u = units - 1; u >= 0; --u) {
+    auto gathered = Gather(u);
+    if (!gathered.ok()) return gathered.status();
+    torch::Tensor full = gathered->detach().requires_grad_(true);
+    torch::Tensor xin = checkpoints[u];
+    if (u > 0) xin = xin.detach().requires_grad_(true);
+    torch::Tensor out = gpt::Forward(c, u, full, xin);  // recompute from the checkpoint
+    if (u == units - 1) {
+      torch::Tensor l = gpt::Loss(out, targets);
+      *loss += l.item<double>();
+      (l * scale).backward();
+    } else {
+      out.backward(grad_out);
+    }
+    if (u > 0) grad_out = xin.grad();
+    SPILLWAY_RETURN_IF_ERROR(ReduceGrad(u, full.grad()));
+    checkpoints[u] = torch::Tensor();
+  }
+  return Status::Ok();
+}
+
+Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
+  StepOptions so;
+  so.max_grad_norm = options_.max_grad_norm;
+  // Hold the gradient and parameter partitions (host views) for the whole step.
+  std::vector<offload::Handle> held;
+  std::vector<void*> grads, params;
+  for (const Unit& unit : units_) {
+    for (auto [id, out] : {std::pair{unit.grad, &grads}, std::pair{unit.param, &params}}) {
+      auto h = store_->Acquire(id, offload::Access::kReadWrite);
+      if (!h.ok()) return h.status();
+      auto data = h->Data();
+      if (!data.ok()) return data.status();
+      out->push_back(*data);
+      held.push_back(std::move(*h));
+    }
+  }
+  Result<StepReport> report = Status::Internal("unset");
+  if (store_->home(units_[0].master) == offload::Tier::kNvme) {
+    std::vector<StreamedGroup> groups;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      StreamedGroup g;
+      g.name = StrCat("unit ", u);
+      g.numel = static_cast<uint64_t>(units_[u].shard);
+      g.master = units_[u].master;
+      g.exp_avg = units_[u].exp_avg;
+      g.exp_avg_sq = units_[u].exp_avg_sq;
+      g.grad = grads[u];
+      g.param = params[u];
+      g.param_dtype = DType::kFp32;
+      groups.push_back(g);
+    }
+    report = StreamedStep(*optimizer_, *store_, groups, so, stream,
+                          [this](double s) { return coll_->AllReduceSum(s); });
+  } else {
+    double local = 0.0;
+    std::vector<SubGroup> views(units_.size());
+    for (size_t u = 0; u < units_.size(); ++u) {
+      views[u].name = "unit";
+      views[u].numel = static_cast<uint64_t>(units_[u].shard);
+      views[u].grad = grads[u];
+      views[u].grad_dtype = DType::kFp32;
+      views[u].param = params[u];
+      views[u].param_dtype = DType::kFp32;
+      auto s = optimizer_->SumOfSquares(views[u]);
+      if (!s.ok()) return s.status();
+      local += *s;
+    }
+    auto global = coll_->AllReduceSum(local);
+    if (!global.ok()) return global.status();
+    report = optimizer_->Plan(*global, so);
+    if (report.ok() && !report->skipped) {
+      for (size_t u = 0; u < units_.size(); ++u) {
+        offload::PartitionId ids[3] = {units_[u].master, units_[u].exp_avg, units_[u].exp_avg_sq};
+        std::vector<offload::Handle> state;
+        float* ptr[3];
+        for (int k = 0; k < 3; ++k) {
+          auto h = store_->Acquire(ids[k], offload::Access::kReadWrite);
+          if (!h.ok()) return h.status();
+          ptr[k] = static_cast<float*>(*h->Data());
+          state.push_back(std::move(*h));
+        }
+        views[u].master = ptr[0];
+        views[u].exp_avg = ptr[1];
+        views[u].exp_avg_sq = ptr[2];
+        SPILLWAY_RETURN_IF_ERROR(optimizer_->Update(views[u], *report));
+        for (auto& h : state) SPILLWAY_RETURN_IF_ERROR(store_->Release(h));
+      }
+    }
+  }
+  // The gradients start the next step at zero.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    std::memset(grads[u], 0, static_cast<size_t>(units_[u].shard) * 4);
+  }
+  for (auto& h : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(h));
+  return report;
+}
+
+Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_batches) {
+  if (micro_batches.empty()) {
+    return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
+  }
+  TrainStepResult r;
+  if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(steps_));
+  double loss = 0.0;
+  const double scale = 1.0 / static_cast<double>(micro_batches.size());
+  for (const torch::Tensor& mb : micro_batches) {
+    SPILLWAY_RETURN_IF_ERROR(MicroBatch(mb, scale, &loss));
+  }
+  auto report = OptimizerStep(&r.stream);
+  if (!report.ok()) return report.status();
+  r.report = *report;
+  auto global = coll_->AllReduceSum(loss * scale);
+  if (!global.ok()) return global.status();
+  r.loss = *global / static_cast<double>(coll_->world_size());
+  if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->EndStep(&r.boundary));
+  ++steps_;
+  return r;
+}
+
+Result<torch::Tensor> Trainer::GatherUnit(int64_t unit) {
+  if (unit < 0 || unit >= static_cast<int64_t>(units_.size())) {
+    return Status::InvalidArgument(StrCat("unit ", unit, " does not exist (", units_.size(), " units)"));
+  }
+  auto full = Gather(unit);
+  if (!full.ok()) return full.status();
+  return full->clone();
+}
+
+}  // namespace spillway::engine

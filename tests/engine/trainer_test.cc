@@ -1,0 +1,185 @@
+// The ZeRO-3 trainer against plain libtorch training of the same model (autograd through the whole
+// model, torch::optim::AdamW, clip_grad_norm_), for offload none, cpu and nvme; the ledger sees no
+// step-scoped escapes; bad input is refused. Tolerance 1e-4 relative to each unit's largest weight
+// (the issue's bound; see the key-bias note in the test): the
+// trainer differs from the reference by summation order (recompute, reduce-scatter), by the host
+// optimizer's multiplication by 1/sqrt(bc2) where torch divides, and by the clip factor's float
+// rounding; the printed drift is far below it.
+#include "spillway/engine/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "../offload/store_test_util.h"
+
+namespace spillway::engine {
+namespace {
+
+using offload::testing::ParseOrDie;
+using offload::testing::StoreRig;
+constexpr uint64_t kMiB = 1ull << 20;
+
+GptConfig SmallGpt() {
+  GptConfig c;
+  c.vocab = 32;
+  c.d_model = 32;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.seq_len = 16;
+  c.seed = 7;
+  return c;
+}
+
+AdamWConfig Adam() {
+  AdamWConfig a;
+  a.lr = 3e-3;
+  a.beta1 = 0.9;
+  a.beta2 = 0.99;
+  a.eps = 1e-8;
+  a.weight_decay = 0.01;
+  return a;
+}
+
+// Deterministic micro-batches: step s, micro-batch k.
+torch::Tensor Batch(const GptConfig& c, int step, int k) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(10'000 + step * 100 + k);
+  return torch::randint(0, c.vocab, {4, c.seq_len + 1}, gen, torch::kInt64);
+}
+
+constexpr int kSteps = 8;
+constexpr int kAccum = 2;
+constexpr double kMaxNorm = 0.5;
+
+// Plain libtorch training: the same functions, autograd through everything, torch's AdamW.
+struct Reference {
+  std::vector<torch::Tensor> flats;
+  std::vector<double> losses;
+  explicit Reference(const GptConfig& c) {
+    for (int64_t u = 0; u < gpt::Units(c); ++u) flats.push_back(gpt::InitUnit(c, u).requires_grad_(true));
+    const AdamWConfig a = Adam();
+    torch::optim::AdamW opt(flats, torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      double loss = 0;
+      for (int k = 0; k < kAccum; ++k) {
+        const torch::Tensor t = Batch(c, s, k);
+        const int64_t n = t.size(1) - 1;
+        torch::Tensor x = t.narrow(1, 0, n);
+        for (int64_t u = 0; u < gpt::Units(c); ++u) x = gpt::Forward(c, u, flats[u], x);
+        torch::Tensor l = gpt::Loss(x, t.narrow(1, 1, n));
+        loss += l.item<double>() / kAccum;
+        (l / kAccum).backward();
+      }
+      torch::nn::utils::clip_grad_norm_(flats, kMaxNorm);
+      opt.step();
+      losses.push_back(loss);
+    }
+  }
+};
+
+std::string Json(const char* param, const char* opt) {
+  const std::string dir = allocator::testing::NvmeTestDir();
+  return StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": ")", param,
+                R"(", "nvme_path": ")", dir, R"("}, "offload_optimizer": {"device": ")", opt,
+                R"(", "nvme_path": ")", dir, R"("}}})");
+}
+
+class TrainerOffloadTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
+  const GptConfig c = SmallGpt();
+  const Reference ref(c);
+  const std::string device = GetParam();
+  StoreRig rig(ParseOrDie(Json(device.c_str(), device.c_str())), 256 * kMiB);
+  ASSERT_NE(rig.store, nullptr);
+  auto coll = Collectives::Create(DistEnv{});
+  ASSERT_TRUE(coll.ok());
+  TrainerOptions o;
+  o.model = c;
+  o.adam = Adam();
+  o.max_grad_norm = kMaxNorm;
+  o.optimizer_threads = 2;
+  auto trainer = Trainer::Create(o, coll->get(), rig.store.get(), rig.host.get(), &rig.ledger,
+                                 allocator::kProcessScope);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+  ASSERT_TRUE(rig.ledger.BeginEpoch(0).ok());
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<torch::Tensor> mbs;
+    for (int k = 0; k < kAccum; ++k) mbs.push_back(Batch(c, s, k));
+    auto r = (*trainer)->Step(mbs);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_NEAR(r->loss, ref.losses[s], 1e-4 * ref.losses[s]) << "step " << s;
+    EXPECT_FALSE(r->report.skipped);
+    // Gather buffers and checkpoints die inside the step: nothing step-scoped escapes.
+    EXPECT_TRUE(r->boundary.clean()) << r->boundary.ToString();
+    if (device == "nvme") {
+      EXPECT_EQ(r->stream.groups, static_cast<uint64_t>(gpt::Units(c)));
+    }
+  }
+  double worst = 0;
+  for (int64_t u = 0; u < gpt::Units(c); ++u) {
+    auto got = (*trainer)->GatherUnit(u);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    const torch::Tensor want = ref.flats[u].detach();
+    // Relative to the unit's scale, not element by element: the attention key bias has an exactly
+    // zero gradient (softmax ignores a constant added to a row of scores), so both runs move it by
+    // Adam-amplified rounding noise (~1e-6 absolute after 8 steps, different in each run).
+    const double rel = ((*got - want).abs().max() / want.abs().max()).item<double>();
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 1e-4) << "unit " << u;
+  }
+  allocator::BoundaryReport epoch;
+  ASSERT_TRUE(rig.ledger.EndEpoch(&epoch).ok());
+  std::printf("offload %s: worst relative difference from plain libtorch after %d steps: %.3g\n",
+              device.c_str(), kSteps, worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(Offload, TrainerOffloadTest, ::testing::Values("none", "cpu", "nvme"),
+                         [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
+
+TEST(TrainerTest, WorldSizeTwoEqualsWorldSizeOne) {
+  DistEnv env;
+  env.world_size = 2;
+  auto coll = Collectives::Create(env);
+  if (!coll.ok() && coll.status().code() == StatusCode::kUnavailable) {
+    GTEST_SKIP() << coll.status().message();
+  }
+  FAIL() << "a Gloo build exists: run the two-process comparison (not written yet)";
+}
+
+TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
+  StoreRig rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
+  auto coll = std::move(Collectives::Create(DistEnv{}).value());
+  TrainerOptions o;
+  o.model = SmallGpt();
+  o.model.n_head = 5;  // 32 is not a multiple of 5
+  auto bad = Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), nullptr, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("multiple of n_head"), std::string::npos);
+  o.model = SmallGpt();
+  auto t = std::move(Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), nullptr, 0).value());
+  auto r = t->Step({torch::zeros({4, 17}, torch::kFloat32)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("int64 tokens"), std::string::npos) << r.status().message();
+  r = t->Step({torch::full({4, 17}, 99, torch::kInt64)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("[0, vocab=32)"), std::string::npos);
+  r = t->Step({torch::zeros({4, 40}, torch::kInt64)});  // longer than seq_len
+  ASSERT_FALSE(r.ok());
+  EXPECT_FALSE(t->Step({}).ok());
+  EXPECT_EQ(t->optimizer().step(), 0u);  // nothing was applied
+
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("RANK", "2", 1);
+  auto env = DistEnvFromEnvironment();
+  unsetenv("WORLD_SIZE");
+  unsetenv("RANK");
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("RANK=2 is not below WORLD_SIZE=2"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace spillway::engine
