@@ -262,44 +262,36 @@ Status HostOptimizer::Update(const SubGroup& group, const StepReport& plan) {
   return Status::Ok();
 }
 
-void HostOptimizer::Finish(const StepReport& report, uint64_t elements, uint64_t ns) {
-  if (!report.skipped) elements_.fetch_add(elements, std::memory_order_relaxed);
+Result<StepReport> HostOptimizer::RunStep(std::span<const SubGroup> groups,
+                                          const StepOptions& options, bool fused) {
+  const uint64_t t0 = NowNs();
+  uint64_t elements = 0;
+  for (const SubGroup& g : groups) {
+    SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
+    elements += g.numel;
+  }
+  Result<double> sum = SumOfSquaresAll(groups);
+  if (!sum.ok()) return sum.status();
+  Result<StepReport> plan = Plan(*sum, options);
+  if (!plan.ok()) return plan.status();
+  if (!plan->skipped) {
+    RunAdam(groups, *plan, fused);
+    elements_.fetch_add(elements, std::memory_order_relaxed);
+  }
+  const uint64_t ns = NowNs() - t0;
   step_ns_total_.fetch_add(ns, std::memory_order_relaxed);
   last_step_ns_.store(ns, std::memory_order_relaxed);
+  return plan;
 }
 
 Result<StepReport> HostOptimizer::Step(std::span<const SubGroup> groups,
                                        const StepOptions& options) {
-  const uint64_t t0 = NowNs();
-  uint64_t elements = 0;
-  for (const SubGroup& g : groups) {
-    SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
-    elements += g.numel;
-  }
-  Result<double> sum = SumOfSquaresAll(groups);
-  if (!sum.ok()) return sum.status();
-  Result<StepReport> plan = Plan(*sum, options);
-  if (!plan.ok()) return plan.status();
-  if (!plan->skipped) RunAdam(groups, *plan, /*fused=*/true);
-  Finish(*plan, elements, NowNs() - t0);
-  return plan;
+  return RunStep(groups, options, /*fused=*/true);
 }
 
 Result<StepReport> HostOptimizer::StepUnfused(std::span<const SubGroup> groups,
                                               const StepOptions& options) {
-  const uint64_t t0 = NowNs();
-  uint64_t elements = 0;
-  for (const SubGroup& g : groups) {
-    SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
-    elements += g.numel;
-  }
-  Result<double> sum = SumOfSquaresAll(groups);
-  if (!sum.ok()) return sum.status();
-  Result<StepReport> plan = Plan(*sum, options);
-  if (!plan.ok()) return plan.status();
-  if (!plan->skipped) RunAdam(groups, *plan, /*fused=*/false);
-  Finish(*plan, elements, NowNs() - t0);
-  return plan;
+  return RunStep(groups, options, /*fused=*/false);
 }
 
 OptimizerStats HostOptimizer::Stats() const {

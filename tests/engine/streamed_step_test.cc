@@ -144,15 +144,24 @@ TEST(StreamedStepTest, AHostBudgetSmallerThanTheStateIsEnough) {
   for (int i = 0; i < kGroups; ++i) EXPECT_TRUE(SameAs(*rig.store, m, i, m.ref[i])) << i;
 }
 
-TEST(StreamedStepTest, AFailedReadStopsBeforeTheGroupAndLosesNothing) {
+// A store with a fault seam, the model, and step 1 applied both ways.
+struct FaultRig {
   allocator::IoFaults faults;
-  StoreRig rig(ParseOrDie(OffloadJson("none", "nvme")), 512 * kMiB, true, &faults);
-  ASSERT_NE(rig.store, nullptr);
+  StoreRig rig{ParseOrDie(OffloadJson("none", "nvme")), 512 * kMiB, true, &faults};
   Model m = MakeModel(*rig.store);
-  auto streamed = Optimizer(), in_memory = Optimizer();
-  NewGradients(m, 1);
-  ASSERT_TRUE(RefStep(*in_memory, m).ok());
-  ASSERT_TRUE(StreamedStep(*streamed, *rig.store, m.groups).ok());
+  std::unique_ptr<HostOptimizer> streamed = Optimizer(), in_memory = Optimizer();
+  Status StepOne() {
+    NewGradients(m, 1);
+    SPILLWAY_RETURN_IF_ERROR(RefStep(*in_memory, m));
+    auto r = StreamedStep(*streamed, *rig.store, m.groups);
+    return r.ok() ? Status::Ok() : r.status();
+  }
+};
+
+TEST(StreamedStepTest, AFailedReadStopsBeforeTheGroupAndLosesNothing) {
+  FaultRig f;
+  ASSERT_TRUE(f.StepOne().ok());
+  auto& [faults, rig, m, streamed, in_memory] = f;
   // Step 2: the first read fails with EIO. Which group's read comes first is up to the threads
   // (group 0's swap-in on the caller or group 1's on the reader), so the test reads the group the
   // error names and checks the promise about it: groups before it have step 2, the rest step 1.
@@ -178,14 +187,9 @@ TEST(StreamedStepTest, AFailedReadStopsBeforeTheGroupAndLosesNothing) {
 }
 
 TEST(StreamedStepTest, AFailedWriteBackKeepsTheUpdateInHostMemoryUntilFlush) {
-  allocator::IoFaults faults;
-  StoreRig rig(ParseOrDie(OffloadJson("none", "nvme")), 512 * kMiB, true, &faults);
-  ASSERT_NE(rig.store, nullptr);
-  Model m = MakeModel(*rig.store);
-  auto streamed = Optimizer(), in_memory = Optimizer();
-  NewGradients(m, 1);
-  ASSERT_TRUE(RefStep(*in_memory, m).ok());
-  ASSERT_TRUE(StreamedStep(*streamed, *rig.store, m.groups).ok());
+  FaultRig f;
+  ASSERT_TRUE(f.StepOne().ok());
+  auto& [faults, rig, m, streamed, in_memory] = f;
   const std::vector<GroupBuffers> after_step1 = m.ref;
   NewGradients(m, 2);
   ASSERT_TRUE(RefStep(*in_memory, m).ok());

@@ -108,7 +108,8 @@ class HostOptimizer {
   Status Check(const SubGroup& group, bool needs_state) const;
   Result<double> SumOfSquaresAll(std::span<const SubGroup> groups);
   void RunAdam(std::span<const SubGroup> groups, const StepReport& plan, bool fused);
-  void Finish(const StepReport& report, uint64_t elements, uint64_t ns);
+  Result<StepReport> RunStep(std::span<const SubGroup> groups, const StepOptions& options,
+                             bool fused);
 
   HostOptimizerOptions options_;
   const Isa isa_;
