@@ -56,19 +56,10 @@ class Reader {
   bool Bytes(const json& v, const std::string& path, uint64_t* out) {
     if (v.is_number()) return Count(v, path, 1, out);
     if (!v.is_string()) return Fail(path, StrCat("is ", Describe(v), "; expected bytes"));
-    std::istringstream in(v.get<std::string>());
-    double n = 0;
-    std::string unit;
-    in >> n >> unit;
-    static const std::pair<const char*, double> kUnits[] = {
-        {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1048576.0},
-        {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
-        {"GB", 1e9},      {"TB", 1e12}};
-    for (const auto& [name, mult] : kUnits) {
-      if (unit == name && in.eof() && n > 0) {
-        *out = static_cast<uint64_t>(n * mult);
-        return true;
-      }
+    auto bytes = ParseByteSize(v.get<std::string>());
+    if (bytes.ok()) {
+      *out = *bytes;
+      return true;
     }
     return Fail(path, StrCat("is ", Describe(v), "; expected bytes, e.g. 68719476736 or \"64GiB\" "
                              "(units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"));
@@ -284,6 +275,25 @@ const char* OffloadDeviceName(OffloadDevice device) {
     case OffloadDevice::kNvme: return "nvme";
   }
   return "?";
+}
+
+Result<uint64_t> ParseByteSize(std::string_view text) {
+  std::istringstream in{std::string(text)};
+  double n = 0;
+  std::string unit;
+  in >> n;
+  if (!in.fail() && !in.eof()) in >> unit;
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1048576.0},
+      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
+      {"GB", 1e9},      {"TB", 1e12}};
+  if (!in.fail() && in.eof() && n > 0 && n < 1.8e19) {
+    for (const auto& [name, mult] : kUnits) {
+      if (unit == name && n * mult < 1.8e19) return static_cast<uint64_t>(n * mult);
+    }
+  }
+  return Status::InvalidArgument(StrCat("'", text, "' is not a byte size; use a positive number ",
+                                        "with an optional unit: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"));
 }
 
 Result<Config> Config::Parse(std::string_view text) {

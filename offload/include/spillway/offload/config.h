@@ -61,6 +61,10 @@ struct SpillwayConfig {  // spillway (ours)
   double peak_slack = allocator::HostArenaOptions{}.peak_slack;
 };
 
+// "68719476736", "64GiB", "512 MiB", "1.5TB", "34e9": a positive byte count. Units: B, KiB, MiB,
+// GiB, TiB (powers of 1024), KB, MB, GB, TB (powers of 1000). INVALID_ARGUMENT names the text.
+Result<uint64_t> ParseByteSize(std::string_view text);
+
 struct Config {
   int zero_stage = 0;
   OffloadParamConfig offload_param;

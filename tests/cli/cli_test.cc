@@ -1,0 +1,77 @@
+// The `spillway` program as a user runs it: exit codes, output, and errors for bad flags, missing
+// files and impossible inputs.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct Outcome {
+  int status = -1;
+  std::string out;
+};
+
+Outcome Spillway(const std::string& args) {
+  Outcome r;
+  FILE* p = popen((std::string(SPILLWAY_BINARY) + " " + args + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string WriteConfig(const std::string& name, const std::string& json) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << json;
+  return path;
+}
+
+TEST(CliTest, PlanYi34BOnOneNodeFitsWithSpillway) {
+  const std::string cfg = WriteConfig("yi34b.json", R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu", "pin_memory": true},
+      "offload_optimizer": {"device": "cpu", "pin_memory": true}}})");
+  Outcome r = Spillway("plan --params 34e9 --world-size 8 --nodes 1 --config " + cfg +
+                   " --host-ram 1TiB --nvme 4TiB");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("verdict: fits"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("DeepSpeed defaults 1292.0 GB (does not fit)"), std::string::npos) << r.out;
+}
+
+TEST(CliTest, PlanThatDoesNotFitExitsOneAndSaysWhatWould) {
+  const std::string cfg = WriteConfig("tight.json", R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_param": {"device": "cpu"}}})");
+  Outcome r = Spillway("plan --params 34e9 --world-size 8 --config " + cfg + " --host-ram 256GiB --nvme 4TiB");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("would fit with sub_group_size = 1e8"), std::string::npos) << r.out;
+}
+
+TEST(CliTest, BadFlagsMissingFilesAndBadValuesAreClearErrors) {
+  Outcome r = Spillway("plan --params 7e9");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--host-ram is required"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --host-ram 1TiB --config /nonexistent/ds.json");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("/nonexistent/ds.json"), std::string::npos) << r.out;
+  r = Spillway("plan --params lots --host-ram 1TiB");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--params 'lots' is not a positive number of parameters"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --host-ram 1TiB --world-size 8 --nodes 3");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("must be a positive multiple of --nodes 3"), std::string::npos) << r.out;
+  const std::string bad = WriteConfig("bad.json", R"({"zero_optimization": {"stage": 3}, "spillway": {"colour": 1}})");
+  r = Spillway("plan --params 7e9 --host-ram 1TiB --config " + bad);
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("spillway.colour"), std::string::npos) << r.out;
+  r = Spillway("frobnicate");
+  EXPECT_EQ(r.status, 2) << r.out;
+  r = Spillway("plan --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("--world-size"), std::string::npos) << r.out;
+}
+
+}  // namespace
