@@ -171,3 +171,23 @@ TEST(ConfigTest, LoadNamesTheFileInErrors) {
 
 }  // namespace
 }  // namespace spillway::offload
+
+namespace spillway::offload {
+namespace {
+
+TEST(ParseByteSizeTest, UnitsAndErrors) {
+  EXPECT_EQ(*ParseByteSize("68719476736"), 68719476736u);
+  EXPECT_EQ(*ParseByteSize("64GiB"), 64ull << 30);
+  EXPECT_EQ(*ParseByteSize("512 MiB"), 512ull << 20);
+  EXPECT_EQ(*ParseByteSize("1.5TB"), 1'500'000'000'000u);
+  EXPECT_EQ(*ParseByteSize("1TiB"), 1ull << 40);
+  EXPECT_EQ(*ParseByteSize("34e9"), 34'000'000'000u);
+  for (const char* bad : {"", "lots", "-5GiB", "0", "64 GiB extra", "64Gb", "1e30"}) {
+    auto r = ParseByteSize(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is not a byte size"), std::string::npos) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace spillway::offload
