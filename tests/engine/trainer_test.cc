@@ -150,6 +150,36 @@ TEST(TrainerTest, WorldSizeTwoEqualsWorldSizeOne) {
   FAIL() << "a Gloo build exists: run the two-process comparison (not written yet)";
 }
 
+TEST(TrainerTest, AFailedMicroBatchAbandonsTheStepAndTheNextStepIsUnaffected) {
+  const GptConfig c = SmallGpt();
+  auto coll = std::move(Collectives::Create(DistEnv{}).value());
+  TrainerOptions o;
+  o.model = c;
+  o.adam = Adam();
+  StoreRig clean_rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
+  StoreRig failed_rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
+  auto clean = std::move(Trainer::Create(o, coll.get(), clean_rig.store.get(), clean_rig.host.get(),
+                                         &clean_rig.ledger, 0).value());
+  auto failed = std::move(Trainer::Create(o, coll.get(), failed_rig.store.get(), failed_rig.host.get(),
+                                          &failed_rig.ledger, 0).value());
+  ASSERT_TRUE(clean_rig.ledger.BeginEpoch(0).ok());
+  ASSERT_TRUE(failed_rig.ledger.BeginEpoch(0).ok());
+  // The second micro-batch is bad: the first one's gradients must not leak into the next step.
+  auto r = failed->Step({Batch(c, 0, 0), torch::full({4, c.seq_len + 1}, c.vocab, torch::kInt64)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos)
+      << r.status().message();
+  const std::vector<torch::Tensor> good = {Batch(c, 1, 0), Batch(c, 1, 1)};
+  auto a = clean->Step(good);
+  auto b = failed->Step(good);
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+  EXPECT_EQ(a->loss, b->loss);
+  EXPECT_TRUE(b->boundary.clean()) << b->boundary.ToString();
+  for (int64_t u = 0; u < gpt::Units(c); ++u) {
+    EXPECT_TRUE(torch::equal(*clean->GatherUnit(u), *failed->GatherUnit(u))) << "unit " << u;
+  }
+}
+
 TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   StoreRig rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
   auto coll = std::move(Collectives::Create(DistEnv{}).value());

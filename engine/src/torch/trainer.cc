@@ -355,16 +355,44 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
   return report;
 }
 
+Status Trainer::ZeroGrads() {
+  for (const Unit& unit : units_) {
+    auto h = store_->Acquire(unit.grad, offload::Access::kReadWrite);
+    if (!h.ok()) return h.status();
+    auto data = h->Data();
+    if (!data.ok()) return data.status();
+    std::memset(*data, 0, static_cast<size_t>(unit.shard) * 4);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+  }
+  return Status::Ok();
+}
+
 Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_batches) {
   if (micro_batches.empty()) {
     return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
   TrainStepResult r;
-  if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(steps_));
+  // Ledger step numbers count attempts (they must increase), steps_ counts applied steps.
+  if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(attempts_));
+  ++attempts_;
+  // A failed micro-batch abandons the step: the gradients it accumulated are zeroed and the
+  // ledger's step is closed (step-scoped memory died with the tensors), so the next step starts
+  // exactly as if this one had not been tried.
+  auto abandon = [&](const Status& st) -> Status {
+    Status z = ZeroGrads();
+    allocator::BoundaryReport ignored;
+    Status b = ledger_ != nullptr ? ledger_->EndStep(&ignored) : Status::Ok();
+    std::string also;
+    if (!z.ok()) also += "; zeroing the gradients also failed: " + z.message();
+    if (!b.ok()) also += "; closing the ledger step also failed: " + b.message();
+    return Status::Make(st.code(), StrCat("step ", steps_, " abandoned, nothing applied: ",
+                                          st.message(), also), st.sys_error());
+  };
   double loss = 0.0;
   const double scale = 1.0 / static_cast<double>(micro_batches.size());
   for (const torch::Tensor& mb : micro_batches) {
-    SPILLWAY_RETURN_IF_ERROR(MicroBatch(mb, scale, &loss));
+    Status st = MicroBatch(mb, scale, &loss);
+    if (!st.ok()) return abandon(st);
   }
   auto report = OptimizerStep(&r.stream);
   if (!report.ok()) return report.status();

@@ -74,7 +74,8 @@ class Trainer {
   ~Trainer();
 
   // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len;
-  // gradients are averaged over all of them and over ranks).
+  // gradients are averaged over all of them and over ranks). A micro-batch that fails abandons the
+  // step: nothing is applied, its gradients are zeroed, and the ledger step is closed.
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
   // The full parameters of one unit (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
@@ -91,6 +92,7 @@ class Trainer {
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   Result<StepReport> OptimizerStep(StreamStats* stream);
+  Status ZeroGrads();
 
   const TrainerOptions options_;
   Collectives* const coll_;
@@ -100,7 +102,8 @@ class Trainer {
   const allocator::ScopeId scope_;
   std::unique_ptr<HostOptimizer> optimizer_;
   std::vector<Unit> units_;
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;     // applied
+  int64_t attempts_ = 0;  // begun (the ledger's step numbers)
 };
 
 }  // namespace spillway::engine
