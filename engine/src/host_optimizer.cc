@@ -3,11 +3,11 @@
 #include "spillway/engine/host_optimizer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <thread>
 #include <vector>
 
+#include "clock.h"
 #include "kernels.h"
 #include "worker_pool.h"
 
@@ -21,12 +21,6 @@ const kernels::Table& TableFor(Isa isa) {
     case Isa::kAvx512Bf16: return kernels::Avx512Bf16Table();
     default: return kernels::ScalarTable();
   }
-}
-
-uint64_t NowNs() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
 }
 
 std::string GroupName(const SubGroup& g) {

@@ -1,25 +1,19 @@
 // StreamedStep. Note [Streamed step] in docs/engine.md.
 #include "spillway/engine/streamed_step.h"
 
-#include <chrono>
 #include <future>
-#include <optional>
 #include <vector>
+
+#include "clock.h"
+#include "host_view.h"
 
 namespace spillway::engine {
 namespace {
 
 using offload::Access;
-using offload::Handle;
 using offload::PartitionId;
 using offload::PartitionStore;
 using offload::Tier;
-
-uint64_t NowNs() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
 
 std::vector<PartitionId> StateOf(const StreamedGroup& g) { return {g.master, g.exp_avg, g.exp_avg_sq}; }
 
@@ -130,19 +124,18 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       });
     }
     // Acquire group i (resident by now, or swapped in here) and update it.
-    std::optional<Handle> h[3];
-    const PartitionId ids[3] = {g.master, g.exp_avg, g.exp_avg_sq};
-    for (int k = 0; k < 3; ++k) {
-      auto r = store.Acquire(ids[k], Access::kReadWrite);
-      if (!r.ok()) return fail(r.status(), i);
-      h[k].emplace(std::move(*r));
+    std::vector<HostView> h;
+    for (PartitionId id : StateOf(g)) {
+      auto v = AcquireView(store, id, Access::kReadWrite);
+      if (!v.ok()) return fail(v.status(), i);
+      h.push_back(std::move(*v));
     }
     SubGroup view;
     view.name = g.name;
     view.numel = g.numel;
-    view.master = static_cast<float*>(*h[0]->Data());
-    view.exp_avg = static_cast<float*>(*h[1]->Data());
-    view.exp_avg_sq = static_cast<float*>(*h[2]->Data());
+    view.master = static_cast<float*>(h[0].data);
+    view.exp_avg = static_cast<float*>(h[1].data);
+    view.exp_avg_sq = static_cast<float*>(h[2].data);
     view.grad = g.grad;
     view.grad_dtype = g.grad_dtype;
     view.param = g.param;
@@ -150,8 +143,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     const uint64_t t0 = NowNs();
     Status st = optimizer.Update(view, *plan);
     s.update_ns += NowNs() - t0;
-    for (int k = 0; k < 3; ++k) {
-      Status rs = store.Release(*h[k]);
+    for (HostView& v : h) {
+      Status rs = store.Release(v.handle);
       if (st.ok() && !rs.ok()) st = rs;
     }
     if (!st.ok()) return fail(st, i);

@@ -156,6 +156,13 @@ struct FaultRig {
     auto r = StreamedStep(*streamed, *rig.store, m.groups);
     return r.ok() ? Status::Ok() : r.status();
   }
+  // Step 2's gradients, and the in-memory twin stepped; returns the state after step 1.
+  std::vector<GroupBuffers> PrepareStepTwo() {
+    std::vector<GroupBuffers> after_step1 = m.ref;
+    NewGradients(m, 2);
+    EXPECT_TRUE(RefStep(*in_memory, m).ok());
+    return after_step1;
+  }
 };
 
 TEST(StreamedStepTest, AFailedReadStopsBeforeTheGroupAndLosesNothing) {
@@ -165,9 +172,7 @@ TEST(StreamedStepTest, AFailedReadStopsBeforeTheGroupAndLosesNothing) {
   // Step 2: the first read fails with EIO. Which group's read comes first is up to the threads
   // (group 0's swap-in on the caller or group 1's on the reader), so the test reads the group the
   // error names and checks the promise about it: groups before it have step 2, the rest step 1.
-  const std::vector<GroupBuffers> after_step1 = m.ref;
-  NewGradients(m, 2);
-  ASSERT_TRUE(RefStep(*in_memory, m).ok());
+  const std::vector<GroupBuffers> after_step1 = f.PrepareStepTwo();
   faults.read_errno = EIO;
   auto r = StreamedStep(*streamed, *rig.store, m.groups);
   ASSERT_FALSE(r.ok());
@@ -190,9 +195,7 @@ TEST(StreamedStepTest, AFailedWriteBackKeepsTheUpdateInHostMemoryUntilFlush) {
   FaultRig f;
   ASSERT_TRUE(f.StepOne().ok());
   auto& [faults, rig, m, streamed, in_memory] = f;
-  const std::vector<GroupBuffers> after_step1 = m.ref;
-  NewGradients(m, 2);
-  ASSERT_TRUE(RefStep(*in_memory, m).ok());
+  const std::vector<GroupBuffers> after_step1 = f.PrepareStepTwo();
   // The first write of step 2 is group 0's write-back; it fails once.
   faults.write_errno = EIO;
   auto r = StreamedStep(*streamed, *rig.store, m.groups);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "host_view.h"
 #include "spillway/allocator/log.h"
 
 namespace spillway::engine {
@@ -173,12 +174,10 @@ Status Trainer::Init() {
     full.narrow(0, 0, unit.numel).copy_(gpt::InitUnit(options_.model, u));
     const float* mine = full.data_ptr<float>() + rank * unit.shard;
     for (offload::PartitionId id : {unit.param, unit.master}) {
-      auto h = store_->Acquire(id, offload::Access::kReadWrite);
-      if (!h.ok()) return h.status();
-      auto data = h->Data();
-      if (!data.ok()) return data.status();
-      std::memcpy(*data, mine, bytes);
-      SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+      if (!v.ok()) return v.status();
+      std::memcpy(v->data, mine, bytes);
+      SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
     }
     units_.push_back(unit);
   }
@@ -202,13 +201,11 @@ Result<torch::Tensor> Trainer::Gather(int64_t u) {
         if (!st.ok()) Log(LogLevel::kError, StrCat("freeing a gather buffer: ", st.ToString()));
       },
       torch::kFloat32);
-  auto h = store_->Acquire(unit.param, offload::Access::kRead);
-  if (!h.ok()) return h.status();
-  auto data = h->Data();
-  if (!data.ok()) return data.status();
-  Status st = coll_->AllGather(static_cast<const float*>(*data), static_cast<uint64_t>(unit.shard),
+  auto v = AcquireView(*store_, unit.param, offload::Access::kRead);
+  if (!v.ok()) return v.status();
+  Status st = coll_->AllGather(static_cast<const float*>(v->data), static_cast<uint64_t>(unit.shard),
                                static_cast<float*>(*buf));
-  SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+  SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
   SPILLWAY_RETURN_IF_ERROR(st);
   return full.narrow(0, 0, unit.numel);
 }
@@ -222,12 +219,10 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded.data_ptr<float>(),
                                                    static_cast<uint64_t>(unit.shard),
                                                    mine.data_ptr<float>()));
-  auto h = store_->Acquire(unit.grad, offload::Access::kReadWrite);
-  if (!h.ok()) return h.status();
-  auto data = h->Data();
-  if (!data.ok()) return data.status();
-  torch::from_blob(*data, {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
-  return store_->Release(*h);
+  auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
+  if (!v.ok()) return v.status();
+  torch::from_blob(v->data, {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
+  return store_->Release(v->handle);
 }
 
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
@@ -282,16 +277,14 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
   StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;
   // Hold the gradient and parameter partitions (host views) for the whole step.
-  std::vector<offload::Handle> held;
+  std::vector<HostView> held;
   std::vector<void*> grads, params;
   for (const Unit& unit : units_) {
     for (auto [id, out] : {std::pair{unit.grad, &grads}, std::pair{unit.param, &params}}) {
-      auto h = store_->Acquire(id, offload::Access::kReadWrite);
-      if (!h.ok()) return h.status();
-      auto data = h->Data();
-      if (!data.ok()) return data.status();
-      out->push_back(*data);
-      held.push_back(std::move(*h));
+      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+      if (!v.ok()) return v.status();
+      out->push_back(v->data);
+      held.push_back(std::move(*v));
     }
   }
   Result<StepReport> report = Status::Internal("unset");
@@ -330,20 +323,17 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
     report = optimizer_->Plan(*global, so);
     if (report.ok() && !report->skipped) {
       for (size_t u = 0; u < units_.size(); ++u) {
-        offload::PartitionId ids[3] = {units_[u].master, units_[u].exp_avg, units_[u].exp_avg_sq};
-        std::vector<offload::Handle> state;
-        float* ptr[3];
-        for (int k = 0; k < 3; ++k) {
-          auto h = store_->Acquire(ids[k], offload::Access::kReadWrite);
-          if (!h.ok()) return h.status();
-          ptr[k] = static_cast<float*>(*h->Data());
-          state.push_back(std::move(*h));
+        std::vector<HostView> state;
+        for (offload::PartitionId id : {units_[u].master, units_[u].exp_avg, units_[u].exp_avg_sq}) {
+          auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+          if (!v.ok()) return v.status();
+          state.push_back(std::move(*v));
         }
-        views[u].master = ptr[0];
-        views[u].exp_avg = ptr[1];
-        views[u].exp_avg_sq = ptr[2];
+        views[u].master = static_cast<float*>(state[0].data);
+        views[u].exp_avg = static_cast<float*>(state[1].data);
+        views[u].exp_avg_sq = static_cast<float*>(state[2].data);
         SPILLWAY_RETURN_IF_ERROR(optimizer_->Update(views[u], *report));
-        for (auto& h : state) SPILLWAY_RETURN_IF_ERROR(store_->Release(h));
+        for (HostView& v : state) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
       }
     }
   }
@@ -351,18 +341,16 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
   for (size_t u = 0; u < units_.size(); ++u) {
     std::memset(grads[u], 0, static_cast<size_t>(units_[u].shard) * 4);
   }
-  for (auto& h : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(h));
+  for (HostView& v : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
   return report;
 }
 
 Status Trainer::ZeroGrads() {
   for (const Unit& unit : units_) {
-    auto h = store_->Acquire(unit.grad, offload::Access::kReadWrite);
-    if (!h.ok()) return h.status();
-    auto data = h->Data();
-    if (!data.ok()) return data.status();
-    std::memset(*data, 0, static_cast<size_t>(unit.shard) * 4);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(*h));
+    auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
+    if (!v.ok()) return v.status();
+    std::memset(v->data, 0, static_cast<size_t>(unit.shard) * 4);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
   }
   return Status::Ok();
 }
