@@ -4,6 +4,7 @@
 
 #include <sys/statvfs.h>
 
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -184,6 +185,55 @@ class Reader {
       }
     }
   }
+  bool NonNegative(const json& v, const std::string& path, double* out) {
+    if (!v.is_number() || !(v.get<double>() >= 0.0) || !std::isfinite(v.get<double>())) {
+      return Fail(path, StrCat("is ", Describe(v), "; expected a finite number >= 0"));
+    }
+    *out = v.get<double>();
+    return true;
+  }
+  void Optimizer(const json& o) {
+    if (!Object(o, "optimizer")) return;
+    auto& t = c_->training;
+    for (const auto& [k, v] : o.items()) {
+      const std::string p = "optimizer." + k;
+      if (k == "type") {
+        std::string s;
+        if (!String(v, p, &s)) continue;
+        // DeepSpeed matches optimizer names case-insensitively.
+        std::string lower;
+        for (char ch : s) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        if (lower == "adam") t.optimizer = "Adam";
+        else if (lower == "adamw") t.optimizer = "AdamW";
+        else Fail(p, StrCat("is \"", s, "\"; Spillway's host optimizer implements \"Adam\" and "
+                            "\"AdamW\""));
+      } else if (k == "params") {
+        if (!Object(v, p)) continue;
+        for (const auto& [pk, pv] : v.items()) {
+          const std::string pp = p + "." + pk;
+          if (pk == "lr") {
+            if (NonNegative(pv, pp, &t.lr) && t.lr == 0.0) Fail(pp, "is 0; expected lr > 0");
+          } else if (pk == "eps") {
+            if (NonNegative(pv, pp, &t.eps) && t.eps == 0.0) Fail(pp, "is 0; expected eps > 0");
+          } else if (pk == "weight_decay") NonNegative(pv, pp, &t.weight_decay);
+          else if (pk == "betas") {
+            if (!pv.is_array() || pv.size() != 2 || !pv[0].is_number() || !pv[1].is_number() ||
+                !(pv[0].get<double>() >= 0 && pv[0].get<double>() < 1) ||
+                !(pv[1].get<double>() >= 0 && pv[1].get<double>() < 1)) {
+              Fail(pp, StrCat("is ", Describe(pv), "; expected [beta1, beta2], each in [0, 1)"));
+            } else {
+              t.beta1 = pv[0].get<double>();
+              t.beta2 = pv[1].get<double>();
+            }
+          } else {
+            c_->ignored_keys.push_back(pp);
+          }
+        }
+      } else {
+        c_->ignored_keys.push_back(p);
+      }
+    }
+  }
   void Zero(const json& o) {
     if (!Object(o, "zero_optimization")) return;
     for (const auto& [k, v] : o.items()) {
@@ -209,6 +259,11 @@ class Reader {
       if (k == "zero_optimization") Zero(v);
       else if (k == "aio") Aio(v);
       else if (k == "spillway") Spillway(v);
+      else if (k == "train_micro_batch_size_per_gpu") Count(v, k, 1, &c_->training.micro_batch_size);
+      else if (k == "gradient_accumulation_steps") {
+        Count(v, k, 1, &c_->training.gradient_accumulation_steps);
+      } else if (k == "gradient_clipping") NonNegative(v, k, &c_->training.gradient_clipping);
+      else if (k == "optimizer") Optimizer(v);
       else c_->ignored_keys.push_back(k);
     }
   }

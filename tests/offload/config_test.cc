@@ -16,6 +16,9 @@ bool Has(const Status& st, const std::string& text) {
 constexpr const char* kZero3Nvme = R"({
   "train_micro_batch_size_per_gpu": 1,
   "gradient_accumulation_steps": 4,
+  "gradient_clipping": 1.0,
+  "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                            "weight_decay": 0.1, "torch_adam": false}},
   "bf16": {"enabled": true},
   "zero_optimization": {
     "stage": 3,
@@ -64,13 +67,22 @@ TEST(ConfigTest, ReadsAZero3NvmeOffloadConfig) {
   EXPECT_EQ(n.directory, "/local_nvme");
   EXPECT_EQ(n.budget_bytes, 2ull << 40);
   EXPECT_EQ(n.policy, allocator::EscapePolicy::kFail);
+  // The training keys the reference trainer acts on.
+  EXPECT_EQ(c->training.micro_batch_size, 1u);
+  EXPECT_EQ(c->training.gradient_accumulation_steps, 4u);
+  EXPECT_EQ(c->training.gradient_clipping, 1.0);
+  EXPECT_EQ(c->training.optimizer, "AdamW");
+  EXPECT_EQ(c->training.lr, 3e-4);
+  EXPECT_EQ(c->training.beta2, 0.95);
+  EXPECT_EQ(c->training.eps, 1e-6);
+  EXPECT_EQ(c->training.weight_decay, 0.1);
 }
 
 TEST(ConfigTest, DeepSpeedKeysSpillwayDoesNotActOnAreListed) {
   auto c = Config::Parse(kZero3Nvme);
   ASSERT_TRUE(c.ok());
   const std::vector<std::string> expected = {
-      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
+      "optimizer.params.torch_adam", "bf16",
       "zero_optimization.overlap_comm",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
   for (const auto& k : expected) {
@@ -93,6 +105,11 @@ TEST(ConfigTest, DefaultsAreDeepSpeeds) {
   EXPECT_EQ(c->sub_group_size, 1'000'000'000u);
   EXPECT_EQ(c->HostArenaOptions().pin, allocator::PinMode::kPageable);  // pin_memory=false
   EXPECT_EQ(c->spillway.metrics_address, "127.0.0.1:9464");
+  EXPECT_EQ(c->training.micro_batch_size, 1u);
+  EXPECT_EQ(c->training.gradient_accumulation_steps, 1u);
+  EXPECT_EQ(c->training.gradient_clipping, 0.0);
+  EXPECT_EQ(c->training.lr, 1e-3);
+  EXPECT_EQ(c->training.weight_decay, 0.0);
 }
 
 struct BadCase {
@@ -151,7 +168,15 @@ INSTANTIATE_TEST_SUITE_P(
                                            "intra_op_parallelism": 3}})",
                 "must divide evenly"},
         BadCase{"Gds", R"({"aio": {"use_gds": true}})", "does not implement GPUDirect Storage"},
-        BadCase{"SectionNotObject", R"({"aio": 5})", "'aio': is 5; expected an object"}),
+        BadCase{"SectionNotObject", R"({"aio": 5})", "'aio': is 5; expected an object"},
+        BadCase{"UnknownOptimizer", R"({"optimizer": {"type": "Lamb"}})",
+                "'optimizer.type': is \"Lamb\"; Spillway's host optimizer implements"},
+        BadCase{"BadBetas", R"({"optimizer": {"params": {"betas": [0.9]}}})",
+                "expected [beta1, beta2], each in [0, 1)"},
+        BadCase{"ZeroLr", R"({"optimizer": {"params": {"lr": 0}}})", "expected lr > 0"},
+        BadCase{"NegativeClip", R"({"gradient_clipping": -1})", "expected a finite number >= 0"},
+        BadCase{"ZeroAccumulation", R"({"gradient_accumulation_steps": 0})",
+                "'gradient_accumulation_steps': is 0"}),
     [](const ::testing::TestParamInfo<BadCase>& p) { return std::string(p.param.name); });
 
 TEST(ConfigTest, AMissingFileSaysWhichAndWhy) {

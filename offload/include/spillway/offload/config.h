@@ -48,6 +48,19 @@ struct AioConfig {  // aio
   bool use_gds = false;
 };
 
+// DeepSpeed's training keys, which the reference trainer (engine/) acts on; the offload layer does
+// not. DeepSpeed's defaults.
+struct TrainingConfig {
+  uint64_t micro_batch_size = 1;             // train_micro_batch_size_per_gpu
+  uint64_t gradient_accumulation_steps = 1;  // gradient_accumulation_steps
+  double gradient_clipping = 0.0;            // gradient_clipping; 0: off
+  std::string optimizer = "AdamW";           // optimizer.type: "Adam" (L2) or "AdamW"
+  double lr = 1e-3;                          // optimizer.params.lr
+  double beta1 = 0.9, beta2 = 0.999;         // optimizer.params.betas
+  double eps = 1e-8;                         // optimizer.params.eps
+  double weight_decay = 0.0;                 // optimizer.params.weight_decay
+};
+
 struct SpillwayConfig {  // spillway (ours)
   uint64_t host_budget_bytes = 0;   // 0: 3/4 of physical memory
   uint64_t nvme_budget_bytes = 0;   // 0: 90% of the free space at nvme_path, found at start
@@ -71,6 +84,7 @@ struct Config {
   OffloadOptimizerConfig offload_optimizer;
   uint64_t sub_group_size = 1'000'000'000;  // elements
   AioConfig aio;
+  TrainingConfig training;
   SpillwayConfig spillway;
   // DeepSpeed keys present in the file that Spillway accepts but does not act on ("fp16",
   // "zero_optimization.overlap_comm", ...), listed once in a warning by Parse.
