@@ -1,13 +1,18 @@
-// spillway: the command-line program. `spillway plan` runs the capacity planner
-// (offload/planner.h). Exit status: 0 fits, 1 does not fit, 2 bad usage or input.
+// spillway: the command-line program.
+//   spillway train       the main job (cli/train_job.h); exit 0 done, 1 failed, 2 bad usage or input
+//   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad input
 #include <CLI/CLI.hpp>
 
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "spillway/offload/config.h"
 #include "spillway/offload/planner.h"
+#if SPILLWAY_WITH_TORCH
+#include "spillway/cli/train_job.h"
+#endif
 
 namespace {
 
@@ -18,6 +23,12 @@ using namespace spillway::offload;
 int Fail(const std::string& message) {
   std::fprintf(stderr, "spillway: %s\n", message.c_str());
   return 2;
+}
+
+// 2 for input the user can fix by changing a flag or a file, 1 for a run that failed.
+int FailStatus(const Status& st) {
+  std::fprintf(stderr, "spillway: %s\n", st.ToString().c_str());
+  return st.code() == spillway::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
 }  // namespace
@@ -39,12 +50,61 @@ int main(int argc, char** argv) {
   plan->add_option("--config", config_path, "DeepSpeed JSON config (default: stage 3, no offload)")
       ->check(CLI::ExistingFile);
 
+  CLI::App* train = app.add_subcommand(
+      "train", "The main job: train a small GPT-style character model with ZeRO-3 offload, a data "
+               "loader that forks its workers every epoch, live metrics and a memory report at "
+               "every epoch boundary");
+#if SPILLWAY_WITH_TORCH
+  spillway::cli::TrainJobOptions to;
+  train->add_option("--config", to.config_path,
+                    "DeepSpeed JSON config (default: optimizer on pinned host memory, parameters on "
+                    "NVMe in a temporary swap directory)")
+      ->check(CLI::ExistingFile);
+  train->add_option("--data", to.data_path, "text file to learn")->capture_default_str();
+  train->add_option("--epochs", to.epochs, "epochs")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--steps", to.steps_per_epoch, "optimizer steps per epoch")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  train->add_option("--workers", to.workers, "data-loader processes forked per epoch")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  train->add_option("--metrics", to.metrics_address,
+                    "Prometheus address host:port, or off (default: the config's "
+                    "spillway.metrics_address, 127.0.0.1:9464)");
+  train->add_option("--swap-dir", to.swap_dir, "directory for NVMe swap files (overrides nvme_path)");
+  train->add_option("--threads", to.threads, "host optimizer threads (default: one per core)");
+  train->add_option("--layers", to.model.n_layer, "transformer blocks")->capture_default_str()->check(CLI::NonNegativeNumber);
+  train->add_option("--d-model", to.model.d_model, "model width")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--heads", to.model.n_head, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--seq-len", to.model.seq_len, "tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--sample", to.sample_chars, "characters of greedy sample to print at the end")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  bool quiet = false;
+  train->add_flag("--quiet", quiet, "no progress lines or reports, only the final summary");
+#endif
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
 
+  if (train->parsed()) {
+#if SPILLWAY_WITH_TORCH
+    to.progress = !quiet;
+    auto r = spillway::cli::RunTrainJob(to);
+    if (!r.ok()) return FailStatus(r.status());
+    const auto& last = r->epochs.back();
+    std::printf("spillway train: done, %zu epochs, final mean loss %.4f, %" PRIu64
+                " worker processes forked, escapes at the last boundary %" PRIu64 "\n",
+                r->epochs.size(), last.mean_loss, r->forks, last.boundary.escape_count());
+    return 0;
+#else
+    return Fail("this build has no libtorch, so `train` is not available; run scripts/install-deps "
+                "(it installs torch 2.13 CPU) and rebuild");
+#endif
+  }
   if (plan->parsed()) {
     PlanInput in;
     char* end = nullptr;

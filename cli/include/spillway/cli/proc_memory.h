@@ -1,0 +1,29 @@
+// Memory of a process tree as the kernel accounts it: Rss and Pss summed over a process and all its
+// descendants, from /proc/<pid>/smaps_rollup. Pss divides each shared page among its sharers, so the
+// sum over a tree counts every physical page once; a copy-on-write copy after fork() shows up as
+// growth of the sum. This is the leak detector's ground truth, independent of Spillway's own books.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "spillway/allocator/status.h"
+
+namespace spillway::cli {
+
+struct TreeMemory {
+  uint64_t rss_bytes = 0;  // over-counts shared pages; shown for comparison only
+  uint64_t pss_bytes = 0;
+  uint32_t processes = 0;
+};
+
+// `pid` and its descendants (found through /proc/<pid>/task/<tid>/children). A descendant that exits
+// while being read is skipped; `pid` itself missing is NOT_FOUND-style INVALID_ARGUMENT.
+Result<TreeMemory> ProcessTreeMemory(pid_t pid);
+
+// The children of every thread of `pid` (one level).
+std::vector<pid_t> ChildProcesses(pid_t pid);
+
+}  // namespace spillway::cli

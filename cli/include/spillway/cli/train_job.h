@@ -1,0 +1,95 @@
+// The main job: `spillway train`. Trains the reference trainer's GPT-style model (engine/trainer.h)
+// as a character-level language model on a text file, with ZeRO-3 offload from a DeepSpeed config,
+// a data loader that forks its workers every epoch (fork_loader.h), the Prometheus exporter, a
+// progress line per epoch and a boundary report at every epoch end. Note [Main job] in docs/cli.md.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/status.h"
+#include "spillway/cli/proc_memory.h"
+#include "spillway/engine/trainer.h"
+
+namespace spillway::cli {
+
+// The embedded default: optimizer state offloaded to pinned host memory, parameters to NVMe in a
+// swap directory (@SWAP_DIR@ is replaced by the job), accumulation over 2 micro-batches.
+extern const char* const kDefaultTrainConfig;
+
+struct TrainJobOptions {
+  std::string config_path;      // empty: kDefaultTrainConfig
+  std::string data_path = "/usr/share/common-licenses/GPL-3";
+  int64_t epochs = 3;
+  int64_t steps_per_epoch = 64;  // optimizer steps; each takes gradient_accumulation_steps batches
+  uint32_t workers = 2;          // data-loader processes forked per epoch
+  std::string metrics_address;   // empty: the config's spillway.metrics_address; "off": none
+  std::string swap_dir;          // empty: the config's nvme_path, or a fresh directory under $TMPDIR
+  engine::GptConfig model = DefaultModel();
+  uint32_t threads = 0;          // optimizer threads; 0: one per core
+  bool progress = true;
+  std::FILE* out = stdout;
+  int sample_chars = 100;        // greedy sample printed at the end; 0: none
+
+  struct StepEvent {
+    int64_t epoch = 0, step = 0;  // step within the epoch
+    double loss = 0.0, seconds = 0.0;
+    uint64_t host_live_bytes = 0, nvme_live_bytes = 0;
+  };
+  std::function<void(const StepEvent&)> on_step;  // called after every step (tests, tools)
+
+  static engine::GptConfig DefaultModel() {
+    engine::GptConfig m;
+    m.vocab = 96;
+    m.d_model = 128;
+    m.n_layer = 2;
+    m.n_head = 4;
+    m.seq_len = 64;
+    m.seed = 1234;
+    return m;
+  }
+};
+
+struct EpochSummary {
+  int64_t epoch = 0;
+  int64_t steps = 0;
+  double mean_loss = 0.0;
+  double tokens_per_second = 0.0;
+  double first_step_seconds = 0.0;   // the step right after the workers were forked
+  double median_step_seconds = 0.0;
+  TreeMemory tree_before_fork;       // just before the epoch's workers were forked
+  TreeMemory tree_at_first_step;     // after the first optimizer step; the workers are alive
+  TreeMemory tree_at_boundary;       // workers reaped
+  allocator::BoundaryReport boundary;
+  // Since the previous epoch boundary (the first epoch: since the job started training).
+  int64_t host_live_growth = 0;
+  int64_t nvme_live_growth = 0;
+  int64_t pss_growth = 0;            // tree PSS, boundary over boundary
+  // What the fork cost: tree PSS at the first step minus before the fork. Copy-on-write copies of
+  // state the first step wrote land here (the Yi-34B mechanism).
+  int64_t fork_pss_growth() const {
+    return static_cast<int64_t>(tree_at_first_step.pss_bytes) -
+           static_cast<int64_t>(tree_before_fork.pss_bytes);
+  }
+};
+
+struct TrainJobResult {
+  std::vector<EpochSummary> epochs;
+  std::string sample;
+  std::string metrics_address;  // bound address, empty when off
+  std::string compute;          // where the math ran, and why
+  uint64_t forks = 0;
+};
+
+// Runs the whole job. Every failure (bad config, missing data, a dead worker, an I/O error) is a
+// status that says what to change; the swap directory the job created is removed either way.
+Result<TrainJobResult> RunTrainJob(const TrainJobOptions& options);
+
+// The report printed at an epoch boundary.
+std::string FormatEpochReport(const EpochSummary& s);
+
+}  // namespace spillway::cli

@@ -1,0 +1,400 @@
+// The main job: see train_job.h and Note [Main job] in docs/cli.md.
+#include "spillway/cli/train_job.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/uring_engine.h"
+#include "spillway/cli/char_corpus.h"
+#include "spillway/cli/fork_loader.h"
+#include "spillway/metrics/exporter.h"
+#include "spillway/offload/config.h"
+#include "spillway/offload/partition_store.h"
+
+namespace spillway::cli {
+
+const char* const kDefaultTrainConfig = R"({
+  "train_micro_batch_size_per_gpu": 16,
+  "gradient_accumulation_steps": 2,
+  "gradient_clipping": 1.0,
+  "optimizer": {"type": "AdamW",
+                "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}},
+  "zero_optimization": {
+    "stage": 3,
+    "sub_group_size": 1000000,
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},
+    "offload_param": {"device": "nvme", "nvme_path": @SWAP_DIR@, "pin_memory": true}
+  },
+  "aio": {"block_size": 1048576, "queue_depth": 8},
+  "spillway": {"host_budget_bytes": "1GiB", "nvme_budget_bytes": "1GiB", "escape_policy": "report"}
+})";
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+std::string Mib(uint64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return b;
+}
+
+std::string SignedMib(int64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%+.2f MiB", static_cast<double>(bytes) / (1 << 20));
+  return b;
+}
+
+// A directory the job made, removed when the job ends however it ends.
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
+  std::string swap = o.swap_dir;
+  if (o.config_path.empty()) {
+    if (swap.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      std::string tmpl = StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/var/tmp", "/spillway-swap-XXXXXX");
+      if (mkdtemp(tmpl.data()) == nullptr) {
+        return Status::FromErrno(StatusCode::kInvalidArgument, errno,
+                                 StrCat("cannot create the swap directory ", tmpl,
+                                        "; pass --swap-dir DIR on a writable NVMe file system"));
+      }
+      swap = temp->path = tmpl;
+    }
+    std::string text = kDefaultTrainConfig;
+    text.replace(text.find("@SWAP_DIR@"), 10, nlohmann::json(swap).dump());
+    return offload::Config::Parse(text);
+  }
+  auto c = offload::Config::Load(o.config_path);
+  if (!c.ok()) return c.status();
+  if (!swap.empty()) {
+    if (c->offload_param.device == offload::OffloadDevice::kNvme) c->offload_param.nvme_path = swap;
+    if (c->offload_optimizer.device == offload::OffloadDevice::kNvme) c->offload_optimizer.nvme_path = swap;
+  }
+  if (c->zero_stage != 3) {
+    return Status::InvalidArgument(StrCat("config ", o.config_path, ": zero_optimization.stage is ",
+                                          c->zero_stage, "; the reference trainer is ZeRO-3, set it to 3"));
+  }
+  return c;
+}
+
+// The process-tree memory now; a failure to read /proc is an error of the job.
+Result<TreeMemory> Tree() { return ProcessTreeMemory(getpid()); }
+
+class ProgressLine {
+ public:
+  ProgressLine(std::FILE* out, bool enabled, int64_t epoch, int64_t epochs, int64_t steps)
+      : out_(out), enabled_(enabled), tty_(isatty(fileno(out)) != 0), epoch_(epoch), epochs_(epochs),
+        steps_(steps) {}
+  void Update(int64_t done, double loss, double tokens_per_second, uint64_t host, uint64_t nvme) {
+    if (!enabled_) return;
+    const int64_t every = std::max<int64_t>(1, steps_ / 4);
+    if (!tty_ && done != steps_ && done % every != 0) return;
+    constexpr int kWidth = 24;
+    const int filled = static_cast<int>(kWidth * done / steps_);
+    std::string bar(filled, '#');
+    bar.resize(kWidth, '.');
+    std::fprintf(out_, "%sepoch %" PRId64 "/%" PRId64 " [%s] %3" PRId64 "/%" PRId64
+                 "  loss %.4f  %6.0f tok/s  host %s  nvme %s%s",
+                 tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), done, steps_, loss,
+                 tokens_per_second, Mib(host).c_str(), Mib(nvme).c_str(),
+                 tty_ && done != steps_ ? "" : "\n");
+    std::fflush(out_);
+  }
+
+ private:
+  std::FILE* out_;
+  bool enabled_, tty_;
+  int64_t epoch_, epochs_, steps_;
+};
+
+const allocator::TierReport* FindTier(const allocator::BoundaryReport& r, const std::string& name) {
+  for (const auto& t : r.tiers) {
+    if (t.tier == name) return &t;
+  }
+  return nullptr;
+}
+
+// Greedy continuation of `prompt` with the trained weights.
+Result<std::string> Sample(engine::Trainer& trainer, const engine::GptConfig& m,
+                           const std::string& prompt, int chars) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> flats;
+  for (int64_t u = 0; u < engine::gpt::Units(m); ++u) {
+    auto f = trainer.GatherUnit(u);
+    if (!f.ok()) return f.status();
+    flats.push_back(f->clone());
+  }
+  std::vector<int64_t> ids;
+  for (unsigned char c : prompt) ids.push_back(CharCorpus::Encode(c));
+  std::string out = prompt;
+  for (int i = 0; i < chars; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), m.seq_len);
+    torch::Tensor x = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kInt64).view({1, n});
+    for (int64_t u = 0; u < engine::gpt::Units(m); ++u) x = engine::gpt::Forward(m, u, flats[u], x);
+    const int64_t next = x[0][n - 1].argmax().item<int64_t>();
+    ids.push_back(next);
+    out += CharCorpus::Decode(next);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string FormatEpochReport(const EpochSummary& s) {
+  using allocator::KindName;
+  using allocator::LifetimeName;
+  std::string out = StrCat("-- end of epoch ", s.epoch, ": ", s.steps, " steps, mean loss ");
+  char line[256];
+  std::snprintf(line, sizeof(line), "%.4f, %.0f tok/s, first step %.3f s vs median %.3f s\n",
+                s.mean_loss, s.tokens_per_second, s.first_step_seconds, s.median_step_seconds);
+  out += line;
+  std::snprintf(line, sizeof(line), "   %-5s %-18s %12s %12s %12s\n", "tier", "kind / lifetime",
+                "live", "escapes", "reclaimed");
+  out += line;
+  for (const auto& t : s.boundary.tiers) {
+    for (int k = 0; k < allocator::kKindCount; ++k) {
+      if (t.live_by_kind[k] == 0) continue;
+      std::snprintf(line, sizeof(line), "   %-5s %-18s %12s\n", t.tier.c_str(),
+                    KindName(static_cast<allocator::Kind>(k)), Mib(t.live_by_kind[k]).c_str());
+      out += line;
+    }
+    for (int l = 0; l < allocator::kLifetimeCount; ++l) {
+      std::snprintf(line, sizeof(line), "   %-5s %-18s %12s\n", t.tier.c_str(),
+                    StrCat("lifetime ", LifetimeName(static_cast<allocator::Lifetime>(l))).c_str(),
+                    Mib(t.live_by_lifetime[l]).c_str());
+      out += line;
+    }
+    std::snprintf(line, sizeof(line), "   %-5s %-18s %12s %12" PRIu64 " %12s\n", t.tier.c_str(),
+                  "total", Mib(t.live_bytes).c_str(), t.escape_count, Mib(t.reclaimed_bytes).c_str());
+    out += line;
+    for (const auto& e : t.escapes) {
+      out += StrCat("     escape: ", KindName(e.kind), "/", LifetimeName(e.lifetime), " ", e.bytes,
+                    " B from scope '", e.scope_name, "' born epoch ", e.birth_epoch, " step ",
+                    e.birth_step, e.site.empty() ? "" : " at ", e.site, "\n");
+    }
+  }
+  std::snprintf(line, sizeof(line),
+                "   process tree PSS: %s before the fork, %s at the first step (%u processes), %s "
+                "now (%u)\n",
+                Mib(s.tree_before_fork.pss_bytes).c_str(), Mib(s.tree_at_first_step.pss_bytes).c_str(),
+                s.tree_at_first_step.processes, Mib(s.tree_at_boundary.pss_bytes).c_str(),
+                s.tree_at_boundary.processes);
+  out += line;
+  out += StrCat("   growth since the last boundary: host live ", SignedMib(s.host_live_growth),
+                ", nvme live ", SignedMib(s.nvme_live_growth), ", tree PSS ",
+                SignedMib(s.pss_growth), "; the fork cost ", SignedMib(s.fork_pss_growth()), "\n");
+  return out;
+}
+
+Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
+  if (o.epochs < 1 || o.steps_per_epoch < 1) {
+    return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (", o.steps_per_epoch,
+                                          ") must be at least 1"));
+  }
+  TempDir temp;
+  auto config = LoadConfig(o, &temp);
+  if (!config.ok()) return config.status();
+  const offload::TrainingConfig& tc = config->training;
+  engine::GptConfig model = o.model;
+  model.vocab = CharCorpus::kVocab;
+  auto corpus = CharCorpus::Load(o.data_path, static_cast<uint64_t>(model.seq_len) + 2);
+  if (!corpus.ok()) return corpus.status();
+
+  // The tiers, all reporting to one ledger.
+  allocator::Ledger ledger;
+  allocator::HostArenaOptions ho = config->HostArenaOptions();
+  ho.ledger = &ledger;
+  auto host = allocator::HostArena::Create(ho);
+  if (!host.ok()) return host.status().WithContext("host arena");
+  auto io = allocator::UringEngine::Create(config->EngineOptions(host->get()));
+  if (!io.ok()) return io.status().WithContext("I/O engine");
+  std::unique_ptr<allocator::NvmeArena> nvme;
+  if (config->any_nvme()) {
+    allocator::NvmeArenaOptions no = config->NvmeArenaOptions();
+    no.ledger = &ledger;
+    auto n = allocator::NvmeArena::Create(no, io->get());
+    if (!n.ok()) return n.status().WithContext("NVMe arena");
+    nvme = std::move(*n);
+  }
+  auto store = offload::PartitionStore::Create(*config, host->get(), nvme.get(), allocator::kProcessScope);
+  if (!store.ok()) return store.status();
+  auto dist = engine::DistEnvFromEnvironment();
+  if (!dist.ok()) return dist.status();
+  auto coll = engine::Collectives::Create(*dist);
+  if (!coll.ok()) return coll.status();
+
+  engine::TrainerOptions to;
+  to.model = model;
+  to.adam.lr = tc.lr;
+  to.adam.beta1 = tc.beta1;
+  to.adam.beta2 = tc.beta2;
+  to.adam.eps = tc.eps;
+  to.adam.weight_decay = tc.weight_decay;
+  to.adam.adamw_mode = tc.optimizer == "AdamW";
+  to.max_grad_norm = tc.gradient_clipping;
+  to.optimizer_threads = o.threads;
+  auto trainer = engine::Trainer::Create(to, coll->get(), store->get(), host->get(), &ledger,
+                                         allocator::kProcessScope);
+  if (!trainer.ok()) return trainer.status();
+
+  TrainJobResult result;
+  result.compute = torch::cuda::is_available()
+                       ? "CPU: a CUDA device is present, but the reference trainer runs its math on "
+                         "the host in this release (see docs/engine.md)"
+                       : "CPU (no CUDA device, or a libtorch built without CUDA)";
+  const std::string address = o.metrics_address.empty() ? config->spillway.metrics_address : o.metrics_address;
+  std::unique_ptr<metrics::Exporter> exporter;
+  if (address != "off") {
+    metrics::ExporterOptions eo;
+    eo.address = address;
+    auto e = metrics::Exporter::Start(eo);
+    if (!e.ok()) return e.status();
+    exporter = std::move(*e);
+    exporter->Watch(host->get());
+    exporter->Watch(io->get());
+    if (nvme) exporter->Watch(nvme.get());
+    exporter->Watch(&ledger);
+    exporter->Watch(store->get());
+    exporter->Watch(&(*trainer)->optimizer());
+    result.metrics_address = exporter->address();
+  }
+
+  LoaderOptions lo;
+  lo.workers = o.workers;
+  lo.batch_size = static_cast<uint32_t>(tc.micro_batch_size);
+  lo.seq_len = static_cast<uint32_t>(model.seq_len);
+  lo.seed = model.seed;
+  auto loader = ForkingLoader::Create(&*corpus, lo);
+  if (!loader.ok()) return loader.status();
+
+  std::FILE* out = o.out;
+  const auto host_live = [&] { return (*host)->Stats().live_bytes; };
+  const auto nvme_live = [&] { return nvme ? nvme->Stats().live_bytes : 0; };
+  if (o.progress) {
+    std::fprintf(out,
+                 "spillway train: %" PRId64 "-layer GPT, d_model %" PRId64 ", %" PRId64
+                 " parameters, on %s (%zu characters)\n"
+                 "  offload: optimizer -> %s, parameters -> %s%s%s; host arena %s\n"
+                 "  batch %" PRIu64 " x %" PRId64 " tokens, accumulate %" PRIu64 ", %s lr %.0e, clip %.2g; "
+                 "%u loader workers forked per epoch\n"
+                 "  compute: %s\n  metrics: %s\n",
+                 model.n_layer, model.d_model,
+                 [&] {
+                   int64_t n = 0;
+                   for (int64_t u = 0; u < engine::gpt::Units(model); ++u) n += engine::gpt::UnitNumel(model, u);
+                   return n;
+                 }(),
+                 o.data_path.c_str(), corpus->tokens().size(),
+                 offload::OffloadDeviceName(config->offload_optimizer.device),
+                 offload::OffloadDeviceName(config->offload_param.device),
+                 config->any_nvme() ? " in " : "",
+                 config->any_nvme() ? config->NvmeArenaOptions().directory.c_str() : "",
+                 allocator::PinModeName((*host)->Stats().pin_mode), tc.micro_batch_size,
+                 model.seq_len, tc.gradient_accumulation_steps, tc.optimizer.c_str(), tc.lr,
+                 tc.gradient_clipping, o.workers, result.compute.c_str(),
+                 exporter ? StrCat("http://", exporter->address(), "/metrics").c_str() : "off");
+  }
+
+  const uint64_t accum = tc.gradient_accumulation_steps;
+  const uint64_t row = (*loader)->row_elems();
+  auto baseline_tree = Tree();
+  if (!baseline_tree.ok()) return baseline_tree.status();
+  uint64_t prev_host = host_live(), prev_nvme = nvme_live(), prev_pss = baseline_tree->pss_bytes;
+  for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
+    EpochSummary s;
+    s.epoch = epoch;
+    SPILLWAY_RETURN_IF_ERROR(ledger.BeginEpoch(epoch));
+    auto before = Tree();
+    if (!before.ok()) return before.status();
+    s.tree_before_fork = *before;
+    SPILLWAY_RETURN_IF_ERROR((*loader)->BeginEpoch(epoch, o.steps_per_epoch * accum));
+    ProgressLine progress(out, o.progress, epoch, o.epochs, o.steps_per_epoch);
+    std::vector<double> step_seconds;
+    double loss_sum = 0, tokens = 0, busy = 0;
+    for (int64_t step = 0; step < o.steps_per_epoch; ++step) {
+      std::vector<torch::Tensor> mbs;
+      for (uint64_t k = 0; k < accum; ++k) {
+        torch::Tensor t = torch::empty({static_cast<int64_t>(tc.micro_batch_size), static_cast<int64_t>(row)},
+                                       torch::kInt64);
+        SPILLWAY_RETURN_IF_ERROR((*loader)->Next(t.data_ptr<int64_t>()));
+        mbs.push_back(std::move(t));
+      }
+      const auto t0 = Clock::now();
+      auto r = (*trainer)->Step(mbs);
+      const double sec = Seconds(t0, Clock::now());
+      if (!r.ok()) return r.status().WithContext(StrCat("epoch ", epoch, " step ", step));
+      if (step == 0) {
+        auto first = Tree();
+        if (!first.ok()) return first.status();
+        s.tree_at_first_step = *first;
+        s.first_step_seconds = sec;
+      }
+      step_seconds.push_back(sec);
+      loss_sum += r->loss;
+      busy += sec;
+      tokens += static_cast<double>(tc.micro_batch_size * accum * model.seq_len);
+      progress.Update(step + 1, r->loss, tokens / busy, host_live(), nvme_live());
+      if (o.on_step) {
+        o.on_step({epoch, step, r->loss, sec, host_live(), nvme_live()});
+      }
+    }
+    SPILLWAY_RETURN_IF_ERROR((*loader)->EndEpoch());
+    SPILLWAY_RETURN_IF_ERROR(ledger.EndEpoch(&s.boundary));
+    auto after = Tree();
+    if (!after.ok()) return after.status();
+    s.tree_at_boundary = *after;
+    s.steps = o.steps_per_epoch;
+    s.mean_loss = loss_sum / static_cast<double>(o.steps_per_epoch);
+    s.tokens_per_second = tokens / busy;
+    std::sort(step_seconds.begin(), step_seconds.end());
+    s.median_step_seconds = step_seconds[step_seconds.size() / 2];
+    const allocator::TierReport* h = FindTier(s.boundary, (*host)->tier_name());
+    const allocator::TierReport* n = nvme ? FindTier(s.boundary, nvme->tier_name()) : nullptr;
+    const uint64_t host_now = h ? h->live_bytes : 0, nvme_now = n ? n->live_bytes : 0;
+    s.host_live_growth = static_cast<int64_t>(host_now) - static_cast<int64_t>(prev_host);
+    s.nvme_live_growth = static_cast<int64_t>(nvme_now) - static_cast<int64_t>(prev_nvme);
+    s.pss_growth = static_cast<int64_t>(s.tree_at_boundary.pss_bytes) - static_cast<int64_t>(prev_pss);
+    prev_host = host_now;
+    prev_nvme = nvme_now;
+    prev_pss = s.tree_at_boundary.pss_bytes;
+    if (o.progress) std::fputs(FormatEpochReport(s).c_str(), out);
+    result.epochs.push_back(std::move(s));
+  }
+  result.forks = (*loader)->stats().forks;
+  if (o.sample_chars > 0) {
+    auto text = Sample(**trainer, model, "This License ", o.sample_chars);
+    if (!text.ok()) return text.status();
+    result.sample = *text;
+    if (o.progress) std::fprintf(out, "sample (greedy): %s\n", result.sample.c_str());
+  }
+  if (exporter) {
+    for (const void* c : std::initializer_list<const void*>{host->get(), io->get(), nvme.get(), &ledger,
+                                                            store->get(), &(*trainer)->optimizer()}) {
+      if (c != nullptr) exporter->Unwatch(c);
+    }
+  }
+  return result;
+}
+
+}  // namespace spillway::cli

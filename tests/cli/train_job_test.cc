@@ -1,0 +1,132 @@
+// The main job end to end, in process: real forked loader workers, a real NVMe swap file, the real
+// exporter scraped over HTTP mid-run. It learns (the loss falls), nothing escapes, host and NVMe live
+// bytes are flat across epoch boundaries, and bad input is refused with what to change.
+#include "spillway/cli/train_job.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "../metrics/http_util.h"
+#include "spillway/metrics/exporter.h"
+
+namespace spillway::cli {
+namespace {
+
+TrainJobOptions Small() {
+  TrainJobOptions o;
+  o.epochs = 3;
+  o.steps_per_epoch = 6;
+  o.workers = 2;
+  o.model.d_model = 32;
+  o.model.n_head = 2;
+  o.model.n_layer = 1;
+  o.model.seq_len = 32;
+  o.metrics_address = "127.0.0.1:0";
+  o.threads = 2;
+  o.sample_chars = 20;
+  o.progress = false;
+  o.swap_dir = ::testing::TempDir() + "/train_job_swap";
+  std::filesystem::create_directories(o.swap_dir);
+  return o;
+}
+
+TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
+  TrainJobOptions o = Small();
+  std::vector<double> losses;
+  std::string scraped;
+  const int port_of_job = metrics::testing::FreePort();
+  o.metrics_address = "127.0.0.1:" + std::to_string(port_of_job);
+  o.on_step = [&](const TrainJobOptions::StepEvent& e) {
+    losses.push_back(e.loss);
+    EXPECT_GT(e.nvme_live_bytes, 0u) << "parameters are homed on NVMe in the default config";
+    if (e.epoch == 2 && e.step == 1) {
+      // The job is live: scrape it the way Prometheus would.
+      scraped = metrics::testing::Body(metrics::testing::HttpGet(port_of_job, "/metrics"));
+    }
+  };
+  auto r = RunTrainJob(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->epochs.size(), 3u);
+  EXPECT_EQ(r->forks, 6u);
+  EXPECT_EQ(r->metrics_address, o.metrics_address);
+  // It learns: a uniform guess over 96 symbols is ln 96 = 4.56.
+  ASSERT_EQ(losses.size(), 18u);
+  EXPECT_LT(r->epochs.back().mean_loss, r->epochs.front().mean_loss);
+  EXPECT_LT(losses.back(), 4.0);
+  for (const EpochSummary& s : r->epochs) {
+    EXPECT_TRUE(s.boundary.clean()) << s.boundary.ToString();
+    EXPECT_EQ(s.tree_at_first_step.processes, 3u) << "the two workers are alive at the first step";
+    EXPECT_EQ(s.tree_at_boundary.processes, 1u) << "the workers are reaped at the boundary";
+    if (s.epoch > 1) {
+      EXPECT_EQ(s.host_live_growth, 0) << "epoch " << s.epoch;
+      EXPECT_EQ(s.nvme_live_growth, 0) << "epoch " << s.epoch;
+    }
+    const std::string report = FormatEpochReport(s);
+    EXPECT_NE(report.find("process tree PSS"), std::string::npos) << report;
+    EXPECT_NE(report.find("optimizer_state"), std::string::npos) << report;
+  }
+  EXPECT_NE(scraped.find("spillway_optimizer_steps_total"), std::string::npos) << scraped;
+  EXPECT_NE(scraped.find("spillway_epoch 2"), std::string::npos) << scraped;
+  EXPECT_NE(scraped.find("tier=\"nvme\""), std::string::npos) << scraped;
+  EXPECT_EQ(r->sample.size(), std::string("This License ").size() + 20);
+}
+
+TEST(TrainJobTest, ItsOwnSwapDirectoryIsRemoved) {
+  TrainJobOptions o = Small();
+  o.swap_dir.clear();
+  const std::string tmp = ::testing::TempDir() + "/train_job_tmp";
+  std::filesystem::create_directories(tmp);
+  setenv("TMPDIR", tmp.c_str(), 1);
+  o.epochs = 1;
+  o.steps_per_epoch = 1;
+  o.metrics_address = "off";
+  auto r = RunTrainJob(o);
+  unsetenv("TMPDIR");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << "the job left its swap directory behind";
+}
+
+TEST(TrainJobTest, BadInputSaysWhatToChange) {
+  TrainJobOptions o = Small();
+  o.metrics_address = "off";
+  o.data_path = "/nonexistent/licence.txt";
+  auto r = RunTrainJob(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--data /nonexistent/licence.txt: cannot open"), std::string::npos);
+
+  o = Small();
+  o.metrics_address = "off";
+  o.config_path = ::testing::TempDir() + "/stage2.json";
+  std::ofstream(o.config_path) << R"({"zero_optimization": {"stage": 2}})";
+  r = RunTrainJob(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("set it to 3"), std::string::npos) << r.status().message();
+
+  std::ofstream(o.config_path) << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}})";
+  r = RunTrainJob(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("implements \"Adam\" and \"AdamW\""), std::string::npos);
+
+  o = Small();
+  o.model.n_head = 3;  // 32 is not a multiple of 3
+  o.metrics_address = "off";
+  r = RunTrainJob(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("multiple of n_head"), std::string::npos);
+
+  // The metrics port is taken: the job says so instead of training blind.
+  o = Small();
+  const int port = metrics::testing::FreePort();
+  auto first = metrics::Exporter::Start({"127.0.0.1:" + std::to_string(port), true});
+  ASSERT_TRUE(first.ok());
+  o.metrics_address = "127.0.0.1:" + std::to_string(port);
+  r = RunTrainJob(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace spillway::cli
