@@ -276,72 +276,83 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
 Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
   StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;
-  // Hold the gradient and parameter partitions (host views) for the whole step.
-  std::vector<HostView> held;
-  std::vector<void*> grads, params;
-  for (const Unit& unit : units_) {
-    for (auto [id, out] : {std::pair{unit.grad, &grads}, std::pair{unit.param, &params}}) {
-      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
-      if (!v.ok()) return v.status();
-      out->push_back(v->data);
-      held.push_back(std::move(*v));
-    }
-  }
-  Result<StepReport> report = Status::Internal("unset");
   if (store_->home(units_[0].master) == offload::Tier::kNvme) {
-    std::vector<StreamedGroup> groups;
+    // The streamed step overlaps NVMe reads and write-backs of the optimizer state with the update,
+    // so it takes the gradient and parameter partitions (host views) for the whole step.
+    std::vector<HostView> held;
+    std::vector<StreamedGroup> groups(units_.size());
     for (size_t u = 0; u < units_.size(); ++u) {
-      StreamedGroup g;
+      StreamedGroup& g = groups[u];
       g.name = StrCat("unit ", u);
       g.numel = static_cast<uint64_t>(units_[u].shard);
       g.master = units_[u].master;
       g.exp_avg = units_[u].exp_avg;
       g.exp_avg_sq = units_[u].exp_avg_sq;
-      g.grad = grads[u];
-      g.param = params[u];
       g.param_dtype = DType::kFp32;
-      groups.push_back(g);
+      auto grad = AcquireView(*store_, units_[u].grad, offload::Access::kReadWrite);
+      if (!grad.ok()) return grad.status();
+      g.grad = grad->data;
+      held.push_back(std::move(*grad));
+      auto param = AcquireView(*store_, units_[u].param, offload::Access::kReadWrite);
+      if (!param.ok()) return param.status();
+      g.param = param->data;
+      held.push_back(std::move(*param));
     }
-    report = StreamedStep(*optimizer_, *store_, groups, so, stream,
-                          [this](double s) { return coll_->AllReduceSum(s); });
-  } else {
-    double local = 0.0;
-    std::vector<SubGroup> views(units_.size());
+    Result<StepReport> report = StreamedStep(*optimizer_, *store_, groups, so, stream,
+                                             [this](double s) { return coll_->AllReduceSum(s); });
+    // The gradients start the next step at zero.
     for (size_t u = 0; u < units_.size(); ++u) {
-      views[u].name = "unit";
-      views[u].numel = static_cast<uint64_t>(units_[u].shard);
-      views[u].grad = grads[u];
-      views[u].grad_dtype = DType::kFp32;
-      views[u].param = params[u];
-      views[u].param_dtype = DType::kFp32;
-      auto s = optimizer_->SumOfSquares(views[u]);
-      if (!s.ok()) return s.status();
-      local += *s;
+      std::memset(const_cast<void*>(groups[u].grad), 0, static_cast<size_t>(units_[u].shard) * 4);
     }
-    auto global = coll_->AllReduceSum(local);
-    if (!global.ok()) return global.status();
-    report = optimizer_->Plan(*global, so);
-    if (report.ok() && !report->skipped) {
-      for (size_t u = 0; u < units_.size(); ++u) {
-        std::vector<HostView> state;
-        for (offload::PartitionId id : {units_[u].master, units_[u].exp_avg, units_[u].exp_avg_sq}) {
-          auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
-          if (!v.ok()) return v.status();
-          state.push_back(std::move(*v));
-        }
-        views[u].master = static_cast<float*>(state[0].data);
-        views[u].exp_avg = static_cast<float*>(state[1].data);
-        views[u].exp_avg_sq = static_cast<float*>(state[2].data);
-        SPILLWAY_RETURN_IF_ERROR(optimizer_->Update(views[u], *report));
-        for (HostView& v : state) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
-      }
+    for (HostView& v : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
+    return report;
+  }
+  // Host-resident state: one unit's five partitions at a time, so a host budget smaller than the
+  // states only has to hold one unit's working set (the store spills the rest). Pass 1: the norm.
+  double local = 0.0;
+  for (const Unit& unit : units_) {
+    auto g = AcquireView(*store_, unit.grad, offload::Access::kRead);
+    if (!g.ok()) return g.status();
+    SubGroup view;
+    view.name = "unit";
+    view.numel = static_cast<uint64_t>(unit.shard);
+    view.grad = g->data;
+    view.grad_dtype = DType::kFp32;
+    auto s = optimizer_->SumOfSquares(view);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(g->handle));
+    if (!s.ok()) return s.status();
+    local += *s;
+  }
+  auto global = coll_->AllReduceSum(local);
+  if (!global.ok()) return global.status();
+  Result<StepReport> report = optimizer_->Plan(*global, so);
+  if (!report.ok() || report->skipped) {
+    SPILLWAY_RETURN_IF_ERROR(ZeroGrads());
+    return report;
+  }
+  // Pass 2: update each unit and zero its gradient for the next step.
+  for (const Unit& unit : units_) {
+    std::vector<HostView> views;
+    for (offload::PartitionId id : {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+      if (!v.ok()) return v.status();
+      views.push_back(std::move(*v));
     }
+    SubGroup g;
+    g.name = "unit";
+    g.numel = static_cast<uint64_t>(unit.shard);
+    g.grad = views[0].data;
+    g.grad_dtype = DType::kFp32;
+    g.param = views[1].data;
+    g.param_dtype = DType::kFp32;
+    g.master = static_cast<float*>(views[2].data);
+    g.exp_avg = static_cast<float*>(views[3].data);
+    g.exp_avg_sq = static_cast<float*>(views[4].data);
+    Status st = optimizer_->Update(g, *report);
+    std::memset(views[0].data, 0, static_cast<size_t>(unit.shard) * 4);
+    for (HostView& v : views) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
+    SPILLWAY_RETURN_IF_ERROR(st);
   }
-  // The gradients start the next step at zero.
-  for (size_t u = 0; u < units_.size(); ++u) {
-    std::memset(grads[u], 0, static_cast<size_t>(units_[u].shard) * 4);
-  }
-  for (HostView& v : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
   return report;
 }
 
