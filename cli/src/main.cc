@@ -1,5 +1,7 @@
 // spillway: the command-line program.
 //   spillway train       the main job (cli/train_job.h); exit 0 done, 1 failed, 2 bad usage or input
+//   spillway leak-suite  the epoch-boundary leak regression suite (cli/leak_suite.h); exit 0 all
+//                        passed, 1 a scenario failed, 2 bad usage
 //   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad input
 #include <CLI/CLI.hpp>
 
@@ -7,9 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "spillway/offload/config.h"
 #include "spillway/offload/planner.h"
+#include "spillway/cli/leak_suite.h"
 #if SPILLWAY_WITH_TORCH
 #include "spillway/cli/train_job.h"
 #endif
@@ -84,6 +88,20 @@ int main(int argc, char** argv) {
   train->add_flag("--quiet", quiet, "no progress lines or reports, only the final summary");
 #endif
 
+  CLI::App* leak = app.add_subcommand(
+      "leak-suite", "Reproduce each known epoch-boundary memory failure, Spillway against the naive "
+                    "pattern, and prove it cannot build up (CSV and PNG per scenario)");
+  spillway::cli::LeakSuiteOptions lo;
+  std::vector<std::string> scenarios;
+  bool no_plots = false, list = false;
+  std::string names;
+  for (const auto& s : spillway::cli::LeakScenarios()) names += std::string(names.empty() ? "" : ", ") + s.name;
+  leak->add_option("--scenario", scenarios, "run only these (repeatable): " + names);
+  leak->add_option("--out", lo.out_dir, "directory for the CSV and PNG files")->capture_default_str();
+  leak->add_option("--scratch", lo.scratch_dir, "directory for swap files and checkpoints (default: --out)");
+  leak->add_flag("--no-plots", no_plots, "write CSV only (no gnuplot needed)");
+  leak->add_flag("--list", list, "list the scenarios and exit");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -104,6 +122,20 @@ int main(int argc, char** argv) {
     return Fail("this build has no libtorch, so `train` is not available; run scripts/install-deps "
                 "(it installs torch 2.13 CPU) and rebuild");
 #endif
+  }
+  if (leak->parsed()) {
+    if (list) {
+      for (const auto& s : spillway::cli::LeakScenarios()) {
+        std::printf("%-16s %s%s%s\n", s.name, s.summary, s.run ? "" : " [unavailable: ",
+                    s.run ? "" : (std::string(s.unavailable) + "]").c_str());
+      }
+      return 0;
+    }
+    lo.plots = !no_plots;
+    auto r = spillway::cli::RunLeakSuite(lo, scenarios);
+    if (!r.ok()) return FailStatus(r.status());
+    if (*r > 0) std::printf("leak-suite: %d scenario(s) FAILED\n", *r);
+    return *r == 0 ? 0 : 1;
   }
   if (plan->parsed()) {
     PlanInput in;

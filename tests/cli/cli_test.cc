@@ -75,3 +75,17 @@ TEST(CliTest, BadFlagsMissingFilesAndBadValuesAreClearErrors) {
 }
 
 }  // namespace
+
+TEST(CliTest, TrainAndLeakSuiteRefuseBadInputWithExitTwo) {
+  Outcome r = Spillway("leak-suite --scenario no-such-thing --out " + ::testing::TempDir() + "/leak");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("'no-such-thing' is not a scenario; choose from fork-cow"), std::string::npos) << r.out;
+  r = Spillway("leak-suite --list");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("budget-pressure"), std::string::npos) << r.out;
+  r = Spillway("train --epochs 0");
+  EXPECT_EQ(r.status, 2) << r.out;
+  r = Spillway("train --help");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("train"), std::string::npos) << r.out;
+}

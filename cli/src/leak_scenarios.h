@@ -1,0 +1,57 @@
+// The leak suite's scenarios (leak_scenarios.cc without libtorch, leak_scenarios_torch.cc with it)
+// and the rig they share: a ledger, a host arena, an io_uring engine and an NVMe arena.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/allocator/uring_engine.h"
+#include "spillway/cli/leak_suite.h"
+
+namespace spillway::cli::leak {
+
+struct Rig {
+  allocator::Ledger ledger;
+  std::unique_ptr<allocator::HostArena> host;
+  std::unique_ptr<allocator::UringEngine> io;
+  std::unique_ptr<allocator::NvmeArena> nvme;
+  ~Rig() {
+    nvme.reset();
+    io.reset();
+    host.reset();
+  }
+};
+
+struct RigOptions {
+  uint64_t host_budget_bytes = 1ull << 30;
+  bool capture_backtraces = false;
+  bool with_nvme = true;
+  allocator::ForkSafety fork_safety = allocator::ForkSafety::kDontFork;
+  uint64_t region_bytes = 32ull << 20;
+  uint32_t bounce_buffers = 8;
+  uint64_t block_size = 1ull << 20;
+};
+
+// Pageable host memory (pinning is not what these scenarios measure, and mlock limits differ by user).
+Result<std::unique_ptr<Rig>> MakeRig(const LeakSuiteOptions& suite, const RigOptions& options);
+std::string ScratchDir(const LeakSuiteOptions& suite);
+
+// The first boundary report's escapes, summed over tiers, plus the listed escapes' sites.
+uint64_t Escapes(const allocator::BoundaryReport& r, std::string* first_site = nullptr);
+
+Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> SwappedAlive(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& o);
+#if SPILLWAY_WITH_TORCH
+Result<ScenarioOutcome> EngineRebuild(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> StepException(const LeakSuiteOptions& o);
+Result<ScenarioOutcome> BudgetPressure(const LeakSuiteOptions& o);
+#endif
+
+}  // namespace spillway::cli::leak
