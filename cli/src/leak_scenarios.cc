@@ -77,7 +77,6 @@ uint64_t Escapes(const allocator::BoundaryReport& r, std::string* first_site) {
 
 namespace {
 
-double HostLive(const Rig& r) { return static_cast<double>(r.host->Stats().live_bytes); }
 double HostCommitted(const Rig& r) { return static_cast<double>(r.host->Stats().committed_bytes); }
 
 Result<double> TreePss() {
@@ -192,8 +191,7 @@ Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.PeakGrowthPerEpoch();
-  out.control_growth = out.control.PeakGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::PeakGrowthPerEpoch);
   return out;
 }
 
@@ -286,8 +284,7 @@ Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   double peak_s = 0, peak_c = 0;
   for (const auto& p : out.spillway.points) peak_s = std::max(peak_s, p.bytes);
   for (const auto& p : out.control.points) peak_c = std::max(peak_c, p.bytes);
@@ -351,8 +348,7 @@ Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   return out;
 }
 
@@ -431,8 +427,7 @@ Result<ScenarioOutcome> SwappedAlive(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   return out;
 }
 
@@ -515,8 +510,7 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.PeakGrowthPerEpoch();
-  out.control_growth = out.control.PeakGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::PeakGrowthPerEpoch);
   out.notes.push_back(Fmt("peak during a save over the state: spillway %.1f MiB (budget headroom 4 MiB), "
                           "control %.1f MiB",
                           out.spillway_growth / kMiB, out.control_growth / kMiB));

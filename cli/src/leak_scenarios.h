@@ -42,6 +42,18 @@ std::string ScratchDir(const LeakSuiteOptions& suite);
 // The first boundary report's escapes, summed over tiers, plus the listed escapes' sites.
 uint64_t Escapes(const allocator::BoundaryReport& r, std::string* first_site = nullptr);
 
+// The detectors the scenarios share.
+inline double HostLive(const Rig& r) { return static_cast<double>(r.host->Stats().live_bytes); }
+// Escapes the rig's arenas found at every boundary so far (including abandoned steps' boundaries).
+inline uint64_t TotalEscapes(const Rig& r) {
+  return r.host->Stats().escape_count + (r.nvme ? r.nvme->Stats().escape_count : 0);
+}
+// Sets both growths by one rule (LeakSeries::BoundaryGrowthPerEpoch or PeakGrowthPerEpoch).
+inline void ScoreBy(ScenarioOutcome* out, double (LeakSeries::*rule)() const) {
+  out->spillway_growth = (out->spillway.*rule)();
+  out->control_growth = (out->control.*rule)();
+}
+
 Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& o);
 Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& o);
 Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& o);

@@ -38,13 +38,6 @@ torch::Tensor Batch(const GptConfig& c, int64_t seed) {
   return torch::randint(0, c.vocab, {4, c.seq_len + 1}, gen, torch::kInt64);
 }
 
-uint64_t TotalEscapes(const Rig& r) {
-  uint64_t n = r.host->Stats().escape_count;
-  if (r.nvme) n += r.nvme->Stats().escape_count;
-  return n;
-}
-
-double HostLive(const Rig& r) { return static_cast<double>(r.host->Stats().live_bytes); }
 
 Result<offload::Config> CpuOffload(const std::string& extra = "") {
   return offload::Config::Parse(StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
@@ -122,8 +115,7 @@ Result<ScenarioOutcome> EngineRebuild(const LeakSuiteOptions& suite) {
   };
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   return out;
 }
 
@@ -231,8 +223,7 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
     auto released = r.ledger.ReleaseScope(*naive);
     if (!released.ok()) return released.status();
   }
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   out.notes.push_back(StrCat("escapes: spillway ", out.spillway.escapes, ", control ", out.control.escapes));
   return out;
 }
@@ -322,8 +313,7 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
     if (!released.ok()) return released.status();
   }
   if (failures != kEpochs) out.failure = StrCat("expected ", kEpochs, " failed steps, saw ", failures);
-  out.spillway_growth = out.spillway.BoundaryGrowthPerEpoch();
-  out.control_growth = out.control.BoundaryGrowthPerEpoch();
+  ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
   out.notes.push_back(StrCat("failed steps: ", failures, "; escapes: spillway ", out.spillway.escapes,
                              ", control ", out.control.escapes));
   return out;
