@@ -82,7 +82,7 @@ double HostCommitted(const Rig& r) { return static_cast<double>(r.host->Stats().
 Result<double> TreePss() {
   auto m = ProcessTreeMemory(getpid());
   if (!m.ok()) return m.status();
-  return static_cast<double>(m->pss_bytes);
+  return static_cast<double>(m->pss_anon_bytes);
 }
 
 std::string Fmt(const char* fmt, double a, double b = 0, double c = 0, double d = 0) {
@@ -103,13 +103,13 @@ Result<CharCorpus> ScratchCorpus(const LeakSuiteOptions& suite) {
 
 }  // namespace
 
-// 1. fork-cow. Detector: summed PSS of the process tree after every step; growth is each epoch's
+// 1. fork-cow. Detector: summed anonymous PSS of the process tree after every step; growth is each epoch's
 // peak over the PSS before its workers were forked.
 Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
   constexpr uint64_t kElems = 4ull << 20;  // 16 MiB per array: master, exp_avg, exp_avg_sq, grad
   constexpr int kEpochs = 4, kSteps = 5;
   ScenarioOutcome out;
-  out.detector = "process-tree PSS";
+  out.detector = "process-tree anonymous PSS";
   out.epochs = kEpochs;
   // Pages the parent's runtime dirties while workers share them (thread stacks, heap, the loader's
   // buffers): measured at 0.2-0.5 MiB here, an eighth of one 16 MiB state array.

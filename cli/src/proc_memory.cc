@@ -11,16 +11,22 @@
 namespace spillway::cli {
 namespace {
 
-// Rss and Pss of one process; false when it is gone.
-bool ReadRollup(pid_t pid, uint64_t* rss, uint64_t* pss) {
+struct Rollup {
+  uint64_t rss = 0, pss = 0, pss_anon = 0;
+  bool has_anon = false;
+};
+
+// One process's rollup; false when it is gone.
+bool ReadRollup(pid_t pid, Rollup* r) {
   std::ifstream in(StrCat("/proc/", pid, "/smaps_rollup"));
   if (!in) return false;
   std::string key;
   uint64_t kb = 0;
   bool any = false;
   while (in >> key) {
-    if (key == "Rss:" && in >> kb) *rss = kb * 1024, any = true;
-    if (key == "Pss:" && in >> kb) *pss = kb * 1024, any = true;
+    if (key == "Rss:" && in >> kb) r->rss = kb * 1024, any = true;
+    if (key == "Pss:" && in >> kb) r->pss = kb * 1024, any = true;
+    if (key == "Pss_Anon:" && in >> kb) r->pss_anon = kb * 1024, r->has_anon = true;
   }
   return any;
 }
@@ -44,23 +50,30 @@ std::vector<pid_t> ChildProcesses(pid_t pid) {
 
 Result<TreeMemory> ProcessTreeMemory(pid_t pid) {
   TreeMemory m;
-  uint64_t rss = 0, pss = 0;
-  if (!ReadRollup(pid, &rss, &pss)) {
+  Rollup r;
+  if (!ReadRollup(pid, &r)) {
     return Status::InvalidArgument(StrCat("cannot read /proc/", pid, "/smaps_rollup (", std::strerror(errno),
                                           "): the process does not exist or this kernel lacks "
                                           "smaps_rollup (Linux >= 4.14)"));
   }
-  m.rss_bytes += rss;
-  m.pss_bytes += pss;
+  if (!r.has_anon) {
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("/proc/", pid, "/smaps_rollup has no Pss_Anon line; the leak detectors "
+                               "need Linux 5.9 or newer"));
+  }
+  m.rss_bytes += r.rss;
+  m.pss_bytes += r.pss;
+  m.pss_anon_bytes += r.pss_anon;
   m.processes = 1;
   std::vector<pid_t> pending = ChildProcesses(pid);
   while (!pending.empty()) {
     const pid_t p = pending.back();
     pending.pop_back();
-    rss = pss = 0;
-    if (!ReadRollup(p, &rss, &pss)) continue;  // exited meanwhile
-    m.rss_bytes += rss;
-    m.pss_bytes += pss;
+    r = Rollup{};
+    if (!ReadRollup(p, &r)) continue;  // exited meanwhile
+    m.rss_bytes += r.rss;
+    m.pss_bytes += r.pss;
+    m.pss_anon_bytes += r.pss_anon;
     ++m.processes;
     for (pid_t c : ChildProcesses(p)) pending.push_back(c);
   }

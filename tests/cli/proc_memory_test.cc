@@ -15,7 +15,7 @@ namespace {
 
 constexpr size_t kBytes = 64ull << 20;
 
-// Tree PSS growth when the parent rewrites a touched region while a forked child holds it.
+// Tree anonymous-PSS growth when the parent rewrites a touched region while a forked child holds it.
 int64_t CowGrowth(bool dontfork) {
   void* p = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   EXPECT_NE(p, MAP_FAILED);
@@ -43,12 +43,12 @@ int64_t CowGrowth(bool dontfork) {
   int st = 0;
   waitpid(child, &st, 0);
   munmap(p, kBytes);
-  return static_cast<int64_t>(after->pss_bytes) - static_cast<int64_t>(before->pss_bytes);
+  return static_cast<int64_t>(after->pss_anon_bytes) - static_cast<int64_t>(before->pss_anon_bytes);
 }
 
 TEST(ProcMemoryTest, CopyOnWriteAfterForkShowsAsTreePssGrowth) {
   const int64_t grown = CowGrowth(/*dontfork=*/false);
-  std::printf("ordinary memory: tree PSS grew %.1f MiB after rewriting %zu MiB\n", grown / 1048576.0,
+  std::printf("ordinary memory: tree anonymous PSS grew %.1f MiB after rewriting %zu MiB\n", grown / 1048576.0,
               kBytes >> 20);
   EXPECT_GT(grown, static_cast<int64_t>(kBytes) * 9 / 10);
   EXPECT_LT(grown, static_cast<int64_t>(kBytes) * 11 / 10);
@@ -56,7 +56,7 @@ TEST(ProcMemoryTest, CopyOnWriteAfterForkShowsAsTreePssGrowth) {
 
 TEST(ProcMemoryTest, DontForkMemoryIsNotCopied) {
   const int64_t grown = CowGrowth(/*dontfork=*/true);
-  std::printf("MADV_DONTFORK memory: tree PSS grew %.1f MiB\n", grown / 1048576.0);
+  std::printf("MADV_DONTFORK memory: tree anonymous PSS grew %.1f MiB\n", grown / 1048576.0);
   EXPECT_LT(grown, 4 << 20);
 }
 

@@ -16,11 +16,16 @@ namespace spillway::cli {
 struct TreeMemory {
   uint64_t rss_bytes = 0;  // over-counts shared pages; shown for comparison only
   uint64_t pss_bytes = 0;
+  // Anonymous pages only (Pss_Anon). Copy-on-write copies are anonymous, and anonymous pages are
+  // shared only through fork, so this sum is the tree's own: unlike pss_bytes it does not move when
+  // an unrelated process maps or unmaps the same shared libraries. The leak detectors use it.
+  uint64_t pss_anon_bytes = 0;
   uint32_t processes = 0;
 };
 
 // `pid` and its descendants (found through /proc/<pid>/task/<tid>/children). A descendant that exits
-// while being read is skipped; `pid` itself missing is NOT_FOUND-style INVALID_ARGUMENT.
+// while being read is skipped; `pid` itself missing is INVALID_ARGUMENT, and a kernel without
+// Pss_Anon in smaps_rollup (before Linux 5.9) is UNAVAILABLE.
 Result<TreeMemory> ProcessTreeMemory(pid_t pid);
 
 // The children of every thread of `pid` (one level).
