@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "spillway/engine/cuda_kernels.h"
@@ -13,10 +15,13 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr uint64_t kChunk = 1 << 16;  // elements per block in the norm
+constexpr int kUnroll = 4;            // 16-byte loads in flight per thread
 
-struct Chunk {
+// A tensor of the norm and the index of its first kChunk-element chunk among all tensors' chunks.
+struct TensorDesc {
   const void* data;
-  uint64_t begin, end;
+  uint64_t numel;
+  uint64_t first_chunk;
   int dtype;
 };
 
@@ -26,35 +31,99 @@ Status CudaError(cudaError_t err, const char* what) {
                       static_cast<int>(err));
 }
 
-__device__ float Load(const void* p, uint64_t i, int dtype) {
-  if (dtype == 0) return static_cast<const float*>(p)[i];
-  if (dtype == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return __half2float(static_cast<const __half*>(p)[i]);
-}
+// Element types by dtype code (0 fp32, 1 bf16, 2 fp16), with their conversions.
+template <int D> struct Elem;
+template <> struct Elem<0> {
+  using T = float;
+  static __device__ float Get(T x) { return x; }
+  static __device__ T Put(float x) { return x; }
+};
+template <> struct Elem<1> {
+  using T = __nv_bfloat16;
+  static __device__ float Get(T x) { return __bfloat162float(x); }
+  static __device__ T Put(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Elem<2> {
+  using T = __half;
+  static __device__ float Get(T x) { return __half2float(x); }
+  static __device__ T Put(float x) { return __float2half_rn(x); }
+};
 
-__device__ void Store(void* p, uint64_t i, int dtype, float x) {
-  if (dtype == 0) {
-    static_cast<float*>(p)[i] = x;
-  } else if (dtype == 1) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-  } else {
-    static_cast<__half*>(p)[i] = __float2half_rn(x);
+// kV elements in one aligned vector: 16 bytes of fp32 or 16-bit inputs, and their outputs.
+template <typename T, int kV>
+struct alignas(sizeof(T) * kV) Vec {
+  T v[kV];
+};
+
+// Sum of squares of p[begin, end) over the block's threads, in double: a square of a float is
+// exact in double, so only the association (fixed per thread, then a fixed tree) rounds. The body
+// reads 16-byte vectors, kUnroll of them in flight per thread; the unaligned head and the tail go
+// one element at a time.
+template <int D>
+__device__ double SumSqRange(const void* data, uint64_t begin, uint64_t end) {
+  using E = Elem<D>;
+  using T = typename E::T;
+  constexpr int kV = 16 / sizeof(T);
+  const T* p = static_cast<const T*>(data);
+  const uint64_t misaligned = (reinterpret_cast<uintptr_t>(p + begin) % 16) / sizeof(T);
+  const uint64_t head = begin + min(end - begin, misaligned == 0 ? 0 : kV - misaligned);
+  const uint64_t nvec = (end - head) / kV;
+  const uint64_t tail = head + nvec * kV;
+  double acc[kUnroll] = {};
+  for (uint64_t i = begin + threadIdx.x; i < head; i += blockDim.x) {
+    const double x = E::Get(p[i]);
+    acc[0] = fma(x, x, acc[0]);
   }
+  const auto* v = reinterpret_cast<const Vec<T, kV>*>(p + head);
+  const uint64_t stride = static_cast<uint64_t>(blockDim.x) * kUnroll;
+  for (uint64_t k = threadIdx.x; k < nvec; k += stride) {
+    Vec<T, kV> w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t j = k + static_cast<uint64_t>(u) * blockDim.x;
+      if (j < nvec) w[u] = v[j];
+      else for (int e = 0; e < kV; ++e) w[u].v[e] = E::Put(0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        const double x = E::Get(w[u].v[e]);
+        acc[u] = fma(x, x, acc[u]);
+      }
+    }
+  }
+  for (uint64_t i = tail + threadIdx.x; i < end; i += blockDim.x) {
+    const double x = E::Get(p[i]);
+    acc[1] = fma(x, x, acc[1]);
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-// One block per chunk: partial[b] = sum of squares of the chunk in double; flag |= non-finite.
-__global__ void SumSqChunks(const Chunk* chunks, double* partial, int* nonfinite) {
-  const Chunk c = chunks[blockIdx.x];
+// A persistent grid: block b takes chunks b, b + gridDim.x, ... (each chunk's tensor found by a
+// binary search over first_chunk) and writes its sum of squares to partial[b]. The order of every
+// addition is fixed by the grid size, so the same device gives the same bits every time. No
+// separate inf/NaN flag: squares are never negative and a float's square cannot overflow a double,
+// so the total is non-finite exactly when some element is.
+__global__ void SumSqChunks(const TensorDesc* tensors, int count, uint64_t chunks, double* partial) {
   double acc = 0.0;
-  bool bad = false;
-  for (uint64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
-    const float x = Load(c.data, i, c.dtype);
-    bad |= !isfinite(x);
-    acc = fma(static_cast<double>(x), static_cast<double>(x), acc);
+  for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    int lo = 0, hi = count - 1;  // the last tensor whose first_chunk <= c
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tensors[mid].first_chunk <= c) lo = mid;
+      else hi = mid - 1;
+    }
+    const TensorDesc t = tensors[lo];
+    const uint64_t begin = (c - t.first_chunk) * kChunk;
+    const uint64_t end = min(t.numel, begin + kChunk);
+    if (t.dtype == 0) acc += SumSqRange<0>(t.data, begin, end);
+    else if (t.dtype == 1) acc += SumSqRange<1>(t.data, begin, end);
+    else acc += SumSqRange<2>(t.data, begin, end);
   }
   __shared__ double sh[kThreads];
   sh[threadIdx.x] = acc;
-  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(nonfinite, 1);
+  __syncthreads();
   for (int s = blockDim.x / 2; s > 0; s >>= 1) {
     if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
     __syncthreads();
@@ -76,12 +145,78 @@ __global__ void SumPartials(const double* partial, int n, double* out) {
   if (threadIdx.x == 0) *out = sh[0];
 }
 
-__global__ void ScaleCastKernel(const void* in, int in_dtype, void* out, int out_dtype,
-                                uint64_t n, float scale) {
+// out[i] = Put(Get(in[i]) * scale). Vectorized: kV input elements (16 bytes) per load and the
+// matching output vector per store, kUnroll in flight; `in` and `out` must be 16-byte aligned
+// (ScaleCast checks, else it launches the scalar kernel below).
+template <int DI, int DO>
+__global__ void ScaleCastVec(const void* in, void* out, uint64_t n, float scale) {
+  using TI = typename Elem<DI>::T;
+  using TO = typename Elem<DO>::T;
+  constexpr int kV = 16 / sizeof(TI);
+  const auto* vi = static_cast<const Vec<TI, kV>*>(in);
+  auto* vo = static_cast<Vec<TO, kV>*>(out);
+  const uint64_t nvec = n / kV;
+  const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t k = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; k < nvec;
+       k += threads * kUnroll) {
+    Vec<TI, kV> w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t j = k + u * threads;
+      if (j < nvec) w[u] = vi[j];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t j = k + u * threads;
+      if (j >= nvec) break;
+      Vec<TO, kV> o;
+#pragma unroll
+      for (int e = 0; e < kV; ++e) o.v[e] = Elem<DO>::Put(Elem<DI>::Get(w[u].v[e]) * scale);
+      vo[j] = o;
+    }
+  }
+  // The last n % kV elements.
+  const uint64_t rest = nvec * kV + blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+  if (rest < n) {
+    static_cast<TO*>(out)[rest] = Elem<DO>::Put(Elem<DI>::Get(static_cast<const TI*>(in)[rest]) * scale);
+  }
+}
+
+template <int DI, int DO>
+__global__ void ScaleCastScalar(const void* in, void* out, uint64_t n, float scale) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    Store(out, i, out_dtype, Load(in, i, in_dtype) * scale);
+    static_cast<typename Elem<DO>::T*>(out)[i] =
+        Elem<DO>::Put(Elem<DI>::Get(static_cast<const typename Elem<DI>::T*>(in)[i]) * scale);
   }
+}
+
+template <int DI, int DO>
+void LaunchScaleCast(const void* in, void* out, uint64_t n, float scale, cudaStream_t stream,
+                     unsigned max_blocks) {
+  const bool aligned = reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const uint64_t items = aligned ? (n + 16 / sizeof(typename Elem<DI>::T) - 1) /
+                                       (16 / sizeof(typename Elem<DI>::T))
+                                 : n;
+  const auto blocks = static_cast<unsigned>(
+      std::min<uint64_t>(std::max<uint64_t>((items + kThreads - 1) / kThreads, 1), max_blocks));
+  if (aligned) ScaleCastVec<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
+  else ScaleCastScalar<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
+}
+
+// Enough resident blocks to fill the device several times over; the grid-stride loops do the rest.
+unsigned MaxBlocks() {
+  static const unsigned blocks = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      sms = 132;
+    }
+    return static_cast<unsigned>(sms) * 16;
+  }();
+  return blocks;
 }
 
 }  // namespace
@@ -97,46 +232,50 @@ Status Available() {
 Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void* stream_ptr) {
   SPILLWAY_RETURN_IF_ERROR(Available());
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  std::vector<Chunk> chunks;
+  std::vector<TensorDesc> descs;
+  descs.reserve(count);
+  uint64_t chunks = 0;
   for (size_t t = 0; t < count; ++t) {
     const DeviceTensor& d = tensors[t];
     if (d.data == nullptr || d.numel == 0 || static_cast<unsigned>(d.dtype) > 2) {
       return Status::InvalidArgument(StrCat("device tensor ", t, " is empty, null or of an unknown dtype"));
     }
-    for (uint64_t b = 0; b < d.numel; b += kChunk) {
-      chunks.push_back({d.data, b, std::min(d.numel, b + kChunk), static_cast<int>(d.dtype)});
+    if (reinterpret_cast<uintptr_t>(d.data) % DTypeBytes(d.dtype) != 0) {
+      return Status::InvalidArgument(StrCat("device tensor ", t, " at ", d.data, " is not aligned to its ",
+                                            DTypeName(d.dtype), " elements (", DTypeBytes(d.dtype),
+                                            " bytes); pass the tensor's own data pointer"));
     }
+    descs.push_back({d.data, d.numel, chunks, static_cast<int>(d.dtype)});
+    chunks += (d.numel + kChunk - 1) / kChunk;
   }
   NormResult r;
-  if (chunks.empty()) return r;
-  // One scratch allocation: chunk table, partials, the sum and the flag.
-  const size_t table_bytes = chunks.size() * sizeof(Chunk);
-  const size_t partial_bytes = chunks.size() * sizeof(double);
-  const size_t bytes = table_bytes + partial_bytes + sizeof(double) + sizeof(int);
+  if (descs.empty()) return r;
+  const auto blocks = static_cast<unsigned>(std::min<uint64_t>(chunks, MaxBlocks() / 2));
+  // One scratch allocation: the tensor table, one partial per block and the sum.
+  const size_t table_bytes = descs.size() * sizeof(TensorDesc);
+  const size_t partial_bytes = blocks * sizeof(double);
+  const size_t bytes = table_bytes + partial_bytes + sizeof(double);
   char* scratch = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream);
   if (err != cudaSuccess) return CudaError(err, "cudaMallocAsync for the norm's scratch");
-  auto* d_chunks = reinterpret_cast<Chunk*>(scratch);
+  auto* d_descs = reinterpret_cast<TensorDesc*>(scratch);
   auto* d_partial = reinterpret_cast<double*>(scratch + table_bytes);
   auto* d_sum = reinterpret_cast<double*>(scratch + table_bytes + partial_bytes);
-  auto* d_flag = reinterpret_cast<int*>(scratch + table_bytes + partial_bytes + sizeof(double));
   double h_sum = 0.0;
-  int h_flag = 0;
-  err = cudaMemcpyAsync(d_chunks, chunks.data(), table_bytes, cudaMemcpyHostToDevice, stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(d_flag, 0, sizeof(int), stream);
+  err = cudaMemcpyAsync(d_descs, descs.data(), table_bytes, cudaMemcpyHostToDevice, stream);
   if (err == cudaSuccess) {
-    SumSqChunks<<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(d_chunks, d_partial, d_flag);
-    SumPartials<<<1, kThreads, 0, stream>>>(d_partial, static_cast<int>(chunks.size()), d_sum);
+    SumSqChunks<<<blocks, kThreads, 0, stream>>>(d_descs, static_cast<int>(descs.size()), chunks,
+                                                  d_partial);
+    SumPartials<<<1, kThreads, 0, stream>>>(d_partial, static_cast<int>(blocks), d_sum);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = cudaMemcpyAsync(&h_sum, d_sum, sizeof(double), cudaMemcpyDeviceToHost, stream);
-  if (err == cudaSuccess) err = cudaMemcpyAsync(&h_flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost, stream);
   const cudaError_t free_err = cudaFreeAsync(scratch, stream);
   if (err == cudaSuccess) err = free_err;
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) return CudaError(err, "the device norm");
   r.sum_of_squares = h_sum;
-  r.finite = h_flag == 0;
+  r.finite = std::isfinite(h_sum);  // see SumSqChunks
   return r;
 }
 
@@ -152,9 +291,20 @@ Status ScaleCast(const void* in, DType in_dtype, void* out, DType out_dtype, uin
   if (in == out && in_dtype != out_dtype) {
     return Status::InvalidArgument("ScaleCast: in place needs the same dtype on both sides");
   }
-  const uint64_t blocks = std::min<uint64_t>((numel + kThreads - 1) / kThreads, 65535ull * 8);
-  ScaleCastKernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream_ptr)>>>(
-      in, static_cast<int>(in_dtype), out, static_cast<int>(out_dtype), numel, scale);
+  if (reinterpret_cast<uintptr_t>(in) % DTypeBytes(in_dtype) != 0 ||
+      reinterpret_cast<uintptr_t>(out) % DTypeBytes(out_dtype) != 0) {
+    return Status::InvalidArgument(StrCat("ScaleCast: in (", in, ") or out (", out,
+                                          ") is not aligned to its element size"));
+  }
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const unsigned mb = MaxBlocks();
+  // Nine instantiations: every (input, output) pair of fp32, bf16 and fp16.
+  using Launch = void (*)(const void*, void*, uint64_t, float, cudaStream_t, unsigned);
+  static constexpr Launch kLaunch[3][3] = {
+      {LaunchScaleCast<0, 0>, LaunchScaleCast<0, 1>, LaunchScaleCast<0, 2>},
+      {LaunchScaleCast<1, 0>, LaunchScaleCast<1, 1>, LaunchScaleCast<1, 2>},
+      {LaunchScaleCast<2, 0>, LaunchScaleCast<2, 1>, LaunchScaleCast<2, 2>}};
+  kLaunch[static_cast<int>(in_dtype)][static_cast<int>(out_dtype)](in, out, numel, scale, stream, mb);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError(err, "launching ScaleCast");
   return Status::Ok();

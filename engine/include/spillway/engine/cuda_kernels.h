@@ -28,8 +28,9 @@ struct NormResult {
 Status Available();
 
 // One pass over every tensor on `stream` (a cudaStream_t; null = the legacy default stream).
-// Deterministic: block partials are reduced in a fixed order. Blocks until the result is on the
-// host.
+// Deterministic: every addition happens in an order fixed by the device's SM count, so one GPU
+// gives the same bits every time (a GPU with another SM count associates the sum differently).
+// Blocks until the result is on the host.
 Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void* stream = nullptr);
 
 // out[i] = convert(in[i] * scale) for numel elements (device memory; in and out may be the same
