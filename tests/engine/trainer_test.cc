@@ -57,15 +57,17 @@ constexpr double kMaxNorm = 0.5;
 struct Reference {
   std::vector<torch::Tensor> flats;
   std::vector<double> losses;
-  explicit Reference(const GptConfig& c) {
-    for (int64_t u = 0; u < gpt::Units(c); ++u) flats.push_back(gpt::InitUnit(c, u).requires_grad_(true));
+  explicit Reference(const GptConfig& c, torch::Device device = torch::kCPU) {
+    for (int64_t u = 0; u < gpt::Units(c); ++u) {
+      flats.push_back(gpt::InitUnit(c, u).to(device).requires_grad_(true));
+    }
     const AdamWConfig a = Adam();
     torch::optim::AdamW opt(flats, torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
       double loss = 0;
       for (int k = 0; k < kAccum; ++k) {
-        const torch::Tensor t = Batch(c, s, k);
+        const torch::Tensor t = Batch(c, s, k).to(device);
         const int64_t n = t.size(1) - 1;
         torch::Tensor x = t.narrow(1, 0, n);
         for (int64_t u = 0; u < gpt::Units(c); ++u) x = gpt::Forward(c, u, flats[u], x);
@@ -87,12 +89,11 @@ std::string Json(const char* param, const char* opt) {
                 R"(", "nvme_path": ")", dir, R"("}}})");
 }
 
-class TrainerOffloadTest : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
+// Trains kSteps with offload `device` ("none", "cpu", "nvme") and the math on `compute`, against
+// the reference on the same compute device.
+void ExpectMatchesPlainLibtorch(const std::string& device, torch::Device compute) {
   const GptConfig c = SmallGpt();
-  const Reference ref(c);
-  const std::string device = GetParam();
+  const Reference ref(c, compute);
   StoreRig rig(ParseOrDie(Json(device.c_str(), device.c_str())), 256 * kMiB);
   ASSERT_NE(rig.store, nullptr);
   auto coll = Collectives::Create(DistEnv{});
@@ -102,6 +103,7 @@ TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
   o.adam = Adam();
   o.max_grad_norm = kMaxNorm;
   o.optimizer_threads = 2;
+  o.compute = compute;
   auto trainer = Trainer::Create(o, coll->get(), rig.store.get(), rig.host.get(), &rig.ledger,
                                  allocator::kProcessScope);
   ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
@@ -123,7 +125,7 @@ TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
   for (int64_t u = 0; u < gpt::Units(c); ++u) {
     auto got = (*trainer)->GatherUnit(u);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
-    const torch::Tensor want = ref.flats[u].detach();
+    const torch::Tensor want = ref.flats[u].detach().cpu();
     // Relative to the unit's scale, not element by element: the attention key bias has an exactly
     // zero gradient (softmax ignores a constant added to a row of scores), so both runs move it by
     // Adam-amplified rounding noise (~1e-6 absolute after 8 steps, different in each run).
@@ -133,12 +135,63 @@ TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
   }
   allocator::BoundaryReport epoch;
   ASSERT_TRUE(rig.ledger.EndEpoch(&epoch).ok());
-  std::printf("offload %s: worst relative difference from plain libtorch after %d steps: %.3g\n",
-              device.c_str(), kSteps, worst);
+  std::printf("offload %s, math on %s: worst relative difference from plain libtorch after %d steps: %.3g\n",
+              device.c_str(), compute.str().c_str(), kSteps, worst);
 }
+
+class TrainerOffloadTest : public ::testing::TestWithParam<const char*> {};
+TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
+  ExpectMatchesPlainLibtorch(GetParam(), torch::kCPU);
+}
+
+// The same on a GPU: forward and backward on cuda:0 (the reference too: plain libtorch on the GPU,
+// torch's AdamW on the GPU), the optimizer step on the host. The instantiation is named Gpu so the
+// tests carry the `gpu` label.
+class TrainerCudaTest : public ::testing::TestWithParam<const char*> {};
+TEST_P(TrainerCudaTest, MatchesPlainLibtorchTrainingOnTheGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device visible to libtorch (this libtorch: CPU build or no GPU)";
+  ExpectMatchesPlainLibtorch(GetParam(), torch::Device(torch::kCUDA, 0));
+}
+
 
 INSTANTIATE_TEST_SUITE_P(Offload, TrainerOffloadTest, ::testing::Values("none", "cpu", "nvme"),
                          [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
+INSTANTIATE_TEST_SUITE_P(Gpu, TrainerCudaTest, ::testing::Values("none", "cpu", "nvme"),
+                         [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
+
+TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
+  EXPECT_EQ(*ResolveComputeDevice("cpu"), torch::Device(torch::kCPU));
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda0", ""}) {
+    auto r = ResolveComputeDevice(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("auto, cpu, cuda, cuda:N"), std::string::npos) << r.status().ToString();
+  }
+  if (torch::cuda::is_available()) {
+    EXPECT_EQ(*ResolveComputeDevice("auto"), torch::Device(torch::kCUDA, 0));
+    EXPECT_EQ(*ResolveComputeDevice("cuda"), torch::Device(torch::kCUDA, 0));
+    auto r = ResolveComputeDevice("cuda:99");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("does not exist"), std::string::npos) << r.status().ToString();
+  } else {
+    EXPECT_EQ(*ResolveComputeDevice("auto"), torch::Device(torch::kCPU));
+    auto r = ResolveComputeDevice("cuda");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(r.status().message().find("sees no CUDA device"), std::string::npos) << r.status().ToString();
+    // A trainer told to compute on a GPU it cannot use refuses to start.
+    StoreRig rig(ParseOrDie(Json("cpu", "cpu")), 64 * kMiB);
+    auto coll = Collectives::Create(DistEnv{});
+    ASSERT_TRUE(coll.ok());
+    TrainerOptions o;
+    o.model = SmallGpt();
+    o.compute = torch::Device(torch::kCUDA, 0);
+    auto t = Trainer::Create(o, coll->get(), rig.store.get(), rig.host.get(), &rig.ledger,
+                             allocator::kProcessScope);
+    ASSERT_FALSE(t.ok());
+    EXPECT_NE(t.status().message().find("not usable"), std::string::npos) << t.status().ToString();
+  }
+}
 
 TEST(TrainerTest, WorldSizeTwoEqualsWorldSizeOne) {
   DistEnv env;

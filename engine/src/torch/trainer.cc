@@ -92,7 +92,7 @@ torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& fla
   const std::vector<torch::Tensor> qkv3 = qkv.split(d, -1);
   const torch::Tensor q = heads(qkv3[0]), k = heads(qkv3[1]), v = heads(qkv3[2]);
   torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-  const torch::Tensor mask = torch::ones({t, t}, torch::kBool).triu(1);
+  const torch::Tensor mask = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
   att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
   const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
   const torch::Tensor h = x + torch::linear(y, p[4], p[5]);
@@ -107,6 +107,34 @@ torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets) {
 }  // namespace gpt
 
 // ---- the trainer ----
+
+Result<torch::Device> ResolveComputeDevice(const std::string& spec) {
+  if (spec == "cpu") return torch::Device(torch::kCPU);
+  const bool cuda = torch::cuda::is_available();
+  if (spec == "auto") return cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (spec.rfind("cuda", 0) != 0) {
+    return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+  }
+  int index = 0;
+  if (spec.size() > 4) {
+    if (spec[4] != ':' || spec.size() == 5 ||
+        spec.find_first_not_of("0123456789", 5) != std::string::npos) {
+      return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+    }
+    index = std::stoi(spec.substr(5));
+  }
+  if (!cuda) {
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("compute device '", spec, "' asked for, but libtorch sees no CUDA device ",
+                               "(a CPU build of torch, no driver, or no GPU); use auto or cpu"));
+  }
+  const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+  if (index >= count) {
+    return Status::InvalidArgument(StrCat("compute device '", spec, "' does not exist: libtorch sees ",
+                                          count, " CUDA device(s)"));
+  }
+  return torch::Device(torch::kCUDA, static_cast<torch::DeviceIndex>(index));
+}
 
 struct Trainer::Unit {
   int64_t numel = 0;
@@ -139,6 +167,15 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
                                           " n_layer=", m.n_layer, " n_head=", m.n_head, " seq_len=",
                                           m.seq_len, " is impossible; d_model must be a multiple of "
                                           "n_head and every size positive"));
+  }
+  if (options.compute.is_cuda() && (!torch::cuda::is_available() ||
+                                    options.compute.index() >= static_cast<int64_t>(torch::cuda::device_count()))) {
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("the trainer's compute device ", options.compute.str(),
+                               " is not usable by this libtorch; resolve it with ResolveComputeDevice(\"auto\")"));
+  }
+  if (!options.compute.is_cpu() && !options.compute.is_cuda()) {
+    return Status::InvalidArgument(StrCat("compute device ", options.compute.str(), " is not supported; use cpu or cuda"));
   }
   HostOptimizerOptions oo;
   oo.adam = options.adam;
@@ -210,11 +247,20 @@ Result<torch::Tensor> Trainer::Gather(int64_t u) {
   return full.narrow(0, 0, unit.numel);
 }
 
+Result<torch::Tensor> Trainer::GatherToCompute(int64_t u) {
+  auto host = Gather(u);
+  if (!host.ok() || options_.compute.is_cpu()) return host;
+  // A blocking copy: the pinned gather buffer returns to the arena as soon as this returns, so the
+  // copy must be complete by then (an asynchronous copy would need an event per buffer). Pinned
+  // memory makes it a DMA at full PCIe speed (docs/gpu.md).
+  return host->to(torch::TensorOptions().device(options_.compute), /*non_blocking=*/false);
+}
+
 Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   const Unit& unit = units_[u];
   const int64_t world = coll_->world_size();
   torch::Tensor padded = torch::zeros({unit.shard * world});
-  padded.narrow(0, 0, unit.numel).copy_(grad);
+  padded.narrow(0, 0, unit.numel).copy_(grad);  // from the compute device when it is a GPU
   torch::Tensor mine = torch::empty({unit.shard});
   SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded.data_ptr<float>(),
                                                    static_cast<uint64_t>(unit.shard),
@@ -237,15 +283,16 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
     return Status::InvalidArgument(StrCat("token ids must be in [0, vocab=", c.vocab, ")"));
   }
   const int64_t t = tokens.size(1) - 1;
-  const torch::Tensor input = tokens.narrow(1, 0, t);
-  const torch::Tensor targets = tokens.narrow(1, 1, t);
+  const torch::Tensor on_device = tokens.to(options_.compute);
+  const torch::Tensor input = on_device.narrow(1, 0, t);
+  const torch::Tensor targets = on_device.narrow(1, 1, t);
   const int64_t units = gpt::Units(c);
   std::vector<torch::Tensor> checkpoints;  // the input of each unit
   {
     torch::NoGradGuard no_grad;
     torch::Tensor x = input;
     for (int64_t u = 0; u < units; ++u) {
-      auto full = Gather(u);
+      auto full = GatherToCompute(u);
       if (!full.ok()) return full.status();
       checkpoints.push_back(x);
       x = gpt::Forward(c, u, *full, x);
@@ -253,7 +300,7 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   }
   torch::Tensor grad_out;
   for (int64_t u = units - 1; u >= 0; --u) {
-    auto gathered = Gather(u);
+    auto gathered = GatherToCompute(u);
     if (!gathered.ok()) return gathered.status();
     torch::Tensor full = gathered->detach().requires_grad_(true);
     torch::Tensor xin = checkpoints[u];

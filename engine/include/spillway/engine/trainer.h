@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
@@ -46,8 +47,17 @@ torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& fla
 torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
 }  // namespace gpt
 
+// Where the forward and backward math runs: "auto" (the first CUDA device when libtorch sees one,
+// else the CPU), "cpu", "cuda" or "cuda:N". An explicit CUDA device that libtorch cannot use is an
+// error naming why, never a silent fall back to the CPU.
+Result<torch::Device> ResolveComputeDevice(const std::string& spec);
+
 struct TrainerOptions {
   GptConfig model;
+  // The optimizer step always runs on the host (it is the offloaded optimizer); parameters are
+  // gathered into pinned host memory and copied to this device per unit, gradients come back to
+  // their host partitions per unit.
+  torch::Device compute = torch::kCPU;
   AdamWConfig adam;
   uint32_t optimizer_threads = 0;
   double max_grad_norm = 0.0;  // 0: no clipping
@@ -77,7 +87,7 @@ class Trainer {
   // gradients are averaged over all of them and over ranks). A micro-batch that fails abandons the
   // step: nothing is applied, its gradients are zeroed, and the ledger step is closed.
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
-  // The full parameters of one unit (an all-gather: call it on every rank).
+  // The full parameters of one unit, on the host (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
   HostOptimizer& optimizer() { return *optimizer_; }
   int64_t steps() const { return steps_; }
@@ -89,6 +99,7 @@ class Trainer {
           std::unique_ptr<HostOptimizer> optimizer);
   Status Init();
   Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
+  Result<torch::Tensor> GatherToCompute(int64_t unit);  // on options_.compute
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   Result<StepReport> OptimizerStep(StreamStats* stream);
