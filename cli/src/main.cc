@@ -77,6 +77,9 @@ int main(int argc, char** argv) {
                     "spillway.metrics_address, 127.0.0.1:9464)");
   train->add_option("--swap-dir", to.swap_dir, "directory for NVMe swap files (overrides nvme_path)");
   train->add_option("--threads", to.threads, "host optimizer threads (default: one per core)");
+  train->add_option("--device", to.device,
+                    "where forward and backward run: auto (CUDA when libtorch sees a GPU), cpu, cuda, cuda:N")
+      ->capture_default_str();
   train->add_option("--layers", to.model.n_layer, "transformer blocks")->capture_default_str()->check(CLI::NonNegativeNumber);
   train->add_option("--d-model", to.model.d_model, "model width")->capture_default_str()->check(CLI::PositiveNumber);
   train->add_option("--heads", to.model.n_head, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);

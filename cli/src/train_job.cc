@@ -244,8 +244,11 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   auto coll = engine::Collectives::Create(*dist);
   if (!coll.ok()) return coll.status();
 
+  auto compute = engine::ResolveComputeDevice(o.device);
+  if (!compute.ok()) return compute.status();
   engine::TrainerOptions to;
   to.model = model;
+  to.compute = *compute;
   to.adam.lr = tc.lr;
   to.adam.beta1 = tc.beta1;
   to.adam.beta2 = tc.beta2;
@@ -259,10 +262,15 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (!trainer.ok()) return trainer.status();
 
   TrainJobResult result;
-  result.compute = torch::cuda::is_available()
-                       ? "CPU: a CUDA device is present, but the reference trainer runs its math on "
-                         "the host in this release (see docs/engine.md)"
-                       : "CPU (no CUDA device, or a libtorch built without CUDA)";
+  if (compute->is_cuda()) {
+    result.compute = StrCat(compute->str(), " (", o.device == "auto" ? "auto: " : "", "libtorch sees ",
+                            static_cast<int>(torch::cuda::device_count()), " CUDA device(s)); the optimizer step runs on "
+                            "the host, where its state lives");
+  } else {
+    result.compute = o.device == "auto"
+                         ? "cpu (auto: libtorch sees no CUDA device, or is a CPU build)"
+                         : "cpu (--device cpu)";
+  }
   const std::string address = o.metrics_address.empty() ? config->spillway.metrics_address : o.metrics_address;
   std::unique_ptr<metrics::Exporter> exporter;
   if (address != "off") {
@@ -356,7 +364,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
       tokens += static_cast<double>(tc.micro_batch_size * accum * model.seq_len);
       progress.Update(step + 1, r->loss, tokens / busy, host_live(), nvme_live());
       if (o.on_step) {
-        o.on_step({epoch, step, r->loss, sec, host_live(), nvme_live()});
+        o.on_step({epoch, step, r->loss, sec, host_live(), nvme_live(), result.metrics_address});
       }
     }
     SPILLWAY_RETURN_IF_ERROR((*loader)->EndEpoch());

@@ -31,6 +31,7 @@ struct TrainJobOptions {
   std::string swap_dir;          // empty: the config's nvme_path, or a fresh directory under $TMPDIR
   engine::GptConfig model = DefaultModel();
   uint32_t threads = 0;          // optimizer threads; 0: one per core
+  std::string device = "auto";   // forward/backward: auto (CUDA when present), cpu, cuda, cuda:N
   bool progress = true;
   std::FILE* out = stdout;
   int sample_chars = 100;        // greedy sample printed at the end; 0: none
@@ -39,6 +40,7 @@ struct TrainJobOptions {
     int64_t epoch = 0, step = 0;  // step within the epoch
     double loss = 0.0, seconds = 0.0;
     uint64_t host_live_bytes = 0, nvme_live_bytes = 0;
+    std::string metrics_address;  // the exporter's bound host:port (port 0 resolved); empty: off
   };
   std::function<void(const StepEvent&)> on_step;  // called after every step (tests, tools)
 
