@@ -8,12 +8,29 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "../metrics/http_util.h"
 #include "spillway/metrics/exporter.h"
 
 namespace spillway::cli {
 namespace {
+
+// Removes the tests' swap directories once every test has run (in the test process only: the
+// loader's workers never run global tear-downs).
+class SwapDirs : public ::testing::Environment {
+ public:
+  static std::vector<std::string>& dirs() {
+    static std::vector<std::string> d;
+    return d;
+  }
+  void TearDown() override {
+    for (const std::string& d : dirs()) std::filesystem::remove_all(d);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kSwapDirs = ::testing::AddGlobalTestEnvironment(new SwapDirs);
 
 TrainJobOptions Small() {
   TrainJobOptions o;
@@ -28,30 +45,39 @@ TrainJobOptions Small() {
   o.threads = 2;
   o.sample_chars = 20;
   o.progress = false;
-  o.swap_dir = ::testing::TempDir() + "/train_job_swap";
+  // One directory per test and process: ctest runs these tests in parallel, and two jobs must not
+  // share swap files.
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  o.swap_dir = ::testing::TempDir() + "/train_job_swap_" + info->name() + "_" + std::to_string(getpid());
   std::filesystem::create_directories(o.swap_dir);
+  SwapDirs::dirs().push_back(o.swap_dir);
   return o;
 }
 
 TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
   TrainJobOptions o = Small();
   std::vector<double> losses;
-  std::string scraped;
-  const int port_of_job = metrics::testing::FreePort();
-  o.metrics_address = "127.0.0.1:" + std::to_string(port_of_job);
+  std::string scraped, bound;
+  // Port 0: the job binds a free port itself (a port picked beforehand can be taken by another
+  // test running in parallel before the job binds it).
+  o.metrics_address = "127.0.0.1:0";
   o.on_step = [&](const TrainJobOptions::StepEvent& e) {
+    bound = e.metrics_address;
     losses.push_back(e.loss);
     EXPECT_GT(e.nvme_live_bytes, 0u) << "parameters are homed on NVMe in the default config";
     if (e.epoch == 2 && e.step == 1) {
       // The job is live: scrape it the way Prometheus would.
-      scraped = metrics::testing::Body(metrics::testing::HttpGet(port_of_job, "/metrics"));
+      const int port = std::stoi(e.metrics_address.substr(e.metrics_address.rfind(':') + 1));
+      EXPECT_NE(port, 0);
+      scraped = metrics::testing::Body(metrics::testing::HttpGet(port, "/metrics"));
     }
   };
   auto r = RunTrainJob(o);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->epochs.size(), 3u);
   EXPECT_EQ(r->forks, 6u);
-  EXPECT_EQ(r->metrics_address, o.metrics_address);
+  EXPECT_EQ(r->metrics_address, bound);
+  EXPECT_EQ(bound.rfind("127.0.0.1:", 0), 0u) << bound;
   // It learns: a uniform guess over 96 symbols is ln 96 = 4.56.
   ASSERT_EQ(losses.size(), 18u);
   EXPECT_LT(r->epochs.back().mean_loss, r->epochs.front().mean_loss);
@@ -119,10 +145,9 @@ TEST(TrainJobTest, BadInputSaysWhatToChange) {
 
   // The metrics port is taken: the job says so instead of training blind.
   o = Small();
-  const int port = metrics::testing::FreePort();
-  auto first = metrics::Exporter::Start({"127.0.0.1:" + std::to_string(port), true});
-  ASSERT_TRUE(first.ok());
-  o.metrics_address = "127.0.0.1:" + std::to_string(port);
+  auto first = metrics::Exporter::Start({"127.0.0.1:0", true});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  o.metrics_address = "127.0.0.1:" + std::to_string((*first)->port());
   r = RunTrainJob(o);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
