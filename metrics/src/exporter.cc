@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "collector.h"
+#include "thread_stack_floor.h"
 
 namespace spillway::metrics {
 
@@ -23,10 +24,13 @@ Result<std::unique_ptr<Exporter>> Exporter::Start(ExporterOptions options) {
   try {
     e->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
   } catch (const std::exception& ex) {
+    // CivetWeb says "null context" both for a port in use and for threads it could not start;
+    // its threads get at least ThreadStackFloor() bytes of stack (Note [Thread stack floor]).
     return Status::Make(StatusCode::kUnavailable,
                         StrCat("metrics exporter could not listen on ", options.address, " (",
                                ex.what(), "); the port is probably in use. Set "
-                               "spillway.metrics_address to a free port, or turn metrics off"));
+                               "spillway.metrics_address to a free port, or turn metrics off (its "
+                               "threads had ", FormatBytes(ThreadStackFloor()), " of stack)"));
   }
   e->exposer_->RegisterCollectable(e->collector_, "/metrics");
   const auto ports = e->exposer_->GetListeningPorts();
