@@ -212,6 +212,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (", o.steps_per_epoch,
                                           ") must be at least 1"));
   }
+  auto compute = engine::ResolveComputeDevice(o.device);  // before anything is allocated
+  if (!compute.ok()) return compute.status();
   TempDir temp;
   auto config = LoadConfig(o, &temp);
   if (!config.ok()) return config.status();
@@ -244,8 +246,6 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   auto coll = engine::Collectives::Create(*dist);
   if (!coll.ok()) return coll.status();
 
-  auto compute = engine::ResolveComputeDevice(o.device);
-  if (!compute.ok()) return compute.status();
   engine::TrainerOptions to;
   to.model = model;
   to.compute = *compute;

@@ -88,4 +88,17 @@ TEST(CliTest, TrainAndLeakSuiteRefuseBadInputWithExitTwo) {
   r = Spillway("train --help");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("train"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--device"), std::string::npos) << r.out;
+  r = Spillway("train --device tpu --metrics off");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("'tpu' is not one of auto, cpu, cuda, cuda:N"), std::string::npos) << r.out;
+}
+
+TEST(CliTest, AskingForAGpuThatIsNotThereIsAnErrorNotACpuRun) {
+  const Outcome r = Spillway("train --device cuda --metrics off");
+  if (r.out.find("libtorch sees no CUDA device") == std::string::npos) {
+    GTEST_SKIP() << "libtorch sees a CUDA device here; Gpu/TrainerCudaTest covers that case";
+  }
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_EQ(r.out.find("end of epoch"), std::string::npos) << "it trained anyway: " << r.out;
 }
