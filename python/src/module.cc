@@ -1,0 +1,462 @@
+// The `spillway._spillway` extension: Spillway's host arena and io_uring engine for Python, and an
+// aio_handle with DeepSpeed's contract (docs/python.md, Note [aio_handle]). Pure-Python parts
+// (exceptions, spillway.deepspeed, spillway.metrics) live in python/spillway/.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/uring_engine.h"
+#include "spillway/metrics/exporter.h"
+
+namespace py = pybind11;
+using namespace spillway;
+using allocator::HostArena;
+
+namespace {
+
+// Status -> the Python exception of its code (classes created in PYBIND11_MODULE below).
+std::map<StatusCode, py::object>& ExceptionTypes() {
+  static auto* types = new std::map<StatusCode, py::object>();  // never destroyed: outlives the interpreter
+  return *types;
+}
+
+[[noreturn]] void Raise(const Status& st) {
+  auto& types = ExceptionTypes();
+  auto it = types.find(st.code());
+  py::object type = it != types.end() ? it->second : types.at(StatusCode::kInternal);
+  PyErr_SetString(type.ptr(), st.ToString().c_str());
+  throw py::error_already_set();
+}
+void Check(const Status& st) {
+  if (!st.ok()) Raise(st);
+}
+template <typename T>
+T Check(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(r.value());
+}
+
+// A contiguous CPU tensor's bytes, or InvalidArgument naming what is wrong with it.
+Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const char* what) {
+  if (!t.defined()) return Status::InvalidArgument(StrCat(what, ": an undefined tensor"));
+  if (!t.device().is_cpu()) {
+    return Status::InvalidArgument(StrCat(what, ": the tensor is on ", t.device().str(),
+                                          "; aio transfers need a CPU tensor (copy it with .cpu())"));
+  }
+  if (!t.is_contiguous()) {
+    return Status::InvalidArgument(StrCat(what, ": the tensor is not contiguous; pass t.contiguous()"));
+  }
+  return std::make_pair(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
+}
+
+// ---- HostArena ----
+
+class PyArena : public std::enable_shared_from_this<PyArena> {
+ public:
+  PyArena(uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name) {
+    allocator::HostArenaOptions o;
+    o.name = name;
+    o.budget_bytes = budget_bytes;
+    o.pin = pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable;
+    o.policy = Check(allocator::ParseEscapePolicy(policy));
+    o.ledger = &ledger_;
+    arena_ = Check(HostArena::Create(o));
+  }
+
+  // A tensor over exact-size arena memory, freed when the storage's last reference dies (the
+  // deleter keeps this arena, and its ledger, alive until then).
+  torch::Tensor Empty(const std::vector<int64_t>& shape, c10::ScalarType dtype, const std::string& kind,
+                      const std::string& lifetime, uint64_t owner) {
+    int64_t numel = 1;
+    for (int64_t d : shape) {
+      if (d < 0) Raise(Status::InvalidArgument(StrCat("arena.empty: negative dimension ", d, " in the shape")));
+      numel *= d;
+    }
+    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+    const allocator::OwnerTag tag{Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
+                                  owner, allocator::kProcessScope, "python"};
+    auto r = [&] {
+      py::gil_scoped_release nogil;  // mapping and pinning a region are syscalls
+      return arena_->Allocate(std::max<uint64_t>(bytes, 1), tag);
+    }();
+    void* p = Check(std::move(r));
+    std::shared_ptr<PyArena> keep = shared_from_this();
+    return torch::from_blob(
+        p, shape,
+        [keep](void* q) {
+          Status st = keep->arena_->Free(q);
+          if (!st.ok()) std::fprintf(stderr, "spillway: freeing an arena tensor: %s\n", st.ToString().c_str());
+        },
+        torch::TensorOptions().dtype(dtype));
+  }
+
+  bool Owns(const torch::Tensor& t) const {
+    return t.defined() && t.device().is_cpu() && t.numel() > 0 &&
+           arena_->Contains(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
+  }
+
+  py::dict Stats() const {
+    const allocator::HostArenaStats s = arena_->Stats();
+    py::dict d;
+    d["pin_mode"] = allocator::PinModeName(s.pin_mode);
+    d["budget_bytes"] = s.budget_bytes;
+    d["live_bytes"] = s.live_bytes;
+    d["committed_bytes"] = s.committed_bytes;
+    d["peak_committed_bytes"] = s.peak_committed_bytes;
+    d["retained_bytes"] = s.retained_bytes;
+    d["pinned_bytes"] = s.pinned_bytes;
+    d["regions"] = s.regions;
+    d["live_allocations"] = s.live_allocations;
+    d["escape_count"] = s.escape_count;
+    return d;
+  }
+
+  uint64_t Trim() {
+    py::gil_scoped_release nogil;
+    return arena_->Trim();
+  }
+
+  allocator::Ledger& ledger() { return ledger_; }
+  HostArena* get() { return arena_.get(); }
+
+ private:
+  allocator::Ledger ledger_;             // declared first: destroyed after the arena
+  std::unique_ptr<HostArena> arena_;
+};
+
+py::dict ReportToDict(const allocator::BoundaryReport& r) {
+  py::dict d;
+  d["kind"] = r.kind == allocator::BoundaryKind::kEpoch ? "epoch" : "step";
+  d["epoch"] = r.epoch;
+  d["step"] = r.step;
+  d["live_bytes"] = r.live_bytes();
+  d["escape_count"] = r.escape_count();
+  d["escaped_bytes"] = r.escaped_bytes();
+  d["clean"] = r.clean();
+  d["text"] = r.ToString();
+  return d;
+}
+
+// ---- aio_handle: Note [aio_handle] in docs/python.md ----
+
+class AioHandle {
+ public:
+  AioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
+            int intra_op_parallelism, std::shared_ptr<PyArena> arena)
+      : block_size_(block_size), queue_depth_(queue_depth), single_submit_(single_submit),
+        overlap_events_(overlap_events), intra_op_(intra_op_parallelism), arena_(std::move(arena)) {
+    if (block_size == 0 || queue_depth <= 0 || intra_op_parallelism <= 0) {
+      Raise(Status::InvalidArgument(StrCat("aio_handle(block_size=", block_size, ", queue_depth=", queue_depth,
+                                           ", intra_op_parallelism=", intra_op_parallelism,
+                                           "): each must be positive")));
+    }
+    allocator::UringEngineOptions eo;
+    eo.arena = arena_->get();
+    eo.block_size = block_size;
+    eo.queue_depth = static_cast<uint32_t>(queue_depth);
+    engine_ = Check(allocator::UringEngine::Create(eo));
+  }
+  ~AioHandle() { Close(); }
+
+  void Close() {
+    if (engine_ == nullptr) return;
+    {
+      py::gil_scoped_release nogil;
+      (void)engine_->WaitAll();
+      for (auto& [key, f] : files_) {
+        (void)engine_->UnregisterFile(f.id);
+        if (f.owned) ::close(f.fd);
+      }
+      engine_.reset();
+    }
+    files_.clear();
+    pending_.clear();
+  }
+
+  uint64_t block_size() const { return block_size_; }
+  int queue_depth() const { return queue_depth_; }
+  bool single_submit() const { return single_submit_; }
+  bool overlap_events() const { return overlap_events_; }
+  int intra_op_parallelism() const { return intra_op_; }
+  int alignment() const { return intra_op_ * 512; }
+  const std::string& last_error() const { return last_error_; }
+
+  // Whole-file transfers (DeepSpeed's read/write): the file's size is the buffer's.
+  int Read(const torch::Tensor& buffer, const std::string& filename, bool validate, int64_t offset) {
+    return Transfer(buffer, filename, -1, offset, /*write=*/false, /*async=*/false, validate) < 0 ? -1 : 0;
+  }
+  int Write(const torch::Tensor& buffer, const std::string& filename, bool validate, int64_t offset) {
+    return Transfer(buffer, filename, -1, offset, true, false, validate) < 0 ? -1 : 0;
+  }
+  int Pread(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
+    return Transfer(b, f, -1, off, false, async, validate);
+  }
+  int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
+    return Transfer(b, f, -1, off, true, async, validate);
+  }
+  int PwriteFd(const torch::Tensor& b, int fd, int64_t off) { return Transfer(b, "", fd, off, true, true, false); }
+  int PreadFd(const torch::Tensor& b, int fd, int64_t off) { return Transfer(b, "", fd, off, false, true, false); }
+
+  // Waits for every async op of this handle; returns how many completed, -1 if any failed.
+  int Wait() {
+    if (engine_ == nullptr) Raise(Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed"));
+    std::vector<Pending> ops = std::move(pending_);
+    pending_.clear();
+    std::string first_error;
+    {
+      py::gil_scoped_release nogil;
+      for (Pending& p : ops) {
+        Status st = engine_->Wait(p.ticket);
+        if (!st.ok() && first_error.empty()) first_error = StrCat(p.what, ": ", st.ToString());
+      }
+    }
+    if (!first_error.empty()) {
+      last_error_ = first_error;
+      return -1;
+    }
+    return static_cast<int>(ops.size());
+  }
+
+  torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
+    if (num_elem < 0) Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
+    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), "swap_buffer", "persistent",
+                                    locked_.size());
+    locked_[t.storage().data()] = t.storage();
+    return t;
+  }
+  bool FreeLockedTensor(const torch::Tensor& t) {
+    if (!t.defined() || !t.device().is_cpu()) return false;
+    // The memory returns to the arena when the storage's last reference dies; this drops ours.
+    return locked_.erase(t.storage().data()) > 0;
+  }
+  bool IsPinned(const torch::Tensor& t) const { return arena_->Owns(t) || (t.defined() && t.is_pinned()); }
+
+ private:
+  struct OpenFile {
+    int fd;
+    int id;
+    bool owned;
+  };
+  struct Pending {
+    allocator::Ticket ticket;
+    std::string what;
+    torch::Tensor keep;  // the buffer stays alive until wait()
+  };
+
+  int Fail(const std::string& message) {
+    last_error_ = message;
+    return -1;
+  }
+
+  // Returns 0 (async, submitted), the number of completed ops (sync: 1), or -1 with last_error.
+  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
+               bool write, bool async, bool validate) {
+    (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
+    if (engine_ == nullptr) Raise(Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed"));
+    auto bytes = TensorBytes(buffer, write ? "aio write" : "aio read");
+    if (!bytes.ok()) Raise(bytes.status());
+    const char* op = write ? "pwrite" : "pread";
+    const std::string name = fd >= 0 ? StrCat("fd ", fd) : filename;
+    if (offset < 0) return Fail(StrCat(op, " ", name, ": negative file offset ", offset));
+    const uint64_t n = bytes->second;
+    if (n % static_cast<uint64_t>(intra_op_) != 0) {
+      return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=",
+                         intra_op_, " (DeepSpeed's rule); pad the tensor or use 1"));
+    }
+    auto file = Open(filename, fd, write);
+    if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
+    if (!write) {
+      struct stat sb{};
+      if (::fstat(file->fd, &sb) != 0) return Fail(StrCat(op, " ", name, ": fstat: ", std::strerror(errno)));
+      if (static_cast<uint64_t>(offset) + n > static_cast<uint64_t>(sb.st_size)) {
+        return Fail(StrCat("pread ", name, ": reading ", n, " bytes at offset ", offset,
+                           " runs past the end of the file (", sb.st_size, " bytes)"));
+      }
+    }
+    if (n == 0) return async ? 0 : 1;
+    Result<allocator::Ticket> t = write ? engine_->Write(file->id, static_cast<uint64_t>(offset), bytes->first, n)
+                                        : engine_->Read(file->id, static_cast<uint64_t>(offset), bytes->first, n);
+    if (!t.ok()) return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
+    if (async) {
+      pending_.push_back({*t, StrCat(op, " ", name), buffer});
+      return 0;
+    }
+    const Status st = [&] {
+      py::gil_scoped_release nogil;
+      return engine_->Wait(*t);
+    }();
+    if (!st.ok()) return Fail(StrCat(op, " ", name, ": ", st.ToString()));
+    return 1;
+  }
+
+  // One descriptor per file and direction, opened on first use and kept (DeepSpeed opens the file
+  // on every call). Buffered I/O: sizes and offsets need no alignment.
+  Result<OpenFile> Open(const std::string& filename, int fd, bool write) {
+    const std::string key = fd >= 0 ? StrCat("#fd", fd) : StrCat(write ? "w:" : "r:", filename);
+    auto it = files_.find(key);
+    if (it != files_.end()) return it->second;
+    OpenFile f{fd, -1, false};
+    if (fd < 0) {
+      f.fd = write ? ::open(filename.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)
+                   : ::open(filename.c_str(), O_RDONLY | O_CLOEXEC);
+      if (f.fd < 0) {
+        return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", std::strerror(errno)), errno);
+      }
+      f.owned = true;
+    }
+    auto id = engine_->RegisterFile(f.fd, fd >= 0 ? StrCat("fd ", fd) : filename, 1);
+    if (!id.ok()) {
+      if (f.owned) ::close(f.fd);
+      return id.status();
+    }
+    f.id = *id;
+    files_[key] = f;
+    return f;
+  }
+
+  const uint64_t block_size_;
+  const int queue_depth_;
+  const bool single_submit_, overlap_events_;
+  const int intra_op_;
+  std::shared_ptr<PyArena> arena_;
+  std::unique_ptr<allocator::UringEngine> engine_;
+  std::map<std::string, OpenFile> files_;
+  std::vector<Pending> pending_;
+  std::map<const void*, c10::Storage> locked_;
+  std::string last_error_;
+};
+
+std::shared_ptr<PyArena>& DefaultArena() {
+  static auto* arena = new std::shared_ptr<PyArena>();
+  return *arena;
+}
+
+std::shared_ptr<PyArena> ArenaOrDefault(std::shared_ptr<PyArena> arena) {
+  if (arena) return arena;
+  auto& d = DefaultArena();
+  if (!d) d = std::make_shared<PyArena>(0, true, "report", "python");
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_spillway, m) {
+  m.doc() = "Spillway: host-memory and NVMe offload for large-model training (C++ core)";
+  py::module_ builtins = py::module_::import("builtins");
+  py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+  py::object error = py::reinterpret_steal<py::object>(PyErr_NewException("spillway.Error", base.ptr(), nullptr));
+  m.attr("Error") = error;
+  auto make = [&](const char* name, StatusCode code, PyObject* extra) {
+    py::tuple bases = extra != nullptr ? py::tuple(py::make_tuple(error, py::handle(extra)))
+                                       : py::tuple(py::make_tuple(error));
+    py::object cls = py::reinterpret_steal<py::object>(
+        PyErr_NewException(StrCat("spillway.", name).c_str(), bases.ptr(), nullptr));
+    m.attr(name) = cls;
+    ExceptionTypes()[code] = cls;
+  };
+  make("InvalidArgument", StatusCode::kInvalidArgument, PyExc_ValueError);
+  make("FailedPrecondition", StatusCode::kFailedPrecondition, nullptr);
+  make("OverBudget", StatusCode::kOverBudget, PyExc_MemoryError);
+  make("OutOfMemory", StatusCode::kOutOfMemory, PyExc_MemoryError);
+  make("IoError", StatusCode::kIoError, PyExc_OSError);
+  make("NoSpace", StatusCode::kNoSpace, PyExc_OSError);
+  make("ChecksumMismatch", StatusCode::kChecksumMismatch, nullptr);
+  make("Unavailable", StatusCode::kUnavailable, nullptr);
+  make("Escaped", StatusCode::kEscaped, nullptr);
+  make("InternalError", StatusCode::kInternal, nullptr);
+
+  py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
+      .def(py::init<uint64_t, bool, const std::string&, const std::string&>(), py::arg("budget_bytes") = 0,
+           py::arg("pinned") = true, py::arg("policy") = "report", py::arg("name") = "python")
+      .def("empty", [](PyArena& a, std::vector<int64_t> shape, py::object dtype, const std::string& kind,
+                       const std::string& lifetime, uint64_t owner) {
+             const c10::ScalarType st = dtype.is_none() ? c10::ScalarType::Float
+                                                        : torch::python::detail::py_object_to_dtype(dtype);
+             return a.Empty(shape, st, kind, lifetime, owner);
+           }, py::arg("shape"), py::arg("dtype") = py::none(), py::arg("kind") = "transient",
+           py::arg("lifetime") = "step", py::arg("owner") = 0)
+      .def("owns", &PyArena::Owns)
+      .def("stats", &PyArena::Stats)
+      .def("trim", &PyArena::Trim)
+      .def("_begin_epoch", [](PyArena& a, int64_t e) { Check(a.ledger().BeginEpoch(e)); })
+      .def("_end_epoch", [](PyArena& a) {
+        allocator::BoundaryReport r;
+        Check(a.ledger().EndEpoch(&r));
+        return ReportToDict(r);
+      })
+      .def("_begin_step", [](PyArena& a, int64_t s) { Check(a.ledger().BeginStep(s)); })
+      .def("_end_step", [](PyArena& a) {
+        allocator::BoundaryReport r;
+        Check(a.ledger().EndStep(&r));
+        return ReportToDict(r);
+      });
+  m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
+
+  py::class_<AioHandle>(m, "aio_handle")
+      .def(py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop, std::shared_ptr<PyArena> arena) {
+             return std::make_unique<AioHandle>(bs, qd, ss, oe, iop, ArenaOrDefault(std::move(arena)));
+           }),
+           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128, py::arg("single_submit") = false,
+           py::arg("overlap_events") = false, py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr)
+      .def("get_block_size", &AioHandle::block_size)
+      .def("get_queue_depth", &AioHandle::queue_depth)
+      .def("get_single_submit", &AioHandle::single_submit)
+      .def("get_overlap_events", &AioHandle::overlap_events)
+      .def("get_intra_op_parallelism", &AioHandle::intra_op_parallelism)
+      .def("get_alignment", &AioHandle::alignment)
+      .def("get_last_error", &AioHandle::last_error)
+      .def("read", &AioHandle::Read, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+           py::arg("file_offset") = 0)
+      .def("write", &AioHandle::Write, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+           py::arg("file_offset") = 0)
+      .def("pread", &AioHandle::Pread, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+           py::arg("async"), py::arg("file_offset") = 0)
+      .def("pwrite", &AioHandle::Pwrite, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+           py::arg("async"), py::arg("file_offset") = 0)
+      .def("sync_pread", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+             return h.Pread(b, f, false, false, o);
+           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("sync_pwrite", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+             return h.Pwrite(b, f, false, false, o);
+           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("async_pread", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+             return h.Pread(b, f, false, true, o);
+           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("async_pwrite", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+             return h.Pwrite(b, f, false, true, o);
+           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("async_pwrite", &AioHandle::PwriteFd, py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)
+      .def("async_pread", &AioHandle::PreadFd, py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)
+      .def("wait", &AioHandle::Wait)
+      .def("new_cpu_locked_tensor", &AioHandle::NewLockedTensor, py::arg("num_elem"), py::arg("example_tensor"))
+      .def("free_cpu_locked_tensor", &AioHandle::FreeLockedTensor)
+      .def("is_pinned", &AioHandle::IsPinned)
+      .def("close", &AioHandle::Close);
+
+  py::class_<metrics::Exporter>(m, "Exporter")
+      .def_property_readonly("port", &metrics::Exporter::port)
+      .def_property_readonly("address", &metrics::Exporter::address)
+      .def("render", &metrics::Exporter::Render)
+      .def("watch", [](metrics::Exporter& e, std::shared_ptr<PyArena> a) {
+             e.Watch(a->get());
+             e.Watch(&a->ledger());
+           }, py::keep_alive<1, 2>());
+  m.def("_serve", [](const std::string& address) {
+    return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start({address, true})).release());
+  });
+}
