@@ -1,0 +1,77 @@
+"""DeepSpeed's own swapping code running on Spillway through spillway.deepspeed.install()."""
+import pytest
+import torch
+
+import spillway
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: E402
+from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper  # noqa: E402
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ds_comm():
+    """DeepSpeed's comm layer at world size 1 on Gloo (its swappers log through dist.get_rank())."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def installed():
+    spillway.deepspeed.install()
+    yield
+    spillway.deepspeed.uninstall()
+
+
+def test_install_routes_the_aio_op_and_uninstall_restores_it():
+    original = AsyncIOBuilder.load
+    spillway.deepspeed.install()
+    try:
+        assert spillway.deepspeed.installed()
+        op = AsyncIOBuilder().load(verbose=False)
+        assert op.aio_handle is spillway.aio_handle
+        assert AsyncIOBuilder().is_compatible()
+        spillway.deepspeed.install()  # idempotent
+    finally:
+        spillway.deepspeed.uninstall()
+    assert not spillway.deepspeed.installed()
+    assert AsyncIOBuilder.load is original
+
+
+def test_swap_out_and_in_tensors_with_deepspeeds_utils(installed, tmp_path):
+    h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
+    tensors = [torch.randn(4096 + 17 * i) for i in range(48)]
+    paths = [str(tmp_path / f"{i}.tensor.swp") for i in range(48)]
+    swap_out_tensors(h, tensors, paths)
+    assert h.wait() == len(tensors)
+    back = [torch.zeros_like(t) for t in tensors]
+    swap_in_tensors(h, back, paths)
+    assert h.wait() == len(tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+def test_async_tensor_swapper_flushes_through_locked_arena_buffers(ds_comm, installed, tmp_path):
+    h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
+    example = torch.zeros(1, dtype=torch.float32)
+    buffers = [h.new_cpu_locked_tensor(1 << 16, example) for _ in range(3)]
+    swapper = AsyncTensorSwapper(aio_handle=h, numel_alignment=256, timers=None)
+    swapper.add_buffers(buffers)  # asserts is_pinned on each
+    tensors = [torch.randn(5000 + 311 * i) for i in range(40)]
+    paths = [str(tmp_path / f"g{i}.swp") for i in range(40)]
+    swapper.swap_out_tensors(tensors, paths)
+    released = swapper.release_buffers()  # flushes and waits (asserts wait() == pending)
+    assert len(released) == 3
+    back = [torch.empty_like(t) for t in tensors]
+    swap_in_tensors(h, back, paths)
+    assert h.wait() == len(tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    assert all(h.free_cpu_locked_tensor(b) for b in buffers)
