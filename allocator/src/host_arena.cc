@@ -131,9 +131,20 @@ HostArena::~HostArena() {
   ReleaseRegions(regions);
 }
 
-void HostArena::SetSpillHandler(SpillHandler handler) {
+void HostArena::SetSpillHandler(SpillHandler handler, const void* owner) {
   std::lock_guard<std::mutex> lock(mu_);
   spill_handler_ = std::move(handler);
+  spill_owner_ = owner;
+}
+
+void HostArena::ClearSpillHandler(const void* owner) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (spill_owner_ == owner) {
+    spill_handler_ = nullptr;
+    spill_owner_ = nullptr;
+  }
+  // A call copied out before the clear may still be running: the owner must outlive it.
+  spill_idle_.wait(lock, [this] { return spill_calls_in_flight_ == 0; });
 }
 
 void HostArena::AddRegionObserver(RegionObserver* observer) {
@@ -248,6 +259,23 @@ void HostArena::NoteCommitted() {
   stats_.peak_committed_bytes = std::max(stats_.peak_committed_bytes, stats_.committed_bytes);
 }
 
+// One spill-handler call in flight (see ClearSpillHandler): released with mu_ not held.
+class HostArena::SpillCallGuard {
+ public:
+  SpillCallGuard(HostArena* arena, bool active) : arena_(arena), active_(active) {}
+  ~SpillCallGuard() {
+    if (!active_) return;
+    std::lock_guard<std::mutex> lock(arena_->mu_);
+    if (--arena_->spill_calls_in_flight_ == 0) arena_->spill_idle_.notify_all();
+  }
+  SpillCallGuard(const SpillCallGuard&) = delete;
+  SpillCallGuard& operator=(const SpillCallGuard&) = delete;
+
+ private:
+  HostArena* const arena_;
+  const bool active_;
+};
+
 Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
@@ -294,6 +322,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     std::vector<Region> to_release;
     uint64_t map_bytes = 0;
     SpillHandler handler;
+    bool counted = false;  // this round holds one of spill_calls_in_flight_
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!ledger_->scope_live(owned.scope)) {
@@ -334,9 +363,16 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       } else {
         spill_need = rounded - headroom();
         handler = spill_handler_;
-        if (handler && round < kMaxSpillRounds) stats_.spill_calls++;
+        if (handler && round < kMaxSpillRounds) {
+          stats_.spill_calls++;
+          ++spill_calls_in_flight_;
+          counted = true;
+        }
       }
     }
+    // Gives the count back on every way out of this round, after any lock below is released
+    // (it is constructed before them, so destroyed after them).
+    SpillCallGuard spill_call(this, counted);
     // Unmap before mapping: released regions are budget the new region may need.
     const bool released = !to_release.empty();
     ReleaseRegions(to_release);
@@ -369,7 +405,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     }
     // Over budget: ask the spill handler (without any lock) to free room, a few rounds at most.
     uint64_t freed = 0;
-    if (handler && round < kMaxSpillRounds) freed = handler(spill_need);
+    if (counted) freed = handler(spill_need);
     std::lock_guard<std::mutex> lock(mu_);
     stats_.spilled_bytes += freed;
     if (freed > 0) continue;

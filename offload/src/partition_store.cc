@@ -73,7 +73,7 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
   std::unique_ptr<PartitionStore> store(
       new PartitionStore(config, host, nvme, scope, prefetch_window));
   PartitionStore* raw = store.get();
-  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); });
+  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); }, raw);
   if (prefetch_window > 0) store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
   return store;
 }
@@ -95,7 +95,7 @@ PartitionStore::~PartitionStore() {
   }
   prefetch_cv_.notify_all();
   if (prefetcher_.joinable()) prefetcher_.join();
-  host_->SetSpillHandler(nullptr);
+  host_->ClearSpillHandler(this);  // only ours; waits for a Spill call in flight
   std::lock_guard<std::mutex> lock(mu_);
   if (!live_handles_.empty()) {
     Log(LogLevel::kWarning, StrCat("PartitionStore destroyed with ", live_handles_.size(),

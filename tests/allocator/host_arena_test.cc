@@ -3,8 +3,12 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <future>
+#include <thread>
 
 #include "test_util.h"
 
@@ -343,6 +347,54 @@ TEST_F(HostArenaTest, RetainedRegionsAreGivenBackToMakeRoomUnderTheBudget) {
   EXPECT_EQ(arena->Stats().retained_bytes, 0u);
 }
 
+// Two owners share an arena (a rebuilt engine's new store next to the old one): clearing the old
+// owner's handler leaves the new one's, and a clear waits for a call of the handler in flight.
+TEST_F(HostArenaTest, ClearingASpillHandlerRemovesOnlyItsOwnAndWaitsForACallInFlight) {
+  HostArenaOptions o = PageableOptions(&ledger_);
+  o.budget_bytes = 8 * kMiB;
+  o.retain_limit_bytes = 0;
+  auto arena = MakeArena(o);
+  int old_owner = 0, new_owner = 0;
+  std::atomic<int> old_calls{0}, new_calls{0};
+  arena->SetSpillHandler([&](uint64_t) -> uint64_t { ++old_calls; return 0; }, &old_owner);
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  arena->SetSpillHandler([&](uint64_t) -> uint64_t {
+    if (new_calls++ == 0) {
+      entered.set_value();
+      released.wait();
+    }
+    return 0;
+  }, &new_owner);
+  arena->ClearSpillHandler(&old_owner);  // not the handler in force: nothing changes
+  auto big = arena->Allocate(6 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  ASSERT_TRUE(big.ok());
+  std::thread allocating([&] {
+    auto r = arena->Allocate(4 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+    EXPECT_EQ(r.status().code(), StatusCode::kOverBudget);
+  });
+  entered.get_future().wait();  // the new owner's handler is running
+  std::atomic<bool> cleared{false};
+  std::thread clearing([&] {
+    arena->ClearSpillHandler(&new_owner);
+    cleared = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(cleared.load()) << "ClearSpillHandler returned while its handler was running";
+  release.set_value();
+  clearing.join();
+  allocating.join();
+  EXPECT_TRUE(cleared.load());
+  EXPECT_EQ(old_calls.load(), 0);
+  EXPECT_GE(new_calls.load(), 1);
+  // Cleared: the next over-budget request calls no handler.
+  const int before = new_calls.load();
+  EXPECT_EQ(arena->Allocate(4 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent)).status().code(),
+            StatusCode::kOverBudget);
+  EXPECT_EQ(new_calls.load(), before);
+  ASSERT_TRUE(arena->Free(*big).ok());
+}
+
 TEST_F(HostArenaTest, SpillHandlerMakesRoomBeforeTheBudgetErrorFires) {
   HostArenaOptions o = PageableOptions(&ledger_);
   o.budget_bytes = 8 * kMiB;
@@ -357,7 +409,7 @@ TEST_F(HostArenaTest, SpillHandlerMakesRoomBeforeTheBudgetErrorFires) {
     asked = need;
     // A real handler writes the partition to NVMe first; freeing it is what makes room.
     return arena->Free(*victim).ok() ? 6 * kMiB : 0;
-  });
+  }, this);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(calls, 1);
@@ -373,7 +425,7 @@ TEST_F(HostArenaTest, SpillHandlerThatFreesNothingEndsInOverBudget) {
   o.budget_bytes = 8 * kMiB;
   auto arena = MakeArena(o);
   ASSERT_TRUE(arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
-  arena->SetSpillHandler([](uint64_t) -> uint64_t { return 0; });
+  arena->SetSpillHandler([](uint64_t) -> uint64_t { return 0; }, this);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   EXPECT_EQ(p.status().code(), StatusCode::kOverBudget);
   EXPECT_TRUE(Has(p.status(), "the spill handler freed nothing")) << p.status().ToString();

@@ -142,7 +142,11 @@ class HostArena final : public Tier {
   // Gives every empty region back to the OS. Returns the bytes released.
   uint64_t Trim();
 
-  void SetSpillHandler(SpillHandler handler);
+  // Installs `handler` for `owner` (replacing any other). ClearSpillHandler(owner) removes it only
+  // if it is still `owner`'s, and returns after every call of it in flight has returned, so the
+  // owner may then be destroyed.
+  void SetSpillHandler(SpillHandler handler, const void* owner);
+  void ClearSpillHandler(const void* owner);
   // Adds an observer and reports every existing region to it. RemoveRegionObserver waits for
   // callbacks in flight, after which the observer may be destroyed.
   void AddRegionObserver(RegionObserver* observer);
@@ -180,6 +184,7 @@ class HostArena final : public Tier {
   };
 
   HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger);
+  class SpillCallGuard;
 
   // Private methods assume mu_ is held unless they say otherwise.
   void FreeExtent(uint64_t addr, uint64_t bytes) { extents_.Free(addr, bytes); }
@@ -212,6 +217,9 @@ class HostArena final : public Tier {
   uint64_t need_peak_bytes_ = 0;               // guarded by mu_: peak of held minus retained
   uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
   SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
+  const void* spill_owner_ = nullptr;          // guarded by mu_
+  int spill_calls_in_flight_ = 0;              // guarded by mu_
+  std::condition_variable spill_idle_;         // spill_calls_in_flight_ reached 0
   HostArenaStats stats_;                       // guarded by mu_
 
 };
