@@ -217,11 +217,15 @@ class AioHandle {
     if (engine_ == nullptr) Raise(Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed"));
     std::vector<Pending> ops = std::move(pending_);
     pending_.clear();
+    for (const Pending& p : ops) {
+      auto it = files_.find(p.file_key);
+      if (it != files_.end()) it->second.in_flight = 0;
+    }
     std::string first_error;
     {
       py::gil_scoped_release nogil;
       for (Pending& p : ops) {
-        Status st = engine_->Wait(p.ticket);
+        const Status st = p.done ? p.status : engine_->Wait(p.ticket);
         if (!st.ok() && first_error.empty()) first_error = StrCat(p.what, ": ", st.ToString());
       }
     }
@@ -251,12 +255,21 @@ class AioHandle {
     int fd;
     int id;
     bool owned;
+    uint64_t last_use = 0;
+    int in_flight = 0;  // async ops not yet waited for
   };
   struct Pending {
     allocator::Ticket ticket;
     std::string what;
+    std::string file_key;
     torch::Tensor keep;  // the buffer stays alive until wait()
+    bool done = false;   // already waited for (to close its file); `status` holds the result
+    Status status;
   };
+  // Open descriptors kept at most (half the engine's fixed-file slots): the least recently used
+  // one is closed to open another, after its in-flight ops complete (their results are kept
+  // for wait()).
+  static constexpr size_t kMaxOpenFiles = 128;
 
   int Fail(const std::string& message) {
     last_error_ = message;
@@ -278,7 +291,8 @@ class AioHandle {
       return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=",
                          intra_op_, " (DeepSpeed's rule); pad the tensor or use 1"));
     }
-    auto file = Open(filename, fd, write);
+    std::string key;
+    auto file = Open(filename, fd, write, &key);
     if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
     if (!write) {
       struct stat sb{};
@@ -293,7 +307,8 @@ class AioHandle {
                                         : engine_->Read(file->id, static_cast<uint64_t>(offset), bytes->first, n);
     if (!t.ok()) return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
     if (async) {
-      pending_.push_back({*t, StrCat(op, " ", name), buffer});
+      pending_.push_back({*t, StrCat(op, " ", name), key, buffer});
+      files_[key].in_flight++;
       return 0;
     }
     const Status st = [&] {
@@ -306,10 +321,15 @@ class AioHandle {
 
   // One descriptor per file and direction, opened on first use and kept (DeepSpeed opens the file
   // on every call). Buffered I/O: sizes and offsets need no alignment.
-  Result<OpenFile> Open(const std::string& filename, int fd, bool write) {
+  Result<OpenFile> Open(const std::string& filename, int fd, bool write, std::string* key_out) {
     const std::string key = fd >= 0 ? StrCat("#fd", fd) : StrCat(write ? "w:" : "r:", filename);
+    *key_out = key;
     auto it = files_.find(key);
-    if (it != files_.end()) return it->second;
+    if (it != files_.end()) {
+      it->second.last_use = ++use_clock_;
+      return it->second;
+    }
+    while (files_.size() >= kMaxOpenFiles) SPILLWAY_RETURN_IF_ERROR(EvictLeastRecentlyUsed());
     OpenFile f{fd, -1, false};
     if (fd < 0) {
       f.fd = write ? ::open(filename.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)
@@ -325,8 +345,31 @@ class AioHandle {
       return id.status();
     }
     f.id = *id;
+    f.last_use = ++use_clock_;
     files_[key] = f;
     return f;
+  }
+
+  // Closes the least recently used file, first completing its in-flight ops (their results wait in
+  // pending_ for wait()).
+  Status EvictLeastRecentlyUsed() {
+    auto lru = files_.begin();
+    for (auto it = files_.begin(); it != files_.end(); ++it) {
+      if (it->second.last_use < lru->second.last_use) lru = it;
+    }
+    if (lru->second.in_flight > 0) {
+      py::gil_scoped_release nogil;
+      for (Pending& p : pending_) {
+        if (!p.done && p.file_key == lru->first) {
+          p.status = engine_->Wait(p.ticket);
+          p.done = true;
+        }
+      }
+    }
+    Status st = engine_->UnregisterFile(lru->second.id);
+    if (lru->second.owned) ::close(lru->second.fd);
+    files_.erase(lru);
+    return st;
   }
 
   const uint64_t block_size_;
@@ -336,6 +379,7 @@ class AioHandle {
   std::shared_ptr<PyArena> arena_;
   std::unique_ptr<allocator::UringEngine> engine_;
   std::map<std::string, OpenFile> files_;
+  uint64_t use_clock_ = 0;
   std::vector<Pending> pending_;
   std::map<const void*, c10::Storage> locked_;
   std::string last_error_;

@@ -122,6 +122,22 @@ def test_many_async_ops_then_one_wait(handle, tmp_path):
     assert handle.wait() == 0
 
 
+def test_more_files_than_descriptors_kept_open(handle, tmp_path):
+    """300 files in flight at once: the handle keeps at most 128 open, completing the least
+    recently used one's ops before closing it; wait() still counts and checks every op."""
+    tensors = [torch.full((257,), float(i)) for i in range(300)]
+    paths = [str(tmp_path / f"many{i}.swp") for i in range(300)]
+    for t, p in zip(tensors, paths):
+        assert handle.async_pwrite(t, p) == 0
+    assert handle.wait() == 300
+    back = [torch.empty_like(t) for t in tensors]
+    for b, p in zip(back, paths):
+        assert handle.async_pread(b, p) == 0
+    assert handle.wait() == 300
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < 200
+
+
 def test_the_fd_overload_writes_through_an_open_descriptor(handle, tmp_path):
     path = str(tmp_path / "fd.swp")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
