@@ -20,6 +20,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
+#include "spillway/allocator/log.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/metrics/exporter.h"
 
@@ -270,6 +271,7 @@ class AioHandle {
   // one is closed to open another, after its in-flight ops complete (their results are kept
   // for wait()).
   static constexpr size_t kMaxOpenFiles = 128;
+  static constexpr uint64_t kDirectAlign = 4096;
 
   int Fail(const std::string& message) {
     last_error_ = message;
@@ -292,7 +294,11 @@ class AioHandle {
                          intra_op_, " (DeepSpeed's rule); pad the tensor or use 1"));
     }
     std::string key;
-    auto file = Open(filename, fd, write, &key);
+    // Page-aligned requests on a named file go through O_DIRECT (DeepSpeed's mode: no page cache,
+    // no double copy); others through the buffered descriptor, so no size or offset is refused.
+    const bool direct = fd < 0 && direct_ok_ && offset % kDirectAlign == 0 && n % kDirectAlign == 0 &&
+                        reinterpret_cast<uintptr_t>(bytes->first) % kDirectAlign == 0;
+    auto file = Open(filename, fd, write, direct, &key);
     if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
     if (!write) {
       struct stat sb{};
@@ -321,8 +327,9 @@ class AioHandle {
 
   // One descriptor per file and direction, opened on first use and kept (DeepSpeed opens the file
   // on every call). Buffered I/O: sizes and offsets need no alignment.
-  Result<OpenFile> Open(const std::string& filename, int fd, bool write, std::string* key_out) {
-    const std::string key = fd >= 0 ? StrCat("#fd", fd) : StrCat(write ? "w:" : "r:", filename);
+  Result<OpenFile> Open(const std::string& filename, int fd, bool write, bool direct, std::string* key_out) {
+    const std::string key = fd >= 0 ? StrCat("#fd", fd)
+                                    : StrCat(write ? "w" : "r", direct ? "d:" : ":", filename);
     *key_out = key;
     auto it = files_.find(key);
     if (it != files_.end()) {
@@ -332,14 +339,21 @@ class AioHandle {
     while (files_.size() >= kMaxOpenFiles) SPILLWAY_RETURN_IF_ERROR(EvictLeastRecentlyUsed());
     OpenFile f{fd, -1, false};
     if (fd < 0) {
-      f.fd = write ? ::open(filename.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600)
-                   : ::open(filename.c_str(), O_RDONLY | O_CLOEXEC);
+      const int mode = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC | (direct ? O_DIRECT : 0);
+      f.fd = ::open(filename.c_str(), mode, 0600);
+      if (f.fd < 0 && direct && errno == EINVAL) {
+        // The filesystem has no O_DIRECT (tmpfs, some overlays): buffered from now on, said once.
+        direct_ok_ = false;
+        Log(LogLevel::kInfo, StrCat("aio_handle: ", filename, " does not support O_DIRECT; this handle "
+                                    "uses buffered I/O from now on"));
+        return Open(filename, fd, write, false, key_out);
+      }
       if (f.fd < 0) {
         return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", std::strerror(errno)), errno);
       }
       f.owned = true;
     }
-    auto id = engine_->RegisterFile(f.fd, fd >= 0 ? StrCat("fd ", fd) : filename, 1);
+    auto id = engine_->RegisterFile(f.fd, fd >= 0 ? StrCat("fd ", fd) : filename, direct ? kDirectAlign : 1);
     if (!id.ok()) {
       if (f.owned) ::close(f.fd);
       return id.status();
@@ -380,6 +394,7 @@ class AioHandle {
   std::unique_ptr<allocator::UringEngine> engine_;
   std::map<std::string, OpenFile> files_;
   uint64_t use_clock_ = 0;
+  bool direct_ok_ = true;
   std::vector<Pending> pending_;
   std::map<const void*, c10::Storage> locked_;
   std::string last_error_;

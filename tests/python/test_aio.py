@@ -122,6 +122,26 @@ def test_many_async_ops_then_one_wait(handle, tmp_path):
     assert handle.wait() == 0
 
 
+def test_page_aligned_requests_take_o_direct_and_stay_coherent_with_buffered_ones(handle, tmp_path):
+    """An aligned locked tensor at an aligned offset goes through O_DIRECT; an unaligned read of the
+    same file (buffered) sees the same bytes, and so does the direct read after a buffered write."""
+    path = str(tmp_path / "direct.swp")
+    locked = handle.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.float32))
+    locked.copy_(torch.randn(1 << 20))
+    assert handle.sync_pwrite(locked, path, 8192) == 1          # direct
+    part = torch.empty(1001)
+    assert handle.sync_pread(part, path, 8192 + 4 * 7) == 1     # buffered, unaligned
+    assert torch.equal(part, locked[7:1008])
+    patch = torch.arange(1001, dtype=torch.float32)
+    assert handle.sync_pwrite(patch, path, 8192 + 4 * 7) == 1   # buffered write into the middle
+    back = handle.new_cpu_locked_tensor(1 << 20, locked)
+    assert handle.sync_pread(back, path, 8192) == 1             # direct read sees it
+    expect = locked.clone()
+    expect[7:1008] = patch
+    assert torch.equal(back, expect)
+    assert os.path.getsize(path) == 8192 + 4 * (1 << 20)
+
+
 def test_more_files_than_descriptors_kept_open(handle, tmp_path):
     """300 files in flight at once: the handle keeps at most 128 open, completing the least
     recently used one's ops before closing it; wait() still counts and checks every op."""
