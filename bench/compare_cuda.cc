@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "kernels_scalar_ops.h"  // the host optimizer's conversions: the reference
 #include "spillway/engine/cuda_kernels.h"
 
 namespace {
@@ -75,13 +76,6 @@ double TimeDevice(cudaStream_t stream, int reps, const std::function<void()>& bo
   return Median(s);
 }
 
-uint16_t HostBf16(float x) {  // round to nearest even, as __float2bfloat16_rn (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,10 +121,8 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> host_bf(used);
   double ref16 = 0;
   for (uint64_t i = 0; i < used; ++i) {
-    host_bf[i] = HostBf16(host[i]);
-    const uint32_t u = static_cast<uint32_t>(host_bf[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
+    host_bf[i] = engine::kernels::Bf16FromFloat(host[i]);
+    const float f = engine::kernels::FloatFromBf16(host_bf[i]);
     ref16 += static_cast<double>(f) * f;
   }
 
@@ -186,7 +178,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> got(used);
     Check(cudaMemcpy(got.data(), d16b, used * 2, cudaMemcpyDeviceToHost), "download bf16");
     for (uint64_t i = 0; i < used; i += 4099) {
-      if (got[i] != HostBf16(host[i] * scale)) Die("ScaleCast: element " + std::to_string(i) + " differs from the host's rounding");
+      if (got[i] != engine::kernels::Bf16FromFloat(host[i] * scale)) Die("ScaleCast: element " + std::to_string(i) + " differs from the host's rounding");
     }
   }
   const double t_fused = TimeDevice(stream, reps, [&] {
