@@ -108,16 +108,22 @@ def test_locked_tensors_are_exact_size_swap_buffers_in_the_arena(tmp_path):
     h.close()
 
 
-def test_many_async_ops_then_one_wait(handle, tmp_path):
-    tensors = [torch.randn(1000 + i) for i in range(64)]
-    paths = [str(tmp_path / f"{i}.swp") for i in range(64)]
+def async_round_trip(handle, tensors, paths):
+    """Every tensor written with async_pwrite, one wait() counting them all, then read back the
+    same way; returns the tensors read."""
     for t, p in zip(tensors, paths):
         assert handle.async_pwrite(t, p) == 0
-    assert handle.wait() == 64
+    assert handle.wait() == len(tensors)
     back = [torch.empty_like(t) for t in tensors]
     for b, p in zip(back, paths):
         assert handle.async_pread(b, p) == 0
-    assert handle.wait() == 64
+    assert handle.wait() == len(tensors)
+    return back
+
+
+def test_many_async_ops_then_one_wait(handle, tmp_path):
+    tensors = [torch.randn(1000 + i) for i in range(64)]
+    back = async_round_trip(handle, tensors, [str(tmp_path / f"{i}.swp") for i in range(64)])
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
     assert handle.wait() == 0
 
@@ -146,14 +152,7 @@ def test_more_files_than_descriptors_kept_open(handle, tmp_path):
     """300 files in flight at once: the handle keeps at most 128 open, completing the least
     recently used one's ops before closing it; wait() still counts and checks every op."""
     tensors = [torch.full((257,), float(i)) for i in range(300)]
-    paths = [str(tmp_path / f"many{i}.swp") for i in range(300)]
-    for t, p in zip(tensors, paths):
-        assert handle.async_pwrite(t, p) == 0
-    assert handle.wait() == 300
-    back = [torch.empty_like(t) for t in tensors]
-    for b, p in zip(back, paths):
-        assert handle.async_pread(b, p) == 0
-    assert handle.wait() == 300
+    back = async_round_trip(handle, tensors, [str(tmp_path / f"many{i}.swp") for i in range(300)])
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
     assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < 200
 
