@@ -1,6 +1,7 @@
 // Collectives over c10d ProcessGroupGloo. See collectives.h.
 #include "spillway/engine/collectives.h"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
 // The CPU wheel of torch ships ProcessGroupGloo.hpp but not the gloo headers it includes, so the
@@ -68,18 +69,42 @@ Result<DistEnv> DistEnvFromEnvironment() {
 }
 
 struct Collectives::Impl {
-#if SPILLWAY_GLOO
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
-#else
-  bool pg = false;
-#endif
+  c10::intrusive_ptr<c10d::Store> store;   // Create(env) only
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // FromProcessGroup only
+  c10::intrusive_ptr<c10d::Backend> pg;    // null at world size 1
+  std::string name = "single";
 };
 
 Collectives::Collectives(const DistEnv& env) : env_(env), impl_(std::make_unique<Impl>()) {}
 Collectives::~Collectives() = default;
 
-const char* Collectives::backend() const { return impl_->pg ? "gloo" : "single"; }
+const std::string& Collectives::backend() const { return impl_->name; }
+
+Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
+    c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  if (!pg) return Status::InvalidArgument("FromProcessGroup: a null process group");
+  DistEnv env;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::string name;
+  Status st = Guard("reading the process group", [&] {
+    env.rank = pg->getRank();
+    env.world_size = pg->getSize();
+    name = pg->getBackendName();
+    if (env.world_size > 1) backend = pg->getBackend(c10::DeviceType::CPU);
+  });
+  if (!st.ok()) {
+    return Status::InvalidArgument(StrCat(
+        st.message(), "; the trainer's shards are host memory, so the group needs a CPU backend: ",
+        "init_process_group(\"gloo\") or (\"cpu:gloo,cuda:nccl\")"));
+  }
+  std::unique_ptr<Collectives> c(new Collectives(env));
+  c->impl_->group = std::move(pg);
+  if (env.world_size > 1) {
+    c->impl_->pg = std::move(backend);
+    c->impl_->name = name;
+  }
+  return c;
+}
 
 Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
@@ -93,8 +118,9 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
       StatusCode::kUnavailable,
       StrCat("world size ", env.world_size, " needs c10d's ProcessGroupGloo, but this build has no ",
              "gloo headers (the torch CPU wheel does not ship them); configure with ",
-             "-DSPILLWAY_GLOO_INCLUDE_DIR=<gloo headers of the commit bundled in libtorch>, or run ",
-             "with WORLD_SIZE=1"));
+             "-DSPILLWAY_GLOO_INCLUDE_DIR=<gloo headers of the commit bundled in libtorch>, run ",
+             "the trainer on torch.distributed's Gloo group through Python (torchrun -m spillway.engine), ",
+             "or run with WORLD_SIZE=1"));
 #else
   Status st = Guard("creating the Gloo process group", [&] {
     c10d::TCPStoreOptions so;
@@ -108,6 +134,7 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
     c->impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c->impl_->store, env.rank,
                                                                env.world_size, opts);
+    c->impl_->name = "gloo";
   });
   if (!st.ok()) {
     return Status::Make(st.code(), StrCat(st.message(), " (rank ", env.rank, " of ", env.world_size,
@@ -118,28 +145,22 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
 #endif
 }
 
-#if SPILLWAY_GLOO
 namespace {
 torch::Tensor View(const float* p, uint64_t n) {
   return torch::from_blob(const_cast<float*>(p), {static_cast<int64_t>(n)}, torch::kFloat32);
 }
 }  // namespace
-#endif
 
 Status Collectives::AllGather(const float* shard, uint64_t shard_elems, float* full) {
   if (!impl_->pg) {
     if (full != shard) std::memcpy(full, shard, shard_elems * 4);
     return Status::Ok();
   }
-#if SPILLWAY_GLOO
   return Guard("all-gather", [&] {
     torch::Tensor out = View(full, shard_elems * env_.world_size);
     torch::Tensor in = View(shard, shard_elems);
     impl_->pg->_allgather_base(out, in)->wait();
   });
-#else
-  return Status::Internal("unreachable: no process group without gloo");
-#endif
 }
 
 Status Collectives::ReduceScatterSum(const float* full, uint64_t shard_elems, float* shard) {
@@ -147,7 +168,6 @@ Status Collectives::ReduceScatterSum(const float* full, uint64_t shard_elems, fl
     if (full != shard) std::memcpy(shard, full, shard_elems * 4);
     return Status::Ok();
   }
-#if SPILLWAY_GLOO
   return Guard("reduce-scatter", [&] {
     torch::Tensor out = View(shard, shard_elems);
     torch::Tensor in = View(full, shard_elems * env_.world_size);
@@ -155,14 +175,10 @@ Status Collectives::ReduceScatterSum(const float* full, uint64_t shard_elems, fl
     o.reduceOp = c10d::ReduceOp::SUM;
     impl_->pg->_reduce_scatter_base(out, in, o)->wait();
   });
-#else
-  return Status::Internal("unreachable: no process group without gloo");
-#endif
 }
 
 Result<double> Collectives::AllReduceSum(double value) {
   if (!impl_->pg) return value;
-#if SPILLWAY_GLOO
   double v = value;
   Status st = Guard("all-reduce", [&] {
     std::vector<torch::Tensor> t = {torch::from_blob(&v, {1}, torch::kFloat64)};
@@ -170,18 +186,11 @@ Result<double> Collectives::AllReduceSum(double value) {
   });
   if (!st.ok()) return st;
   return v;
-#else
-  return Status::Internal("unreachable: no process group without gloo");
-#endif
 }
 
 Status Collectives::Barrier() {
   if (!impl_->pg) return Status::Ok();
-#if SPILLWAY_GLOO
   return Guard("barrier", [&] { impl_->pg->barrier()->wait(); });
-#else
-  return Status::Internal("unreachable: no process group without gloo");
-#endif
 }
 
 }  // namespace spillway::engine
