@@ -30,10 +30,10 @@ from ._spillway import (  # noqa: F401
     aio_handle,
     default_arena,
 )
-from . import deepspeed, metrics  # noqa: F401,E402
+from . import deepspeed, engine, metrics  # noqa: F401,E402
 
 __all__ = [
-    "HostArena", "aio_handle", "default_arena", "deepspeed", "metrics", "Error", "InvalidArgument",
+    "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
     "Unavailable", "Escaped", "InternalError",
 ]

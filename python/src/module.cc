@@ -23,34 +23,16 @@
 #include "spillway/allocator/log.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/metrics/exporter.h"
+#include "errors.h"
 
 namespace py = pybind11;
 using namespace spillway;
 using allocator::HostArena;
+using python::Check;
+using python::ExceptionTypes;
+using python::Raise;
 
 namespace {
-
-// Status -> the Python exception of its code (classes created in PYBIND11_MODULE below).
-std::map<StatusCode, py::object>& ExceptionTypes() {
-  static auto* types = new std::map<StatusCode, py::object>();  // never destroyed: outlives the interpreter
-  return *types;
-}
-
-[[noreturn]] void Raise(const Status& st) {
-  auto& types = ExceptionTypes();
-  auto it = types.find(st.code());
-  py::object type = it != types.end() ? it->second : types.at(StatusCode::kInternal);
-  PyErr_SetString(type.ptr(), st.ToString().c_str());
-  throw py::error_already_set();
-}
-void Check(const Status& st) {
-  if (!st.ok()) Raise(st);
-}
-template <typename T>
-T Check(Result<T> r) {
-  if (!r.ok()) Raise(r.status());
-  return std::move(r.value());
-}
 
 // A contiguous CPU tensor's bytes, or InvalidArgument naming what is wrong with it.
 Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const char* what) {
@@ -515,6 +497,7 @@ PYBIND11_MODULE(_spillway, m) {
              e.Watch(a->get());
              e.Watch(&a->ledger());
            }, py::keep_alive<1, 2>());
+  python::BindEngine(m);
   m.def("_serve", [](const std::string& address) {
     return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start({address, true})).release());
   });
