@@ -195,14 +195,15 @@ std::string FormatEpochReport(const EpochSummary& s) {
     }
   }
   std::snprintf(line, sizeof(line),
-                "   process tree PSS: %s before the fork, %s at the first step (%u processes), %s "
-                "now (%u)\n",
-                Mib(s.tree_before_fork.pss_bytes).c_str(), Mib(s.tree_at_first_step.pss_bytes).c_str(),
-                s.tree_at_first_step.processes, Mib(s.tree_at_boundary.pss_bytes).c_str(),
+                "   process tree anonymous PSS: %s before the fork, %s at the first step (%u "
+                "processes), %s now (%u)\n",
+                Mib(s.tree_before_fork.pss_anon_bytes).c_str(),
+                Mib(s.tree_at_first_step.pss_anon_bytes).c_str(), s.tree_at_first_step.processes,
+                Mib(s.tree_at_boundary.pss_anon_bytes).c_str(),
                 s.tree_at_boundary.processes);
   out += line;
   out += StrCat("   growth since the last boundary: host live ", SignedMib(s.host_live_growth),
-                ", nvme live ", SignedMib(s.nvme_live_growth), ", tree PSS ",
+                ", nvme live ", SignedMib(s.nvme_live_growth), ", tree anonymous PSS ",
                 SignedMib(s.pss_growth), "; the fork cost ", SignedMib(s.fork_pss_growth()), "\n");
   return out;
 }
@@ -328,7 +329,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   const uint64_t row = (*loader)->row_elems();
   auto baseline_tree = Tree();
   if (!baseline_tree.ok()) return baseline_tree.status();
-  uint64_t prev_host = host_live(), prev_nvme = nvme_live(), prev_pss = baseline_tree->pss_bytes;
+  uint64_t prev_host = host_live(), prev_nvme = nvme_live(), prev_pss = baseline_tree->pss_anon_bytes;
   for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
     EpochSummary s;
     s.epoch = epoch;
@@ -382,10 +383,11 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     const uint64_t host_now = h ? h->live_bytes : 0, nvme_now = n ? n->live_bytes : 0;
     s.host_live_growth = static_cast<int64_t>(host_now) - static_cast<int64_t>(prev_host);
     s.nvme_live_growth = static_cast<int64_t>(nvme_now) - static_cast<int64_t>(prev_nvme);
-    s.pss_growth = static_cast<int64_t>(s.tree_at_boundary.pss_bytes) - static_cast<int64_t>(prev_pss);
+    s.pss_growth =
+        static_cast<int64_t>(s.tree_at_boundary.pss_anon_bytes) - static_cast<int64_t>(prev_pss);
     prev_host = host_now;
     prev_nvme = nvme_now;
-    prev_pss = s.tree_at_boundary.pss_bytes;
+    prev_pss = s.tree_at_boundary.pss_anon_bytes;
     if (o.progress) std::fputs(FormatEpochReport(s).c_str(), out);
     result.epochs.push_back(std::move(s));
   }

@@ -91,7 +91,7 @@ TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
       EXPECT_EQ(s.nvme_live_growth, 0) << "epoch " << s.epoch;
     }
     const std::string report = FormatEpochReport(s);
-    EXPECT_NE(report.find("process tree PSS"), std::string::npos) << report;
+    EXPECT_NE(report.find("process tree anonymous PSS"), std::string::npos) << report;
     EXPECT_NE(report.find("optimizer_state"), std::string::npos) << report;
   }
   EXPECT_NE(scraped.find("spillway_optimizer_steps_total"), std::string::npos) << scraped;

@@ -70,12 +70,13 @@ struct EpochSummary {
   // Since the previous epoch boundary (the first epoch: since the job started training).
   int64_t host_live_growth = 0;
   int64_t nvme_live_growth = 0;
-  int64_t pss_growth = 0;            // tree PSS, boundary over boundary
-  // What the fork cost: tree PSS at the first step minus before the fork. Copy-on-write copies of
-  // state the first step wrote land here (the Yi-34B mechanism).
+  int64_t pss_growth = 0;            // tree anonymous PSS, boundary over boundary
+  // What the fork cost: tree anonymous PSS at the first step minus before the fork. Copy-on-write
+  // copies of state the first step wrote land here (the Yi-34B mechanism). Anonymous PSS, as the
+  // leak detectors use: total PSS also moves when unrelated processes map the same libraries.
   int64_t fork_pss_growth() const {
-    return static_cast<int64_t>(tree_at_first_step.pss_bytes) -
-           static_cast<int64_t>(tree_before_fork.pss_bytes);
+    return static_cast<int64_t>(tree_at_first_step.pss_anon_bytes) -
+           static_cast<int64_t>(tree_before_fork.pss_anon_bytes);
   }
 };
 
