@@ -24,13 +24,28 @@ Result<std::unique_ptr<Exporter>> Exporter::Start(ExporterOptions options) {
   try {
     e->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
   } catch (const std::exception& ex) {
-    // CivetWeb says "null context" both for a port in use and for threads it could not start;
-    // its threads get at least ThreadStackFloor() bytes of stack (Note [Thread stack floor]).
+    // CivetWeb says "null context" both for a port in use and for threads it could not start.
+    // Its threads get at least ThreadStackFloor() bytes of stack where the floor is in force
+    // (Note [Thread stack floor]); where it is not (inside Python), find out which it was.
+    if (!ThreadStackFloorActive() && !ThreadWithStackStarts(kCivetWebThreadStack)) {
+      return Status::Make(
+          StatusCode::kUnavailable,
+          StrCat("metrics exporter could not start on ", options.address, " (", ex.what(),
+                 "): a thread with CivetWeb's ", FormatBytes(kCivetWebThreadStack),
+                 " stack cannot start in this process, because libraries loaded at process start "
+                 "(LD_PRELOAD, or the executable's own dependencies) hold more static TLS than "
+                 "that. Spillway's executables raise such stacks (Note [Thread stack floor]); a "
+                 "Python extension cannot. Load those libraries later (import them instead of "
+                 "preloading), or serve metrics from a spillway binary"));
+    }
     return Status::Make(StatusCode::kUnavailable,
                         StrCat("metrics exporter could not listen on ", options.address, " (",
                                ex.what(), "); the port is probably in use. Set "
-                               "spillway.metrics_address to a free port, or turn metrics off (its "
-                               "threads had ", FormatBytes(ThreadStackFloor()), " of stack)"));
+                               "spillway.metrics_address to a free port, or turn metrics off",
+                               ThreadStackFloorActive()
+                                   ? StrCat(" (its threads had ", FormatBytes(ThreadStackFloor()),
+                                            " of stack)")
+                                   : std::string()));
   }
   e->exposer_->RegisterCollectable(e->collector_, "/metrics");
   const auto ports = e->exposer_->GetListeningPorts();

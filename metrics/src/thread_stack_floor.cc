@@ -14,6 +14,13 @@
 // default. It never lowers a request and otherwise calls glibc's function. The cost is virtual
 // address space only; stack pages are committed when touched.
 // Tested by ThreadStackFloorTest (tests/metrics), which loads a library with 1 MiB of static TLS.
+//
+// Inside Python the definition is in the extension, loaded RTLD_LOCAL, and the process's lookup
+// finds glibc's first: the floor is not in force (ThreadStackFloorActive). That is harmless for
+// libraries Python loads later (import torch with CUDA): glibc gives a library dlopen'd after start
+// dynamic TLS, allocated per thread on first use, not carved from the stack. Only libraries loaded
+// at start (LD_PRELOAD, the interpreter's own dependencies) put their TLS in every stack; then the
+// exporter's error says so instead of blaming the port (tests/python/test_metrics.py has both).
 #include "thread_stack_floor.h"
 
 #include <dlfcn.h>
@@ -25,6 +32,8 @@
 namespace {
 
 using SetStackSize = int (*)(pthread_attr_t*, size_t);
+
+void* Nothing(void*) { return nullptr; }
 
 SetStackSize Real() {
   static const auto real = reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
@@ -47,6 +56,30 @@ size_t ThreadStackFloor() {
     return bytes;
   }();
   return floor;
+}
+
+bool ThreadStackFloorActive() {
+  // Compare modules, not addresses: inside a shared library `&pthread_attr_setstacksize` is itself
+  // resolved through the process's lookup. ThreadStackFloor cannot be interposed by name here.
+  void* bound = dlsym(RTLD_DEFAULT, "pthread_attr_setstacksize");
+  Dl_info theirs{}, ours{};
+  if (bound == nullptr || dladdr(bound, &theirs) == 0 ||
+      dladdr(reinterpret_cast<void*>(&ThreadStackFloor), &ours) == 0) {
+    return false;
+  }
+  return theirs.dli_fbase == ours.dli_fbase;
+}
+
+bool ThreadWithStackStarts(size_t bytes) {
+  const SetStackSize real = Real();
+  if (real == nullptr) return false;
+  pthread_attr_t attr;
+  if (pthread_attr_init(&attr) != 0) return false;
+  pthread_t t;
+  const bool started = real(&attr, bytes) == 0 && pthread_create(&t, &attr, Nothing, nullptr) == 0;
+  pthread_attr_destroy(&attr);
+  if (started) pthread_join(t, nullptr);
+  return started;
 }
 
 }  // namespace spillway::metrics

@@ -10,13 +10,14 @@
 
 #include "http_util.h"
 #include "spillway/metrics/exporter.h"
+#include "thread_stack_floor.h"
 
 extern "C" int BigTlsTouch(int i);
 
 namespace spillway::metrics {
 namespace {
 
-constexpr size_t kCivetWebStack = 102400;  // Debian's CIVETWEB_THREAD_STACK_SIZE
+constexpr size_t kCivetWebStack = kCivetWebThreadStack;
 
 void* Nothing(void*) { return nullptr; }
 
@@ -40,6 +41,7 @@ TEST(ThreadStackFloorTest, CivetWebSizedThreadsStartDespiteALargeStaticTls) {
   auto real = reinterpret_cast<Set>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
   ASSERT_NE(real, nullptr);
   ASSERT_NE(real, &pthread_attr_setstacksize) << "the executable does not interpose it";
+  EXPECT_TRUE(ThreadStackFloorActive());
   size_t got = 0;
 #if defined(__SANITIZE_THREAD__)
   // TSan's pthread_create makes room for the TLS itself, so the control cannot fail under it.
