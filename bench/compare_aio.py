@@ -10,13 +10,20 @@ the same files, block size, queue depth and intra_op_parallelism.
 Both use O_DIRECT for these page-aligned locked tensors (Spillway falls back to buffered I/O only
 for unaligned requests, docs/python.md). Every write is timed until fdatasync returns, for both, and
 every file is dropped from the page cache (posix_fadvise DONTNEED) before it is read.
-Medians of --reps, the two handles alternating. Last line:
-{"bench":"aio","write_vs_deepspeed":X,"read_vs_deepspeed":Y,"small_read_vs_deepspeed":Z}
+Medians of --reps, the two handles alternating. The ceiling for the small reads is fio (io_uring,
+O_DIRECT, the same block size and queue depth) reading the same 256 files right after each handle,
+cache dropped the same way, file after file as both handles issue them: a ratio to it near 1 means
+the disk, not the handle, sets the pace.
+Last line:
+{"bench":"aio","write_vs_deepspeed":X,"read_vs_deepspeed":Y,"small_read_vs_deepspeed":Z,
+ "small_read_spillway_vs_fio":F,"small_read_deepspeed_vs_fio":G}
 (ratios > 1: Spillway faster)."""
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -34,6 +41,28 @@ def drop_cache(path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def fio_read_seconds(paths, block_size, queue_depth):
+    """fio reading `paths` whole, O_DIRECT through io_uring, `queue_depth` blocks in flight across
+    the files: the device's own rate for this pattern. Seconds, from fio's own runtime. fio takes
+    at most 4096 characters of file names, so it reads them through short hard links (same inodes)."""
+    links = tempfile.mkdtemp(prefix="fio-", dir=os.path.dirname(paths[0]))
+    try:
+        for i, p in enumerate(paths):
+            os.link(p, os.path.join(links, str(i)))
+        out = subprocess.run(["fio", "--name=ceiling", f"--directory={links}",
+                              "--filename=" + ":".join(str(i) for i in range(len(paths))), "--rw=read",
+                              f"--bs={block_size}", "--direct=1", "--ioengine=io_uring",
+                              f"--iodepth={queue_depth}", "--file_service_type=sequential",
+                              "--output-format=json"],
+                             capture_output=True, text=True)
+    finally:
+        shutil.rmtree(links)
+    if out.returncode != 0:
+        raise SystemExit(f"fio failed (exit {out.returncode}) reading {len(paths)} files:\n{out.stderr[:2000]}")
+    job = json.loads(out.stdout)["jobs"][0]["read"]
+    return job["io_bytes"] / job["bw_bytes"]
 
 
 def main():
@@ -69,7 +98,9 @@ def main():
         for s in small:
             s.copy_(torch.randn(small_n))
         data[name] = (big, small)
-    times = {name: {"write": [], "read": [], "small_read": []} for name in handles}
+    if shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (scripts/install-deps installs it): it is the ceiling")
+    times = {name: {"write": [], "read": [], "small_read": [], "fio_small_read": []} for name in handles}
     try:
         for rep in range(a.reps):
             order = list(handles) if rep % 2 == 0 else list(reversed(handles))
@@ -103,20 +134,26 @@ def main():
                     assert h.async_pread(s, p) == 0
                 assert h.wait() == len(small)
                 times[name]["small_read"].append(time.perf_counter() - t)
+                for p in paths:
+                    drop_cache(p)
+                times[name]["fio_small_read"].append(fio_read_seconds(paths, a.block_size, a.queue_depth))
     finally:
         for f in os.listdir(root):
             os.unlink(os.path.join(root, f))
         os.rmdir(root)
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     large_bytes, small_bytes = large_n * 4, small_n * 4 * a.small_count
-    print(f"\n{'':12}{'write 1 GiB':>14}{'read 1 GiB':>14}{'read 256 x 4 MiB':>20}   (GB/s, median of {a.reps})")
+    print(f"\n{'':12}{'write 1 GiB':>14}{'read 1 GiB':>14}{'read 256 x 4 MiB':>20}{'fio, same files':>18}"
+          f"   (GB/s, median of {a.reps})")
     for n in handles:
         print(f"{n:12}{large_bytes / med[n]['write'] / 1e9:14.2f}{large_bytes / med[n]['read'] / 1e9:14.2f}"
-              f"{small_bytes / med[n]['small_read'] / 1e9:20.2f}")
+              f"{small_bytes / med[n]['small_read'] / 1e9:20.2f}{small_bytes / med[n]['fio_small_read'] / 1e9:18.2f}")
     r = {"bench": "aio",
          "write_vs_deepspeed": round(med["deepspeed"]["write"] / med["spillway"]["write"], 3),
          "read_vs_deepspeed": round(med["deepspeed"]["read"] / med["spillway"]["read"], 3),
-         "small_read_vs_deepspeed": round(med["deepspeed"]["small_read"] / med["spillway"]["small_read"], 3)}
+         "small_read_vs_deepspeed": round(med["deepspeed"]["small_read"] / med["spillway"]["small_read"], 3),
+         "small_read_spillway_vs_fio": round(med["spillway"]["fio_small_read"] / med["spillway"]["small_read"], 3),
+         "small_read_deepspeed_vs_fio": round(med["deepspeed"]["fio_small_read"] / med["deepspeed"]["small_read"], 3)}
     print(json.dumps(r))
 
 
