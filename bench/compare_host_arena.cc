@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/pow2_caching_policy.h"
 
 extern "C" void* __libc_malloc(size_t);  // glibc's own malloc, even when jemalloc is linked in
 extern "C" void __libc_free(void*);
@@ -214,45 +215,26 @@ class JemallocAlloc final : public Allocator {
   std::string mapped_key_;
 };
 
-// PyTorch's CachingHostAllocator policy: size rounded up to a power of two, a free list per
-// power of two, a block is reused only for the same rounded size, and nothing is ever released.
+// PyTorch's CachingHostAllocator policy (spillway/allocator/pow2_caching_policy.h).
 class Pow2Model final : public Allocator {
  public:
-  ~Pow2Model() override {
-    for (auto& [size, blocks] : free_)
-      for (void* p : blocks) munmap(p, size);
-    for (auto& [p, size] : sizes_)
-      if (live_.count(p)) munmap(p, size);
-  }
   const char* name() const override { return "pow2 cache (torch)"; }
   void* Alloc(const Op& op) override {
-    uint64_t rounded = 4096;
-    while (rounded < op.bytes) rounded <<= 1;
-    auto& bin = free_[rounded];
-    void* p;
-    if (!bin.empty()) {
-      p = bin.back();
-      bin.pop_back();
-    } else {
-      p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) std::abort();
-      held_ += rounded;
-      sizes_[p] = rounded;
-    }
-    live_.insert(p);
-    return p;
+    auto p = policy_.Alloc(op.bytes);
+    if (!p.ok()) Die(p.status());
+    return *p;
   }
   void Free(void* p, uint64_t) override {
-    live_.erase(p);
-    free_[sizes_[p]].push_back(p);
+    if (spillway::Status st = policy_.Free(p); !st.ok()) Die(st);
   }
-  uint64_t HeldBytes() override { return held_; }
+  uint64_t HeldBytes() override { return policy_.held_bytes(); }
 
  private:
-  std::map<uint64_t, std::vector<void*>> free_;
-  std::map<void*, uint64_t> sizes_;
-  std::set<void*> live_;
-  uint64_t held_ = 0;
+  static void Die(const spillway::Status& st) {
+    std::fprintf(stderr, "compare_host_arena: pow2 model: %s\n", st.ToString().c_str());
+    std::exit(1);
+  }
+  spillway::allocator::baseline::Pow2CachingPolicy policy_;
 };
 
 struct Replay {

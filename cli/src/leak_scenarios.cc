@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "leak_scenarios.h"
+#include "spillway/allocator/pow2_caching_policy.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/cli/proc_memory.h"
 #include "spillway/engine/host_optimizer.h"
@@ -198,37 +199,6 @@ Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
 // 2. pinned-pow2. Detector: host bytes held from the OS (arena committed; the cache's held bytes),
 // at every step and boundary; growth is boundary over boundary. Sizes grow 15% an epoch (buckets
 // and sequence lengths that change), and each epoch's buffers die at its end.
-namespace {
-class Pow2Cache {  // PyTorch's CachingHostAllocator policy: round up to 2^k, cache, never release
- public:
-  ~Pow2Cache() {
-    for (auto& [size, blocks] : free_)
-      for (void* p : blocks) std::free(p);
-  }
-  void* Alloc(uint64_t bytes) {
-    uint64_t rounded = 4096;
-    while (rounded < bytes) rounded <<= 1;
-    auto& bin = free_[rounded];
-    void* p;
-    if (!bin.empty()) {
-      p = bin.back();
-      bin.pop_back();
-    } else {
-      p = std::aligned_alloc(4096, rounded);
-      held_ += rounded;
-    }
-    size_[p] = rounded;
-    return p;
-  }
-  void Free(void* p) { free_[size_[p]].push_back(p); }
-  uint64_t held() const { return held_; }
-
- private:
-  std::map<uint64_t, std::vector<void*>> free_;
-  std::map<void*, uint64_t> size_;
-  uint64_t held_ = 0;
-};
-}  // namespace
 
 Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
   constexpr int kEpochs = 6, kSteps = 4, kParts = 12;
@@ -239,7 +209,7 @@ Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
   auto rig = MakeRig(suite, {.with_nvme = false});
   if (!rig.ok()) return rig.status();
   Rig& r = **rig;
-  Pow2Cache cache;
+  allocator::baseline::Pow2CachingPolicy cache;  // PyTorch's CachingHostAllocator policy
   auto size_of = [](int e, int i) {
     return static_cast<uint64_t>((1.0 + 0.5 * i) * (1.0 + 0.15 * e) * kMiB) / 4096 * 4096 + 4096;
   };
@@ -249,13 +219,9 @@ Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
       return r.host->Allocate(bytes, OwnerTag{Kind::kSwapBuffer, life, 0, 0, SPILLWAY_SITE});
     };
     auto release = [&](void* p) -> Status {
-      if (!spillway) {
-        cache.Free(p);
-        return Status::Ok();
-      }
-      return r.host->Free(p);
+      return spillway ? r.host->Free(p) : cache.Free(p);
     };
-    auto held = [&] { return spillway ? HostCommitted(r) : static_cast<double>(cache.held()); };
+    auto held = [&] { return spillway ? HostCommitted(r) : static_cast<double>(cache.held_bytes()); };
     int64_t step = 0;
     series->Add(0, 0, true, held());
     for (int e = 1; e <= kEpochs; ++e) {
