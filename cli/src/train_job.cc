@@ -19,6 +19,7 @@
 #include "spillway/metrics/exporter.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
+#include "spillway/offload/tiers.h"
 
 namespace spillway::cli {
 
@@ -225,23 +226,13 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (!corpus.ok()) return corpus.status();
 
   // The tiers, all reporting to one ledger.
-  allocator::Ledger ledger;
-  allocator::HostArenaOptions ho = config->HostArenaOptions();
-  ho.ledger = &ledger;
-  auto host = allocator::HostArena::Create(ho);
-  if (!host.ok()) return host.status().WithContext("host arena");
-  auto io = allocator::UringEngine::Create(config->EngineOptions(host->get()));
-  if (!io.ok()) return io.status().WithContext("I/O engine");
-  std::unique_ptr<allocator::NvmeArena> nvme;
-  if (config->any_nvme()) {
-    allocator::NvmeArenaOptions no = config->NvmeArenaOptions();
-    no.ledger = &ledger;
-    auto n = allocator::NvmeArena::Create(no, io->get());
-    if (!n.ok()) return n.status().WithContext("NVMe arena");
-    nvme = std::move(*n);
-  }
-  auto store = offload::PartitionStore::Create(*config, host->get(), nvme.get(), allocator::kProcessScope);
-  if (!store.ok()) return store.status();
+  auto tiers = offload::Tiers::Create(*config);
+  if (!tiers.ok()) return tiers.status();
+  allocator::Ledger& ledger = (*tiers)->ledger;
+  allocator::HostArena* host = (*tiers)->host.get();
+  allocator::UringEngine* io = (*tiers)->io.get();
+  allocator::NvmeArena* nvme = (*tiers)->nvme.get();
+  offload::PartitionStore* store = (*tiers)->store.get();
   auto dist = engine::DistEnvFromEnvironment();
   if (!dist.ok()) return dist.status();
   auto coll = engine::Collectives::Create(*dist);
@@ -250,15 +241,9 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   engine::TrainerOptions to;
   to.model = model;
   to.compute = *compute;
-  to.adam.lr = tc.lr;
-  to.adam.beta1 = tc.beta1;
-  to.adam.beta2 = tc.beta2;
-  to.adam.eps = tc.eps;
-  to.adam.weight_decay = tc.weight_decay;
-  to.adam.adamw_mode = tc.optimizer == "AdamW";
-  to.max_grad_norm = tc.gradient_clipping;
+  to.ApplyTraining(tc);
   to.optimizer_threads = o.threads;
-  auto trainer = engine::Trainer::Create(to, coll->get(), store->get(), host->get(), &ledger,
+  auto trainer = engine::Trainer::Create(to, coll->get(), store, host, &ledger,
                                          allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 
@@ -280,11 +265,11 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     auto e = metrics::Exporter::Start(eo);
     if (!e.ok()) return e.status();
     exporter = std::move(*e);
-    exporter->Watch(host->get());
-    exporter->Watch(io->get());
-    if (nvme) exporter->Watch(nvme.get());
+    exporter->Watch(host);
+    exporter->Watch(io);
+    if (nvme) exporter->Watch(nvme);
     exporter->Watch(&ledger);
-    exporter->Watch(store->get());
+    exporter->Watch(store);
     exporter->Watch(&(*trainer)->optimizer());
     result.metrics_address = exporter->address();
   }
@@ -298,7 +283,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (!loader.ok()) return loader.status();
 
   std::FILE* out = o.out;
-  const auto host_live = [&] { return (*host)->Stats().live_bytes; };
+  const auto host_live = [&] { return host->Stats().live_bytes; };
   const auto nvme_live = [&] { return nvme ? nvme->Stats().live_bytes : 0; };
   if (o.progress) {
     std::fprintf(out,
@@ -319,7 +304,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
                  offload::OffloadDeviceName(config->offload_param.device),
                  config->any_nvme() ? " in " : "",
                  config->any_nvme() ? config->NvmeArenaOptions().directory.c_str() : "",
-                 allocator::PinModeName((*host)->Stats().pin_mode), tc.micro_batch_size,
+                 allocator::PinModeName(host->Stats().pin_mode), tc.micro_batch_size,
                  model.seq_len, tc.gradient_accumulation_steps, tc.optimizer.c_str(), tc.lr,
                  tc.gradient_clipping, o.workers, result.compute.c_str(),
                  exporter ? StrCat("http://", exporter->address(), "/metrics").c_str() : "off");
@@ -378,7 +363,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     s.tokens_per_second = tokens / busy;
     std::sort(step_seconds.begin(), step_seconds.end());
     s.median_step_seconds = step_seconds[step_seconds.size() / 2];
-    const allocator::TierReport* h = FindTier(s.boundary, (*host)->tier_name());
+    const allocator::TierReport* h = FindTier(s.boundary, host->tier_name());
     const allocator::TierReport* n = nvme ? FindTier(s.boundary, nvme->tier_name()) : nullptr;
     const uint64_t host_now = h ? h->live_bytes : 0, nvme_now = n ? n->live_bytes : 0;
     s.host_live_growth = static_cast<int64_t>(host_now) - static_cast<int64_t>(prev_host);
@@ -399,8 +384,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     if (o.progress) std::fprintf(out, "sample (greedy): %s\n", result.sample.c_str());
   }
   if (exporter) {
-    for (const void* c : std::initializer_list<const void*>{host->get(), io->get(), nvme.get(), &ledger,
-                                                            store->get(), &(*trainer)->optimizer()}) {
+    for (const void* c : std::initializer_list<const void*>{host, io, nvme, &ledger,
+                                                            store, &(*trainer)->optimizer()}) {
       if (c != nullptr) exporter->Unwatch(c);
     }
   }

@@ -21,6 +21,7 @@
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
+#include "spillway/offload/tiers.h"
 
 namespace py = pybind11;
 
@@ -63,36 +64,19 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   if (!config.ok()) return config.status();
   auto compute = engine::ResolveComputeDevice(q.device);
   if (!compute.ok()) return compute.status();
-  allocator::Ledger ledger;
-  allocator::HostArenaOptions ho = config->HostArenaOptions();
-  ho.ledger = &ledger;
-  auto host = allocator::HostArena::Create(ho);
-  if (!host.ok()) return host.status().WithContext("host arena");
-  auto io = allocator::UringEngine::Create(config->EngineOptions(host->get()));
-  if (!io.ok()) return io.status().WithContext("I/O engine");
-  std::unique_ptr<allocator::NvmeArena> nvme;
-  if (config->any_nvme()) {
-    allocator::NvmeArenaOptions no = config->NvmeArenaOptions();
-    no.ledger = &ledger;
-    auto n = allocator::NvmeArena::Create(no, io->get());
-    if (!n.ok()) return n.status().WithContext("NVMe arena");
-    nvme = std::move(*n);
-  }
-  auto store = offload::PartitionStore::Create(*config, host->get(), nvme.get(), allocator::kProcessScope);
-  if (!store.ok()) return store.status();
+  auto tiers = offload::Tiers::Create(*config);
+  if (!tiers.ok()) return tiers.status();
+  allocator::Ledger& ledger = (*tiers)->ledger;
+  allocator::HostArena* host = (*tiers)->host.get();
+  allocator::NvmeArena* nvme = (*tiers)->nvme.get();
+  offload::PartitionStore* store = (*tiers)->store.get();
 
   const offload::TrainingConfig& tc = config->training;
   engine::TrainerOptions to;
   to.model = q.model;
   to.compute = *compute;
-  to.adam.lr = tc.lr;
-  to.adam.beta1 = tc.beta1;
-  to.adam.beta2 = tc.beta2;
-  to.adam.eps = tc.eps;
-  to.adam.weight_decay = tc.weight_decay;
-  to.adam.adamw_mode = tc.optimizer == "AdamW";
-  to.max_grad_norm = tc.gradient_clipping;
-  auto trainer = engine::Trainer::Create(to, coll, store->get(), host->get(), &ledger, allocator::kProcessScope);
+  to.ApplyTraining(tc);
+  auto trainer = engine::Trainer::Create(to, coll, store, host, &ledger, allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 
   TrainOutcome out;
@@ -113,8 +97,8 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
     if (!p.ok()) return p.status();
     out.params.push_back(std::move(*p));
   }
-  out.host_live_bytes = (*host)->Stats().live_bytes;
-  out.host_escapes = (*host)->Stats().escape_count;
+  out.host_live_bytes = host->Stats().live_bytes;
+  out.host_escapes = host->Stats().escape_count;
   out.nvme_live_bytes = nvme ? nvme->Stats().live_bytes : 0;
   return out;
 }

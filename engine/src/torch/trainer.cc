@@ -108,6 +108,16 @@ torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets) {
 
 // ---- the trainer ----
 
+void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
+  adam.lr = tc.lr;
+  adam.beta1 = tc.beta1;
+  adam.beta2 = tc.beta2;
+  adam.eps = tc.eps;
+  adam.weight_decay = tc.weight_decay;
+  adam.adamw_mode = tc.optimizer == "AdamW";
+  max_grad_norm = tc.gradient_clipping;
+}
+
 Result<torch::Device> ResolveComputeDevice(const std::string& spec) {
   if (spec == "cpu") return torch::Device(torch::kCPU);
   const bool cuda = torch::cuda::is_available();

@@ -61,6 +61,10 @@ struct TrainerOptions {
   AdamWConfig adam;
   uint32_t optimizer_threads = 0;
   double max_grad_norm = 0.0;  // 0: no clipping
+
+  // Takes the optimizer settings of a DeepSpeed config's training keys (optimizer.type and
+  // .params, gradient_clipping); the model, device and threads are left as they are.
+  void ApplyTraining(const offload::TrainingConfig& tc);
 };
 
 struct TrainStepResult {

@@ -1,0 +1,54 @@
+// Tiers: the storage a config describes, as `spillway train` and spillway.engine compose it.
+#include "spillway/offload/tiers.h"
+
+#include <gtest/gtest.h>
+
+#include "store_test_util.h"
+
+namespace spillway::offload {
+namespace {
+
+using testing::OffloadJson;
+using testing::ParseOrDie;
+
+TEST(TiersTest, NvmeIsMadeOnlyWhenTheConfigPlacesSomethingThere) {
+  auto with = Tiers::Create(ParseOrDie(OffloadJson("nvme", "cpu")));
+  ASSERT_TRUE(with.ok()) << with.status().ToString();
+  EXPECT_NE((*with)->host, nullptr);
+  EXPECT_NE((*with)->io, nullptr);
+  EXPECT_NE((*with)->nvme, nullptr);
+  EXPECT_NE((*with)->store, nullptr);
+
+  auto without = Tiers::Create(ParseOrDie(OffloadJson("cpu", "cpu")));
+  ASSERT_TRUE(without.ok()) << without.status().ToString();
+  EXPECT_EQ((*without)->nvme, nullptr);
+  EXPECT_NE((*without)->store, nullptr);
+}
+
+TEST(TiersTest, TheStoreReportsToTheOneLedger) {
+  auto t = Tiers::Create(ParseOrDie(OffloadJson("nvme", "nvme")));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto id = (*t)->store->Register({0, 0, StateKind::kMasterWeight}, 4 << 20);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  {
+    auto h = (*t)->store->Acquire(*id);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+  }
+  ASSERT_TRUE((*t)->store->Flush().ok());
+  ASSERT_TRUE((*t)->ledger.BeginEpoch(1).ok());
+  allocator::BoundaryReport report;
+  ASSERT_TRUE((*t)->ledger.EndEpoch(&report).ok());
+  const uint64_t live = report.live_bytes();
+  EXPECT_GT(live, 0u) << "the registered partition's state lives in a tier of the ledger";
+}
+
+TEST(TiersTest, AFailingTierIsNamed) {
+  const std::string json = R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+      "nvme_path": "/proc/spillway-cannot-be-here"}}})";
+  auto t = Tiers::Create(ParseOrDie(json));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().message().rfind("NVMe arena", 0), 0u) << t.status().ToString();
+}
+
+}  // namespace
+}  // namespace spillway::offload
