@@ -214,7 +214,9 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (", o.steps_per_epoch,
                                           ") must be at least 1"));
   }
-  auto compute = engine::ResolveComputeDevice(o.device);  // before anything is allocated
+  auto dist = engine::DistEnvFromEnvironment();
+  if (!dist.ok()) return dist.status();
+  auto compute = engine::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
   if (!compute.ok()) return compute.status();
   TempDir temp;
   auto config = LoadConfig(o, &temp);
@@ -233,8 +235,6 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   allocator::UringEngine* io = (*tiers)->io.get();
   allocator::NvmeArena* nvme = (*tiers)->nvme.get();
   offload::PartitionStore* store = (*tiers)->store.get();
-  auto dist = engine::DistEnvFromEnvironment();
-  if (!dist.ok()) return dist.status();
   auto coll = engine::Collectives::Create(*dist);
   if (!coll.ok()) return coll.status();
 

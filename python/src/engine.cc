@@ -42,6 +42,7 @@ struct TrainOutcome {
   std::vector<double> losses;
   std::vector<torch::Tensor> params;  // every unit's full parameters after the last step
   std::string backend;
+  std::string compute, collectives;  // devices: where the math ran, where gather/scatter ran
   int rank = 0, world_size = 1;
   uint64_t host_live_bytes = 0, nvme_live_bytes = 0, host_escapes = 0;
 };
@@ -62,7 +63,9 @@ torch::Tensor GlobalMicroBatch(const TrainRequest& q, int64_t step, int64_t k) {
 Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* coll) {
   auto config = offload::Config::Parse(q.config_json);
   if (!config.ok()) return config.status();
-  auto compute = engine::ResolveComputeDevice(q.device);
+  auto dist = engine::DistEnvFromEnvironment();  // LOCAL_RANK picks this rank's GPU
+  if (!dist.ok()) return dist.status();
+  auto compute = engine::ResolveComputeDevice(q.device, dist->local_rank);
   if (!compute.ok()) return compute.status();
   auto tiers = offload::Tiers::Create(*config);
   if (!tiers.ok()) return tiers.status();
@@ -81,6 +84,8 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
 
   TrainOutcome out;
   out.backend = coll->backend();
+  out.compute = compute->str();
+  out.collectives = (*trainer)->collectives_device().str();
   out.rank = coll->rank();
   out.world_size = coll->world_size();
   for (int64_t s = 0; s < q.steps; ++s) {
@@ -158,7 +163,7 @@ void BindEngine(py::module_& m) {
           } catch (const py::cast_error&) {
             Raise(Status::InvalidArgument(
                 StrCat("group: expected a torch.distributed ProcessGroup (torch.distributed.group.WORLD "
-                       "after init_process_group(\"gloo\")), got ",
+                       "after init_process_group(\"gloo\") or (\"cpu:gloo,cuda:nccl\")), got ",
                        std::string(py::str(py::type::of(group))))));
           }
           coll = Check(engine::Collectives::FromProcessGroup(std::move(pg)));
@@ -172,6 +177,8 @@ void BindEngine(py::module_& m) {
         d["losses"] = o.losses;
         d["params"] = o.params;
         d["backend"] = o.backend;
+        d["compute_device"] = o.compute;
+        d["collectives_device"] = o.collectives;
         d["rank"] = o.rank;
         d["world_size"] = o.world_size;
         d["host_live_bytes"] = o.host_live_bytes;

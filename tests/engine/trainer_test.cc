@@ -161,7 +161,11 @@ INSTANTIATE_TEST_SUITE_P(Gpu, TrainerCudaTest, ::testing::Values("none", "cpu", 
 
 TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
   EXPECT_EQ(*ResolveComputeDevice("cpu"), torch::Device(torch::kCPU));
-  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda0", ""}) {
+  EXPECT_EQ(*ResolveComputeDevice("cpu", 5), torch::Device(torch::kCPU));
+  auto negative = ResolveComputeDevice("auto", -1);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("LOCAL_RANK"), std::string::npos);
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda0", "", "cuda:99999999999999999999", "autox"}) {
     auto r = ResolveComputeDevice(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
@@ -173,8 +177,18 @@ TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
     auto r = ResolveComputeDevice("cuda:99");
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find("does not exist"), std::string::npos) << r.status().ToString();
+    // Each local rank takes its own GPU; one past the last GPU has none and is told so.
+    const int count = static_cast<int>(torch::cuda::device_count());
+    EXPECT_EQ(*ResolveComputeDevice("auto", count - 1), torch::Device(torch::kCUDA, count - 1));
+    EXPECT_EQ(*ResolveComputeDevice("cuda:0", count), torch::Device(torch::kCUDA, 0));  // named wins
+    for (const char* spec : {"auto", "cuda"}) {
+      auto none = ResolveComputeDevice(spec, count);
+      ASSERT_FALSE(none.ok());
+      EXPECT_NE(none.status().message().find("one rank per GPU"), std::string::npos) << none.status().ToString();
+    }
   } else {
     EXPECT_EQ(*ResolveComputeDevice("auto"), torch::Device(torch::kCPU));
+    EXPECT_EQ(*ResolveComputeDevice("auto", 3), torch::Device(torch::kCPU));
     auto r = ResolveComputeDevice("cuda");
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
@@ -190,6 +204,42 @@ TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
                              allocator::kProcessScope);
     ASSERT_FALSE(t.ok());
     EXPECT_NE(t.status().message().find("not usable"), std::string::npos) << t.status().ToString();
+  }
+}
+
+TEST(CollectivesTest, TensorFormsCheckShapesAndNameTheMissingBackend) {
+  auto coll = std::move(Collectives::Create(DistEnv{}).value());
+  EXPECT_TRUE(coll->HasBackendFor(c10::DeviceType::CPU));
+  EXPECT_FALSE(coll->HasBackendFor(c10::DeviceType::CUDA));  // no group, so no NCCL
+  // World size 1 without a group: the collectives are copies, on tensors as on pointers.
+  const torch::Tensor shard = torch::arange(8, torch::kFloat32);
+  torch::Tensor full = torch::zeros({8});
+  ASSERT_TRUE(coll->AllGather(shard, full).ok());
+  EXPECT_TRUE(torch::equal(full, shard));
+  torch::Tensor back = torch::zeros({8});
+  ASSERT_TRUE(coll->ReduceScatterSum(full, back).ok());
+  EXPECT_TRUE(torch::equal(back, shard));
+  // Wrong sizes, dtypes and layouts: refused, naming the tensor, and nothing written.
+  torch::Tensor untouched = torch::full({9}, 7.0f);
+  Status st = coll->AllGather(shard, untouched);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("full has 9 elements, shard 8"), std::string::npos) << st.ToString();
+  EXPECT_TRUE(torch::equal(untouched, torch::full({9}, 7.0f)));
+  st = coll->ReduceScatterSum(torch::zeros({8}, torch::kFloat64), back);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("full must be a defined, contiguous float32"), std::string::npos) << st.ToString();
+  st = coll->AllGather(torch::zeros({16}).slice(0, 0, 16, 2), full);
+  EXPECT_NE(st.message().find("shard must be a defined, contiguous"), std::string::npos) << st.ToString();
+  st = coll->AllGather(torch::Tensor(), full);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  if (torch::cuda::is_available()) {
+    // CUDA tensors with no CUDA backend: a precondition naming the group to make.
+    const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+    st = coll->AllGather(torch::zeros({8}, cuda), torch::zeros({8}, cuda));
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("cpu:gloo,cuda:nccl"), std::string::npos) << st.ToString();
+    st = coll->AllGather(torch::zeros({8}, cuda), full);
+    EXPECT_NE(st.message().find("same device"), std::string::npos) << st.ToString();
   }
 }
 

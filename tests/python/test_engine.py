@@ -44,14 +44,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(cfg, world, out):
+def run_ranks(cfg, world, out, device="cpu", backend="gloo", micro=None, steps=STEPS):
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(cfg), str(STEPS), str(GLOBAL_MICRO // world), str(out)],
+            [sys.executable, str(WORKER), json.dumps(cfg), str(steps),
+             str(micro if micro is not None else GLOBAL_MICRO // world), str(out), device, backend],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (p, log) in enumerate(zip(procs, logs)):
@@ -67,6 +68,7 @@ def test_world_size_two_equals_world_size_one(offload, tmp_path):
     two = run_ranks(config(offload, tmp_path / "w2"), 2, tmp_path / "two.pt")
     assert one["backend"] == "single" and one["world_size"] == 1
     assert two["backend"] == "gloo" and two["world_size"] == 2
+    assert two["collectives_device"] == "cpu" and two["compute_device"] == "cpu"
     assert len(two["losses"]) == STEPS
     worst = max(abs(a - b) / abs(a) for a, b in zip(one["losses"], two["losses"]))
     print(f"offload {offload}: losses {one['losses'][0]:.4f} -> {one['losses'][-1]:.4f}, "
@@ -78,6 +80,20 @@ def test_world_size_two_equals_world_size_one(offload, tmp_path):
         assert rel < 1e-4, f"unit {u}: parameters differ by {rel:.2e} of the unit's largest weight"
     assert one["losses"][-1] < 0.8 * one["losses"][0]  # it trained (ln 32 = 3.47 -> about 1.8)
     assert two["host_escapes"] == 0
+
+
+def test_a_group_of_one_runs_its_collectives_on_gloo_and_changes_nothing(tmp_path):
+    """A torch.distributed group of size 1 is used as given: the all-gathers and reduce-scatters go
+    through ProcessGroupGloo (copies at world size 1), not around it, so the losses and parameters
+    equal the group-less run's bit for bit."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    alone = spillway.engine.train_gpt(config("cpu", tmp_path / "a"), steps=5, micro_batches=2)
+    grouped = run_ranks(config("cpu", tmp_path / "b"), 1, tmp_path / "one.pt", micro=2, steps=5)
+    assert alone["backend"] == "single" and grouped["backend"] == "gloo"
+    assert grouped["losses"] == alone["losses"]
+    for a, b in zip(alone["params"], grouped["params"]):
+        assert torch.equal(a, b)
 
 
 def test_the_comparison_sees_a_different_batch(tmp_path):

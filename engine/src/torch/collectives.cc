@@ -71,7 +71,8 @@ Result<DistEnv> DistEnvFromEnvironment() {
 struct Collectives::Impl {
   c10::intrusive_ptr<c10d::Store> store;   // Create(env) only
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // FromProcessGroup only
-  c10::intrusive_ptr<c10d::Backend> pg;    // null at world size 1
+  c10::intrusive_ptr<c10d::Backend> cpu;   // null at world size 1 without a group
+  c10::intrusive_ptr<c10d::Backend> cuda;  // FromProcessGroup, when the group has one
   std::string name = "single";
 };
 
@@ -80,18 +81,26 @@ Collectives::~Collectives() = default;
 
 const std::string& Collectives::backend() const { return impl_->name; }
 
+bool Collectives::HasBackendFor(c10::DeviceType type) const {
+  if (type == c10::DeviceType::CPU) return true;
+  return type == c10::DeviceType::CUDA && impl_->cuda;
+}
+
 Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
     c10::intrusive_ptr<c10d::ProcessGroup> pg) {
   if (!pg) return Status::InvalidArgument("FromProcessGroup: a null process group");
   DistEnv env;
-  c10::intrusive_ptr<c10d::Backend> backend;
-  std::string name;
+  c10::intrusive_ptr<c10d::Backend> cpu, cuda;
   Status st = Guard("reading the process group", [&] {
     env.rank = pg->getRank();
     env.world_size = pg->getSize();
-    name = pg->getBackendName();
-    if (env.world_size > 1) backend = pg->getBackend(c10::DeviceType::CPU);
+    cpu = pg->getBackend(c10::DeviceType::CPU);
+    if (pg->hasBackendForDeviceType(c10::DeviceType::CUDA)) cuda = pg->getBackend(c10::DeviceType::CUDA);
   });
+  // init_process_group("gloo") registers its one Gloo backend for CUDA as well; Gloo stages CUDA
+  // tensors through the host, which the trainer's host path does better (into pinned memory), so
+  // only a backend of the CUDA device's own (NCCL) counts as one.
+  if (cuda && cuda.get() == cpu.get()) cuda.reset();
   if (!st.ok()) {
     return Status::InvalidArgument(StrCat(
         st.message(), "; the trainer's shards are host memory, so the group needs a CPU backend: ",
@@ -99,10 +108,10 @@ Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
   }
   std::unique_ptr<Collectives> c(new Collectives(env));
   c->impl_->group = std::move(pg);
-  if (env.world_size > 1) {
-    c->impl_->pg = std::move(backend);
-    c->impl_->name = name;
-  }
+  c->impl_->name = cuda ? StrCat("cpu:", cpu->getBackendName(), ",cuda:", cuda->getBackendName())
+                        : cpu->getBackendName();
+  c->impl_->cpu = std::move(cpu);
+  c->impl_->cuda = std::move(cuda);
   return c;
 }
 
@@ -132,8 +141,8 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
     auto opts = c10d::ProcessGroupGloo::Options::create();
     opts->timeout = std::chrono::seconds(env.timeout_seconds);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
-    c->impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c->impl_->store, env.rank,
-                                                               env.world_size, opts);
+    c->impl_->cpu = c10::make_intrusive<c10d::ProcessGroupGloo>(c->impl_->store, env.rank,
+                                                                env.world_size, opts);
     c->impl_->name = "gloo";
   });
   if (!st.ok()) {
@@ -149,48 +158,91 @@ namespace {
 torch::Tensor View(const float* p, uint64_t n) {
   return torch::from_blob(const_cast<float*>(p), {static_cast<int64_t>(n)}, torch::kFloat32);
 }
+
+// The shapes every collective here needs: contiguous fp32 on one device, big == world * small.
+Status CheckPair(const char* what, const char* big_name, const torch::Tensor& big,
+                 const char* small_name, const torch::Tensor& small, int world) {
+  for (const torch::Tensor* t : {&big, &small}) {
+    if (!t->defined() || t->scalar_type() != torch::kFloat32 || !t->is_contiguous()) {
+      return Status::InvalidArgument(StrCat(what, ": ", t == &big ? big_name : small_name,
+                                            " must be a defined, contiguous float32 tensor"));
+    }
+  }
+  if (big.device() != small.device()) {
+    return Status::InvalidArgument(StrCat(what, ": ", big_name, " is on ", big.device().str(), " and ",
+                                          small_name, " on ", small.device().str(),
+                                          "; both must be on the same device"));
+  }
+  if (big.numel() != small.numel() * world) {
+    return Status::InvalidArgument(StrCat(what, ": ", big_name, " has ", big.numel(), " elements, ",
+                                          small_name, " ", small.numel(), "; ", big_name,
+                                          " must be world size (", world, ") times ", small_name));
+  }
+  return Status::Ok();
+}
 }  // namespace
 
-Status Collectives::AllGather(const float* shard, uint64_t shard_elems, float* full) {
-  if (!impl_->pg) {
-    if (full != shard) std::memcpy(full, shard, shard_elems * 4);
+Result<c10d::Backend*> Collectives::BackendFor(const char* what, c10::Device device) {
+  if (device.is_cpu()) return impl_->cpu.get();  // null: world size 1 without a group
+  if (device.is_cuda() && impl_->cuda) return impl_->cuda.get();
+  return Status::FailedPrecondition(StrCat(
+      what, " on ", device.str(), " tensors, but the process group (", impl_->name,
+      ") has no backend for ", c10::DeviceTypeName(device.type()), "; make it with ",
+      "init_process_group(\"cpu:gloo,cuda:nccl\") to run collectives on the GPU, or pass host tensors"));
+}
+
+Status Collectives::AllGather(const torch::Tensor& shard, const torch::Tensor& full) {
+  SPILLWAY_RETURN_IF_ERROR(CheckPair("all-gather", "full", full, "shard", shard, env_.world_size));
+  auto b = BackendFor("all-gather", shard.device());
+  if (!b.ok()) return b.status();
+  if (*b == nullptr) {
+    if (full.data_ptr() != shard.data_ptr()) full.copy_(shard);
     return Status::Ok();
   }
   return Guard("all-gather", [&] {
-    torch::Tensor out = View(full, shard_elems * env_.world_size);
-    torch::Tensor in = View(shard, shard_elems);
-    impl_->pg->_allgather_base(out, in)->wait();
+    torch::Tensor out = full, in = shard;  // the c10d API takes non-const references
+    (*b)->_allgather_base(out, in)->wait();
   });
 }
 
-Status Collectives::ReduceScatterSum(const float* full, uint64_t shard_elems, float* shard) {
-  if (!impl_->pg) {
-    if (full != shard) std::memcpy(shard, full, shard_elems * 4);
+Status Collectives::ReduceScatterSum(const torch::Tensor& full, const torch::Tensor& shard) {
+  SPILLWAY_RETURN_IF_ERROR(CheckPair("reduce-scatter", "full", full, "shard", shard, env_.world_size));
+  auto b = BackendFor("reduce-scatter", shard.device());
+  if (!b.ok()) return b.status();
+  if (*b == nullptr) {
+    if (full.data_ptr() != shard.data_ptr()) shard.copy_(full);
     return Status::Ok();
   }
   return Guard("reduce-scatter", [&] {
-    torch::Tensor out = View(shard, shard_elems);
-    torch::Tensor in = View(full, shard_elems * env_.world_size);
+    torch::Tensor out = shard, in = full;
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    impl_->pg->_reduce_scatter_base(out, in, o)->wait();
+    (*b)->_reduce_scatter_base(out, in, o)->wait();
   });
 }
 
+Status Collectives::AllGather(const float* shard, uint64_t shard_elems, float* full) {
+  return AllGather(View(shard, shard_elems), View(full, shard_elems * env_.world_size));
+}
+
+Status Collectives::ReduceScatterSum(const float* full, uint64_t shard_elems, float* shard) {
+  return ReduceScatterSum(View(full, shard_elems * env_.world_size), View(shard, shard_elems));
+}
+
 Result<double> Collectives::AllReduceSum(double value) {
-  if (!impl_->pg) return value;
+  if (!impl_->cpu) return value;
   double v = value;
   Status st = Guard("all-reduce", [&] {
     std::vector<torch::Tensor> t = {torch::from_blob(&v, {1}, torch::kFloat64)};
-    impl_->pg->allreduce(t)->wait();
+    impl_->cpu->allreduce(t)->wait();
   });
   if (!st.ok()) return st;
   return v;
 }
 
 Status Collectives::Barrier() {
-  if (!impl_->pg) return Status::Ok();
-  return Guard("barrier", [&] { impl_->pg->barrier()->wait(); });
+  if (!impl_->cpu) return Status::Ok();
+  return Guard("barrier", [&] { impl_->cpu->barrier()->wait(); });
 }
 
 }  // namespace spillway::engine

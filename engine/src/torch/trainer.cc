@@ -2,6 +2,7 @@
 #include "spillway/engine/trainer.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "host_view.h"
@@ -118,20 +119,25 @@ void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
   max_grad_norm = tc.gradient_clipping;
 }
 
-Result<torch::Device> ResolveComputeDevice(const std::string& spec) {
-  if (spec == "cpu") return torch::Device(torch::kCPU);
-  const bool cuda = torch::cuda::is_available();
-  if (spec == "auto") return cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  if (spec.rfind("cuda", 0) != 0) {
+Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_rank) {
+  const auto not_a_device = [&] {
     return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+  };
+  if (spec == "cpu") return torch::Device(torch::kCPU);
+  if (local_rank < 0) {
+    return Status::InvalidArgument(StrCat("local rank ", local_rank, " is negative (LOCAL_RANK)"));
   }
-  int index = 0;
-  if (spec.size() > 4) {
-    if (spec[4] != ':' || spec.size() == 5 ||
-        spec.find_first_not_of("0123456789", 5) != std::string::npos) {
-      return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+  const bool cuda = torch::cuda::is_available();
+  if (spec == "auto" && !cuda) return torch::Device(torch::kCPU);
+  long index = local_rank;  // auto, cuda: one GPU per local rank, as torchrun lays ranks out
+  const bool named = spec.rfind("cuda:", 0) == 0;
+  if (named) {
+    if (spec.size() == 5 || spec.size() > 9 || spec.find_first_not_of("0123456789", 5) != std::string::npos) {
+      return not_a_device();
     }
-    index = std::stoi(spec.substr(5));
+    index = std::strtol(spec.c_str() + 5, nullptr, 10);
+  } else if (spec != "auto" && spec != "cuda") {
+    return not_a_device();
   }
   if (!cuda) {
     return Status::Make(StatusCode::kUnavailable,
@@ -140,6 +146,12 @@ Result<torch::Device> ResolveComputeDevice(const std::string& spec) {
   }
   const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
   if (index >= count) {
+    if (!named) {
+      return Status::InvalidArgument(StrCat(
+          "compute device '", spec, "' is the GPU of local rank ", local_rank, ", but libtorch sees ",
+          count, " CUDA device(s); run at most one rank per GPU on a node (torchrun --nproc-per-node ",
+          count, "), or name the device (cuda:N) or cpu"));
+    }
     return Status::InvalidArgument(StrCat("compute device '", spec, "' does not exist: libtorch sees ",
                                           count, " CUDA device(s)"));
   }
@@ -257,7 +269,26 @@ Result<torch::Tensor> Trainer::Gather(int64_t u) {
   return full.narrow(0, 0, unit.numel);
 }
 
+bool Trainer::DeviceCollectives() const {
+  return options_.compute.is_cuda() && coll_->HasBackendFor(options_.compute.type());
+}
+
 Result<torch::Tensor> Trainer::GatherToCompute(int64_t u) {
+  if (DeviceCollectives()) {
+    // Note [Device collectives]: only this rank's shard crosses PCIe; the all-gather runs on the
+    // device (NCCL), into a buffer of the caching allocator.
+    const Unit& unit = units_[u];
+    const auto on_device = torch::TensorOptions().dtype(torch::kFloat32).device(options_.compute);
+    torch::Tensor shard = torch::empty({unit.shard}, on_device);
+    auto v = AcquireView(*store_, unit.param, offload::Access::kRead);
+    if (!v.ok()) return v.status();
+    // A blocking copy: the view is released right after it.
+    shard.copy_(torch::from_blob(v->data, {unit.shard}, torch::kFloat32), /*non_blocking=*/false);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+    torch::Tensor full = torch::empty({unit.shard * coll_->world_size()}, on_device);
+    SPILLWAY_RETURN_IF_ERROR(coll_->AllGather(shard, full));
+    return full.narrow(0, 0, unit.numel);
+  }
   auto host = Gather(u);
   if (!host.ok() || options_.compute.is_cpu()) return host;
   // A blocking copy: the pinned gather buffer returns to the arena as soon as this returns, so the
@@ -269,12 +300,15 @@ Result<torch::Tensor> Trainer::GatherToCompute(int64_t u) {
 Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   const Unit& unit = units_[u];
   const int64_t world = coll_->world_size();
-  torch::Tensor padded = torch::zeros({unit.shard * world});
-  padded.narrow(0, 0, unit.numel).copy_(grad);  // from the compute device when it is a GPU
-  torch::Tensor mine = torch::empty({unit.shard});
-  SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded.data_ptr<float>(),
-                                                   static_cast<uint64_t>(unit.shard),
-                                                   mine.data_ptr<float>()));
+  // On the compute device when the group can reduce there (only the shard comes back over PCIe),
+  // else on the host (the whole gradient comes back).
+  const torch::Device where = DeviceCollectives() ? options_.compute : torch::Device(torch::kCPU);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(where);
+  torch::Tensor padded = torch::zeros({unit.shard * world}, opts);
+  padded.narrow(0, 0, unit.numel).copy_(grad);
+  torch::Tensor mine = torch::empty({unit.shard}, opts);
+  SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded, mine));
+  mine = mine.to(torch::kCPU);  // blocking; ordered after the collective by its wait()
   auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
   if (!v.ok()) return v.status();
   torch::from_blob(v->data, {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));

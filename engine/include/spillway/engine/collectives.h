@@ -8,17 +8,29 @@
 //    torch wheel; `torchrun` sets the same variables for it.
 // World size 1 needs no process group. No home-made transport. Built with the torch half of the
 // engine (SPILLWAY_WITH_TORCH).
+//
+// Where the collectives run: the pointer forms take host memory and run on the group's CPU backend
+// (gloo). The tensor forms run on the backend of the tensors' device, so a group made with
+// init_process_group("cpu:gloo,cuda:nccl") all-gathers and reduce-scatters CUDA tensors on NCCL
+// (the trainer does this when it computes on a GPU, Note [Device collectives] in docs/engine.md)
+// while the host-side sums (the gradient norm, the loss) stay on gloo.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
+#include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include "spillway/allocator/status.h"
 
+namespace at {
+class Tensor;
+}
 namespace c10d {
+class Backend;
 class ProcessGroup;
 }
 
@@ -41,8 +53,12 @@ Result<DistEnv> DistEnvFromEnvironment();
 class Collectives {
  public:
   static Result<std::unique_ptr<Collectives>> Create(const DistEnv& env);
-  // Collectives over the CPU backend of an existing c10d process group (kept alive while these
-  // live). A null group, or one without a CPU backend (NCCL alone), is INVALID_ARGUMENT naming it.
+  // Collectives over the backends of an existing c10d process group (kept alive while these
+  // live): its CPU backend, which it must have, and its CUDA backend when it has one of its own
+  // (NCCL; a "gloo" group's CPU backend also registers for CUDA and is not counted). A group of
+  // size 1 is used as given (its collectives are copies made by the backend), so the device path
+  // runs on a single GPU too. A null group, or one without a CPU backend (NCCL alone), is
+  // INVALID_ARGUMENT naming it.
   static Result<std::unique_ptr<Collectives>> FromProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> pg);
   ~Collectives();
   Collectives(const Collectives&) = delete;
@@ -50,18 +66,31 @@ class Collectives {
 
   int rank() const { return env_.rank; }
   int world_size() const { return env_.world_size; }
-  const std::string& backend() const;  // "single", or the c10d backend's name ("gloo")
+  // "single", the CPU backend's name ("gloo"), or both backends' ("cpu:gloo,cuda:nccl").
+  const std::string& backend() const;
+  // Whether the tensor forms can run on tensors of this device type (CPU: always; CUDA: when the
+  // group has a CUDA backend).
+  bool HasBackendFor(c10::DeviceType type) const;
 
   // full[r * shard_elems, (r + 1) * shard_elems) = rank r's shard.
   Status AllGather(const float* shard, uint64_t shard_elems, float* full);
   // shard = sum over ranks of their full[rank * shard_elems, ...).
   Status ReduceScatterSum(const float* full, uint64_t shard_elems, float* shard);
+  // The same on contiguous fp32 tensors of one device; full has world_size * shard.numel()
+  // elements. Mismatched sizes, dtypes or devices are INVALID_ARGUMENT; a device the group has
+  // no backend for is FAILED_PRECONDITION naming the group to make. Asynchronous backends (NCCL)
+  // return once the work is ordered before later work on the current stream, as c10d's wait().
+  Status AllGather(const at::Tensor& shard, const at::Tensor& full);
+  Status ReduceScatterSum(const at::Tensor& full, const at::Tensor& shard);
   Result<double> AllReduceSum(double value);
   Status Barrier();
 
  private:
   struct Impl;
   explicit Collectives(const DistEnv& env);
+  // The backend for tensors on `device`; null where the collective is a copy (world size 1, no
+  // group).
+  Result<c10d::Backend*> BackendFor(const char* what, c10::Device device);
   DistEnv env_;
   std::unique_ptr<Impl> impl_;
 };

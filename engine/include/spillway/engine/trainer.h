@@ -47,10 +47,12 @@ torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& fla
 torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
 }  // namespace gpt
 
-// Where the forward and backward math runs: "auto" (the first CUDA device when libtorch sees one,
-// else the CPU), "cpu", "cuda" or "cuda:N". An explicit CUDA device that libtorch cannot use is an
-// error naming why, never a silent fall back to the CPU.
-Result<torch::Device> ResolveComputeDevice(const std::string& spec);
+// Where the forward and backward math runs: "auto" (this local rank's CUDA device when libtorch
+// sees one, else the CPU), "cpu", "cuda" (this local rank's) or "cuda:N". Local rank r takes
+// cuda:r, torchrun's layout, so ranks on one node never share a GPU (NCCL refuses that); a local
+// rank without a GPU of its own is an error, as is an explicit CUDA device that libtorch cannot
+// use: never a silent fall back to the CPU.
+Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_rank = 0);
 
 struct TrainerOptions {
   GptConfig model;
@@ -94,6 +96,11 @@ class Trainer {
   // The full parameters of one unit, on the host (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
   HostOptimizer& optimizer() { return *optimizer_; }
+  // Where the per-unit all-gather and reduce-scatter run: on the compute device when it is a GPU
+  // and the group has a CUDA backend (NCCL), else on the host (Note [Device collectives]).
+  torch::Device collectives_device() const {
+    return DeviceCollectives() ? options_.compute : torch::Device(torch::kCPU);
+  }
   int64_t steps() const { return steps_; }
 
  private:
@@ -104,6 +111,7 @@ class Trainer {
   Status Init();
   Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
   Result<torch::Tensor> GatherToCompute(int64_t unit);  // on options_.compute
+  bool DeviceCollectives() const;
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   Result<StepReport> OptimizerStep(StreamStats* stream);
