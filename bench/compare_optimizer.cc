@@ -72,18 +72,38 @@ void Parallel(uint32_t threads, uint64_t n, Fn fn) {
 // elided) and the bf16 parameter (truncated master). Whatever the fused step loses to this is
 // compute or scheduling; what both lose to the hardware is the memory system's.
 volatile float g_zero = 0.0f;
+volatile float g_sink = 0.0f;  // the kernels' sums go here, so no call is dropped as pure
+constexpr int kNormPart = 1, kUpdatePart = 2, kBothParts = 3;  // which of its loops to run
+// Or'ed into the part: prefetch every stream ahead in software, at the distances the optimizer's
+// kernels use (kernels_body.inc). The roofline is the faster of the kernel with and without it, so
+// the optimizer's own prefetching cannot make it look better than the memory system allows.
+constexpr int kPrefetched = 4;
+constexpr uint64_t kNormAhead = 1024, kUpdateAhead = 512;  // elements
+
+inline void PrefetchUpdate(const unsigned char* grad, uint64_t gbytes, const float* w,
+                           const float* m, const float* v, const uint16_t* p, uint64_t i) {
+  const uint64_t j = i + kUpdateAhead;
+  __builtin_prefetch(grad + j * gbytes, 0, 3);
+  __builtin_prefetch(w + j, 1, 3);
+  __builtin_prefetch(m + j, 1, 3);
+  __builtin_prefetch(v + j, 1, 3);
+  __builtin_prefetch(p + j, 1, 3);
+}
 
 __attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
-    const unsigned char* grad, uint64_t gbytes, float* w, float* m, float* v, uint16_t* p,
+    int part, const unsigned char* grad, uint64_t gbytes, float* w, float* m, float* v, uint16_t* p,
     uint64_t begin, uint64_t end) {
   const __m512 z = _mm512_set1_ps(g_zero);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   const uint64_t step = 64 / gbytes;  // elements per 64-byte line of gradients
-  for (uint64_t i = begin; i + step <= end; i += step) {  // norm pass: read the gradients
+  const bool ahead = part & kPrefetched;
+  for (uint64_t i = begin; (part & kNormPart) && i + step <= end; i += step) {  // norm pass: read the gradients
+    if (ahead && i + kNormAhead + step <= end) __builtin_prefetch(grad + (i + kNormAhead) * gbytes, 0, 3);
     acc0 = _mm512_add_ps(acc0, _mm512_castsi512_ps(_mm512_loadu_si512(grad + i * gbytes)));
   }
   uint64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
+  for (; (part & kUpdatePart) && i + 16 <= end; i += 16) {
+    if (ahead && i + kUpdateAhead + 16 <= end) PrefetchUpdate(grad, gbytes, w, m, v, p, i);
     __m512 g;
     if (gbytes == 4) {
       g = _mm512_loadu_ps(reinterpret_cast<const float*>(grad) + i);
@@ -104,17 +124,22 @@ __attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
   return out[0];
 }
 
-__attribute__((target("avx2"))) float MemoryOnlyAvx2(const unsigned char* grad, uint64_t gbytes,
+__attribute__((target("avx2"))) float MemoryOnlyAvx2(int part, const unsigned char* grad, uint64_t gbytes,
                                                     float* w, float* m, float* v, uint16_t* p,
                                                     uint64_t begin, uint64_t end) {
   const __m256 z = _mm256_set1_ps(g_zero);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   const uint64_t step = 32 / gbytes;
-  for (uint64_t i = begin; i + step <= end; i += step) {
+  const bool ahead = part & kPrefetched;
+  for (uint64_t i = begin; (part & kNormPart) && i + step <= end; i += step) {
+    if (ahead && i % (64 / gbytes) == 0 && i + kNormAhead + step <= end) {
+      __builtin_prefetch(grad + (i + kNormAhead) * gbytes, 0, 3);
+    }
     acc0 = _mm256_add_ps(acc0, _mm256_castsi256_ps(
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + i * gbytes))));
   }
-  for (uint64_t i = begin; i + 8 <= end; i += 8) {
+  for (uint64_t i = begin; (part & kUpdatePart) && i + 8 <= end; i += 8) {
+    if (ahead && i % 16 == 0 && i + kUpdateAhead + 16 <= end) PrefetchUpdate(grad, gbytes, w, m, v, p, i);
     __m256 g;
     if (gbytes == 4) {
       g = _mm256_loadu_ps(reinterpret_cast<const float*>(grad) + i);
@@ -201,9 +226,9 @@ void InCache(Isa isa, DType gd) {
   const double with_copy = step(true), without_copy = step(false);
   const double memory = best_ns_per_block([&] {
     if (avx512) {
-      MemoryOnlyAvx512(g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
+      g_sink = MemoryOnlyAvx512(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
     } else {
-      MemoryOnlyAvx2(g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
+      g_sink = MemoryOnlyAvx2(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
     }
   });
   std::printf("compare_optimizer --in-cache: %" PRIu64 " elements, grad %s, 1 thread, isa %s, "
@@ -340,19 +365,19 @@ int main(int argc, char** argv) {
   if (!avx512 && !__builtin_cpu_supports("avx2")) Die("the roofline kernel needs AVX2 or AVX-512");
   // The memory-only pass runs on the fused state (it changes no value) in 16-element-aligned
   // thread slices, as the optimizer's chunks are.
-  auto memory_only = [&] {
+  auto memory_only = [&](int part) {
     Parallel(threads, elements / 16, [&](uint64_t lo, uint64_t hi) {
       lo *= 16;
       hi = hi == elements / 16 ? elements : hi * 16;
       if (avx512) {
-        MemoryOnlyAvx512(sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
+        g_sink = MemoryOnlyAvx512(part, sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
       } else {
-        MemoryOnlyAvx2(sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
+        g_sink = MemoryOnlyAvx2(part, sf.g, gbytes, sf.w, sf.m, sf.v, sf.p, lo, hi);
       }
     });
   };
 
-  std::vector<double> t_fused, t_unfused, t_torch, t_memory, bw_triad;
+  std::vector<double> t_fused, t_unfused, t_torch, t_memory, t_memory_pf, bw_triad;
   StepOptions so;  // loss scale 1, no clipping: the unscale pass multiplies by 1 but still runs
   for (int r = 0; r < reps + 1; ++r) {  // repetition 0 warms up and is dropped
     auto t0 = Clock::now();
@@ -369,7 +394,9 @@ int main(int argc, char** argv) {
       tt = Seconds(t3, Clock::now());
     }
     auto t4 = Clock::now();
-    memory_only();
+    memory_only(kBothParts);
+    auto t5p = Clock::now();
+    memory_only(kBothParts | kPrefetched);
     auto t5 = Clock::now();
     Parallel(threads, bw_n, [&](uint64_t lo, uint64_t hi) { Triad(a, b, c, 1.0001f, lo, hi); });
     auto t6 = Clock::now();
@@ -377,16 +404,53 @@ int main(int argc, char** argv) {
     t_fused.push_back(Seconds(t0, t1));
     t_unfused.push_back(Seconds(t1, t2));
     t_torch.push_back(tt);
-    t_memory.push_back(Seconds(t4, t5));
+    t_memory.push_back(Seconds(t4, t5p));
+    t_memory_pf.push_back(Seconds(t5p, t5));
     bw_triad.push_back(12.0 * static_cast<double>(bw_n) / Seconds(t5, t6) / 1e9);
   }
   // The fused and unfused states must agree (same kernels, loss scale 1): a broken variant would
   // otherwise look fast.
   if (std::memcmp(sf.w, su.w, elements * 4) != 0) Die("fused and unfused results differ");
 
+  // Where the fused step loses to the roofline: its two passes timed apart (the norm over every
+  // group, then Plan and the update of each), each next to the memory-only kernel's same part.
+  std::vector<double> t_norm, t_update, t_mem_norm, t_mem_update;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    double sum = 0.0;
+    for (const SubGroup& g : gf) {
+      auto s = (*fused)->SumOfSquares(g);
+      if (!s.ok()) Die(s.status().ToString());
+      sum += *s;
+    }
+    auto t1 = Clock::now();
+    auto plan = (*fused)->Plan(sum, so);
+    if (!plan.ok()) Die(plan.status().ToString());
+    for (const SubGroup& g : gf) {
+      Status st = (*fused)->Update(g, *plan);
+      if (!st.ok()) Die(st.ToString());
+    }
+    auto t2 = Clock::now();
+    memory_only(kNormPart);
+    auto t3 = Clock::now();
+    memory_only(kNormPart | kPrefetched);
+    auto t4 = Clock::now();
+    memory_only(kUpdatePart);
+    auto t5 = Clock::now();
+    memory_only(kUpdatePart | kPrefetched);
+    auto t6 = Clock::now();
+    t_norm.push_back(Seconds(t0, t1));
+    t_update.push_back(Seconds(t1, t2));
+    t_mem_norm.push_back(std::min(Seconds(t2, t3), Seconds(t3, t4)));
+    t_mem_update.push_back(std::min(Seconds(t4, t5), Seconds(t5, t6)));
+  }
+  const Summary pn = Summarize(t_norm), pu = Summarize(t_update);
+  const Summary mn = Summarize(t_mem_norm), mu = Summarize(t_mem_update);
+
   const double n = static_cast<double>(elements);
   const Summary f = Summarize(t_fused), u = Summarize(t_unfused), t = Summarize(t_torch);
-  const Summary mem = Summarize(t_memory), tri = Summarize(bw_triad);
+  const Summary plain = Summarize(t_memory), pf = Summarize(t_memory_pf), tri = Summarize(bw_triad);
+  const Summary mem = pf.median < plain.median ? pf : plain;  // the faster of the two
   const double fused_gelem = n / f.median / 1e9;
   const double unfused_gelem = n / u.median / 1e9;
   const double torch_gelem = run_torch ? n / t.median / 1e9 : 0.0;
@@ -409,10 +473,18 @@ int main(int argc, char** argv) {
     std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  (fp32 AdamW, %d intra-op threads)\n",
                 "torch", t.median, t.lo, t.hi, torch_gelem, torch::get_num_threads());
   }
-  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (the fused step's traffic, no math)\n",
-              "roofline", mem.median, mem.lo, mem.hi, roofline_gelem, bw);
+  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (the fused step's traffic, no math;"
+              " %s: %.3f s without software prefetch, %.3f s with)\n",
+              "roofline", mem.median, mem.lo, mem.hi, roofline_gelem, bw,
+              pf.median < plain.median ? "with" : "without", plain.median, pf.median);
   std::printf("  STREAM triad %.1f GB/s [%.1f, %.1f] (reference; its stores pay a read for ownership)\n",
               tri.median, tri.lo, tri.hi);
+  std::printf("  parts: norm pass %.3f s vs its traffic %.3f s (x%.3f); update pass %.3f s vs its "
+              "traffic %.3f s (x%.3f)\n",
+              pn.median, mn.median, mn.median / pn.median, pu.median, mu.median, mu.median / pu.median);
+  std::printf("{\"bench\":\"optimizer_parts\",\"norm_s\":%.4f,\"norm_traffic_s\":%.4f,"
+              "\"update_s\":%.4f,\"update_traffic_s\":%.4f}\n",
+              pn.median, mn.median, pu.median, mu.median);
   std::printf("  fused/unfused %.3f  fused/torch %.2f  fused/roofline %.3f\n",
               fused_gelem / unfused_gelem, run_torch ? fused_gelem / torch_gelem : 0.0,
               fused_gelem / roofline_gelem);
