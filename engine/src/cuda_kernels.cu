@@ -205,18 +205,16 @@ void LaunchScaleCast(const void* in, void* out, uint64_t n, float scale, cudaStr
   else ScaleCastScalar<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
 }
 
-// Enough resident blocks to fill the device several times over; the grid-stride loops do the rest.
-unsigned MaxBlocks() {
-  static const unsigned blocks = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      sms = 132;
-    }
-    return static_cast<unsigned>(sms) * 16;
-  }();
-  return blocks;
+// Enough resident blocks to fill the current device several times over; the grid-stride loops do
+// the rest. Asked of the runtime on every call (an attribute read, no device work) rather than
+// cached once, so a process whose threads drive GPUs of different sizes sizes each launch for the
+// device it lands on; a failed query is the caller's error, not a guessed grid.
+Result<unsigned> MaxBlocks() {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return CudaError(err, "reading the current device's multiprocessor count");
+  return static_cast<unsigned>(sms) * 16;
 }
 
 }  // namespace
@@ -250,7 +248,9 @@ Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void*
   }
   NormResult r;
   if (descs.empty()) return r;
-  const auto blocks = static_cast<unsigned>(std::min<uint64_t>(chunks, MaxBlocks() / 2));
+  const Result<unsigned> max_blocks = MaxBlocks();
+  if (!max_blocks.ok()) return max_blocks.status();
+  const auto blocks = static_cast<unsigned>(std::min<uint64_t>(chunks, *max_blocks / 2));
   // One scratch allocation: the tensor table, one partial per block and the sum.
   const size_t table_bytes = descs.size() * sizeof(TensorDesc);
   const size_t partial_bytes = blocks * sizeof(double);
@@ -297,7 +297,9 @@ Status ScaleCast(const void* in, DType in_dtype, void* out, DType out_dtype, uin
                                           ") is not aligned to its element size"));
   }
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const unsigned mb = MaxBlocks();
+  const Result<unsigned> max_blocks = MaxBlocks();
+  if (!max_blocks.ok()) return max_blocks.status();
+  const unsigned mb = *max_blocks;
   // Nine instantiations: every (input, output) pair of fp32, bf16 and fp16.
   using Launch = void (*)(const void*, void*, uint64_t, float, cudaStream_t, unsigned);
   static constexpr Launch kLaunch[3][3] = {
