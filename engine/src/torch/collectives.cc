@@ -161,7 +161,7 @@ torch::Tensor View(const float* p, uint64_t n) {
 
 // The shapes every collective here needs: contiguous fp32 on one device, big == world * small.
 Status CheckPair(const char* what, const char* big_name, const torch::Tensor& big,
-                 const char* small_name, const torch::Tensor& small, int world) {
+                 const char* small_name, const torch::Tensor& small, int64_t world) {
   for (const torch::Tensor* t : {&big, &small}) {
     if (!t->defined() || t->scalar_type() != torch::kFloat32 || !t->is_contiguous()) {
       return Status::InvalidArgument(StrCat(what, ": ", t == &big ? big_name : small_name,
@@ -182,7 +182,10 @@ Status CheckPair(const char* what, const char* big_name, const torch::Tensor& bi
 }
 }  // namespace
 
-Result<c10d::Backend*> Collectives::BackendFor(const char* what, c10::Device device) {
+Result<c10d::Backend*> Collectives::BackendFor(const char* what, const torch::Tensor& full,
+                                               const torch::Tensor& shard) {
+  SPILLWAY_RETURN_IF_ERROR(CheckPair(what, "full", full, "shard", shard, env_.world_size));
+  const c10::Device device = shard.device();
   if (device.is_cpu()) return impl_->cpu.get();  // null: world size 1 without a group
   if (device.is_cuda() && impl_->cuda) return impl_->cuda.get();
   return Status::FailedPrecondition(StrCat(
@@ -192,8 +195,7 @@ Result<c10d::Backend*> Collectives::BackendFor(const char* what, c10::Device dev
 }
 
 Status Collectives::AllGather(const torch::Tensor& shard, const torch::Tensor& full) {
-  SPILLWAY_RETURN_IF_ERROR(CheckPair("all-gather", "full", full, "shard", shard, env_.world_size));
-  auto b = BackendFor("all-gather", shard.device());
+  auto b = BackendFor("all-gather", full, shard);
   if (!b.ok()) return b.status();
   if (*b == nullptr) {
     if (full.data_ptr() != shard.data_ptr()) full.copy_(shard);
@@ -206,8 +208,7 @@ Status Collectives::AllGather(const torch::Tensor& shard, const torch::Tensor& f
 }
 
 Status Collectives::ReduceScatterSum(const torch::Tensor& full, const torch::Tensor& shard) {
-  SPILLWAY_RETURN_IF_ERROR(CheckPair("reduce-scatter", "full", full, "shard", shard, env_.world_size));
-  auto b = BackendFor("reduce-scatter", shard.device());
+  auto b = BackendFor("reduce-scatter", full, shard);
   if (!b.ok()) return b.status();
   if (*b == nullptr) {
     if (full.data_ptr() != shard.data_ptr()) shard.copy_(full);

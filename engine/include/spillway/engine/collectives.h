@@ -20,7 +20,6 @@
 #include <memory>
 #include <string>
 
-#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -88,9 +87,9 @@ class Collectives {
  private:
   struct Impl;
   explicit Collectives(const DistEnv& env);
-  // The backend for tensors on `device`; null where the collective is a copy (world size 1, no
-  // group).
-  Result<c10d::Backend*> BackendFor(const char* what, c10::Device device);
+  // Checks full/shard (sizes, dtype, device) and returns the backend of their device; null where
+  // the collective is a copy (world size 1, no group).
+  Result<c10d::Backend*> BackendFor(const char* what, const at::Tensor& full, const at::Tensor& shard);
   DistEnv env_;
   std::unique_ptr<Impl> impl_;
 };
