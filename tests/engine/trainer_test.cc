@@ -256,34 +256,75 @@ TEST(TrainerTest, WorldSizeTwoEqualsWorldSizeOne) {
             "written (tests/python/test_engine.py runs it on torch.distributed's group)";
 }
 
-TEST(TrainerTest, AFailedMicroBatchAbandonsTheStepAndTheNextStepIsUnaffected) {
+// Two trainers on their own stores from the same start: `failed` is made to fail, `clean` is not;
+// ExpectSameNextStep checks that nothing of the failure shows in the next step.
+class TwinTrainers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    o_.model = c;
+    o_.adam = Adam();
+    clean = std::move(Trainer::Create(o_, coll_.get(), clean_rig.store.get(), clean_rig.host.get(),
+                                      &clean_rig.ledger, 0).value());
+    failed = std::move(Trainer::Create(o_, coll_.get(), failed_rig.store.get(), failed_rig.host.get(),
+                                       &failed_rig.ledger, 0).value());
+    ASSERT_TRUE(clean_rig.ledger.BeginEpoch(0).ok());
+    ASSERT_TRUE(failed_rig.ledger.BeginEpoch(0).ok());
+  }
+  void ExpectSameNextStep() {
+    const std::vector<torch::Tensor> good = {Batch(c, 1, 0), Batch(c, 1, 1)};
+    auto a = clean->Step(good);
+    auto b = failed->Step(good);
+    ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
+    EXPECT_EQ(a->loss, b->loss);
+    EXPECT_TRUE(b->boundary.clean()) << b->boundary.ToString();
+    for (int64_t u = 0; u < gpt::Units(c); ++u) {
+      EXPECT_TRUE(torch::equal(*clean->GatherUnit(u), *failed->GatherUnit(u))) << "unit " << u;
+    }
+  }
+
   const GptConfig c = SmallGpt();
-  auto coll = std::move(Collectives::Create(DistEnv{}).value());
-  TrainerOptions o;
-  o.model = c;
-  o.adam = Adam();
-  StoreRig clean_rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
-  StoreRig failed_rig(ParseOrDie(Json("cpu", "cpu")), 256 * kMiB);
-  auto clean = std::move(Trainer::Create(o, coll.get(), clean_rig.store.get(), clean_rig.host.get(),
-                                         &clean_rig.ledger, 0).value());
-  auto failed = std::move(Trainer::Create(o, coll.get(), failed_rig.store.get(), failed_rig.host.get(),
-                                          &failed_rig.ledger, 0).value());
-  ASSERT_TRUE(clean_rig.ledger.BeginEpoch(0).ok());
-  ASSERT_TRUE(failed_rig.ledger.BeginEpoch(0).ok());
+  std::unique_ptr<Collectives> coll_ = std::move(Collectives::Create(DistEnv{}).value());
+  TrainerOptions o_;
+  StoreRig clean_rig{ParseOrDie(Json("cpu", "cpu")), 256 * kMiB};
+  StoreRig failed_rig{ParseOrDie(Json("cpu", "cpu")), 256 * kMiB};
+  std::unique_ptr<Trainer> clean, failed;
+};
+
+TEST_F(TwinTrainers, AFailedMicroBatchAbandonsTheStepAndTheNextStepIsUnaffected) {
   // The second micro-batch is bad: the first one's gradients must not leak into the next step.
   auto r = failed->Step({Batch(c, 0, 0), torch::full({4, c.seq_len + 1}, c.vocab, torch::kInt64)});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos)
       << r.status().message();
-  const std::vector<torch::Tensor> good = {Batch(c, 1, 0), Batch(c, 1, 1)};
-  auto a = clean->Step(good);
-  auto b = failed->Step(good);
-  ASSERT_TRUE(a.ok() && b.ok()) << b.status().ToString();
-  EXPECT_EQ(a->loss, b->loss);
-  EXPECT_TRUE(b->boundary.clean()) << b->boundary.ToString();
-  for (int64_t u = 0; u < gpt::Units(c); ++u) {
-    EXPECT_TRUE(torch::equal(*clean->GatherUnit(u), *failed->GatherUnit(u))) << "unit " << u;
-  }
+  ExpectSameNextStep();
+}
+
+TEST_F(TwinTrainers, ALibtorchExceptionBecomesAStatusAndTheStepIsAbandoned) {
+  // The second micro-batch throws inside unit 1's forward, after the first accumulated gradients
+  // and while unit 1's gather buffer is live: first as a kernel error, then as a GPU running out.
+  int calls = 0;
+  failed->SetFaultHookForTesting([&](int64_t unit) {
+    if (unit == 1 && ++calls == 2) TORCH_CHECK(false, "injected kernel failure");
+  });
+  auto r = failed->Step({Batch(c, 0, 0), Batch(c, 0, 1)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+  EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("injected kernel failure"), std::string::npos) << r.status().message();
+  calls = 0;
+  failed->SetFaultHookForTesting([&](int64_t unit) {
+    if (unit == 1 && ++calls == 2) {
+      throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, "injected: CUDA out of memory");
+    }
+  });
+  r = failed->Step({Batch(c, 0, 0), Batch(c, 0, 1)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(r.status().message().find("smaller micro-batches"), std::string::npos) << r.status().message();
+  failed->SetFaultHookForTesting(nullptr);
+  EXPECT_EQ(failed_rig.host->Stats().live_bytes, clean_rig.host->Stats().live_bytes);  // no gather buffer left
+  // Nothing of the two failed steps shows in the next one.
+  ExpectSameNextStep();
 }
 
 TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
@@ -305,6 +346,14 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   EXPECT_NE(r.status().message().find("[0, vocab=32)"), std::string::npos);
   r = t->Step({torch::zeros({4, 40}, torch::kInt64)});  // longer than seq_len
   ASSERT_FALSE(r.ok());
+  r = t->Step({torch::zeros({0, 17}, torch::kInt64)});  // no rows
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("B >= 1"), std::string::npos) << r.status().message();
+  r = t->Step({torch::zeros({4, 17}, torch::kInt64).to_sparse()});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("dense"), std::string::npos) << r.status().message();
   EXPECT_FALSE(t->Step({}).ok());
   EXPECT_EQ(t->optimizer().step(), 0u);  // nothing was applied
 

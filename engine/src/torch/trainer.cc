@@ -315,13 +315,37 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   return store_->Release(v->handle);
 }
 
+namespace {
+// libtorch reports failures (a GPU out of memory, a kernel error) by throwing; the trainer's
+// callers get statuses, and the step that threw is abandoned like any failed micro-batch (its
+// buffers and views are released as the stack unwinds).
+template <typename Fn>
+Status CatchTorch(const char* what, Fn fn) {
+  try {
+    return fn();
+  } catch (const c10::OutOfMemoryError& e) {
+    return Status::Make(StatusCode::kOutOfMemory,
+                        StrCat(what, ": libtorch ran out of memory: ", e.what_without_backtrace(),
+                               "; use smaller micro-batches (more gradient accumulation steps) or "
+                               "a smaller model per device"));
+  } catch (const c10::Error& e) {
+    return Status::Make(StatusCode::kInternal,
+                        StrCat(what, ": libtorch raised: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return Status::Make(StatusCode::kInternal, StrCat(what, ": ", e.what()));
+  }
+}
+}  // namespace
+
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
   const GptConfig& c = options_.model;
-  if (tokens.scalar_type() != torch::kInt64 || tokens.dim() != 2 || tokens.size(1) < 2 ||
-      tokens.size(1) - 1 > c.seq_len || !tokens.device().is_cpu()) {
-    return Status::InvalidArgument(StrCat("a micro-batch must be CPU int64 tokens [B, T + 1] with T <= ",
-                                          "seq_len=", c.seq_len, "; got ", tokens.sizes(), " ",
-                                          tokens.dtype(), " on ", tokens.device()));
+  if (tokens.scalar_type() != torch::kInt64 || tokens.dim() != 2 || tokens.size(0) < 1 ||
+      tokens.size(1) < 2 || tokens.size(1) - 1 > c.seq_len || !tokens.device().is_cpu() ||
+      tokens.layout() != torch::kStrided) {
+    return Status::InvalidArgument(StrCat("a micro-batch must be dense CPU int64 tokens [B, T + 1] with ",
+                                          "B >= 1 and 1 <= T <= seq_len=", c.seq_len, "; got ",
+                                          tokens.sizes(), " ", tokens.dtype(), " ", tokens.layout(),
+                                          " on ", tokens.device()));
   }
   if (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c.vocab) {
     return Status::InvalidArgument(StrCat("token ids must be in [0, vocab=", c.vocab, ")"));
@@ -339,6 +363,7 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
       auto full = GatherToCompute(u);
       if (!full.ok()) return full.status();
       checkpoints.push_back(x);
+      if (fault_hook_) fault_hook_(u);
       x = gpt::Forward(c, u, *full, x);
     }  // each gathered unit is released as `full` goes out of scope
   }
@@ -481,7 +506,7 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
   double loss = 0.0;
   const double scale = 1.0 / static_cast<double>(micro_batches.size());
   for (const torch::Tensor& mb : micro_batches) {
-    Status st = MicroBatch(mb, scale, &loss);
+    Status st = CatchTorch("a micro-batch", [&] { return MicroBatch(mb, scale, &loss); });
     if (!st.ok()) return abandon(st);
   }
   auto report = OptimizerStep(&r.stream);
@@ -499,9 +524,15 @@ Result<torch::Tensor> Trainer::GatherUnit(int64_t unit) {
   if (unit < 0 || unit >= static_cast<int64_t>(units_.size())) {
     return Status::InvalidArgument(StrCat("unit ", unit, " does not exist (", units_.size(), " units)"));
   }
-  auto full = Gather(unit);
-  if (!full.ok()) return full.status();
-  return full->clone();
+  torch::Tensor out;
+  Status st = CatchTorch("gathering a unit", [&]() -> Status {
+    auto full = Gather(unit);
+    if (!full.ok()) return full.status();
+    out = full->clone();
+    return Status::Ok();
+  });
+  if (!st.ok()) return st;
+  return out;
 }
 
 }  // namespace spillway::engine

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,9 @@ class Trainer {
   // The full parameters of one unit, on the host (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
   HostOptimizer& optimizer() { return *optimizer_; }
+  // Fault-injection seam for tests: called with the unit index before each unit's forward; what
+  // it throws takes the path a libtorch exception takes (the step is abandoned with a status).
+  void SetFaultHookForTesting(std::function<void(int64_t unit)> hook) { fault_hook_ = std::move(hook); }
   // Where the per-unit all-gather and reduce-scatter run: on the compute device when it is a GPU
   // and the group has a CUDA backend (NCCL), else on the host (Note [Device collectives]).
   torch::Device collectives_device() const {
@@ -125,6 +129,7 @@ class Trainer {
   const allocator::ScopeId scope_;
   std::unique_ptr<HostOptimizer> optimizer_;
   std::vector<Unit> units_;
+  std::function<void(int64_t)> fault_hook_;
   int64_t steps_ = 0;     // applied
   int64_t attempts_ = 0;  // begun (the ledger's step numbers)
 };
