@@ -91,16 +91,20 @@ Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
   if (!pg) return Status::InvalidArgument("FromProcessGroup: a null process group");
   DistEnv env;
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
+  std::string name;
   Status st = Guard("reading the process group", [&] {
     env.rank = pg->getRank();
     env.world_size = pg->getSize();
     cpu = pg->getBackend(c10::DeviceType::CPU);
     if (pg->hasBackendForDeviceType(c10::DeviceType::CUDA)) cuda = pg->getBackend(c10::DeviceType::CUDA);
+    // init_process_group("gloo") registers its one Gloo backend for CUDA as well; Gloo stages CUDA
+    // tensors through the host, which the trainer's host path does better (into pinned memory), so
+    // only a backend of the CUDA device's own (NCCL) counts as one.
+    if (cuda && cuda.get() == cpu.get()) cuda.reset();
+    // A backend that does not implement getBackendName throws: inside the boundary too.
+    name = cuda ? StrCat("cpu:", cpu->getBackendName(), ",cuda:", cuda->getBackendName())
+                : cpu->getBackendName();
   });
-  // init_process_group("gloo") registers its one Gloo backend for CUDA as well; Gloo stages CUDA
-  // tensors through the host, which the trainer's host path does better (into pinned memory), so
-  // only a backend of the CUDA device's own (NCCL) counts as one.
-  if (cuda && cuda.get() == cpu.get()) cuda.reset();
   if (!st.ok()) {
     return Status::InvalidArgument(StrCat(
         st.message(), "; the trainer's shards are host memory, so the group needs a CPU backend: ",
@@ -108,8 +112,7 @@ Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
   }
   std::unique_ptr<Collectives> c(new Collectives(env));
   c->impl_->group = std::move(pg);
-  c->impl_->name = cuda ? StrCat("cpu:", cpu->getBackendName(), ",cuda:", cuda->getBackendName())
-                        : cpu->getBackendName();
+  c->impl_->name = std::move(name);
   c->impl_->cpu = std::move(cpu);
   c->impl_->cuda = std::move(cuda);
   return c;
