@@ -16,7 +16,6 @@
 #endif
 
 #include <cstdlib>
-#include <cstring>
 
 namespace spillway::engine {
 namespace {
