@@ -58,7 +58,7 @@ Result<ForkSafety> ParseForkSafety(std::string_view name) {
 
 Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   const uint64_t page = os::PageSize();
-  if (options.budget_bytes == 0) options.budget_bytes = os::PhysicalMemoryBytes() / 4 * 3;
+  if (options.budget_bytes == 0) options.budget_bytes = DefaultHostBudget();
   if (options.budget_bytes < page) {
     return Status::InvalidArgument(StrCat("host arena '", options.name, "': budget of ",
                                           options.budget_bytes, " bytes is below one page (",

@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 namespace spillway::allocator::os {
 namespace {
@@ -24,6 +27,73 @@ size_t PageSize() {
 uint64_t PhysicalMemoryBytes() {
   return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * PageSize();
 }
+
+}  // namespace spillway::allocator::os
+
+namespace spillway::allocator {
+namespace {
+
+// The first line of a cgroup limit file as bytes; UINT64_MAX for "max", absent or unparsable files.
+uint64_t ReadLimitFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string word;
+  if (!(in >> word) || word == "max") return UINT64_MAX;
+  uint64_t v = 0;
+  for (char c : word) {
+    if (c < '0' || c > '9') return UINT64_MAX;
+    if (v > (UINT64_MAX - 9) / 10) return UINT64_MAX;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return v;
+}
+
+}  // namespace
+
+uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& cgroup_root,
+                          uint64_t physical_bytes) {
+  uint64_t limit = physical_bytes;
+  std::istringstream lines{std::string(proc_self_cgroup)};
+  std::string line;
+  while (std::getline(lines, line)) {
+    // "0::/path" (v2) or "N:controller[,controller]:/path" (v1).
+    const size_t a = line.find(':');
+    const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    std::string path = line.substr(b + 1);
+    std::string dir, file;
+    if (controllers.empty()) {
+      dir = cgroup_root;
+      file = "memory.max";
+    } else if ((StrCat(",", controllers, ",")).find(",memory,") != std::string::npos) {
+      dir = cgroup_root + "/memory";
+      file = "memory.limit_in_bytes";
+    } else {
+      continue;
+    }
+    // The limit in force is the smallest one on the way from the cgroup up to the root.
+    while (true) {
+      limit = std::min(limit, ReadLimitFile(dir + path + "/" + file));
+      if (path.empty() || path == "/") break;
+      const size_t slash = path.rfind('/');
+      path = slash == 0 || slash == std::string::npos ? std::string("/") : path.substr(0, slash);
+    }
+  }
+  return limit;
+}
+
+uint64_t MemoryLimitBytes() {
+  std::ifstream in("/proc/self/cgroup");
+  std::stringstream text;
+  text << in.rdbuf();
+  return MemoryLimitBytes(text.str(), "/sys/fs/cgroup", os::PhysicalMemoryBytes());
+}
+
+uint64_t DefaultHostBudget() { return MemoryLimitBytes() / 4 * 3; }
+
+}  // namespace spillway::allocator
+
+namespace spillway::allocator::os {
 
 Result<void*> MapAnonymous(size_t bytes, HostArenaFaults* faults) {
   if (int err = TakeFault(faults ? &faults->map_errno : nullptr); err != 0) {

@@ -7,10 +7,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <future>
+#include <string>
 #include <thread>
 
 #include "test_util.h"
+#include <unistd.h>
 
 namespace spillway::allocator {
 namespace {
@@ -566,6 +570,71 @@ TEST_F(HostArenaTest, ContainsAndAllocationSizeAnswerForArenaMemoryOnly) {
   EXPECT_FALSE(arena->AllocationSize(static_cast<char*>(*p) + 1).ok());
   ASSERT_EQ(arena->Regions().size(), 1u);
   EXPECT_EQ(arena->Regions()[0].bytes, 4 * kMiB);
+}
+
+}  // namespace
+}  // namespace spillway::allocator
+
+namespace spillway::allocator {
+namespace {
+
+// A cgroup tree made of real files in a temporary directory, laid out as the kernel mounts it.
+class CgroupTree {
+ public:
+  CgroupTree() {
+    char tmpl[] = "/tmp/spillway-cgroup-XXXXXX";
+    root_ = mkdtemp(tmpl);
+  }
+  ~CgroupTree() { std::filesystem::remove_all(root_); }
+  void Write(const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(root_ + rel).parent_path());
+    std::ofstream(root_ + rel) << text;
+  }
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
+
+constexpr uint64_t kPhysical = 64ull << 30;
+
+TEST(MemoryLimitTest, AContainersV2LimitLowersThePhysicalMemory) {
+  CgroupTree t;
+  t.Write("/job/memory.max", "8589934592\n");
+  EXPECT_EQ(MemoryLimitBytes("0::/job\n", t.root(), kPhysical), 8ull << 30);
+}
+
+TEST(MemoryLimitTest, AnAncestorsLimitApplies) {
+  CgroupTree t;
+  t.Write("/slice/memory.max", "4294967296\n");
+  t.Write("/slice/job/memory.max", "max\n");
+  EXPECT_EQ(MemoryLimitBytes("0::/slice/job\n", t.root(), kPhysical), 4ull << 30);
+}
+
+TEST(MemoryLimitTest, NoLimitMeansPhysicalMemory) {
+  CgroupTree t;
+  t.Write("/job/memory.max", "max\n");
+  EXPECT_EQ(MemoryLimitBytes("0::/job\n", t.root(), kPhysical), kPhysical);
+  EXPECT_EQ(MemoryLimitBytes("", t.root(), kPhysical), kPhysical);
+  EXPECT_EQ(MemoryLimitBytes("0::/absent\n", t.root(), kPhysical), kPhysical);
+}
+
+TEST(MemoryLimitTest, CgroupV1MemoryController) {
+  CgroupTree t;
+  t.Write("/memory/docker/abc/memory.limit_in_bytes", "2147483648\n");
+  EXPECT_EQ(MemoryLimitBytes("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n", t.root(), kPhysical),
+            2ull << 30);
+}
+
+TEST(MemoryLimitTest, AGarbledFileIsIgnoredNotTrusted) {
+  CgroupTree t;
+  t.Write("/job/memory.max", "12x\n");
+  EXPECT_EQ(MemoryLimitBytes("0::/job\n", t.root(), kPhysical), kPhysical);
+}
+
+TEST(MemoryLimitTest, TheDefaultBudgetIsThreeQuartersOfTheLimit) {
+  EXPECT_EQ(DefaultHostBudget(), MemoryLimitBytes() / 4 * 3);
+  EXPECT_LE(MemoryLimitBytes(), static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -44,6 +45,16 @@ enum class ForkSafety : uint8_t {
 const char* ForkSafetyName(ForkSafety mode);
 Result<ForkSafety> ParseForkSafety(std::string_view name);
 
+// The memory this process may use: physical memory, lowered by the cgroup limit of the process's
+// own cgroup or any ancestor (v2 `memory.max`, v1 `memory.limit_in_bytes`) where one is set. A
+// container's limit is what the OOM killer enforces, not the machine's RAM.
+//   proc_self_cgroup: the text of /proc/self/cgroup; cgroup_root: where the hierarchy is mounted.
+uint64_t MemoryLimitBytes();
+uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& cgroup_root,
+                          uint64_t physical_bytes);
+// The budget of an arena made with budget_bytes = 0: 3/4 of MemoryLimitBytes().
+uint64_t DefaultHostBudget();
+
 // One-shot fault injection for tests: a non-zero errno makes the next map or pin fail with it.
 struct HostArenaFaults {
   std::atomic<int> map_errno{0};
@@ -52,7 +63,7 @@ struct HostArenaFaults {
 
 struct HostArenaOptions {
   std::string name = "host";           // tier name in reports and metrics
-  uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = 3/4 of RAM
+  uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = DefaultHostBudget()
   uint64_t region_bytes = 32ull << 20; // smaller requests share regions of this size
   // Empty regions kept for reuse (Note [Retained cache]): at most
   //   min(retain_limit_bytes, max(region_bytes, retain_fraction * live_bytes)).
