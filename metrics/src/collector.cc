@@ -138,6 +138,8 @@ void Collector::Watch(const allocator::UringEngine* e) {
 }
 void Collector::Watch(const allocator::Ledger* l) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Arenas that share a ledger each watch it; its series must appear once.
+  if (std::find(ledgers_.begin(), ledgers_.end(), l) != ledgers_.end()) return;
   ledgers_.push_back(l);
 }
 void Collector::Watch(const offload::PartitionStore* st) {
@@ -152,6 +154,11 @@ void Collector::Watch(const offload::TransferPipeline* p) {
 void Collector::Watch(const engine::HostOptimizer* o) {
   std::lock_guard<std::mutex> lock(mu_);
   optimizers_.push_back(o);
+}
+
+void Collector::SetConstLabels(std::vector<std::pair<std::string, std::string>> labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const_labels_ = std::move(labels);
 }
 
 void Collector::Unwatch(const void* c) {
@@ -323,7 +330,15 @@ std::vector<MetricFamily> Collector::Collect() const {
     f.Gauge("spillway_optimizer_last_step_seconds", "Duration of the last host optimizer step.",
             isa, static_cast<double>(s.last_step_ns) / 1e9);
   }
-  return f.Take();
+  std::vector<MetricFamily> families = f.Take();
+  if (!const_labels_.empty()) {
+    for (MetricFamily& family : families) {
+      for (ClientMetric& m : family.metric) {
+        for (const auto& [k, v] : const_labels_) m.label.push_back({k, v});
+      }
+    }
+  }
+  return families;
 }
 
 }  // namespace spillway::metrics

@@ -5,6 +5,8 @@
 #include <prometheus/metric_family.h>
 
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
@@ -32,9 +34,12 @@ class Collector final : public prometheus::Collectable {
   void Watch(const offload::TransferPipeline* p);
   void Watch(const engine::HostOptimizer* o);
   void Unwatch(const void* component);
+  // Labels added to every sample of every later scrape.
+  void SetConstLabels(std::vector<std::pair<std::string, std::string>> labels);
 
  private:
   mutable std::mutex mu_;
+  std::vector<std::pair<std::string, std::string>> const_labels_;  // guarded by mu_
   std::vector<const allocator::HostArena*> hosts_;   // guarded by mu_
   std::vector<const allocator::NvmeArena*> nvmes_;   // guarded by mu_
   std::vector<const allocator::UringEngine*> engines_;  // guarded by mu_

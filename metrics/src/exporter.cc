@@ -14,6 +14,7 @@ namespace spillway::metrics {
 Result<std::unique_ptr<Exporter>> Exporter::Start(ExporterOptions options) {
   std::unique_ptr<Exporter> e(new Exporter());
   e->collector_ = std::make_shared<Collector>();
+  e->collector_->SetConstLabels(options.const_labels);
   if (!options.enabled) return e;
   const auto colon = options.address.rfind(':');
   if (colon == std::string::npos || colon + 1 == options.address.size()) {

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
@@ -26,6 +27,9 @@ namespace spillway::metrics {
 struct ExporterOptions {
   std::string address = "127.0.0.1:9464";  // host:port; port 0 picks a free one
   bool enabled = true;                      // false: serve nothing (Render still works)
+  // Labels added to every sample, e.g. {"rank", "3"} so the ranks of one job can be told apart.
+  // Keep them few and bounded (Prometheus conventions): never an id that changes per run.
+  std::vector<std::pair<std::string, std::string>> const_labels;
 };
 
 class Collector;  // src/collector.h
