@@ -1,39 +1,182 @@
-"""Spillway as DeepSpeed's async I/O op. One line in a training script, before deepspeed.initialize:
+"""Spillway under DeepSpeed. One line in a training script, before the model is built and before
+deepspeed.initialize:
 
     import spillway; spillway.deepspeed.install()
 
-From then on `AsyncIOBuilder().load()` returns Spillway's op, so DeepSpeed's swap_tensor code
-(parameter and optimizer swapping to NVMe) runs on Spillway's io_uring engine, and the locked
-tensors it asks aio_handle for are exact-size memory in Spillway's pinned arena. The `aio` config
-keys (block_size, queue_depth, intra_op_parallelism, single_submit, overlap_events) reach
-spillway.aio_handle unchanged. `uninstall()` restores DeepSpeed's own op.
+What it does (docs/deepspeed.md):
+- torch's CPU and pinned allocators become Spillway's (spillway.install()), and DeepSpeed's host
+  allocation sites run inside spillway.tag() scopes, so the 16-bit parameter partitions, the fp32
+  master partitions, the gradient partitions and the Adam moments are exact-size, MADV_DONTFORK
+  (a re-forked DataLoader worker copies none of them), budgeted, ledgered by kind and in metrics;
+- `engine.step()` marks a step boundary at each gradient-accumulation boundary;
+- after deepspeed.initialize and after the first optimizer step, an audit walks DeepSpeed's
+  offloaded tensors and reports by name each one whose memory is not Spillway's;
+- DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it.
+
+`uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
+rest of the process (memory they handed out must keep freeing through them).
 """
+import functools
 import types
+import warnings
+
+import torch
 
 from . import _spillway
 
-_saved = None
+# The DeepSpeed releases whose allocation sites were read and whose runs are tested (tests/python).
+TESTED_DEEPSPEED = ("0.19.8",)
+
+# (module, class or None, function, kind): the DeepSpeed functions that allocate host state, and
+# what they allocate. Read from DeepSpeed 0.19.8 (docs/deepspeed.md has the table with line refs).
+_SITES = (
+    ("deepspeed.runtime.zero.partition_parameters", "Init", "_partition_param", "param"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+     "_create_param_groups_fp16_flat_cpu_memory", "param"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_setup_for_real_optimizer", "grad"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_create_fp32_partitions",
+     "master_weight"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "initialize_optimizer_states", "grad"),
+    # The Adam moments are made lazily by the inner optimizer at the first step.
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_optimizer_step", "optimizer_state"),
+)
+
+_OVER_BUDGET_HINT = (
+    " DeepSpeed settings that shrink the host state: zero_optimization.offload_optimizer.device: nvme "
+    "(fp32 master and moments on NVMe), zero_optimization.offload_param.device: nvme, a smaller "
+    "zero_optimization.sub_group_size or reduce_bucket_size; or give Spillway more with "
+    "spillway.deepspeed.install(budget_bytes=...).")
+
+_saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
+_patched = []       # (owner, name, original) for each function wrapped
+_missing = []       # sites this DeepSpeed lacks
+
+
+class AuditWarning(UserWarning):
+    """Some of DeepSpeed's offloaded host state is not in Spillway's arenas."""
 
 
 def _op():
     return types.SimpleNamespace(aio_handle=_spillway.aio_handle, __name__="spillway_async_io")
 
 
-def install():
-    """Makes DeepSpeed's AsyncIOBuilder return Spillway's aio op. Idempotent."""
-    global _saved
-    from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415 (deepspeed is optional)
+def _deepspeed_version():
+    import deepspeed  # noqa: PLC0415
 
+    return deepspeed.__version__
+
+
+def _tagged(fn, kind):
+    import spillway  # noqa: PLC0415
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            with spillway.tag(kind):
+                return fn(*args, **kwargs)
+        except spillway.OverBudget as e:
+            if _OVER_BUDGET_HINT in str(e):
+                raise
+            raise spillway.OverBudget(f"{e} (in DeepSpeed's {fn.__qualname__}, {kind}).{_OVER_BUDGET_HINT}") from e
+    wrapped.__spillway_original__ = fn
+    return wrapped
+
+
+def _patch(owner, name, replacement):
+    _patched.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+    setattr(owner, name, replacement)
+
+
+def _wrap_step(original):
+    import spillway  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        boundary = self.is_gradient_accumulation_boundary()
+        out = original(self, *args, **kwargs)
+        if boundary:
+            runtime = spillway.installed()
+            if runtime is not None:
+                runtime.mark_step()
+            if not getattr(self, "_spillway_audited_step", False):
+                self._spillway_audited_step = True
+                _audit_and_warn(self, "after the first optimizer step")
+        return out
+    step.__spillway_original__ = original
+    return step
+
+
+def _wrap_initialize(original):
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        out = original(*args, **kwargs)
+        _audit_and_warn(out[0], "after deepspeed.initialize")
+        return out
+    initialize.__spillway_original__ = original
+    return initialize
+
+
+def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True):
+    """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
+    is built. `allocators=False` replaces only the aio op (the old behaviour).
+
+    Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
+    missing an allocation site, gets one warning that names the version and what still works."""
+    import spillway  # noqa: PLC0415
+    import deepspeed  # noqa: PLC0415 (deepspeed is optional)
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
+
+    global _saved
     if _saved is not None:
-        return
+        raise spillway.FailedPrecondition(
+            "spillway.deepspeed.install() was already called; call it once per process (uninstall() "
+            "first to install again)")
+    if allocators:
+        if spillway.installed() is None:
+            spillway.install(budget_bytes=budget_bytes, pinned_budget_bytes=pinned_budget_bytes)
+        elif budget_bytes is not None or pinned_budget_bytes is not None:
+            raise spillway.FailedPrecondition(
+                "spillway.deepspeed.install(budget_bytes=...) after spillway.install(): the arenas and "
+                "their budgets already exist; pass the budgets to spillway.install() instead")
     _saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
     AsyncIOBuilder.load = lambda self, verbose=True: _op()
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True
+    if not allocators:
+        return
+    import importlib  # noqa: PLC0415
+
+    _missing.clear()
+    for module_name, cls_name, fn_name, kind in _SITES:
+        try:
+            owner = importlib.import_module(module_name)
+            if cls_name is not None:
+                owner = getattr(owner, cls_name)
+            fn = owner.__dict__[fn_name] if isinstance(owner, type) else getattr(owner, fn_name)
+        except (ImportError, AttributeError, KeyError):
+            _missing.append(f"{module_name}.{cls_name + '.' if cls_name else ''}{fn_name} ({kind})")
+            continue
+        _patch(owner, fn_name, _tagged(fn, kind))
+    from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
+
+    _patch(DeepSpeedEngine, "step", _wrap_step(DeepSpeedEngine.__dict__["step"]))
+    _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
+    version = _deepspeed_version()
+    if version not in TESTED_DEEPSPEED or _missing:
+        warnings.warn(
+            f"spillway.deepspeed: DeepSpeed {version} is "
+            f"{'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
+            f"{'; these allocation sites are missing: ' + '; '.join(_missing) if _missing else ''}. Still in "
+            f"force: torch's CPU and pinned allocators are Spillway's, every site found is tagged, the aio "
+            f"op is Spillway's, and the audit after deepspeed.initialize and after the first step names "
+            f"each offloaded tensor that is not in Spillway's arenas", AuditWarning, stacklevel=2)
 
 
 def uninstall():
-    """Restores DeepSpeed's own aio op."""
+    """Restores DeepSpeed's own aio op and functions. torch's allocators stay Spillway's."""
     global _saved
+    while _patched:
+        owner, name, original = _patched.pop()
+        setattr(owner, name, original)
     if _saved is None:
         return
     cls, load, compat = _saved
@@ -47,3 +190,78 @@ def uninstall():
 
 def installed():
     return _saved is not None
+
+
+# ---- The audit ----
+
+def offloaded_tensors(engine):
+    """(name, kind, tensor) for each host tensor of DeepSpeed's ZeRO-3 offloaded state that exists
+    now: 16-bit partitions, fp32 master partitions and their gradients, the flat gradient
+    partitions and the Adam moments. Storages shared by several names are listed once."""
+    opt = getattr(engine, "optimizer", None)
+    found, seen = [], set()
+
+    def add(name, kind, t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+            return
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            return
+        seen.add(key)
+        found.append((name, kind, t))
+
+    for g, buf in enumerate(getattr(opt, "param_groups_fp16_flat_cpu_memory", None) or ()):
+        add(f"optimizer.param_groups_fp16_flat_cpu_memory[{g}]", "param", buf)
+    module = getattr(engine, "module", None)
+    for pname, p in (module.named_parameters() if module is not None else ()):
+        add(f"{pname}.ds_tensor", "param", getattr(p, "ds_tensor", None))
+    for i, fp32 in enumerate(getattr(opt, "fp32_partitioned_groups_flat", None) or ()):
+        add(f"optimizer.fp32_partitioned_groups_flat[{i}]", "master_weight", fp32)
+        add(f"optimizer.fp32_partitioned_groups_flat[{i}].grad", "grad", fp32.grad)
+        inner = getattr(opt, "optimizer", None)
+        state = getattr(inner, "state", {}).get(fp32, {}) if inner is not None else {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            add(f"optimizer.optimizer.state[fp32[{i}]]['{key}']", "optimizer_state", state.get(key))
+    add("optimizer.grad_partitions_flat_buffer", "grad", getattr(opt, "grad_partitions_flat_buffer", None))
+    return found
+
+
+def audit(engine):
+    """Which of DeepSpeed's offloaded host tensors live in Spillway's arenas. Returns a dict:
+    deepspeed (version), total_bytes, covered_bytes, by_kind ({kind: bytes}), missed (a list of
+    {name, kind, bytes}), tensors (how many were looked at)."""
+    import spillway  # noqa: PLC0415
+
+    runtime = spillway.installed()
+    arenas = runtime.arenas if runtime is not None else ()
+    report = {"deepspeed": _deepspeed_version(), "total_bytes": 0, "covered_bytes": 0, "by_kind": {},
+              "missed": [], "tensors": 0}
+    for name, kind, t in offloaded_tensors(engine):
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        report["tensors"] += 1
+        report["total_bytes"] += nbytes
+        if any(a.contains(storage.data_ptr(), nbytes) for a in arenas):
+            report["covered_bytes"] += nbytes
+            report["by_kind"][kind] = report["by_kind"].get(kind, 0) + nbytes
+        else:
+            report["missed"].append({"name": name, "kind": kind, "bytes": nbytes})
+    return report
+
+
+def _audit_and_warn(engine, when):
+    report = audit(engine)
+    try:
+        engine._spillway_audits = getattr(engine, "_spillway_audits", []) + [(when, report)]
+    except AttributeError:
+        pass
+    if report["missed"]:
+        names = "; ".join(f"{m['name']} ({m['kind']}, {m['bytes']} bytes)" for m in report["missed"][:16])
+        more = len(report["missed"]) - 16
+        warnings.warn(
+            f"spillway.deepspeed audit {when}, DeepSpeed {report['deepspeed']}: "
+            f"{report['total_bytes'] - report['covered_bytes']} of {report['total_bytes']} bytes of offloaded "
+            f"state are not in Spillway's arenas: {names}{f' and {more} more' if more > 0 else ''}. Call "
+            f"spillway.deepspeed.install() before the model is built and before deepspeed.initialize",
+            AuditWarning, stacklevel=3)
+    return report

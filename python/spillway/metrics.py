@@ -1,13 +1,35 @@
-"""The live Prometheus exporter: `spillway.metrics.serve("127.0.0.1:9464", arenas)`."""
+"""The live Prometheus exporter: `spillway.metrics.serve("127.0.0.1:9464")`."""
+import os
+
 from . import _spillway
 
 
-def serve(address="127.0.0.1:9464", arenas=()):
-    """Starts serving /metrics on `address` ("host:0" picks a free port; `.port` says which) and
-    watches each arena (its live bytes by kind and lifetime, escapes, pinned bytes). Serving stops
-    when the returned exporter is garbage-collected. Raises spillway.Unavailable when the port is
-    taken."""
-    exporter = _spillway._serve(address)
+def _rank():
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except Exception:  # noqa: BLE001 (no process group is not an error here)
+        pass
+    return os.environ.get("RANK")
+
+
+def serve(address="127.0.0.1:9464", arenas=None, rank=None):
+    """Starts serving /metrics on `address` ("host:0" picks a free port; `.port` says which).
+
+    Watches `arenas`; by default the arenas of spillway.install() (DeepSpeed's host bytes by kind:
+    param, grad, master_weight, optimizer_state, swap_buffer), with their ledger's epoch and step.
+    Every sample carries `rank` (default: torch.distributed's rank, else $RANK) as a label, so the
+    ranks of one job can be summed or told apart. Serving stops when the returned exporter is
+    garbage-collected. Raises spillway.Unavailable when the port is taken."""
+    if arenas is None:
+        import spillway  # noqa: PLC0415
+
+        runtime = spillway.installed()
+        arenas = runtime.arenas if runtime is not None else ()
+    rank = _rank() if rank is None else str(rank)
+    exporter = _spillway._serve(address, {"rank": rank} if rank is not None else {})
     for a in arenas:
         exporter.watch(a)
     return exporter

@@ -24,11 +24,14 @@
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/metrics/exporter.h"
 #include "errors.h"
+#include "py_arena.h"
+#include "torch_allocators.h"
 
 namespace py = pybind11;
 using namespace spillway;
 using allocator::HostArena;
 using python::Check;
+using python::PyArena;
 using python::ExceptionTypes;
 using python::Raise;
 
@@ -47,80 +50,29 @@ Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const cha
   return std::make_pair(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
 }
 
-// ---- HostArena ----
-
-class PyArena : public std::enable_shared_from_this<PyArena> {
- public:
-  PyArena(uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name) {
-    allocator::HostArenaOptions o;
-    o.name = name;
-    o.budget_bytes = budget_bytes;
-    o.pin = pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable;
-    o.policy = Check(allocator::ParseEscapePolicy(policy));
-    o.ledger = &ledger_;
-    arena_ = Check(HostArena::Create(o));
+py::dict ArenaStats(PyArena& a) {
+  const allocator::HostArenaStats s = a.get()->Stats();
+  py::dict d;
+  d["name"] = a.name();
+  d["pin_mode"] = allocator::PinModeName(s.pin_mode);
+  d["fork_safety"] = allocator::ForkSafetyName(s.fork_safety);
+  d["budget_bytes"] = s.budget_bytes;
+  d["live_bytes"] = s.live_bytes;
+  d["live_allocations"] = s.live_allocations;
+  py::dict by_kind;
+  for (int k = 0; k < allocator::kKindCount; ++k) {
+    by_kind[allocator::KindName(static_cast<allocator::Kind>(k))] = s.live_by_kind[k];
   }
-
-  // A tensor over exact-size arena memory, freed when the storage's last reference dies (the
-  // deleter keeps this arena, and its ledger, alive until then).
-  torch::Tensor Empty(const std::vector<int64_t>& shape, c10::ScalarType dtype, const std::string& kind,
-                      const std::string& lifetime, uint64_t owner) {
-    int64_t numel = 1;
-    for (int64_t d : shape) {
-      if (d < 0) Raise(Status::InvalidArgument(StrCat("arena.empty: negative dimension ", d, " in the shape")));
-      numel *= d;
-    }
-    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
-    const allocator::OwnerTag tag{Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
-                                  owner, allocator::kProcessScope, "python"};
-    auto r = [&] {
-      py::gil_scoped_release nogil;  // mapping and pinning a region are syscalls
-      return arena_->Allocate(std::max<uint64_t>(bytes, 1), tag);
-    }();
-    void* p = Check(std::move(r));
-    std::shared_ptr<PyArena> keep = shared_from_this();
-    return torch::from_blob(
-        p, shape,
-        [keep](void* q) {
-          Status st = keep->arena_->Free(q);
-          if (!st.ok()) std::fprintf(stderr, "spillway: freeing an arena tensor: %s\n", st.ToString().c_str());
-        },
-        torch::TensorOptions().dtype(dtype));
-  }
-
-  bool Owns(const torch::Tensor& t) const {
-    return t.defined() && t.device().is_cpu() && t.numel() > 0 &&
-           arena_->Contains(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
-  }
-
-  py::dict Stats() const {
-    const allocator::HostArenaStats s = arena_->Stats();
-    py::dict d;
-    d["pin_mode"] = allocator::PinModeName(s.pin_mode);
-    d["budget_bytes"] = s.budget_bytes;
-    d["live_bytes"] = s.live_bytes;
-    d["committed_bytes"] = s.committed_bytes;
-    d["peak_committed_bytes"] = s.peak_committed_bytes;
-    d["retained_bytes"] = s.retained_bytes;
-    d["pinned_bytes"] = s.pinned_bytes;
-    d["regions"] = s.regions;
-    d["live_allocations"] = s.live_allocations;
-    d["escape_count"] = s.escape_count;
-    return d;
-  }
-
-  uint64_t Trim() {
-    py::gil_scoped_release nogil;
-    return arena_->Trim();
-  }
-
-  allocator::Ledger& ledger() { return ledger_; }
-  HostArena* get() { return arena_.get(); }
-
- private:
-  allocator::Ledger ledger_;             // declared first: destroyed after the arena
-  std::unique_ptr<HostArena> arena_;
-};
+  d["live_by_kind"] = by_kind;
+  d["committed_bytes"] = s.committed_bytes;
+  d["peak_committed_bytes"] = s.peak_committed_bytes;
+  d["retained_bytes"] = s.retained_bytes;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["regions"] = s.regions;
+  d["over_budget_count"] = s.over_budget_count;
+  d["escape_count"] = s.escape_count;
+  return d;
+}
 
 py::dict ReportToDict(const allocator::BoundaryReport& r) {
   py::dict d;
@@ -221,7 +173,8 @@ class AioHandle {
 
   torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
     if (num_elem < 0) Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
-    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), "swap_buffer", "persistent",
+    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
+                                    allocator::Lifetime::kPersistent,
                                     locked_.size());
     locked_[t.storage().data()] = t.storage();
     return t;
@@ -390,7 +343,7 @@ std::shared_ptr<PyArena>& DefaultArena() {
 std::shared_ptr<PyArena> ArenaOrDefault(std::shared_ptr<PyArena> arena) {
   if (arena) return arena;
   auto& d = DefaultArena();
-  if (!d) d = std::make_shared<PyArena>(0, true, "report", "python");
+  if (!d) d = std::make_shared<PyArena>(0, allocator::PinMode::kAuto, allocator::EscapePolicy::kReport, "python", nullptr);
   return d;
 }
 
@@ -422,18 +375,32 @@ PYBIND11_MODULE(_spillway, m) {
   make("InternalError", StatusCode::kInternal, nullptr);
 
   py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
-      .def(py::init<uint64_t, bool, const std::string&, const std::string&>(), py::arg("budget_bytes") = 0,
-           py::arg("pinned") = true, py::arg("policy") = "report", py::arg("name") = "python")
+      .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name,
+                       std::shared_ptr<PyArena> share_ledger_with) {
+             return std::make_shared<PyArena>(budget_bytes,
+                                              pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable,
+                                              Check(allocator::ParseEscapePolicy(policy)), name, share_ledger_with);
+           }),
+           py::arg("budget_bytes") = 0, py::arg("pinned") = true, py::arg("policy") = "report",
+           py::arg("name") = "python", py::arg("share_ledger_with") = nullptr)
       .def("empty", [](PyArena& a, std::vector<int64_t> shape, py::object dtype, const std::string& kind,
                        const std::string& lifetime, uint64_t owner) {
              const c10::ScalarType st = dtype.is_none() ? c10::ScalarType::Float
                                                         : torch::python::detail::py_object_to_dtype(dtype);
-             return a.Empty(shape, st, kind, lifetime, owner);
+             return a.Empty(shape, st, Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
+                            owner);
            }, py::arg("shape"), py::arg("dtype") = py::none(), py::arg("kind") = "transient",
            py::arg("lifetime") = "step", py::arg("owner") = 0)
       .def("owns", &PyArena::Owns)
-      .def("stats", &PyArena::Stats)
-      .def("trim", &PyArena::Trim)
+      .def("contains", [](const PyArena& a, uint64_t ptr, uint64_t bytes) {
+             return a.Contains(reinterpret_cast<const void*>(ptr), bytes);
+           }, py::arg("ptr"), py::arg("nbytes"))
+      .def_property_readonly("name", &PyArena::name)
+      .def("stats", &ArenaStats)
+      .def("trim", [](PyArena& a) {
+             py::gil_scoped_release nogil;
+             return a.get()->Trim();
+           })
       .def("_begin_epoch", [](PyArena& a, int64_t e) { Check(a.ledger().BeginEpoch(e)); })
       .def("_end_epoch", [](PyArena& a) {
         allocator::BoundaryReport r;
@@ -498,7 +465,11 @@ PYBIND11_MODULE(_spillway, m) {
              e.Watch(&a->ledger());
            }, py::keep_alive<1, 2>());
   python::BindEngine(m);
-  m.def("_serve", [](const std::string& address) {
-    return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start({address, true})).release());
-  });
+  python::BindTorchAllocators(m);
+  m.def("_serve", [](const std::string& address, const std::map<std::string, std::string>& labels) {
+    metrics::ExporterOptions o;
+    o.address = address;
+    o.const_labels.assign(labels.begin(), labels.end());
+    return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start(o)).release());
+  }, py::arg("address"), py::arg("labels") = std::map<std::string, std::string>{});
 }

@@ -1,0 +1,213 @@
+"""spillway.install(): torch's CPU allocator routed by tag scope into a pageable MADV_DONTFORK arena,
+and torch's pinned host allocator on a pinned arena whose blocks wait for recorded events. Each case
+runs in a fresh interpreter: install() is once per process, as torch's allocator registry is."""
+import subprocess
+import sys
+import textwrap
+
+
+def run(code, expect_ok=True):
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    if expect_ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def test_tagged_allocations_land_in_the_arena_by_kind_and_untagged_ones_stay_torchs():
+    run("""
+        import torch, spillway
+        rt = spillway.install()
+        outside = torch.empty(1 << 20)
+        with spillway.tag("optimizer_state"):
+            state = torch.zeros(1 << 20)
+            tiny = torch.zeros(16)              # below small_bytes: torch's
+            with spillway.tag("grad"):          # the innermost scope wins
+                g = torch.ones(1 << 18)
+        assert rt.host.contains(state.data_ptr(), state.nbytes)
+        assert rt.host.contains(g.data_ptr(), g.nbytes)
+        assert not rt.host.contains(outside.data_ptr(), 4) and not rt.host.contains(tiny.data_ptr(), 4)
+        kinds = rt.host.stats()["live_by_kind"]
+        assert kinds["optimizer_state"] == 4 << 20 and kinds["grad"] == 1 << 20, kinds
+        assert rt.host.stats()["fork_safety"] == "dontfork" and rt.host.stats()["pin_mode"] == "pageable"
+        del state
+        assert rt.host.stats()["live_by_kind"]["optimizer_state"] == 0
+        assert spillway._spillway._torch_allocators_are_spillways() == (True, True)
+    """)
+
+
+def test_a_tag_reaches_threads_torch_propagates_its_thread_local_state_to():
+    # torch.jit.fork runs on torch's inter-op pool under ThreadLocalStateGuard, as autograd's
+    # device threads do: a plain thread_local would not be seen there.
+    run("""
+        import torch, spillway
+        rt = spillway.install()
+        def make():
+            return torch.zeros(1 << 20)
+        with spillway.tag("transient"):
+            t = torch.jit.wait(torch.jit.fork(make))
+        assert rt.host.contains(t.data_ptr(), t.nbytes)
+        w = torch.randn(1024, 1024, requires_grad=True)
+        with spillway.tag("grad"):
+            (w * 3).sum().backward()
+        assert rt.host.contains(w.grad.data_ptr(), w.grad.nbytes)
+    """)
+
+
+def test_bad_input_install_twice_tag_before_install_and_scopes_out_of_order():
+    run("""
+        import torch, spillway
+        try:
+            with spillway.tag("grad"):
+                pass
+        except spillway.FailedPrecondition as e:
+            assert "before spillway.install()" in str(e), e
+        else:
+            raise AssertionError("tag before install was accepted")
+        rt = spillway.install()
+        try:
+            spillway.install()
+        except spillway.FailedPrecondition as e:
+            assert "already called" in str(e), e
+        else:
+            raise AssertionError("install twice was accepted")
+        assert spillway.installed() is rt
+        outer, inner = spillway.tag("param"), spillway.tag("grad")
+        outer.__enter__(); inner.__enter__()
+        try:
+            outer.__exit__(None, None, None)
+        except spillway.FailedPrecondition as e:
+            assert "reverse order" in str(e) and "grad/persistent" in str(e), e
+        else:
+            raise AssertionError("out-of-order exit was accepted")
+        # Nothing changed: the inner scope is still the current one and still serves allocations.
+        assert spillway._spillway._current_tag() == "grad/persistent"
+        g = torch.zeros(1 << 18)
+        assert rt.host.stats()["live_by_kind"]["grad"] == 1 << 20
+        inner.__exit__(None, None, None); outer.__exit__(None, None, None)
+        assert spillway._spillway._current_tag() is None
+    """)
+
+
+def test_bad_input_a_torch_other_than_the_one_built_against_is_refused_and_nothing_is_installed():
+    run("""
+        import torch, spillway
+        torch.__version__ = "2.99.0+cpu"
+        try:
+            spillway.install()
+        except spillway.FailedPrecondition as e:
+            assert "2.99.0" in str(e) and "Rebuild" in str(e) and "Still" in str(e), e
+        else:
+            raise AssertionError("a mismatched torch was accepted")
+        assert spillway.installed() is None
+        assert spillway._spillway._torch_allocators_are_spillways() == (False, False)
+    """)
+
+
+def test_bad_input_a_forked_child_allocating_inside_a_scope_gets_an_error_naming_the_fork():
+    run("""
+        import os, torch, spillway
+        rt = spillway.install()
+        keep = None
+        with spillway.tag("optimizer_state"):
+            keep = torch.full((1 << 20,), 7.0)
+            pid = os.fork()
+            if pid == 0:
+                code = 3
+                try:
+                    torch.zeros(1 << 20)
+                except RuntimeError as e:
+                    code = 0 if "forked" in str(e) and "spillway.tag" in str(e) else 4
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert float(keep.sum()) == 7.0 * (1 << 20)   # the parent's data is intact
+        outside = torch.arange(1000.)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if float(outside.sum()) == 499500.0 and float(torch.ones(8).sum()) == 8 else 5)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "memory made outside a scope is the child's to read"
+    """)
+
+
+def test_bad_input_over_budget_is_spillways_error_and_names_the_budget():
+    run("""
+        import torch, spillway
+        rt = spillway.install(budget_bytes=8 << 20)
+        keep = None
+        with spillway.tag("param"):
+            keep = torch.ones(1 << 20)
+        try:
+            with spillway.tag("optimizer_state"):
+                torch.zeros(4 << 20)
+        except spillway.OverBudget as e:
+            assert "budget" in str(e) and "optimizer_state" in str(e), e
+        else:
+            raise AssertionError("over budget was accepted")
+        assert float(keep.sum()) == 1 << 20 and rt.host.stats()["live_by_kind"]["optimizer_state"] == 0
+    """)
+
+
+PINNED = """
+    import torch, spillway
+    sw = spillway._spillway
+    rt = spillway.install()
+    sw._testing_manual_events(True)   # no GPU here: events complete when the test says (docs/deepspeed.md)
+"""
+
+
+def test_pinned_blocks_come_from_the_pinned_arena_exact_size_and_foreign_memory_is_forwarded():
+    run(PINNED + """
+    a = sw._host_allocator_empty(12345)
+    assert rt.pinned.contains(a.data_ptr(), 12345) and sw._pinned_stats()["live_bytes"] == 12345
+    assert not sw._host_allocator_record_event(torch.empty(100))      # not ours: forwarded
+    assert sw._pinned_stats()["foreign_record_events_total"] == 1
+    s = sw._host_allocator_stats()
+    assert s["active_bytes"] == 12345 and s["active_requests"] == 1, s
+    del a
+    assert sw._pinned_stats()["live_bytes"] == 0 and rt.pinned.stats()["live_bytes"] == 0
+    """)
+
+
+def test_a_block_with_a_pending_event_is_not_reused_until_the_event_completes():
+    run(PINNED + """
+    a = sw._host_allocator_empty(1 << 20)
+    addr = a.data_ptr()
+    assert sw._host_allocator_record_event(a)      # a non_blocking copy reads it
+    del a                                          # freed while the copy may still run
+    st = sw._pinned_stats()
+    assert st["deferred_blocks"] == 1 and st["deferred_bytes"] == 1 << 20, st
+    b = sw._host_allocator_empty(1 << 20)
+    assert b.data_ptr() != addr, "a block with a pending event was handed out again"
+    assert rt.pinned.stats()["live_bytes"] == 2 << 20
+    sw._testing_complete_events()
+    assert sw._poll_deferred() == 1
+    assert sw._pinned_stats()["deferred_blocks"] == 0 and rt.pinned.stats()["live_bytes"] == 1 << 20
+    """)
+
+
+def test_arena_empty_tensors_defer_their_free_the_same_way():
+    run(PINNED + """
+    arena = spillway.HostArena(pinned=False, name="own")
+    t = arena.empty((1 << 18,), torch.float32, kind="swap_buffer", lifetime="persistent")
+    assert sw._host_allocator_record_event(t)
+    del t
+    assert arena.stats()["live_bytes"] == 1 << 20, "freed under a pending copy"
+    sw._testing_complete_events(); sw._poll_deferred()
+    assert arena.stats()["live_bytes"] == 0
+    """)
+
+
+def test_graph_pool_blocks_are_held_until_the_pool_is_released_and_nothing_throws():
+    run(PINNED + """
+    sw._host_allocator_pool("begin", 1, 2)
+    a = sw._host_allocator_empty(4096)
+    assert sw._host_allocator_record_event(a)     # during capture: held, nothing recorded
+    sw._host_allocator_pool("end", 1, 2)
+    del a
+    assert sw._pinned_stats()["deferred_blocks"] == 1
+    sw._host_allocator_empty_cache()
+    assert sw._pinned_stats()["deferred_blocks"] == 1, "a pool block was freed before release_pool"
+    sw._host_allocator_pool("release", 1, 2)
+    assert sw._pinned_stats()["deferred_blocks"] == 0 and rt.pinned.stats()["live_bytes"] == 0
+    """)
