@@ -224,14 +224,16 @@ def run_one(which, args):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def verdict(plain, ours):
+def verdict(plain, ours, min_removed=0.8):
     """(ok, lines). Per epoch, what the first step after the fork added in each run. Judged on the
     epochs after the first (epoch 0's first step also makes the Adam moments and DeepSpeed's
     first-step buffers: fresh memory in both runs, not copy-on-write), by their median, because
     the rest of the growth (the interpreter's and the simulated device's pages) moves by tens of
     MiB from epoch to epoch: Spillway's run grows when the median of (plain - spillway) is below
-    95% of the offloaded state that existed at the fork, and Spillway's own median growth is
-    above 5% of it."""
+    `min_removed` of the offloaded state that existed at the fork, and Spillway's own median growth
+    is above 5% of it. The default, 0.8, is below what was measured on a correct run (0.88-1.07 at
+    8.5M parameters, docs/deepspeed.md) and far above what a run whose state is not in the arena
+    shows (about 0)."""
     lines, saved, states, ours_growth = [], [], [], []
     for pe, se in zip(plain["epochs"], ours["epochs"]):
         pg, sg = pe["first_step_growth_bytes"], se["first_step_growth_bytes"]
@@ -246,10 +248,10 @@ def verdict(plain, ours):
     if not saved:
         return True, lines + ["  (one epoch only: nothing to judge; run --epochs 3 or more)"]
     m_saved, m_state = statistics.median(saved), statistics.median(states)
-    ok = not (m_saved < 0.95 * m_state and statistics.median(ours_growth) > 0.05 * m_state)
+    ok = not (m_saved < min_removed * m_state and statistics.median(ours_growth) > 0.05 * m_state)
     lines.append(f"  median over epochs 1..: Spillway removed {m_saved / MIB:.1f} MiB of the plain run's "
                  f"growth; the offloaded state at the fork was {m_state / MIB:.1f} MiB "
-                 f"({m_saved / max(m_state, 1):.0%}; at least 95% passes)")
+                 f"({m_saved / max(m_state, 1):.0%}; at least {min_removed:.0%} passes)")
     return ok, lines
 
 
@@ -280,6 +282,8 @@ def main(argv=None):
     ap.add_argument("--budget-bytes", type=int, default=0, help="Spillway's host budget (0: the default)")
     ap.add_argument("--settle", type=float, default=0.5,
                     help="seconds the forked workers get to finish prefetching before the measurement")
+    ap.add_argument("--min-removed", type=float, default=0.8,
+                    help="fraction of the offloaded state Spillway must remove from the plain run's growth")
     ap.add_argument("--metrics", action="store_true", help="scrape Spillway's exporter during the run")
     ap.add_argument("--png", default="leak_suite.png")
     ap.add_argument("--json", default=None, help="write both runs' measurements here")
@@ -296,7 +300,7 @@ def main(argv=None):
         return 0
     plain = run_one("plain", args)
     ours = run_one("spillway", args)
-    ok, lines = verdict(plain, ours)
+    ok, lines = verdict(plain, ours, args.min_removed)
     state = ours["offloaded_bytes"]
     print(f"spillway leak suite: {args.deepspeed}, {ours['params']} parameters, DeepSpeed {ours['deepspeed']}, "
           f"{args.epochs} epochs, {args.workers} forked workers")

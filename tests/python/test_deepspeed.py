@@ -40,7 +40,9 @@ def test_install_routes_the_aio_op_and_uninstall_restores_it():
         op = AsyncIOBuilder().load(verbose=False)
         assert op.aio_handle is spillway.aio_handle
         assert AsyncIOBuilder().is_compatible()
-        spillway.deepspeed.install()  # idempotent
+        with pytest.raises(spillway.FailedPrecondition, match="already called"):
+            spillway.deepspeed.install()  # twice is refused, and changes nothing
+        assert AsyncIOBuilder().load(verbose=False).aio_handle is spillway.aio_handle
     finally:
         spillway.deepspeed.uninstall()
     assert not spillway.deepspeed.installed()
