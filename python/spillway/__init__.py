@@ -35,6 +35,8 @@ from ._spillway import (  # noqa: F401
     Unavailable,
     aio_handle,
     default_arena,
+    default_host_budget,
+    memory_limit_bytes,
 )
 from . import _spillway  # noqa: E402
 
@@ -163,12 +165,14 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
     """Makes torch's CPU allocator and its pinned (CUDA host) allocator Spillway's, once per process.
 
     - Inside `with spillway.tag(kind):`, every CPU tensor of at least `small_bytes` comes from a
-      pageable, MADV_DONTFORK arena with a hard budget (`budget_bytes`; default: 3/4 of the memory
-      limit, which honours the cgroup's memory.max). Outside a scope, torch's own allocator serves it.
+      pageable, MADV_DONTFORK arena with a hard budget (`budget_bytes`). Outside a scope, torch's own
+      allocator serves it.
     - Every pinned allocation (pin_memory(), empty(pin_memory=True), non_blocking D2H outputs) comes
       from a pinned arena, exact size, whose blocks are reused only after the copies recorded on them
-      completed.
-    Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
+      completed, under its own budget (`pinned_budget_bytes`).
+    The two budgets left unset share default_host_budget() (3/4 of the memory limit, which honours
+    the cgroup's memory.max): the pageable arena 2/3 of it, the pinned one 1/3, so the two together
+    never exceed it. Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
     torch other than the one Spillway was built against."""
     global _runtime
     with _install_lock:
@@ -177,8 +181,17 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
                 "spillway.install() was already called in this process; torch's allocators cannot be "
                 "replaced twice. Use spillway.installed() to reach the Runtime it returned")
         check_torch_version()
-        host = HostArena(budget_bytes=budget_bytes or 0, pinned=False, policy=policy, name="host")
-        pinned = HostArena(budget_bytes=pinned_budget_bytes or 0, pinned=True, policy=policy, name="pinned",
+        total = default_host_budget()
+        if budget_bytes is None:
+            budget_bytes = total - (pinned_budget_bytes if pinned_budget_bytes is not None else total // 3)
+        if pinned_budget_bytes is None:
+            pinned_budget_bytes = max(total - budget_bytes, 1 << 20)
+        for name, value in (("budget_bytes", budget_bytes), ("pinned_budget_bytes", pinned_budget_bytes)):
+            if value <= 0:
+                raise InvalidArgument(f"spillway.install({name}={value}): must be positive; the default "
+                                      f"budget is {total} bytes (3/4 of the memory limit)")
+        host = HostArena(budget_bytes=budget_bytes, pinned=False, policy=policy, name="host")
+        pinned = HostArena(budget_bytes=pinned_budget_bytes, pinned=True, policy=policy, name="pinned",
                            share_ledger_with=host)
         _spillway._install(host, pinned, small_bytes, priority)
         _runtime = Runtime(host, pinned)
@@ -231,7 +244,17 @@ class tag:  # noqa: N801  (used like a function: `with spillway.tag("grad"):`)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        _spillway._exit_tag(self._scope)
+        try:
+            _spillway._exit_tag(self._scope)
+        except FailedPrecondition as e:
+            if exc is None:
+                raise
+            # An exception is already on its way out: it is the one to see. The scope stays open on
+            # this thread, and allocations on it keep its tag until the scope opened later exits.
+            import warnings  # noqa: PLC0415
+
+            warnings.warn(f"{e} (while {type(exc).__name__} propagates)", RuntimeWarning, stacklevel=2)
+            return False
         self._scope = None
         translated = _as_over_budget(exc)
         if translated is not None:

@@ -94,13 +94,28 @@ def _wrap_step(original):
     def step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
         out = original(self, *args, **kwargs)
-        if boundary:
+        if not boundary:
+            return out
+        # The optimizer step has been applied: nothing below may raise out of engine.step() (a
+        # caller that retried would apply it twice). Failures become warnings.
+        try:
             runtime = spillway.installed()
+            # One ledger step per iteration: the first engine that steps marks them (several engines,
+            # as in RLHF's actor and critic, would otherwise count one iteration several times).
             if runtime is not None:
-                runtime.mark_step()
+                if getattr(runtime, "_step_engine", None) is None:
+                    import weakref  # noqa: PLC0415
+
+                    runtime._step_engine = weakref.ref(self)
+                if runtime._step_engine() is self:
+                    runtime.mark_step()
             if not getattr(self, "_spillway_audited_step", False):
                 self._spillway_audited_step = True
                 _audit_and_warn(self, "after the first optimizer step")
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"spillway.deepspeed: the step boundary after engine.step() failed: "
+                          f"{type(e).__name__}: {e}. The optimizer step itself was applied",
+                          AuditWarning, stacklevel=2)
         return out
     step.__spillway_original__ = original
     return step
@@ -110,7 +125,11 @@ def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         out = original(*args, **kwargs)
-        _audit_and_warn(out[0], "after deepspeed.initialize")
+        try:
+            _audit_and_warn(out[0], "after deepspeed.initialize")
+        except Exception as e:  # noqa: BLE001 (the engine exists: hand it over, say what failed)
+            warnings.warn(f"spillway.deepspeed: the audit after deepspeed.initialize failed: "
+                          f"{type(e).__name__}: {e}", AuditWarning, stacklevel=2)
         return out
     initialize.__spillway_original__ = original
     return initialize

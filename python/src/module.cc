@@ -365,7 +365,15 @@ PYBIND11_MODULE(_spillway, m) {
   };
   make("InvalidArgument", StatusCode::kInvalidArgument, PyExc_ValueError);
   make("FailedPrecondition", StatusCode::kFailedPrecondition, nullptr);
-  make("OverBudget", StatusCode::kOverBudget, PyExc_MemoryError);
+  {
+    // Also a torch.OutOfMemoryError: code that catches torch's OOM around an allocation that
+    // spillway.install() now serves keeps catching it (docs/deepspeed.md).
+    py::object torch_oom = py::module_::import("torch").attr("OutOfMemoryError");
+    py::tuple bases = py::make_tuple(error, torch_oom, py::handle(PyExc_MemoryError));
+    py::object cls = py::reinterpret_steal<py::object>(PyErr_NewException("spillway.OverBudget", bases.ptr(), nullptr));
+    m.attr("OverBudget") = cls;
+    ExceptionTypes()[StatusCode::kOverBudget] = cls;
+  }
   make("OutOfMemory", StatusCode::kOutOfMemory, PyExc_MemoryError);
   make("IoError", StatusCode::kIoError, PyExc_OSError);
   make("NoSpace", StatusCode::kNoSpace, PyExc_OSError);
@@ -414,6 +422,10 @@ PYBIND11_MODULE(_spillway, m) {
         return ReportToDict(r);
       });
   m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
+  m.def("memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
+        "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
+  m.def("default_host_budget", [] { return allocator::DefaultHostBudget(); },
+        "3/4 of memory_limit_bytes(): what spillway.install()'s two arenas share by default.");
 
   py::class_<AioHandle>(m, "aio_handle")
       .def(py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop, std::shared_ptr<PyArena> arena) {

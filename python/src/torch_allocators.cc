@@ -9,6 +9,7 @@
 #include <ATen/TensorUtils.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/extension.h>
 #include <torch/version.h>
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -69,15 +71,20 @@ void OnForkChild() { g_forked.store(true, std::memory_order_relaxed); }
 
 // An allocation handed to torch with a context that torch passes back to record_event: blocks of
 // the pinned allocator and tensors from HostArena.empty(). The memory goes back to its arena when
-// the storage dies and every recorded event has completed (Note [Deferred free]).
+// the storage dies and the work queued on every stream that used it has completed (Note
+// [Deferred free]). As in torch's CachingHostAllocator, record_event only notes the stream; one
+// event per stream is recorded when the storage dies, so a buffer copied every step does not
+// collect events.
 struct Block {
   void* ptr = nullptr;
   uint64_t bytes = 0;
-  std::shared_ptr<PyArena> arena;           // keeps the arena (and its ledger) alive
-  std::vector<std::function<bool()>> events; // each returns true once its work has completed
-  bool pooled = false;                       // made during a CUDA-graph pool; freed at release_pool
+  std::shared_ptr<PyArena> arena;            // keeps the arena (and its ledger) alive
+  bool pinned_allocator = false;             // made by the pinned allocator (host_memory_stats)
+  std::vector<c10::Stream> streams;          // streams that used it (record_event), no duplicates
+  std::vector<std::function<bool()>> events; // recorded at release; true once that work completed
+  bool pooled = false;                       // made while a CUDA-graph pool was being allocated to
   c10::MempoolId_t pool{0, 0};
-  bool pool_released = false;
+  bool used_in_pool = false;                 // record_event while pooled: a graph may use it
 };
 
 // How an event is recorded and queried: c10::Event on the stream's own device (CUDA's through
@@ -105,14 +112,16 @@ class Events {
 struct BlockStats {
   uint64_t live_blocks = 0, live_bytes = 0;          // handed out, storage alive
   uint64_t deferred_blocks = 0, deferred_bytes = 0;  // storage dead, events pending
+  uint64_t graph_held_blocks = 0, graph_held_bytes = 0;  // used in a graph pool: never reused
   uint64_t peak_live_bytes = 0;
   uint64_t allocations_total = 0, allocated_bytes_total = 0, freed_bytes_total = 0;
   uint64_t events_recorded_total = 0, deferred_frees_total = 0;
+  uint64_t event_errors_total = 0;                   // an event could not be recorded: block held
   uint64_t foreign_record_events_total = 0;          // record_event calls for memory not ours
 };
 
-// Thread-safe. mu_ guards the tables; no event query, no CUDA call and no arena call (which may
-// unmap) runs under it: Poll moves the deferred list out, queries without the lock, and frees.
+// Thread-safe. mu_ guards the tables; no event record or query, no CUDA call and no arena call
+// (which may unmap) runs under it.
 class Blocks {
  public:
   static Blocks& Get() {
@@ -120,95 +129,153 @@ class Blocks {
     return *blocks;
   }
 
-  Block* Make(void* ptr, uint64_t bytes, std::shared_ptr<PyArena> arena) {
-    auto* b = new Block{ptr, bytes, std::move(arena)};
+  // `stream`: the current stream of the allocating thread, for the pools' filters (CUDA only).
+  Block* Make(void* ptr, uint64_t bytes, std::shared_ptr<PyArena> arena, bool pinned_allocator,
+              const c10::Stream* stream) {
+    auto* b = new Block{ptr, bytes, std::move(arena), pinned_allocator};
     std::lock_guard<std::mutex> lock(mu_);
-    if (!pools_.empty()) {
-      b->pooled = true;
-      b->pool = pools_.back();
+    if (pinned_allocator && stream != nullptr) {
+      for (auto it = active_pools_.rbegin(); it != active_pools_.rend(); ++it) {
+        if (it->second(*stream)) {
+          b->pooled = true;
+          b->pool = it->first;
+          break;
+        }
+      }
     }
     live_.insert(b);
-    stats_.live_blocks++;
-    stats_.live_bytes += bytes;
-    stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
-    stats_.allocations_total++;
-    stats_.allocated_bytes_total += bytes;
+    ForEach(b, [&](BlockStats& s) {
+      s.live_blocks++;
+      s.live_bytes += bytes;
+      s.peak_live_bytes = std::max(s.peak_live_bytes, s.live_bytes);
+      s.allocations_total++;
+      s.allocated_bytes_total += bytes;
+    });
     return b;
   }
 
-  // The storage died. Frees now when nothing is pending, else defers.
+  // The storage died (a deleter: never throws). Frees now when no stream used the block, else
+  // records one event per stream and parks it.
   void Release(Block* b) {
     if (g_forked.load(std::memory_order_relaxed)) return;  // the child has no mapping to free
+    std::vector<c10::Stream> streams;
     {
       std::lock_guard<std::mutex> lock(mu_);
       live_.erase(b);
-      stats_.live_blocks--;
-      stats_.live_bytes -= b->bytes;
-      if (!b->events.empty() || (b->pooled && !PoolReleased(b->pool))) {
-        deferred_.push_back(b);
-        stats_.deferred_blocks++;
-        stats_.deferred_bytes += b->bytes;
-        stats_.deferred_frees_total++;
+      ForEach(b, [&](BlockStats& s) {
+        s.live_blocks--;
+        s.live_bytes -= b->bytes;
+      });
+      if (b->pooled && b->used_in_pool) {
+        // A graph may replay work on it at any later time: like torch, never reuse it.
+        ForEach(b, [&](BlockStats& s) {
+          s.graph_held_blocks++;
+          s.graph_held_bytes += b->bytes;
+        });
         return;
       }
+      if (b->pooled && !PoolReleased(b->pool)) {
+        Park(b);
+        return;
+      }
+      streams.swap(b->streams);
     }
-    Free(b);
+    if (streams.empty()) {
+      Free(b);
+      return;
+    }
+    std::vector<std::function<bool()>> events;
+    bool failed = false;
+    for (const c10::Stream& s : streams) {
+      try {
+        events.push_back(events_.Record(s));
+      } catch (const c10::Error& e) {
+        // Without an event nobody can tell when the copy ends: hold the block for good, and say so.
+        std::fprintf(stderr, "spillway: recording an event for a freed pinned block failed; the block "
+                     "(%llu bytes) is held until exit: %s\n", static_cast<unsigned long long>(b->bytes),
+                     e.what_without_backtrace());
+        failed = true;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed) {
+      ForEach(b, [&](BlockStats& s) { s.event_errors_total++; });
+      held_.push_back(b);
+      return;
+    }
+    b->events = std::move(events);
+    ForEach(b, [&](BlockStats& s) { s.events_recorded_total += streams.size(); });
+    Park(b);
   }
 
-  // False when ctx is not a live block of ours (the caller forwards it).
+  // Notes that `stream` uses the block. False when ctx is not a live block of ours.
   bool Record(void* ctx, c10::Stream stream) {
+    if (g_forked.load(std::memory_order_relaxed)) return false;
     auto* b = static_cast<Block*>(ctx);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (ctx == nullptr || live_.count(b) == 0) {
-        stats_.foreign_record_events_total++;
-        return false;
-      }
-      // A pooled block is held until release_pool anyway, and an event recorded on a capturing
-      // stream would become part of the graph: nothing to record.
-      if (b->pooled) return true;
-    }
-    // The caller holds the storage, so b cannot be released while the event is made.
-    std::function<bool()> done = events_.Record(stream);
     std::lock_guard<std::mutex> lock(mu_);
-    b->events.push_back(std::move(done));
-    stats_.events_recorded_total++;
+    if (ctx == nullptr || live_.count(b) == 0) {
+      stats_.foreign_record_events_total++;
+      pinned_stats_.foreign_record_events_total++;
+      return false;
+    }
+    if (b->pooled) b->used_in_pool = true;
+    for (const c10::Stream& s : b->streams) {
+      if (s == stream) return true;
+    }
+    b->streams.push_back(stream);
     return true;
   }
 
-  // Frees deferred blocks whose events have all completed. Returns how many it freed.
+  // Frees parked blocks whose events have all completed; returns how many. Does nothing while a
+  // graph pool is being allocated to (querying an event during a capture breaks the capture). A
+  // query that throws puts every block back and rethrows.
   size_t Poll() {
+    if (g_forked.load(std::memory_order_relaxed)) return 0;
     std::vector<Block*> pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (deferred_.empty()) return 0;
+      if (deferred_.empty() || !active_pools_.empty()) return 0;
       pending.swap(deferred_);
     }
     std::vector<Block*> keep, ready;
     std::vector<std::function<bool()>> finished;  // destroyed (event destroy) without the lock
-    for (Block* b : pending) {
-      auto& ev = b->events;
-      for (auto it = ev.begin(); it != ev.end();) {
-        if ((*it)()) {
-          finished.push_back(std::move(*it));
-          it = ev.erase(it);
+    try {
+      for (Block* b : pending) {
+        if (b->pooled && b->events.empty()) {  // waits for its pool's release, not for events
+          keep.push_back(b);
+          continue;
+        }
+        auto& ev = b->events;
+        for (auto it = ev.begin(); it != ev.end();) {
+          if ((*it)()) {
+            finished.push_back(std::move(*it));
+            it = ev.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        (ev.empty() ? ready : keep).push_back(b);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      deferred_.insert(deferred_.end(), pending.begin(), pending.end());
+      throw;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = keep.begin(); it != keep.end();) {
+        if ((*it)->pooled && (*it)->events.empty() && PoolReleased((*it)->pool)) {
+          ready.push_back(*it);
+          it = keep.erase(it);
         } else {
           ++it;
         }
       }
-      (ev.empty() ? ready : keep).push_back(b);
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = ready.begin(); it != ready.end();) {
-        if ((*it)->pooled && !PoolReleased((*it)->pool)) {
-          keep.push_back(*it);
-          it = ready.erase(it);
-        } else {
-          stats_.deferred_blocks--;
-          stats_.deferred_bytes -= (*it)->bytes;
-          ++it;
-        }
+      for (Block* b : ready) {
+        ForEach(b, [&](BlockStats& s) {
+          s.deferred_blocks--;
+          s.deferred_bytes -= b->bytes;
+        });
       }
       deferred_.insert(deferred_.end(), keep.begin(), keep.end());
     }
@@ -216,18 +283,21 @@ class Blocks {
     return ready.size();
   }
 
-  // CUDA-graph pools: every block made between Begin and End belongs to the pool and is held until
-  // ReleasePool, since a replay of the graph may still use it (the filter is not consulted: holding
-  // a block too long is safe, freeing it early is not).
-  void BeginPool(c10::MempoolId_t id) {
+  // CUDA-graph pools (torch's contract: begin/end bracket a capture; release_pool when a graph
+  // using the pool is reset; pools may be shared by several graphs, so uses are counted). A block
+  // made inside the bracket on a stream the filter accepts belongs to the pool: if it was used
+  // (record_event) it is never reused, like torch's; if not, it is freed once the pool is released.
+  void BeginPool(c10::MempoolId_t id, std::function<bool(c10::Stream)> filter) {
     std::lock_guard<std::mutex> lock(mu_);
-    pools_.push_back(id);
+    active_pools_.emplace_back(id, std::move(filter));
+    pool_uses_[id]++;
+    released_pools_.erase(id);
   }
   void EndPool(c10::MempoolId_t id) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = pools_.rbegin(); it != pools_.rend(); ++it) {
-      if (*it == id) {
-        pools_.erase(std::next(it).base());
+    for (auto it = active_pools_.rbegin(); it != active_pools_.rend(); ++it) {
+      if (it->first == id) {
+        active_pools_.erase(std::next(it).base());
         return;
       }
     }
@@ -235,39 +305,59 @@ class Blocks {
   void ReleasePool(c10::MempoolId_t id) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      released_pools_.push_back(id);
+      auto it = pool_uses_.find(id);
+      if (it != pool_uses_.end() && --it->second > 0) return;  // another graph still uses it
+      if (it != pool_uses_.end()) pool_uses_.erase(it);
+      released_pools_.insert(id);
     }
     Poll();
   }
 
-  BlockStats Stats() const {
+  BlockStats Stats(bool pinned_only) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    return pinned_only ? pinned_stats_ : stats_;
   }
   void ResetAccumulated() {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.allocations_total = stats_.allocated_bytes_total = stats_.freed_bytes_total = 0;
+    for (BlockStats* s : {&stats_, &pinned_stats_}) {
+      s->allocations_total = s->allocated_bytes_total = s->freed_bytes_total = 0;
+    }
   }
   void ResetPeak() {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.peak_live_bytes = stats_.live_bytes;
+    for (BlockStats* s : {&stats_, &pinned_stats_}) s->peak_live_bytes = s->live_bytes;
   }
   Events& events() { return events_; }
 
  private:
-  Blocks() = default;
-  bool PoolReleased(c10::MempoolId_t id) const {  // assumes mu_
-    for (const auto& r : released_pools_) {
-      if (r == id) return true;
+  struct PoolIdHash {
+    size_t operator()(const c10::MempoolId_t& id) const {
+      return std::hash<uint64_t>()(id.first) * 31 + std::hash<uint64_t>()(id.second);
     }
-    return false;
+  };
+
+  Blocks() = default;
+  // Applies f to the stats every block counts in, and to the pinned allocator's own.
+  template <typename F>
+  void ForEach(const Block* b, F f) {  // assumes mu_
+    f(stats_);
+    if (b->pinned_allocator) f(pinned_stats_);
   }
+  void Park(Block* b) {  // assumes mu_
+    deferred_.push_back(b);
+    ForEach(b, [&](BlockStats& s) {
+      s.deferred_blocks++;
+      s.deferred_bytes += b->bytes;
+      s.deferred_frees_total++;
+    });
+  }
+  bool PoolReleased(c10::MempoolId_t id) const { return released_pools_.count(id) > 0; }  // mu_
   void Free(Block* b) {  // without mu_
     const Status st = b->arena->get()->Free(b->ptr);
     if (!st.ok()) std::fprintf(stderr, "spillway: freeing a host block: %s\n", st.ToString().c_str());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stats_.freed_bytes_total += b->bytes;
+      ForEach(b, [&](BlockStats& s) { s.freed_bytes_total += b->bytes; });
     }
     delete b;
   }
@@ -275,9 +365,12 @@ class Blocks {
   mutable std::mutex mu_;
   std::unordered_set<Block*> live_;            // guarded by mu_
   std::vector<Block*> deferred_;               // guarded by mu_
-  std::vector<c10::MempoolId_t> pools_;        // guarded by mu_: pools being allocated to
-  std::vector<c10::MempoolId_t> released_pools_;  // guarded by mu_
-  BlockStats stats_;                           // guarded by mu_
+  std::vector<Block*> held_;                   // guarded by mu_: never freed (event errors)
+  std::vector<std::pair<c10::MempoolId_t, std::function<bool(c10::Stream)>>> active_pools_;  // mu_
+  std::unordered_map<c10::MempoolId_t, int, PoolIdHash> pool_uses_;        // guarded by mu_
+  std::unordered_set<c10::MempoolId_t, PoolIdHash> released_pools_;        // guarded by mu_
+  BlockStats stats_;                           // guarded by mu_: every block
+  BlockStats pinned_stats_;                    // guarded by mu_: the pinned allocator's blocks
   Events events_;
 };
 
@@ -294,6 +387,10 @@ void* ArenaAllocate(PyArena& arena, uint64_t bytes, const OwnerTag& tag, const c
               "Spillway's arenas are not mapped in a forked child (MADV_DONTFORK). Leave the "
               "spillway.tag() scope before forking, or allocate in the child outside any tag scope");
   Result<void*> r = arena.get()->Allocate(bytes, tag);
+  // Parked blocks hold budget until their copies end: give back what has ended and try once more.
+  if (!r.ok() && r.status().code() == StatusCode::kOverBudget && Blocks::Get().Poll() > 0) {
+    r = arena.get()->Allocate(bytes, tag);
+  }
   if (r.ok()) return *r;
   if (r.status().code() == StatusCode::kOverBudget) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "spillway.OverBudget: ", r.status().message());
@@ -353,6 +450,16 @@ class CpuRouter final : public c10::Allocator {
 
 // ---- The pinned host allocator ----
 
+// The allocating thread's current stream on the CUDA device (through torch's device guard, so no
+// CUDA call of Spillway's own); a CPU stream where torch has no CUDA (the tests' pools).
+c10::Stream CurrentStream() {
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+    return c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  }
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStream(impl->getDevice());
+}
+
 // Thread-safe (Blocks is). Memory the allocator did not make goes to the allocator it replaced.
 class PinnedAllocator final : public at::HostAllocator {
  public:
@@ -367,7 +474,8 @@ class PinnedAllocator final : public at::HostAllocator {
                                           : OwnerTag{Kind::kTransient, Lifetime::kPersistent, 0,
                                                      allocator::kProcessScope, "pinned"};
     void* p = ArenaAllocate(*arena_, n, tag, "a pinned host allocation");
-    Block* b = Blocks::Get().Make(p, n, arena_);
+    const c10::Stream stream = CurrentStream();
+    Block* b = Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, &stream);
     return {p, b, &ReleaseBlock, c10::Device(c10::DeviceType::CPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -379,6 +487,7 @@ class PinnedAllocator final : public at::HostAllocator {
     return previous_ != nullptr && previous_->record_event(ptr, ctx, stream);
   }
   void empty_cache() override {
+    if (g_forked.load(std::memory_order_relaxed)) return;  // nothing of the parent's to give back
     Blocks::Get().Poll();
     (void)arena_->get()->Trim();
     if (previous_ != nullptr) previous_->empty_cache();
@@ -387,7 +496,7 @@ class PinnedAllocator final : public at::HostAllocator {
   // keeps describing every pinned byte of the process.
   at::HostStats get_stats() override {
     at::HostStats s = previous_ != nullptr ? previous_->get_stats() : at::HostStats{};
-    const BlockStats b = Blocks::Get().Stats();
+    const BlockStats b = Blocks::Get().Stats(/*pinned_only=*/true);
     const allocator::HostArenaStats a = arena_->get()->Stats();
     s.active_requests.current += static_cast<int64_t>(b.live_blocks);
     s.active_bytes.current += static_cast<int64_t>(b.live_bytes);
@@ -410,9 +519,10 @@ class PinnedAllocator final : public at::HostAllocator {
     Blocks::Get().ResetPeak();
     if (previous_ != nullptr) previous_->reset_peak_stats();
   }
-  // Documented in docs/deepspeed.md: blocks made between begin and end are held until release_pool.
-  void begin_allocate_to_pool(c10::MempoolId_t pool_id, std::function<bool(c10::Stream)>) override {
-    Blocks::Get().BeginPool(pool_id);
+  // Note [Torch allocators] in docs/deepspeed.md: blocks made inside the bracket on a stream the
+  // filter accepts belong to the pool (Blocks::BeginPool).
+  void begin_allocate_to_pool(c10::MempoolId_t pool_id, std::function<bool(c10::Stream)> filter) override {
+    Blocks::Get().BeginPool(pool_id, std::move(filter));
   }
   void end_allocate_to_pool(c10::MempoolId_t pool_id) override { Blocks::Get().EndPool(pool_id); }
   void release_pool(c10::MempoolId_t pool_id) override { Blocks::Get().ReleasePool(pool_id); }
@@ -427,6 +537,7 @@ class PinnedAllocator final : public at::HostAllocator {
 // Both allocators live for the rest of the process once installed (torch keeps raw pointers).
 CpuRouter* g_router = nullptr;
 PinnedAllocator* g_pinned = nullptr;
+bool g_installed = false;  // both registrations took
 
 void CpuRouter::FreeRouted(void* p) {
   if (g_forked.load(std::memory_order_relaxed)) return;  // the child has no mapping to free
@@ -453,10 +564,15 @@ at::HostAllocator* CurrentCudaHostAllocator() {
 
 Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, uint64_t small_bytes,
                uint8_t priority) {
-  if (g_router != nullptr) {
+  if (g_installed) {
     return Status::FailedPrecondition(
         "spillway.install() already ran in this process: torch's allocators are Spillway's; "
         "use spillway.installed() to get its arenas instead of installing again");
+  }
+  if (g_router != nullptr) {
+    return Status::FailedPrecondition(
+        "an earlier spillway.install() in this process failed (its error named the allocator that "
+        "kept its place); start a new process to install again");
   }
   if (g_forked.load()) {
     return Status::FailedPrecondition("spillway.install() in a forked child: install in the parent");
@@ -464,23 +580,31 @@ Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, u
   if (small_bytes == 0) {
     return Status::InvalidArgument("spillway.install(small_bytes=0): must be at least 1 byte");
   }
-  pthread_atfork(nullptr, nullptr, &OnForkChild);
-  auto* router = new CpuRouter(c10::GetCPUAllocator(), std::move(host), small_bytes);
-  auto* pinned_allocator = new PinnedAllocator(CurrentCudaHostAllocator(), std::move(pinned));
-  c10::SetCPUAllocator(router, priority);
-  if (c10::GetCPUAllocator() != router) {
+  static const int atfork = pthread_atfork(nullptr, nullptr, &OnForkChild);
+  if (atfork != 0) {
+    return Status::FromErrno(StatusCode::kInternal, atfork, "spillway.install(): pthread_atfork failed");
+  }
+  c10::Allocator* const previous_cpu = c10::GetCPUAllocator();
+  // Published before torch can call them: once SetCPUAllocator returns, other threads may already
+  // allocate, and raw frees read g_router. Never destroyed (torch keeps the raw pointers).
+  g_router = new CpuRouter(previous_cpu, std::move(host), small_bytes);
+  g_pinned = new PinnedAllocator(CurrentCudaHostAllocator(), std::move(pinned));
+  c10::SetCPUAllocator(g_router, priority);
+  if (c10::GetCPUAllocator() != g_router) {
     return Status::FailedPrecondition(StrCat(
         "spillway.install(): torch kept its CPU allocator; another one is registered at a priority "
-        "above ", static_cast<int>(priority), ". Pass a higher priority= to spillway.install()"));
+        "above ", static_cast<int>(priority), ". Pass a higher priority= to spillway.install(). Nothing "
+        "was installed"));
   }
-  at::setHostAllocator(at::kCUDA, pinned_allocator, priority);
-  if (CurrentCudaHostAllocator() != pinned_allocator) {
+  at::setHostAllocator(at::kCUDA, g_pinned, priority);
+  if (CurrentCudaHostAllocator() != g_pinned) {
+    c10::SetCPUAllocator(previous_cpu, priority);  // the router keeps serving what it handed out
     return Status::FailedPrecondition(StrCat(
         "spillway.install(): torch kept its pinned host allocator; another one is registered at a "
-        "priority above ", static_cast<int>(priority), ". Pass a higher priority= to spillway.install()"));
+        "priority above ", static_cast<int>(priority), ". Pass a higher priority= to "
+        "spillway.install(). Nothing was installed"));
   }
-  g_router = router;
-  g_pinned = pinned_allocator;
+  g_installed = true;
   return Status::Ok();
 }
 
@@ -490,8 +614,8 @@ torch::Tensor TensorOver(at::DataPtr data, int64_t bytes, c10::Allocator* alloc)
   return torch::empty({0}, torch::kUInt8).set_(storage, 0, {bytes}, {1});
 }
 
-py::dict BlockStatsDict() {
-  const BlockStats s = Blocks::Get().Stats();
+py::dict BlockStatsDict(bool pinned_only) {
+  const BlockStats s = Blocks::Get().Stats(pinned_only);
   py::dict d;
   d["live_blocks"] = s.live_blocks;
   d["live_bytes"] = s.live_bytes;
@@ -504,6 +628,9 @@ py::dict BlockStatsDict() {
   d["events_recorded_total"] = s.events_recorded_total;
   d["deferred_frees_total"] = s.deferred_frees_total;
   d["foreign_record_events_total"] = s.foreign_record_events_total;
+  d["graph_held_blocks"] = s.graph_held_blocks;
+  d["graph_held_bytes"] = s.graph_held_bytes;
+  d["event_errors_total"] = s.event_errors_total;
   return d;
 }
 
@@ -537,12 +664,13 @@ torch::Tensor PyArena::Empty(const std::vector<int64_t>& shape, c10::ScalarType 
     Raise(Status::InvalidArgument("arena.empty: the tensor's size in bytes overflows 64 bits"));
   }
   const OwnerTag tag{kind, lifetime, owner, allocator::kProcessScope, "python"};
+  Blocks::Get().Poll();  // parked blocks hold budget until their copies end
   auto r = [&] {
     py::gil_scoped_release nogil;  // mapping and pinning a region are syscalls
     return arena_->Allocate(std::max<uint64_t>(bytes, 1), tag);
   }();
   void* p = Check(std::move(r));
-  Block* b = Blocks::Get().Make(p, bytes, shared_from_this());
+  Block* b = Blocks::Get().Make(p, bytes, shared_from_this(), /*pinned_allocator=*/false, nullptr);
   return at::for_blob(p, shape)
       .context(b, &ReleaseBlock)
       .target_device(c10::Device(c10::DeviceType::CPU))
@@ -604,21 +732,22 @@ void BindTorchAllocators(py::module_& m) {
     }
     Check(Install(std::move(host), std::move(pinned), small_bytes, static_cast<uint8_t>(priority)));
   });
-  m.def("_installed", [] { return g_router != nullptr; });
+  m.def("_installed", [] { return g_installed; });
   m.def("_router_stats", [] {
     py::dict d;
-    if (g_router == nullptr) return d;
+    if (!g_installed) return d;
     d["routed_allocations"] = g_router->stats().routed_allocations.load();
     d["routed_bytes"] = g_router->stats().routed_bytes.load();
     d["small_forwarded"] = g_router->stats().small_forwarded.load();
     d["small_bytes"] = g_router->small_bytes();
     return d;
   });
-  m.def("_pinned_stats", [] { return BlockStatsDict(); });
+  m.def("_pinned_stats", [] { return BlockStatsDict(/*pinned_only=*/true); });
+  m.def("_block_stats", [] { return BlockStatsDict(/*pinned_only=*/false); });
   // Whether torch's current allocators are Spillway's (what `spillway.installed()` reports).
   m.def("_torch_allocators_are_spillways", [] {
-    return py::make_tuple(g_router != nullptr && c10::GetCPUAllocator() == g_router,
-                          g_pinned != nullptr && CurrentCudaHostAllocator() == g_pinned);
+    return py::make_tuple(g_installed && c10::GetCPUAllocator() == g_router,
+                          g_installed && CurrentCudaHostAllocator() == g_pinned);
   });
 
   // Through torch's registry, as torch itself calls it: on a machine without a GPU, pin_memory()

@@ -198,16 +198,50 @@ def test_arena_empty_tensors_defer_their_free_the_same_way():
     """)
 
 
-def test_graph_pool_blocks_are_held_until_the_pool_is_released_and_nothing_throws():
+def test_graph_pool_blocks_are_held_until_every_graph_released_the_pool_and_used_ones_for_good():
     run(PINNED + """
-    sw._host_allocator_pool("begin", 1, 2)
-    a = sw._host_allocator_empty(4096)
-    assert sw._host_allocator_record_event(a)     # during capture: held, nothing recorded
-    sw._host_allocator_pool("end", 1, 2)
-    del a
-    assert sw._pinned_stats()["deferred_blocks"] == 1
+    pool = sw._host_allocator_pool
+    pool("begin", 1, 2)                           # two graphs share pool (1, 2)
+    pool("end", 1, 2)
+    pool("begin", 1, 2)
+    unused = sw._host_allocator_empty(4096)
+    used = sw._host_allocator_empty(8192)
+    assert sw._host_allocator_record_event(used)  # during capture: a graph reads it
+    pool("end", 1, 2)
+    del unused, used
+    st = sw._pinned_stats()
+    assert st["deferred_blocks"] == 1 and st["graph_held_blocks"] == 1, st
     sw._host_allocator_empty_cache()
-    assert sw._pinned_stats()["deferred_blocks"] == 1, "a pool block was freed before release_pool"
-    sw._host_allocator_pool("release", 1, 2)
-    assert sw._pinned_stats()["deferred_blocks"] == 0 and rt.pinned.stats()["live_bytes"] == 0
+    pool("release", 1, 2)                         # the first graph is reset: the other still uses it
+    assert sw._pinned_stats()["deferred_blocks"] == 1, "a pool block was freed while a graph used the pool"
+    pool("release", 1, 2)
+    st = sw._pinned_stats()
+    assert st["deferred_blocks"] == 0 and st["graph_held_bytes"] == 8192, st
+    assert rt.pinned.stats()["live_bytes"] == 8192   # the used block is never reused, as in torch
+    """)
+
+
+def test_a_buffer_copied_every_step_collects_no_events_one_per_stream_at_free():
+    run(PINNED + """
+    a = sw._host_allocator_empty(1 << 16)
+    for _ in range(1000):
+        assert sw._host_allocator_record_event(a)
+    assert sw._pinned_stats()["events_recorded_total"] == 0   # noted streams, recorded nothing yet
+    del a
+    st = sw._pinned_stats()
+    assert st["events_recorded_total"] == 1 and st["deferred_blocks"] == 1, st
+    """)
+
+
+def test_default_budgets_share_three_quarters_of_the_memory_limit_and_overbudget_is_torchs_oom_too():
+    run("""
+        import torch, spillway
+        rt = spillway.install()
+        total = spillway.default_host_budget()
+        assert total == spillway.memory_limit_bytes() // 4 * 3
+        page = 4096
+        host, pinned = rt.host.stats()["budget_bytes"], rt.pinned.stats()["budget_bytes"]
+        assert abs(host + pinned - total) <= 2 * page, (host, pinned, total)
+        assert issubclass(spillway.OverBudget, torch.OutOfMemoryError)
+        assert issubclass(spillway.OverBudget, MemoryError) and issubclass(spillway.OverBudget, spillway.Error)
     """)
