@@ -178,3 +178,70 @@ def test_step_boundaries_follow_engine_step_and_the_epoch_boundary_is_one_line()
         assert [w for w, _ in audits] == ["after deepspeed.initialize", "after the first optimizer step"]
         assert all(not r["missed"] for _, r in audits), audits
     """)
+
+
+PROMETHEUS = "/usr/bin/prometheus"
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
+                    reason="no /usr/bin/prometheus (Debian's prometheus package; scripts/install-deps installs it)")
+def test_a_real_prometheus_scrapes_deepspeeds_host_bytes_by_kind_and_rank_during_the_run(tmp_path):
+    import time
+    import urllib.parse
+    import urllib.request
+
+    target, web = free_port(), free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: spillway\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{target}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{web}",
+                             "--log.level=warn"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    worker = subprocess.Popen([sys.executable, "-c", COMM + textwrap.dedent(f"""
+        spillway.deepspeed.install()
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        m = build()
+        engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=CONFIG)
+        exporter = spillway.metrics.serve("127.0.0.1:{target}")
+        train(engine, steps=2)
+        print("KINDS", json.dumps(spillway.installed().host.stats()["live_by_kind"]), flush=True)
+        import sys; sys.stdin.readline()     # serve until the test has its answer
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "worker.err", "w"), text=True)
+    try:
+        line = ""
+        while not line.startswith("KINDS "):   # DeepSpeed logs to stdout too
+            line = worker.stdout.readline()
+            assert line, "the worker exited before training: " + (tmp_path / "worker.err").read_text()[-4000:]
+        kinds = json.loads(line[len("KINDS "):])
+        assert all(kinds[k] > 0 for k in ("param", "grad", "master_weight", "optimizer_state")), kinds
+
+        def query(promql):
+            url = f"http://127.0.0.1:{web}/api/v1/query?query=" + urllib.parse.quote(promql)
+            try:
+                body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+            except OSError:
+                return None
+            result = body.get("data", {}).get("result", [])
+            return {r["metric"]["kind"]: float(r["value"][1]) for r in result}
+
+        seen = None
+        for _ in range(120):
+            seen = query('spillway_live_bytes_by_kind{arena="host",rank="0"}')
+            if seen and all(seen.get(k) == float(v) for k, v in kinds.items()):
+                break
+            time.sleep(0.5)
+        assert seen and all(seen.get(k) == float(v) for k, v in kinds.items()), (seen, kinds)
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=120)
+        prom.terminate()
+        prom.wait(timeout=60)
+    assert worker.returncode == 0, (tmp_path / "worker.err").read_text()[-4000:]
