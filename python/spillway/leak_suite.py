@@ -106,7 +106,7 @@ def worker(args):
 
     with_spillway = args.worker == "spillway"
     if with_spillway:
-        spillway.deepspeed.install(budget_bytes=args.budget_bytes)
+        spillway.deepspeed.install(budget_bytes=args.budget_bytes or None)
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
