@@ -66,13 +66,13 @@ def _deepspeed_version():
     return deepspeed.__version__
 
 
-def _tagged(fn, kind):
+def _tagged(fn, kind, lifetime="persistent"):
     import spillway  # noqa: PLC0415
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
-            with spillway.tag(kind):
+            with spillway.tag(kind, lifetime):
                 return fn(*args, **kwargs)
         except spillway.OverBudget as e:
             if _OVER_BUDGET_HINT in str(e):
@@ -177,7 +177,12 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True):
         _patch(owner, fn_name, _tagged(fn, kind))
     from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
-    _patch(DeepSpeedEngine, "step", _wrap_step(DeepSpeedEngine.__dict__["step"]))
+    # The training step's own host scratch (DeepSpeed's temporaries in backward and the optimizer
+    # step, and on the CPU accelerator the "device" tensors too) is served from the arena as well:
+    # in glibc's heap it would land on pages a forked worker shares and be copied on write.
+    for name in ("forward", "backward"):
+        _patch(DeepSpeedEngine, name, _tagged(DeepSpeedEngine.__dict__[name], "transient", "step"))
+    _patch(DeepSpeedEngine, "step", _wrap_step(_tagged(DeepSpeedEngine.__dict__["step"], "transient", "step")))
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
     version = _deepspeed_version()
     if version not in TESTED_DEEPSPEED or _missing:

@@ -28,7 +28,7 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
     out = tmp_path / "out.json"
-    p = subprocess.run([sys.executable, "-m", "spillway.leak_suite", "--deepspeed", str(cfg), "--epochs", "4",
+    p = subprocess.run([sys.executable, "-m", "spillway.leak_suite", "--deepspeed", str(cfg), "--epochs", "5",
                         "--workers", "2", "--steps", "4", "--metrics", "--json", str(out),
                         "--png", str(tmp_path / "suite.png")],
                        capture_output=True, text=True, timeout=1500, cwd=tmp_path)
@@ -41,9 +41,8 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
     # least the fp32 master plus the Adam moments.
     for e in plain["epochs"]:
         assert e["first_step_growth_bytes"] >= kinds["master_weight"] + kinds["optimizer_state"], plain["epochs"]
-    # Spillway removes most of the offloaded state from that growth (median over the epochs after
-    # the first; the rule, its 80% threshold and why not the ticket's 95% are in
-    # spillway.leak_suite.verdict and docs/deepspeed.md).
+    # Spillway removes at least 95% of the offloaded state from that growth (median over the
+    # epochs after the first; the rule and why epoch 0 is not judged: spillway.leak_suite.verdict).
     assert p.returncode == 0 and r["ok"], p.stdout[-3000:] + p.stderr[-3000:]
     assert r["losses_identical"] and plain["losses"] == ours["losses"]
     # >= 99% of the offloaded state sits in pages a fork does not copy, read from /proc/self/smaps
@@ -65,7 +64,10 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
     for e in plain["epochs"] + ours["epochs"]:
         assert e["first_step_s"] > 0 and e["median_step_s"] > 0
     assert (tmp_path / "suite.png").exists()
-    assert len(plain["epochs"]) == 4
+    assert len(plain["epochs"]) == 5
+    # What Spillway's first step still adds (the interpreter's own pages) is small against the state.
+    for e in ours["epochs"][1:]:
+        assert e["first_step_growth_bytes"] < 0.1 * e["state_at_fork_bytes"], ours["epochs"]
 
 
 COMM = """
