@@ -347,20 +347,25 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
   int slot = -1;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (files_.size() >= kFileSlots) {
+    if (file_slots_reserved_ >= kFileSlots) {
       return Status::Make(StatusCode::kOutOfMemory,
                           StrCat("RegisterFile('", name, "'): all ", kFileSlots,
                                  " file slots are in use; unregister files you no longer need"));
     }
+    // Reserved under the lock, so two registrations at once never pick the same slot.
     if (backend_ == IoBackend::kUring) {
-      std::vector<bool> used(kFileSlots, false);
-      for (const auto& [id, f] : files_) used[f.slot] = true;
-      slot = static_cast<int>(std::find(used.begin(), used.end(), false) - used.begin());
+      slot = static_cast<int>(std::find(file_slot_taken_.begin(), file_slot_taken_.end(), false) -
+                              file_slot_taken_.begin());
+      file_slot_taken_[slot] = true;
     }
+    file_slots_reserved_++;
   }
   if (slot >= 0) {
     int rc = io_uring_register_files_update(&impl_->ring, slot, &fd, 1);
     if (rc < 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      file_slot_taken_[slot] = false;
+      file_slots_reserved_--;
       return Status::FromErrno(StatusCode::kIoError, -rc,
                                StrCat("registering '", name, "' as an io_uring fixed file"));
     }
@@ -388,11 +393,22 @@ Status UringEngine::UnregisterFile(int file_id) {
     slot = it->second.slot;
     files_.erase(it);
   }
+  // The slot stays taken until it is cleared: a registration that reused it earlier would have
+  // its file replaced by this update.
   if (slot >= 0) {
     int minus_one = -1;
     int rc = io_uring_register_files_update(&impl_->ring, slot, &minus_one, 1);
-    if (rc < 0) return Status::FromErrno(StatusCode::kIoError, -rc, "clearing a fixed file slot");
+    if (rc < 0) {
+      // Still holding the old file: keep the slot taken (never handed out again) and say so.
+      std::lock_guard<std::mutex> lock(mu_);
+      file_slots_reserved_--;
+      return Status::FromErrno(StatusCode::kIoError, -rc,
+                               StrCat("clearing fixed file slot ", slot, "; the slot is retired"));
+    }
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slot >= 0) file_slot_taken_[slot] = false;
+  file_slots_reserved_--;
   return Status::Ok();
 }
 

@@ -4,8 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <chrono>
 #include <thread>
 
@@ -123,6 +127,45 @@ TEST_P(UringEngineTest, FourThreadsShareTheEngine) {
     });
   }
   for (auto& th : threads) th.join();
+}
+
+// Regression: RegisterFile picked a free fixed-file slot, unlocked, updated the ring, then inserted,
+// so two threads registering at once could share a slot and write into each other's file; and
+// UnregisterFile freed the slot before clearing it. Each thread registers its own file, writes a
+// pattern only it uses, unregisters, and checks the file through its own descriptor.
+TEST_P(UringEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<char> src(64 * 1024);
+      // The scratch files are O_DIRECT: the check's own pread needs an aligned buffer.
+      std::unique_ptr<char, decltype(&std::free)> dst(static_cast<char*>(std::aligned_alloc(4096, src.size())),
+                                                      &std::free);
+      for (int round = 0; round < 200; ++round) {
+        const int fd = testing::OpenScratch();
+        if (fd < 0) return;
+        auto id = rig_->engine->RegisterFile(fd, "mine", 4096);
+        if (!id.ok()) {
+          ADD_FAILURE() << id.status().ToString();
+          close(fd);
+          return;
+        }
+        std::memset(src.data(), 1 + t * 50 + round % 50, src.size());
+        const Status w = rig_->engine->WriteSync(*id, 0, src.data(), src.size());
+        const Status u = rig_->engine->UnregisterFile(*id);
+        if (!w.ok() || !u.ok()) {
+          ADD_FAILURE() << w.ToString() << " / " << u.ToString();
+        } else if (pread(fd, dst.get(), src.size(), 0) != static_cast<ssize_t>(src.size()) ||
+                   std::memcmp(src.data(), dst.get(), src.size()) != 0) {
+          bad++;  // the bytes went to another thread's file
+        }
+        close(fd);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
 }
 
 TEST_P(UringEngineTest, MisalignedFileOffsetIsRefused) {

@@ -177,6 +177,10 @@ class UringEngine final : public HostArena::RegionObserver {
   std::condition_variable done_cv_;               // a request completed
   std::condition_variable work_cv_;               // work for pool threads
   std::map<int, File> files_;                     // guarded by mu_
+  // Fixed-file slots taken: by registered files, and by registrations and unregistrations whose
+  // ring update is in flight (a slot is reserved before the update and freed after it is cleared).
+  std::vector<bool> file_slot_taken_ = std::vector<bool>(kFileSlots, false);  // guarded by mu_
+  uint32_t file_slots_reserved_ = 0;              // guarded by mu_: files_ plus updates in flight
   int next_file_id_ = 0;                          // guarded by mu_
   std::deque<Request*> pending_;                  // guarded by mu_: requests with bytes to cut
   std::unordered_map<Ticket, std::unique_ptr<Request>> requests_;  // guarded by mu_
