@@ -60,8 +60,18 @@ class Boundary:
 
     def __exit__(self, exc_type, exc, tb):
         # The boundary closes on an exception too, so the ledger stays in order; escapes of the
-        # failed scope are in the report.
-        self.report = getattr(self._arena, "_end_" + self._kind)()
+        # failed scope are in the report. Under policy "fail" the boundary raises Escaped, except
+        # while the block's own exception propagates: that one is what the user must see, and the
+        # escape becomes a warning.
+        try:
+            self.report = getattr(self._arena, "_end_" + self._kind)()
+        except Escaped as e:
+            if exc is None:
+                raise
+            import warnings  # noqa: PLC0415
+
+            warnings.warn(f"spillway: the {self._kind} boundary found escapes while "
+                          f"{type(exc).__name__} propagated: {e}", RuntimeWarning, stacklevel=2)
         return False
 
 

@@ -92,7 +92,10 @@ class AioHandle {
     }
     allocator::UringEngineOptions eo;
     eo.arena = arena_->get();
-    eo.block_size = block_size;
+    // DeepSpeed's op takes any block size (it is how it cuts an op into iocbs); the engine's chunks
+    // are whole pages, so a smaller or odd one is rounded up to the next 4 KiB for the engine, and
+    // get_block_size() still says what was asked. A chunk size changes no byte of the transfer.
+    eo.block_size = (block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
     eo.queue_depth = static_cast<uint32_t>(queue_depth);
     eo.force_thread_pool = backend == "thread_pool";
     engine_ = std::shared_ptr<allocator::UringEngine>(Check(allocator::UringEngine::Create(eo)).release());
@@ -103,11 +106,13 @@ class AioHandle {
     }
   }
   ~AioHandle() {
+    if (::getpid() != pid_) return;  // a forked child: the ring and the files are the parent's
     py::gil_scoped_release nogil;
     CloseNoGil();
   }
 
   void Close() {
+    CheckProcess();
     py::gil_scoped_release nogil;
     CloseNoGil();
   }
@@ -141,6 +146,7 @@ class AioHandle {
   // Waits for this handle's async ops: those it takes, and those other threads' wait() calls took
   // that were submitted before this call. Returns how many it took, -1 if any failed.
   int Wait() {
+    CheckProcess();
     Status closed;
     int result = 0;
     {
@@ -177,6 +183,7 @@ class AioHandle {
   }
 
   torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
+    CheckProcess();
     if (num_elem < 0) Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
     torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
                                     allocator::Lifetime::kPersistent, 0);
@@ -194,13 +201,29 @@ class AioHandle {
     locked_.erase(it);
     return true;
   }
-  bool IsPinned(const torch::Tensor& t) const { return arena_->Owns(t) || (t.defined() && t.is_pinned()); }
+  // Page-locked: memory of this handle's arena when that arena pins (not a pageable one), or memory
+  // torch itself reports as pinned.
+  bool IsPinned(const torch::Tensor& t) const {
+    const bool arena_pins = arena_->get()->Stats().pin_mode != allocator::PinMode::kPageable;
+    return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
+  }
 
  private:
   // Open descriptors kept at most (half the engine's fixed-file slots): past that, the least
   // recently used one with no call in progress leaves the table (closed when its ops finish).
   static constexpr size_t kMaxOpenFiles = 128;
   static constexpr uint64_t kDirectAlign = 4096;
+
+  // Every call in a process forked from the one that made the handle is refused: the child has no
+  // ring thread and must not touch the parent's ring, fixed files or buffers.
+  void CheckProcess() const {
+    const pid_t now = ::getpid();
+    if (now != pid_) {
+      Raise(Status::FailedPrecondition(StrCat(
+          "aio_handle was made in process ", pid_, " and this is a forked child (pid ", now,
+          "); its ring and files belong to the parent. Make a new aio_handle in the child")));
+    }
+  }
 
   static Status ClosedError() {
     return Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed; make a new one");
@@ -210,6 +233,7 @@ class AioHandle {
   int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset, bool write,
                bool async, bool validate) {
     (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
+    CheckProcess();
     auto bytes = TensorBytes(buffer, write ? "aio write" : "aio read");
     if (!bytes.ok()) Raise(bytes.status());
     Status raise;
@@ -504,6 +528,7 @@ class AioHandle {
   const bool single_submit_, overlap_events_;
   const int intra_op_;
   const std::shared_ptr<PyArena> arena_;
+  const pid_t pid_ = ::getpid();
   std::atomic<bool> direct_ok_{true};
 
   std::mutex mu_;

@@ -116,9 +116,16 @@ PYBIND11_MODULE(_spillway, m) {
   py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
       .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name,
                        std::shared_ptr<PyArena> share_ledger_with) {
+             const allocator::EscapePolicy p = Check(allocator::ParseEscapePolicy(policy));
+             if (p == allocator::EscapePolicy::kReclaim) {
+               // Reclaim frees escaped allocations at a boundary; a Python tensor may still view one.
+               Raise(Status::InvalidArgument(
+                   "HostArena(policy='reclaim'): a boundary would free memory that a live torch tensor "
+                   "may still view. Use policy='report' (list escapes) or 'fail' (raise Escaped)"));
+             }
              return std::make_shared<PyArena>(budget_bytes,
                                               pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable,
-                                              Check(allocator::ParseEscapePolicy(policy)), name, share_ledger_with);
+                                              p, name, share_ledger_with);
            }),
            py::arg("budget_bytes") = 0, py::arg("pinned") = true, py::arg("policy") = "report",
            py::arg("name") = "python", py::arg("share_ledger_with") = nullptr)
