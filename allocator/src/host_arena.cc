@@ -470,7 +470,8 @@ bool HostArena::Contains(const void* ptr, uint64_t bytes) const {
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::lock_guard<std::mutex> lock(mu_);
   const ExtentMap::Span* span = extents_.FindSpan(addr);
-  return span != nullptr && addr + bytes <= span->base + span->size;
+  // Written so that no sum can wrap: [addr, addr + bytes) lies inside the span.
+  return span != nullptr && bytes <= span->base + span->size - addr;
 }
 
 Result<uint64_t> HostArena::AllocationSize(const void* ptr) const {

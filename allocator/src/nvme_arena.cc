@@ -195,11 +195,27 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                                    options_.budget_bytes - capacity);
     growing_ = true;
     lock.unlock();
-    int rc = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow));
-    const int err = rc == 0 ? 0 : errno;
+    int err = options_.faults != nullptr ? options_.faults->fallocate_errno.exchange(0) : 0;
+    if (err == 0 && !without_fallocate_.load()) {
+      err = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0 : errno;
+    }
+    bool switched = false;
+    if (err == EOPNOTSUPP || without_fallocate_.load()) {
+      // No fallocate here (older ZFS, NFSv3, some FUSE): grow with ftruncate. The blocks are then
+      // allocated by the writes, so a full device shows up as ENOSPC on a write instead of here.
+      switched = !without_fallocate_.exchange(true);
+      err = ftruncate(fd_, static_cast<off_t>(capacity + grow)) == 0 ? 0 : errno;
+    }
     lock.lock();
     growing_ = false;
     grown_cv_.notify_all();
+    if (switched) {
+      stats_.grows_without_fallocate = true;
+      Log(LogLevel::kWarning,
+          StrCat("nvme arena '", options_.name, "': the filesystem of '", options_.directory,
+                 "' has no fallocate (EOPNOTSUPP); the swap file grows with ftruncate, so running out "
+                 "of space is reported by the write that meets it, not when the file grows"));
+    }
     if (err != 0) {
       stats_.no_space_count++;
       const bool fbig = err == EFBIG;
@@ -210,7 +226,10 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                  FreeSpace(options_.directory), " free there); ",
                  fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
                         "reached; raise the limit or lower spillway.nvme_budget_bytes"
-                      : "free space on the device or lower spillway.nvme_budget_bytes",
+                 : err == EOPNOTSUPP || err == ENOSYS
+                     ? "the filesystem supports neither fallocate nor growing the file; put nvme_path "
+                       "on a local filesystem (ext4, xfs)"
+                     : "free space on the device or lower spillway.nvme_budget_bytes",
                  ". Nothing was allocated"));
     }
     Status st = capacity == 0 ? extents_.AddSpan(0, grow) : extents_.GrowSpan(0, grow);
@@ -316,10 +335,12 @@ Status NvmeArena::CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint6
     return Status::InvalidArgument(StrCat(
         verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
   }
-  if (length == 0 || range_offset % alignment_ != 0 || range_offset + length > live->requested ||
+  // Written so that no sum can wrap: range_offset + length <= requested.
+  const bool inside = length <= live->requested && range_offset <= live->requested - length;
+  if (length == 0 || range_offset % alignment_ != 0 || !inside ||
       (length % alignment_ != 0 && range_offset + length != live->requested)) {
     return Status::InvalidArgument(StrCat(
-        verb, ": range [", range_offset, ", ", range_offset + length, ") of the extent at offset ",
+        verb, ": range at ", range_offset, " of ", length, " bytes of the extent at offset ",
         offset, " (", live->requested, " bytes) must start on the alignment ", alignment_,
         " and end on it or at the extent's end"));
   }

@@ -570,6 +570,9 @@ TEST_F(HostArenaTest, ContainsAndAllocationSizeAnswerForArenaMemoryOnly) {
   EXPECT_FALSE(arena->AllocationSize(static_cast<char*>(*p) + 1).ok());
   ASSERT_EQ(arena->Regions().size(), 1u);
   EXPECT_EQ(arena->Regions()[0].bytes, 4 * kMiB);
+  // Regression: addr + bytes wrapped, so a huge length "fit" in the region.
+  EXPECT_FALSE(arena->Contains(*p, UINT64_MAX - reinterpret_cast<uint64_t>(*p) + 2));
+  EXPECT_FALSE(arena->Contains(*p, UINT64_MAX));
 }
 
 }  // namespace

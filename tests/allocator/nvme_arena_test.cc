@@ -142,6 +142,44 @@ TEST_P(NvmeArenaTest, BadFreesAndWrongSizesAreRefusedAndChangeNothing) {
   EXPECT_TRUE(nvme_->Validate().ok());
 }
 
+// Regression: range_offset + length wrapped past 2^64, so a huge length passed the range check.
+TEST_P(NvmeArenaTest, ARangeWhoseEndWrapsIsRefusedByName) {
+  Make(Options());
+  auto off = nvme_->Allocate(kMiB, Tag(Kind::kGrad, Lifetime::kPersistent, 5));
+  ASSERT_TRUE(off.ok());
+  std::vector<char> buf(kMiB);
+  ASSERT_TRUE(nvme_->Write(*off, buf.data(), kMiB).ok());
+  const uint64_t wrap = UINT64_MAX - 4095;  // 4096 + wrap == 0 (mod 2^64), a multiple of 4096
+  auto r = nvme_->ReadRange(*off, 4096, buf.data(), wrap);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(r.status(), "of the extent at offset")) << r.status().ToString();
+  auto w = nvme_->WriteRange(*off, 4096, buf.data(), wrap);
+  ASSERT_FALSE(w.ok());
+  EXPECT_TRUE(Has(w.status(), "of the extent at offset")) << w.status().ToString();
+  EXPECT_TRUE(nvme_->Read(*off, buf.data(), kMiB).ok());  // the extent is intact
+  EXPECT_TRUE(nvme_->Validate().ok());
+}
+
+// Filesystems without fallocate (older ZFS, NFSv3, some FUSE) answer EOPNOTSUPP: the swap file grows
+// with ftruncate instead, and the arena says so in its stats.
+TEST_P(NvmeArenaTest, WithoutFallocateTheSwapFileGrowsWithFtruncate) {
+  NvmeArenaFaults faults;
+  faults.fallocate_errno.store(EOPNOTSUPP);
+  NvmeArenaOptions o = Options();
+  o.faults = &faults;
+  Make(o);
+  auto off = nvme_->Allocate(kMiB, Tag(Kind::kGrad, Lifetime::kPersistent, 5));
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  std::vector<char> src(kMiB), dst(kMiB);
+  FillRandom(src.data(), kMiB, 3);
+  ASSERT_TRUE(nvme_->Write(*off, src.data(), kMiB).ok());
+  ASSERT_TRUE(nvme_->Read(*off, dst.data(), kMiB).ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), kMiB), 0);
+  EXPECT_TRUE(nvme_->Stats().grows_without_fallocate);
+  EXPECT_TRUE(nvme_->Validate().ok());
+}
+
 TEST_P(NvmeArenaTest, OneBoundaryReportCoversHostAndNvme) {
   NvmeArenaOptions o = Options();
   o.policy = EscapePolicy::kReclaim;

@@ -3,6 +3,7 @@
 // written with it and verified on every read. I/O runs on a UringEngine. See docs/nvme.md.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <condition_variable>
@@ -21,6 +22,11 @@ namespace spillway::allocator {
 
 class LiveTable;
 
+// One-shot fault injection for tests: a non-zero errno makes the next fallocate fail with it.
+struct NvmeArenaFaults {
+  std::atomic<int> fallocate_errno{0};
+};
+
 struct NvmeArenaOptions {
   std::string name = "nvme";
   std::string directory;               // nvme_path: must exist and be writable
@@ -29,6 +35,7 @@ struct NvmeArenaOptions {
   EscapePolicy policy = EscapePolicy::kReport;
   bool checksum = true;                // CRC32C per extent, verified on read
   Ledger* ledger = nullptr;            // null = Ledger::Default()
+  NvmeArenaFaults* faults = nullptr;   // test seam
 };
 
 struct NvmeArenaStats : LiveStats {
@@ -41,6 +48,7 @@ struct NvmeArenaStats : LiveStats {
   bool direct_io = true;
   bool checksum = true;
   uint64_t grow_count = 0;
+  bool grows_without_fallocate = false; // the filesystem refused fallocate: ftruncate grows the file
   uint64_t over_budget_count = 0;
   uint64_t no_space_count = 0;
   uint64_t checksum_failures = 0;
@@ -127,6 +135,7 @@ class NvmeArena final : public Tier {
 
   mutable std::mutex mu_;
   std::condition_variable grown_cv_;             // a growth finished
+  std::atomic<bool> without_fallocate_{false};  // set once fallocate said EOPNOTSUPP
   bool growing_ = false;                         // guarded by mu_: one fallocate at a time
   ExtentMap extents_;                            // guarded by mu_: one span, the whole file
   std::unique_ptr<LiveTable> live_;              // guarded by mu_
