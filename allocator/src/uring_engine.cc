@@ -354,8 +354,13 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
     }
     // Reserved under the lock, so two registrations at once never pick the same slot.
     if (backend_ == IoBackend::kUring) {
-      slot = static_cast<int>(std::find(file_slot_taken_.begin(), file_slot_taken_.end(), false) -
-                              file_slot_taken_.begin());
+      auto free = std::find(file_slot_taken_.begin(), file_slot_taken_.end(), false);
+      if (free == file_slot_taken_.end()) {  // retired slots count against the limit for good
+        return Status::Make(StatusCode::kOutOfMemory,
+                            StrCat("RegisterFile('", name, "'): no fixed file slot is free (",
+                                   kFileSlots, ", some retired after failed clears)"));
+      }
+      slot = static_cast<int>(free - file_slot_taken_.begin());
       file_slot_taken_[slot] = true;
     }
     file_slots_reserved_++;
@@ -399,9 +404,7 @@ Status UringEngine::UnregisterFile(int file_id) {
     int minus_one = -1;
     int rc = io_uring_register_files_update(&impl_->ring, slot, &minus_one, 1);
     if (rc < 0) {
-      // Still holding the old file: keep the slot taken (never handed out again) and say so.
-      std::lock_guard<std::mutex> lock(mu_);
-      file_slots_reserved_--;
+      // Still holding the old file: the slot stays taken and counted (never handed out again).
       return Status::FromErrno(StatusCode::kIoError, -rc,
                                StrCat("clearing fixed file slot ", slot, "; the slot is retired"));
     }

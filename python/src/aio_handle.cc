@@ -65,6 +65,7 @@ struct Pending {
   FilePtr file;
   torch::Tensor keep;  // the buffer stays alive until the op is waited for
   bool done = false;   // completed early (to free its file's slot); `status` is its result
+  bool ready = true;   // for done ops: false while the thread that completes it is still waiting
   Status status;
 };
 
@@ -106,7 +107,17 @@ class AioHandle {
     }
   }
   ~AioHandle() {
-    if (::getpid() != pid_) return;  // a forked child: the ring and the files are the parent's
+    if (::getpid() != pid_) {
+      // A forked child: the ring, its threads and the files are the parent's. Destroying them here
+      // would join threads the child does not have and free buffers into the parent's arena, so
+      // they are left to the child's exit.
+      new std::shared_ptr<allocator::UringEngine>(std::move(engine_));
+      new std::map<std::string, FilePtr>(std::move(files_));
+      new std::vector<Pending>(std::move(pending_));
+      new std::vector<Pending>(std::move(done_early_));
+      new std::map<const void*, c10::Storage>(std::move(locked_));
+      return;
+    }
     py::gil_scoped_release nogil;
     CloseNoGil();
   }
@@ -124,6 +135,8 @@ class AioHandle {
   int intra_op_parallelism() const { return intra_op_; }
   int alignment() const { return intra_op_ * 512; }
   std::string last_error() {
+    CheckProcess();
+    py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return last_error_;
   }
@@ -160,8 +173,7 @@ class AioHandle {
           closed = ClosedError();
         } else {
           ops.swap(pending_);
-          for (Pending& p : done_early_) ops.push_back(std::move(p));
-          done_early_.clear();
+          TakeReadyEarly(&ops);
           engine = engine_;
           horizon = next_seq_;
         }
@@ -187,12 +199,15 @@ class AioHandle {
     if (num_elem < 0) Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
     torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
                                     allocator::Lifetime::kPersistent, 0);
+    py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     locked_[t.storage().data()] = t.storage();
     return t;
   }
   bool FreeLockedTensor(const torch::Tensor& t) {
+    CheckProcess();
     if (!t.defined() || !t.device().is_cpu()) return false;
+    py::gil_scoped_release nogil;
     c10::Storage dropped;  // released after the lock (its deleter may free arena memory)
     std::lock_guard<std::mutex> lock(mu_);
     auto it = locked_.find(t.storage().data());
@@ -204,6 +219,7 @@ class AioHandle {
   // Page-locked: memory of this handle's arena when that arena pins (not a pageable one), or memory
   // torch itself reports as pinned.
   bool IsPinned(const torch::Tensor& t) const {
+    CheckProcess();
     const bool arena_pins = arena_->get()->Stats().pin_mode != allocator::PinMode::kPageable;
     return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
   }
@@ -213,6 +229,18 @@ class AioHandle {
   // recently used one with no call in progress leaves the table (closed when its ops finish).
   static constexpr size_t kMaxOpenFiles = 128;
   static constexpr uint64_t kDirectAlign = 4096;
+
+  // Moves the early-completed ops whose completion is recorded into `ops` (assumes mu_).
+  void TakeReadyEarly(std::vector<Pending>* ops) {
+    for (auto it = done_early_.begin(); it != done_early_.end();) {
+      if (it->ready) {
+        ops->push_back(std::move(*it));
+        it = done_early_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 
   // Every call in a process forked from the one that made the handle is refused: the child has no
   // ring thread and must not touch the parent's ring, fixed files or buffers.
@@ -264,12 +292,25 @@ class AioHandle {
     std::shared_ptr<allocator::UringEngine> engine;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      engine = engine_;
+      if (engine_ != nullptr && !closing_) {
+        engine = engine_;
+        active_++;  // close() waits for this call to have submitted (or failed)
+      }
     }
     if (engine == nullptr) {
       *raise = ClosedError();
       return -1;
     }
+    struct Active {
+      AioHandle* h;
+      ~Active() {
+        {
+          std::lock_guard<std::mutex> lock(h->mu_);
+          h->active_--;
+        }
+        h->done_.notify_all();
+      }
+    } active{this};
     // Page-aligned requests on a named file go through O_DIRECT (DeepSpeed's mode: no page cache,
     // no double copy); others through a buffered descriptor, so no size or offset is refused.
     const bool direct = fd < 0 && direct_ok_.load() && offset % kDirectAlign == 0 && n % kDirectAlign == 0 &&
@@ -434,7 +475,10 @@ class AioHandle {
         if (lru == files_.end()) break;
         for (auto p = pending_.begin(); p != pending_.end();) {
           if (p->file == lru->second) {
-            early.push_back(std::move(*p));
+            early.push_back({p->ticket, p->seq, p->what, p->file, torch::Tensor(), true, false, Status()});
+            done_early_.push_back(std::move(*p));  // visible to wait()/close() from now on
+            done_early_.back().done = true;
+            done_early_.back().ready = false;
             p = pending_.erase(p);
           } else {
             ++p;
@@ -448,12 +492,22 @@ class AioHandle {
     }
     for (Pending& p : early) {
       p.status = engine->Wait(p.ticket);
-      p.done = true;
       Unpin(p.file);
     }
     if (!early.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (Pending& p : early) done_early_.push_back(std::move(p));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const Pending& e : early) {
+          for (Pending& d : done_early_) {
+            if (d.seq == e.seq) {
+              d.status = e.status;
+              d.ready = true;
+            }
+          }
+          outstanding_.erase(e.seq);  // finished; its result waits in done_early_ for a wait()
+        }
+      }
+      done_.notify_all();
     }
     for (const FilePtr& e : evicted) CloseIfUnused(e);
     return f;
@@ -502,24 +556,31 @@ class AioHandle {
     std::vector<FilePtr> files;
     std::shared_ptr<allocator::UringEngine> engine;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      if (closing_) {  // another thread is closing: return when it is done
+        done_.wait(lock, [&] { return engine_ == nullptr; });
+        return;
+      }
       if (engine_ == nullptr) return;
+      closing_ = true;  // no call submits from now on; those in progress finish submitting first
+      done_.wait(lock, [&] { return active_ == 0; });
       engine = engine_;
       ops.swap(pending_);
-      for (Pending& p : done_early_) ops.push_back(std::move(p));
-      done_early_.clear();
     }
     (void)Finish(engine.get(), &ops);  // errors of ops never waited for: close() reports none
     {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, [&] { return outstanding_.empty(); });  // other threads' ops, too
+      done_early_.clear();
       for (auto& [key, f] : files_) {
         f->in_table = false;
         files.push_back(f);
       }
       files_.clear();
       engine_.reset();  // the engine itself goes when the last file and op using it are done
+      closing_ = false;
     }
+    done_.notify_all();
     for (const FilePtr& f : files) CloseIfUnused(f);
   }
 
@@ -537,6 +598,8 @@ class AioHandle {
   std::map<std::string, FilePtr> files_;                 // guarded by mu_
   std::vector<Pending> pending_;                         // guarded by mu_: submitted, not taken by a wait
   std::vector<Pending> done_early_;                      // guarded by mu_: completed by an eviction
+  bool closing_ = false;                                 // guarded by mu_: close() in progress
+  int active_ = 0;                                       // guarded by mu_: calls between engine copy and submit
   std::set<uint64_t> outstanding_;                       // guarded by mu_: submitted, not finished
   uint64_t next_seq_ = 0;                                // guarded by mu_
   uint64_t use_clock_ = 0;                               // guarded by mu_

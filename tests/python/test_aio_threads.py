@@ -68,3 +68,43 @@ def test_threads_sharing_a_handle_read_back_every_byte_they_wrote(tmp_path, seed
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"seed {seed}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "ERRORS 0" in p.stdout, p.stdout[-3000:]
+
+
+CLOSE_RACE = r"""
+import os, sys, threading, torch, spillway
+backend, root = sys.argv[1], sys.argv[2]
+for round in range(20):
+    h = spillway.aio_handle(block_size=1 << 14, queue_depth=8, backend=backend)
+    accepted, stop = [], threading.Event()
+    def submit():
+        k = 0
+        while not stop.is_set():
+            p = os.path.join(root, f"r{round}-{k}")      # one file per write: no two race
+            src = torch.full((8192,), k % 251, dtype=torch.uint8)
+            try:
+                if h.async_pwrite(src, p, 0) == 0:
+                    accepted.append((p, k % 251))
+            except spillway.FailedPrecondition:
+                return                              # closed: every later call says so
+            k += 1
+    th = threading.Thread(target=submit); th.start()
+    while len(accepted) < 20 * (round % 5 + 1):
+        pass
+    h.close()                                       # races the submitting thread
+    stop.set(); th.join()
+    last = {}
+    for p, v in accepted:
+        last[p] = v
+    for p, v in last.items():
+        with open(p, "rb") as f:
+            if f.read() != bytes([v]) * 8192:
+                print("LOST", p); sys.exit(1)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["uring", "thread_pool"])
+def test_close_racing_another_threads_submissions_loses_nothing_and_returns(tmp_path, backend):
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(CLOSE_RACE), backend, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "OK" in p.stdout, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
