@@ -13,35 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import spillway
+from spillway.leak_suite import tree_pss_anon  # the tree's Pss_Anon, as the leak suite measures it
 
 MIB = 1 << 20
 _libc = ctypes.CDLL("libc.so.6")
-
-
-def tree_pss_anon():
-    """Pss_Anon summed over this process and its descendants (smaps_rollup), in bytes."""
-    def children(pid):
-        out = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-            except FileNotFoundError:
-                pass
-        return out
-
-    total, stack = 0, [os.getpid()]
-    while stack:
-        pid = stack.pop()
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss_Anon:"):
-                        total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        stack += children(pid)
-    return total
 
 
 class Tokens(Dataset):
