@@ -139,7 +139,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Part& p : parts_) {
-      if (p.key.rank == key.rank && p.key.group == key.group && p.key.kind == key.kind) {
+      if (!p.tombstone && p.key.rank == key.rank && p.key.group == key.group && p.key.kind == key.kind) {
         return Status::InvalidArgument(StrCat("PartitionStore::Register: ", StateKindName(key.kind),
                                               " rank ", key.rank, " group ", key.group,
                                               " is already registered"));
@@ -178,7 +178,8 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   p.busy = false;
   busy_cv_.notify_all();
   if (!st.ok()) {
-    p.bytes = 0;  // a tombstone: the id stays, nothing is held
+    p.bytes = 0;  // a tombstone: the id stays, nothing is held, and the key may be registered again
+    p.tombstone = true;
     return st.WithContext(StrCat("registering ", StateKindName(key.kind), " rank ", key.rank,
                                  " group ", key.group, " in its home tier ", TierName(home)));
   }

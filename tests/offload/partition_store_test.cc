@@ -334,6 +334,26 @@ TEST(PartitionStoreTest, WithoutNvmeTheBudgetErrorSaysHowToAllowSpill) {
   EXPECT_TRUE(Has(b.status(), "exp_avg rank 0 group 1")) << b.status().ToString();
 }
 
+// Regression: a failed Register left a tombstone that kept the key, so registering the same
+// partition again, once there was room, failed as "already registered" for ever.
+TEST(PartitionStoreTest, AFailedRegisterCanBeRetriedOnceThereIsRoom) {
+  Config cfg = ParseOrDie(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  StoreRig rig(cfg, kBounce + 4 * kMiB, /*with_nvme=*/false);
+  auto a = rig.store->Register({0, 0, StateKind::kExpAvg}, 4 * kMiB);
+  ASSERT_TRUE(a.ok());
+  auto b = rig.store->Register({0, 1, StateKind::kExpAvg}, 4 * kMiB);
+  ASSERT_EQ(b.status().code(), StatusCode::kOverBudget);
+  auto retry = rig.store->Register({0, 1, StateKind::kExpAvg}, 4 * kMiB);
+  EXPECT_EQ(retry.status().code(), StatusCode::kOverBudget) << retry.status().ToString();  // still no room
+  auto smaller = rig.store->Register({0, 1, StateKind::kExpAvg}, 4096);
+  // There is no room for a second 4 MiB partition, but a page fits under the budget's slack, or
+  // else fails for the budget again: either way it is never refused as "already registered".
+  EXPECT_FALSE(Has(smaller.status(), "already registered")) << smaller.status().ToString();
+  EXPECT_FALSE(Has(retry.status(), "already registered")) << retry.status().ToString();
+  EXPECT_TRUE(rig.store->Register({0, 0, StateKind::kExpAvg}, kMiB).status().code() ==
+              StatusCode::kInvalidArgument);  // a live partition's key still is
+}
+
 TEST(PartitionStoreTest, AnNvmeConfigWithoutAnNvmeArenaIsRefused) {
   allocator::Ledger ledger;
   auto host = allocator::testing::MakeArena(allocator::testing::PageableOptions(&ledger));

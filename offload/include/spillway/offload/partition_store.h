@@ -149,6 +149,7 @@ class PartitionStore {
     bool dirty = false;            // the host copy is newer than the NVMe copy
     uint32_t pins = 0;             // live handles
     bool busy = false;             // being swapped in, spilled, or moved to or from the device
+    bool tombstone = false;        // its Register failed: the id stays, the key is free again
     void* device = nullptr;        // device view while device handles are live
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
     bool device_dirty = false;
