@@ -138,12 +138,17 @@ class Runtime:
         del self.reports[:-64]
         return report
 
+    def _end_open_step(self):  # assumes self._lock
+        if not self._step_open:
+            return None
+        report = self._keep(self.host._end_step())
+        self._step_open = False
+        return report
+
     def mark_step(self):
         """Ends the open step (returns its boundary report, or None) and opens the next."""
         with self._lock:
-            report = None
-            if self._step_open:
-                report = self._keep(self.host._end_step())
+            report = self._end_open_step()
             self._step += 1
             self.host._begin_step(self._step)
             self._step_open = True
@@ -153,9 +158,7 @@ class Runtime:
         """Ends the open step and epoch (returns the epoch's boundary report, or None before the
         first epoch) and opens the next epoch."""
         with self._lock:
-            if self._step_open:
-                self._keep(self.host._end_step())
-                self._step_open = False
+            self._end_open_step()
             report = None
             if self._epoch_open:
                 report = self._keep(self.host._end_epoch())

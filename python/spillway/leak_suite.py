@@ -201,9 +201,9 @@ def _scrape(port):
         if line.startswith("spillway_live_bytes_by_kind{"):
             labels, value = line.rsplit(" ", 1)
             fields = dict(kv.split("=", 1) for kv in labels[labels.index("{") + 1:-1].split(","))
-            key = f"{fields['arena'].strip(chr(34))}/{fields['kind'].strip(chr(34))}"
-            found[key] = float(value)
-            found["rank"] = fields.get("rank", "").strip('"')
+            fields = {k: v.strip('"') for k, v in fields.items()}
+            found[f"{fields['arena']}/{fields['kind']}"] = float(value)
+            found["rank"] = fields.get("rank", "")
     return found
 
 

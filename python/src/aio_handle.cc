@@ -220,7 +220,7 @@ class AioHandle {
   // torch itself reports as pinned.
   bool IsPinned(const torch::Tensor& t) const {
     CheckProcess();
-    const bool arena_pins = arena_->get()->Stats().pin_mode != allocator::PinMode::kPageable;
+    const bool arena_pins = arena_->get()->pin_mode() != allocator::PinMode::kPageable;
     return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
   }
 
@@ -315,22 +315,15 @@ class AioHandle {
     // no double copy); others through a buffered descriptor, so no size or offset is refused.
     const bool direct = fd < 0 && direct_ok_.load() && offset % kDirectAlign == 0 && n % kDirectAlign == 0 &&
                         reinterpret_cast<uintptr_t>(data) % kDirectAlign == 0;
-    Result<FilePtr> file = fd >= 0 ? DupFd(engine, fd) : OpenNamed(engine, filename, write, direct);
+    struct stat now{};  // the file as it is at this call (its size, for reads)
+    Result<FilePtr> file = fd >= 0 ? DupFd(engine, fd, write ? nullptr : &now)
+                                   : OpenNamed(engine, filename, write, direct, &now);
     if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
     FilePtr f = *file;
-    if (!write) {
-      struct stat sb{};
-      Status bad;
-      if (::fstat(f->fd, &sb) != 0) {
-        bad = Status::FromErrno(StatusCode::kIoError, errno, "fstat");
-      } else if (static_cast<uint64_t>(offset) + n > static_cast<uint64_t>(sb.st_size)) {
-        bad = Status::InvalidArgument(StrCat("reading ", n, " bytes at offset ", offset,
-                                             " runs past the end of the file (", sb.st_size, " bytes)"));
-      }
-      if (!bad.ok()) {
-        Unpin(f);
-        return Fail(StrCat(op, " ", name, ": ", bad.message()));
-      }
+    if (!write && static_cast<uint64_t>(offset) + n > static_cast<uint64_t>(now.st_size)) {
+      Unpin(f);
+      return Fail(StrCat(op, " ", name, ": reading ", n, " bytes at offset ", offset,
+                         " runs past the end of the file (", now.st_size, " bytes)"));
     }
     if (n == 0) {
       Unpin(f);
@@ -378,30 +371,44 @@ class AioHandle {
 
   // The caller's descriptor, dup'd at the time of the call: the op writes the file the number named
   // then, whatever the caller does with the number afterwards. Closed when the op finished.
-  Result<FilePtr> DupFd(const std::shared_ptr<allocator::UringEngine>& engine, int fd) {
+  // `now`, when given, receives the file's fstat (reads need its size).
+  Result<FilePtr> DupFd(const std::shared_ptr<allocator::UringEngine>& engine, int fd, struct stat* now) {
     const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) {
       return Status::FromErrno(StatusCode::kInvalidArgument, errno, StrCat("fd ", fd, " is not an open descriptor"));
     }
-    auto id = engine->RegisterFile(dup, StrCat("fd ", fd), 1);
-    if (!id.ok()) {
+    if (now != nullptr && ::fstat(dup, now) != 0) {
+      const int err = errno;
       ::close(dup);
+      return Status::FromErrno(StatusCode::kIoError, err, "fstat");
+    }
+    auto f = Register(engine, dup, StrCat("fd ", fd), 1);
+    if (f.ok()) (*f)->in_table = false;
+    return f;
+  }
+
+  // Registers `fd` (ours: closed on failure) and returns it pinned for the caller.
+  static Result<FilePtr> Register(const std::shared_ptr<allocator::UringEngine>& engine, int fd, std::string name,
+                                  uint32_t alignment) {
+    auto id = engine->RegisterFile(fd, std::move(name), alignment);
+    if (!id.ok()) {
+      ::close(fd);
       return id.status();
     }
     auto f = std::make_shared<OpenFile>();
-    f->fd = dup;
+    f->fd = fd;
     f->id = *id;
     f->engine = engine;
-    f->in_table = false;
     f->users = 1;
     return f;
   }
 
   // The table's descriptor for `filename`, if it still names the file the path names now
   // (st_dev/st_ino: a rename, an unlink or a re-creation since it was opened makes a new one);
-  // else a new descriptor, entered in the table. Pinned for the caller (Unpin when done).
+  // else a new descriptor, entered in the table. Pinned for the caller (Unpin when done). `now`
+  // receives the file's stat as of this call.
   Result<FilePtr> OpenNamed(const std::shared_ptr<allocator::UringEngine>& engine, const std::string& filename,
-                            bool write, bool direct) {
+                            bool write, bool direct, struct stat* now) {
     const std::string key = StrCat(write ? "w" : "r", direct ? "d:" : ":", filename);
     FilePtr cached;
     {
@@ -414,8 +421,7 @@ class AioHandle {
       }
     }
     if (cached != nullptr) {
-      struct stat now{};
-      if (::stat(filename.c_str(), &now) == 0 && now.st_dev == cached->dev && now.st_ino == cached->ino) {
+      if (::stat(filename.c_str(), now) == 0 && now->st_dev == cached->dev && now->st_ino == cached->ino) {
         return cached;
       }
       Retire(cached);  // the path names another file now (or none): leave the table
@@ -429,28 +435,20 @@ class AioHandle {
         Log(LogLevel::kInfo, StrCat("aio_handle: ", filename, " does not support O_DIRECT; this handle "
                                     "uses buffered I/O from now on"));
       }
-      return OpenNamed(engine, filename, write, false);
+      return OpenNamed(engine, filename, write, false, now);
     }
     if (fd < 0) return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", std::strerror(errno)), errno);
-    struct stat sb{};
-    if (::fstat(fd, &sb) != 0) {
+    if (::fstat(fd, now) != 0) {
       const int err = errno;
       ::close(fd);
       return Status::FromErrno(StatusCode::kIoError, err, "fstat");
     }
-    auto id = engine->RegisterFile(fd, filename, direct ? kDirectAlign : 1);
-    if (!id.ok()) {
-      ::close(fd);
-      return id.status();
-    }
-    auto f = std::make_shared<OpenFile>();
-    f->fd = fd;
-    f->id = *id;
-    f->engine = engine;
-    f->dev = sb.st_dev;
-    f->ino = sb.st_ino;
+    auto registered = Register(engine, fd, filename, direct ? kDirectAlign : 1);
+    if (!registered.ok()) return registered.status();
+    FilePtr f = *registered;
+    f->dev = now->st_dev;
+    f->ino = now->st_ino;
     f->key = key;
-    f->users = 1;
     std::vector<FilePtr> evicted;
     std::vector<Pending> early;  // async ops of an evicted file, completed here to free its slot
     {

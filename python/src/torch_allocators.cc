@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -293,9 +294,13 @@ class Blocks {
   // using the pool is reset; pools may be shared by several graphs, so uses are counted). A block
   // made inside the bracket on a stream the filter accepts belongs to the pool: if it was used
   // (record_event) it is never reused, like torch's; if not, it is freed once the pool is released.
+  // Whether some pool is being allocated to (a hint read without the lock; Make decides under it).
+  bool PoolsActive() const { return active_pool_count_.load(std::memory_order_acquire) > 0; }
+
   void BeginPool(c10::MempoolId_t id, std::function<bool(c10::Stream)> filter) {
     std::lock_guard<std::mutex> lock(mu_);
     active_pools_.emplace_back(id, std::move(filter));
+    active_pool_count_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
     pool_uses_[id]++;
     released_pools_.erase(id);
   }
@@ -304,6 +309,7 @@ class Blocks {
     for (auto it = active_pools_.rbegin(); it != active_pools_.rend(); ++it) {
       if (it->first == id) {
         active_pools_.erase(std::next(it).base());
+        active_pool_count_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
         return;
       }
     }
@@ -373,6 +379,7 @@ class Blocks {
   std::vector<Block*> deferred_;               // guarded by mu_
   std::vector<Block*> held_;                   // guarded by mu_: never freed (event errors)
   std::vector<std::pair<c10::MempoolId_t, std::function<bool(c10::Stream)>>> active_pools_;  // mu_
+  std::atomic<int> active_pool_count_{0};      // active_pools_.size(), written under mu_
   std::unordered_map<c10::MempoolId_t, int, PoolIdHash> pool_uses_;        // guarded by mu_
   std::unordered_set<c10::MempoolId_t, PoolIdHash> released_pools_;        // guarded by mu_
   BlockStats stats_;                           // guarded by mu_: every block
@@ -482,8 +489,11 @@ class PinnedAllocator final : public at::HostAllocator {
                                           : OwnerTag{Kind::kTransient, Lifetime::kPersistent, 0,
                                                      allocator::kProcessScope, "pinned"};
     void* p = ArenaAllocate(*arena_, n, tag, "a pinned host allocation");
-    const c10::Stream stream = CurrentStream();
-    Block* b = Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, &stream);
+    // The current stream (a device call) is asked only while a graph pool is being allocated to:
+    // its filter is the only thing that reads it.
+    std::optional<c10::Stream> stream;
+    if (Blocks::Get().PoolsActive()) stream = CurrentStream();
+    Block* b = Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, stream ? &*stream : nullptr);
     return {p, b, &ReleaseBlock, c10::Device(c10::DeviceType::CPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {

@@ -186,6 +186,7 @@ class HostArena final : public Tier {
 
   Ledger& ledger() const { return *ledger_; }
   uint64_t page_bytes() const { return page_; }
+  PinMode pin_mode() const { return pin_mode_; }  // resolved: never kAuto
 
  private:
   struct Region {
