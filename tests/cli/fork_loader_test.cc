@@ -1,10 +1,13 @@
-// The forking data loader with real fork()ed workers and real pipes: batches are the corpus rows the
+// The forking data loader with real fork()ed workers and real socket pairs: batches are the corpus rows the
 // (seed, epoch) picked, in the same order for any number of workers; workers are new processes
 // every epoch; a worker that dies is an error naming it; bad options are refused.
 #include "spillway/cli/fork_loader.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
 
 #include <fstream>
 #include <set>
@@ -26,6 +29,13 @@ std::string Text() {
   std::string t;
   for (int i = 0; i < 2000; ++i) t += static_cast<char>(32 + (i * 7919) % 95);
   return t;
+}
+
+// What a Unix stream socket's sender may queue: net.core.wmem_default (SO_SNDBUF is never set).
+uint64_t SocketSendBufferBytes() {
+  uint64_t bytes = 212992;
+  std::ifstream("/proc/sys/net/core/wmem_default") >> bytes;
+  return bytes;
 }
 
 std::vector<std::vector<int64_t>> Epoch(ForkingLoader& l, int64_t epoch, uint64_t batches) {
@@ -98,11 +108,15 @@ TEST(ForkLoaderTest, AWorkerThatDiesIsNamedAndTheEpochIsClosed) {
   const CharCorpus corpus = Corpus(Text());
   LoaderOptions o;
   o.workers = 2;
-  o.batch_size = 64;
-  o.seq_len = 200;  // 100 KiB a batch: more than a pipe holds, so the workers block
+  o.seq_len = 1000;
+  // A batch four times what a worker's socket holds, so the victim is still blocked in its first
+  // write when it is killed. (With 100 KiB batches the victim sometimes had sent all of batch 1
+  // into a 208 KiB socket buffer before the kill, and batch 1 arrived whole.)
+  o.batch_size = std::max<uint32_t>(64, static_cast<uint32_t>(4 * SocketSendBufferBytes() / (1001 * 8)) + 1);
   auto l = std::move(ForkingLoader::Create(&corpus, o).value());
   ASSERT_TRUE(l->BeginEpoch(0, 6).ok());
   const pid_t victim = l->worker_pids()[1];
+  usleep(100'000);  // the victim fills all the socket holds, the worst case for this test
   ASSERT_EQ(kill(victim, SIGKILL), 0);
   std::vector<int64_t> rows(o.batch_size * l->row_elems());
   ASSERT_TRUE(l->Next(rows.data()).ok());  // batch 0 belongs to worker 0

@@ -72,7 +72,7 @@ class ForkingLoader {
  private:
   ForkingLoader(const CharCorpus* corpus, LoaderOptions options);
   [[noreturn]] void WorkerMain(uint32_t worker, int fd);
-  Status Reap(bool kill_first);  // closes pipes, waits for every worker
+  Status Reap(bool kill_first);  // closes the sockets, waits for every worker
   Status WorkerFailed(uint32_t worker, const char* what);
 
   const CharCorpus* const corpus_;
