@@ -20,7 +20,9 @@ namespace {
 
 constexpr std::array<const char*, 4> kPinNames = {"auto", "cuda", "mlock", "pageable"};
 constexpr std::array<const char*, 3> kForkNames = {"dontfork", "wipeonfork", "inherit"};
-constexpr int kMaxSpillRounds = 4;
+// Spill-handler calls per allocation. A call that frees memory another thread then takes sends the
+// allocation round again; with several threads spilling at once that happens more than a few times.
+constexpr int kMaxSpillRounds = 64;
 
 uint64_t RoundUp(uint64_t v, uint64_t granule) { return (v + granule - 1) / granule * granule; }
 
@@ -414,7 +416,11 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         "host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
         KindName(owned.kind), " owner ", owned.owner_id, " needs ", FormatBytes(spill_need),
         " more than the host budget of ", FormatBytes(options_.budget_bytes), " allows (",
-        DescribeLive(), handler ? "; the spill handler freed nothing" : "; no spill handler is set",
+        DescribeLive(),
+        !handler ? "; no spill handler is set"
+        : counted ? "; the spill handler freed nothing"
+                  : StrCat("; the spill handler freed memory ", kMaxSpillRounds,
+                           " times and other allocations took it each time"),
         "). Raise spillway.host_budget_bytes, offload more state to nvme "
         "(offload_optimizer.device / offload_param.device), or free memory first"));
   }

@@ -3,6 +3,7 @@
 #include "spillway/offload/partition_store.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "spillway/allocator/log.h"
@@ -24,14 +25,52 @@ const char* TierName(Tier tier) {
   return "?";
 }
 
+namespace {
+
+// Why this thread's last Spill call on `store` freed less than it was asked to.
+struct SpillNote {
+  const PartitionStore* store = nullptr;
+  std::string text;
+};
+thread_local SpillNote t_spill_note;
+
+#ifndef NDEBUG
+[[noreturn]] void DanglingHandle(PartitionId id) {
+  Log(LogLevel::kError, StrCat("a Handle of partition ", id, " outlived its PartitionStore: release "
+                               "every handle before destroying the store (fatal in debug builds)"));
+  std::abort();
+}
+#endif
+
+}  // namespace
+
+bool Handle::StoreAlive() const {
+  return store_alive_ != nullptr && store_alive_->load(std::memory_order_acquire);
+}
+
+void Handle::ReleaseFromDestructor() {
+  if (store_ == nullptr) return;
+  if (!StoreAlive()) {
+#ifndef NDEBUG
+    DanglingHandle(id_);
+#endif
+    store_ = nullptr;  // release builds: the store freed everything; nothing to give back
+    store_alive_.reset();
+    return;
+  }
+  bool ok;
+  // A destructor cannot return the write-back error; Release() does. Log it here.
+  Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
+  if (!st.ok()) Log(LogLevel::kError, st.ToString());
+  store_ = nullptr;
+  store_alive_.reset();
+}
+
 Handle& Handle::operator=(Handle&& other) noexcept {
   if (this != &other) {
-    if (store_ != nullptr) {
-      bool ok;
-      Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
-      if (!st.ok()) Log(LogLevel::kError, st.ToString());
-    }
+    ReleaseFromDestructor();
     store_ = std::exchange(other.store_, nullptr);
+    store_alive_ = std::move(other.store_alive_);
     device_ = other.device_;
     handle_id_ = other.handle_id_;
     id_ = other.id_;
@@ -42,19 +81,19 @@ Handle& Handle::operator=(Handle&& other) noexcept {
   return *this;
 }
 
-Handle::~Handle() {
-  if (store_ != nullptr) {
-    bool ok;
-    // A destructor cannot return the write-back error; Release() does. Log it here.
-    Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
-    if (!st.ok()) Log(LogLevel::kError, st.ToString());
-  }
-}
+Handle::~Handle() { ReleaseFromDestructor(); }
 
 Result<void*> Handle::Data() const {
   if (store_ == nullptr) {
     return Status::FailedPrecondition(StrCat("handle of partition ", id_,
                                              " was released (or moved from); Acquire it again"));
+  }
+  if (!StoreAlive()) {
+#ifndef NDEBUG
+    DanglingHandle(id_);
+#endif
+    return Status::FailedPrecondition(StrCat("handle of partition ", id_, " outlived its "
+                                             "PartitionStore; its memory was freed with the store"));
   }
   return data_;
 }
@@ -73,8 +112,9 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
   std::unique_ptr<PartitionStore> store(
       new PartitionStore(config, host, nvme, scope, prefetch_window));
   PartitionStore* raw = store.get();
-  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); }, raw);
+  // The thread first: Spill reads prefetcher_'s id, and the handler makes Spill reachable.
   if (prefetch_window > 0) store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
+  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); }, raw);
   return store;
 }
 
@@ -88,12 +128,14 @@ PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
       prefetch_window_(prefetch_window) {}
 
 PartitionStore::~PartitionStore() {
+  alive_->store(false, std::memory_order_release);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     prefetch_queue_.clear();
   }
   prefetch_cv_.notify_all();
+  busy_cv_.notify_all();  // a Spill waiting for memory gives up
   if (prefetcher_.joinable()) prefetcher_.join();
   host_->ClearSpillHandler(this);  // only ours; waits for a Spill call in flight
   std::lock_guard<std::mutex> lock(mu_);
@@ -151,6 +193,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
     p.bytes = bytes;
     p.home = home;
     p.busy = true;  // until placed
+    p.busy_by = std::this_thread::get_id();
     parts_.push_back(std::move(p));
     tag = Tag(id);
   }
@@ -173,13 +216,14 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
       st = r.status();
     }
   }
+  const std::string note = home == Tier::kHost ? SpillShortfallNote() : std::string();
   std::lock_guard<std::mutex> lock(mu_);
+  ClearBusyLocked(id);
   Part& p = parts_[id];
-  p.busy = false;
-  busy_cv_.notify_all();
   if (!st.ok()) {
     p.bytes = 0;  // a tombstone: the id stays, nothing is held, and the key may be registered again
     p.tombstone = true;
+    if (!note.empty()) st = st.WithContext(note);
     return st.WithContext(StrCat("registering ", StateKindName(key.kind), " rank ", key.rank,
                                  " group ", key.group, " in its home tier ", TierName(home)));
   }
@@ -216,6 +260,61 @@ void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
   pipeline_ = pipeline;
 }
 
+void PartitionStore::set_memory_wait(std::chrono::milliseconds wait) {
+  std::lock_guard<std::mutex> lock(mu_);
+  memory_wait_ = wait;
+}
+
+std::chrono::milliseconds PartitionStore::memory_wait() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return memory_wait_;
+}
+
+void PartitionStore::SetHooksForTesting(StoreHooks* hooks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hooks_ = hooks;
+}
+
+void PartitionStore::TakeBusyLocked(std::unique_lock<std::mutex>& lock, PartitionId id) {
+  busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+  parts_[id].busy = true;
+  parts_[id].busy_by = std::this_thread::get_id();
+}
+
+void PartitionStore::ClearBusyLocked(PartitionId id) {
+  Part& p = parts_[id];
+  if (!p.busy || p.busy_by != std::this_thread::get_id()) {
+    Log(LogLevel::kError, StrCat("PartitionStore: ", Describe(id), " was cleared by a thread that "
+                                 "does not own its busy mark (internal error)"));
+  }
+  p.busy = false;
+  p.busy_by = std::thread::id();
+  busy_cv_.notify_all();
+}
+
+void PartitionStore::HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const {
+  const std::thread::id me = std::this_thread::get_id();
+  std::vector<uint8_t> mine(parts_.size(), 0), theirs(parts_.size(), 0);
+  for (const auto& [handle, info] : live_handles_) (info.thread == me ? mine : theirs)[info.id] = 1;
+  *by_others = 0;
+  *by_me = 0;
+  for (PartitionId i = 0; i < parts_.size(); ++i) {
+    const Part& p = parts_[i];
+    if (mine[i]) {
+      *by_me += p.host != nullptr ? p.bytes : 0;
+    } else if (theirs[i] || (p.busy && p.busy_by != me)) {
+      *by_others += p.bytes;  // pinned, or in a spill or swap-in that another thread finishes
+    }
+  }
+}
+
+std::string PartitionStore::SpillShortfallNote() const {
+  std::string note;
+  if (t_spill_note.store == this) note = std::move(t_spill_note.text);
+  t_spill_note = SpillNote();
+  return note;
+}
+
 Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier) {
   bool need_swap_in = false;
   bool need_fill = false;
@@ -236,6 +335,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     }
     busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
     Part& p = parts_[id];
+    const std::thread::id me = std::this_thread::get_id();
     const uint32_t other_tier_pins = device ? p.pins - p.device_pins : p.device_pins;
     if (other_tier_pins > 0) {
       return Status::FailedPrecondition(StrCat(
@@ -260,21 +360,22 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       p.device_pins++;
       if (p.device == nullptr) {
         p.busy = true;
+        p.busy_by = me;
         need_fill = true;
       }
     } else if (p.host == nullptr) {
       p.busy = true;
+      p.busy_by = me;
       need_swap_in = true;
     }
     handle_id = next_handle_id_++;
-    live_handles_.insert(handle_id);
+    live_handles_.emplace(handle_id, HandleInfo{id, me});
     stats_.live_handles = live_handles_.size();
   }
   if (need_swap_in || need_fill) {
     Status st = need_fill ? FillDevice(id) : SwapIn(id);
     std::lock_guard<std::mutex> lock(mu_);
-    parts_[id].busy = false;
-    busy_cv_.notify_all();
+    ClearBusyLocked(id);
     if (!st.ok()) {
       parts_[id].pins--;
       if (device) parts_[id].device_pins--;
@@ -286,6 +387,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
   std::lock_guard<std::mutex> lock(mu_);
   Handle h;
   h.store_ = this;
+  h.store_alive_ = alive_;
   h.handle_id_ = handle_id;
   h.id_ = id;
   h.data_ = device ? parts_[id].device : parts_[id].host;
@@ -311,6 +413,7 @@ Status PartitionStore::FillDevice(PartitionId id) {
   auto dev = pipe->device()->Allocate(bytes);
   if (!dev.ok()) return dev.status();
   Status st;
+  std::unique_lock<std::mutex> pipe_lock(pipe_mu_);  // one thread drives the pipeline at a time
   if (host != nullptr) {
     st = pipe->HostToDevice(host, *dev, bytes);  // the host copy is the newest
   } else if (valid) {
@@ -319,6 +422,7 @@ Status PartitionStore::FillDevice(PartitionId id) {
     std::vector<char> zeros(bytes, 0);  // never written: a fresh partition reads as zeros
     st = pipe->device()->CopyFromHost(*dev, zeros.data(), bytes);
   }
+  pipe_lock.unlock();
   if (!st.ok()) {
     (void)pipe->device()->Free(*dev);
     return st;
@@ -349,22 +453,28 @@ Status PartitionStore::WriteBackDevice(PartitionId id) {
   }
   Status st;
   bool to_nvme = false;
+  std::unique_lock<std::mutex> pipe_lock(pipe_mu_);  // one thread drives the pipeline at a time
   if (dirty && host != nullptr) {
     st = pipe->device()->CopyToHost(host, dev, bytes);
   } else if (dirty) {
     if (off == kNoExtent) {
+      pipe_lock.unlock();  // an allocation is not a pipeline call
       auto r = nvme_ != nullptr ? nvme_->Allocate(bytes, tag)
                                 : Result<uint64_t>(Status::FailedPrecondition(
                                       "no NVMe arena and no host copy to write the device view "
                                       "back to"));
       if (!r.ok()) return r.status();
       off = *r;
-      std::lock_guard<std::mutex> lock(mu_);
-      parts_[id].nvme_off = off;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        parts_[id].nvme_off = off;
+      }
+      pipe_lock.lock();
     }
     st = pipe->DeviceToNvme(dev, off, bytes);
     to_nvme = true;
   }
+  pipe_lock.unlock();
   if (!st.ok()) {
     // The device view is the only good copy: keep it, so a later release can retry.
     return st.WithContext(StrCat("writing back the device view of ", Describe(id),
@@ -397,11 +507,15 @@ Status PartitionStore::SwapIn(PartitionId id) {
   }
   auto host = host_->Allocate(bytes, tag);  // may spill other partitions (never this busy one)
   if (!host.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    uint64_t pinned = 0;
-    for (const Part& p : parts_) pinned += p.pins > 0 && p.host != nullptr ? p.bytes : 0;
-    return host.status().WithContext(StrCat(FormatBytes(pinned), " of host memory is held by "
-                                            "partitions in use (live handles) and cannot spill"));
+    std::string note = SpillShortfallNote();
+    if (note.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t pinned = 0;
+      for (const Part& p : parts_) pinned += p.pins > 0 && p.host != nullptr ? p.bytes : 0;
+      note = StrCat(FormatBytes(pinned), " of host memory is held by partitions in use (live "
+                    "handles) and cannot spill");
+    }
+    return host.status().WithContext(note);
   }
   if (valid) {
     Status st = nvme_->Read(off, *host, bytes);
@@ -422,35 +536,64 @@ Status PartitionStore::SwapIn(PartitionId id) {
 
 uint64_t PartitionStore::Spill(uint64_t need) {
   if (nvme_ == nullptr) return 0;
+  const std::thread::id me = std::this_thread::get_id();
+  const bool may_wait = me != prefetcher_.get_id();  // prefetching is best effort: it never waits
   uint64_t freed = 0;
-  while (freed < need) {
-    PartitionId victim;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      uint64_t best = 0;
-      bool found = false;
-      for (PartitionId i = 0; i < parts_.size(); ++i) {
-        const Part& p = parts_[i];
-        if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
-        const uint64_t d = NextUseDistance(p);
-        if (!found || d > best) {
-          best = d;
-          victim = i;
-          found = true;
-        }
+  std::string note;
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = std::chrono::steady_clock::now() + memory_wait_;
+  bool waited = false;
+  while (freed < need && !stopping_) {
+    PartitionId victim = 0;
+    uint64_t best = 0;
+    bool found = false;
+    for (PartitionId i = 0; i < parts_.size(); ++i) {
+      const Part& p = parts_[i];
+      if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
+      const uint64_t d = NextUseDistance(p);
+      if (!found || d > best) {
+        best = d;
+        victim = i;
+        found = true;
       }
-      if (!found) break;
+    }
+    if (found) {
       parts_[victim].busy = true;
+      parts_[victim].busy_by = me;
+      lock.unlock();
+      Status st = SpillOne(victim, &freed);
+      lock.lock();
+      ClearBusyLocked(victim);
+      if (!st.ok()) {
+        note = st.WithContext("spilling to NVMe under the host budget").ToString();
+        Log(LogLevel::kError, note);
+        break;  // the victim keeps its host copy; the caller gets the budget error
+      }
+      continue;
     }
-    Status st = SpillOne(victim, &freed);
-    std::lock_guard<std::mutex> lock(mu_);
-    parts_[victim].busy = false;
-    busy_cv_.notify_all();
-    if (!st.ok()) {
-      Log(LogLevel::kError, st.WithContext("spilling to NVMe under the host budget").ToString());
-      break;  // the victim keeps its host copy; the caller gets the budget error
+    // Nothing can be spilled now. Wait only for memory another thread will give back.
+    uint64_t by_others = 0, by_me = 0;
+    HeldBytesLocked(&by_others, &by_me);
+    if (by_others == 0) {
+      note = StrCat(FormatBytes(by_me), " of host memory is held by this thread's own live handles "
+                    "and nothing else can spill; release handles before acquiring more");
+      break;
     }
+    if (!may_wait) break;
+    const auto wait_ms = memory_wait_.count();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      stats_.memory_wait_timeouts++;
+      note = StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others), " that other "
+                    "threads hold (live handles, spills or swap-ins in progress) and not enough "
+                    "came free; this thread's own handles hold ", FormatBytes(by_me),
+                    ". Release handles sooner, raise the host budget, or raise memory_wait");
+      break;
+    }
+    if (!waited) stats_.memory_waits++;
+    waited = true;
+    busy_cv_.wait_until(lock, deadline);  // woken when a partition's busy mark or last pin goes
   }
+  t_spill_note = SpillNote{this, std::move(note)};
   return freed;
 }
 
@@ -476,6 +619,12 @@ Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
     parts_[id].nvme_off = off;
   }
   if (write) {
+    StoreHooks* hooks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hooks = hooks_;
+    }
+    if (hooks != nullptr && hooks->before_spill_write) hooks->before_spill_write(id);
     // Nothing is lost: the host copy is freed only after the write completed in full.
     SPILLWAY_RETURN_IF_ERROR(nvme_->Write(off, host, bytes));
   }
@@ -506,14 +655,20 @@ Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool wr
     }
     *ok = true;
     stats_.live_handles = live_handles_.size();
-    Part& p = parts_[id];
     if (!device) {
-      p.pins--;
-      if (write) p.dirty = true;
+      Part& p = parts_[id];
+      if (write) {
+        p.dirty = true;
+        p.writes++;  // a flush in progress must not mark this partition clean
+      }
+      if (--p.pins == 0) busy_cv_.notify_all();  // a spill may be waiting for this memory
       return Status::Ok();
     }
-    if (write) p.device_dirty = true;
-    if (p.device_pins > 1) {
+    if (write) parts_[id].device_dirty = true;
+    // The busy mark has one owner: wait for whoever holds it (a flush, a spill of the host copy).
+    busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+    Part& p = parts_[id];
+    if (p.device_pins > 1) {  // (again: another device handle may have come while we waited)
       p.device_pins--;
       p.pins--;
       return Status::Ok();
@@ -521,15 +676,15 @@ Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool wr
     // The last device handle: write the view back (if dirty) and free it, outside the lock. The
     // partition stays pinned and busy until then, so nothing spills or re-reads it meanwhile.
     p.busy = true;
+    p.busy_by = std::this_thread::get_id();
     write_back = true;
   }
   Status st = write_back ? WriteBackDevice(id) : Status::Ok();
   std::lock_guard<std::mutex> lock(mu_);
   Part& p = parts_[id];
-  p.busy = false;
   p.device_pins--;
   p.pins--;
-  busy_cv_.notify_all();
+  ClearBusyLocked(id);
   return st;
 }
 
@@ -561,7 +716,8 @@ void PartitionStore::QueuePrefetchLocked() {
   prefetch_queue_.clear();
   for (uint64_t k = 1; k <= prefetch_window_ && k < schedule_length_; ++k) {
     const PartitionId id = order[(cursor_ + k) % schedule_length_];
-    if (parts_[id].host == nullptr) prefetch_queue_.push_back(id);
+    // Never a host copy of a partition whose device view is live: it would be stale.
+    if (parts_[id].host == nullptr && parts_[id].device == nullptr) prefetch_queue_.push_back(id);
   }
   if (!prefetch_queue_.empty()) prefetch_cv_.notify_all();
 }
@@ -574,15 +730,16 @@ void PartitionStore::PrefetchLoop() {
     const PartitionId id = prefetch_queue_.front();
     prefetch_queue_.erase(prefetch_queue_.begin());
     Part& p = parts_[id];
-    if (p.host != nullptr || p.busy) continue;  // already there, or someone is on it
+    // Already there, someone is on it, or its device view is live (a host copy would be stale).
+    if (p.host != nullptr || p.busy || p.device != nullptr || p.device_pins > 0) continue;
     p.busy = true;
+    p.busy_by = std::this_thread::get_id();
     prefetch_running_ = true;
     lock.unlock();
     Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
     lock.lock();
-    parts_[id].busy = false;
+    ClearBusyLocked(id);
     prefetch_running_ = false;
-    busy_cv_.notify_all();
     if (st.ok()) {
       stats_.prefetches++;
     } else {
@@ -618,25 +775,35 @@ Status PartitionStore::Flush() {
   }
   for (PartitionId id : todo) {
     void* host;
-    uint64_t off, bytes;
+    uint64_t off, bytes, writes;
+    StoreHooks* hooks;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+      TakeBusyLocked(lock, id);
       Part& p = parts_[id];
-      if (p.host == nullptr || !p.dirty) continue;
-      p.busy = true;
+      if (p.host == nullptr || !p.dirty) {
+        ClearBusyLocked(id);
+        continue;
+      }
       host = p.host;
       off = p.nvme_off;
       bytes = p.bytes;
+      writes = p.writes;
+      hooks = hooks_;
     }
+    // A host handle may still write the copy while it is written out; then it stays dirty.
     Status st = nvme_->Write(off, host, bytes);
+    if (hooks != nullptr && hooks->after_flush_write) hooks->after_flush_write(id);
     std::lock_guard<std::mutex> lock(mu_);
     Part& p = parts_[id];
-    p.busy = false;
-    busy_cv_.notify_all();
+    ClearBusyLocked(id);
     if (!st.ok()) return st.WithContext(StrCat("flushing ", Describe(id)));
-    p.dirty = false;
-    p.nvme_valid = true;
+    if (p.writes == writes) {
+      p.dirty = false;
+      p.nvme_valid = true;
+    } else {
+      p.nvme_valid = false;  // written while it was being flushed: the NVMe copy may be torn
+    }
     stats_.flush_writes++;
   }
   return Status::Ok();
@@ -659,12 +826,12 @@ Status PartitionStore::Evict(PartitionId id) {
     }
     if (p.host == nullptr) return Status::Ok();
     p.busy = true;
+    p.busy_by = std::this_thread::get_id();
   }
   uint64_t freed = 0;
   Status st = SpillOne(id, &freed);
   std::lock_guard<std::mutex> lock(mu_);
-  parts_[id].busy = false;
-  busy_cv_.notify_all();
+  ClearBusyLocked(id);
   return st;
 }
 

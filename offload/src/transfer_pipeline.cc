@@ -43,11 +43,35 @@ TransferPipeline::~TransferPipeline() {
   for (char* b : staging_) (void)arena_->Free(b);
 }
 
+class TransferPipeline::Driving {
+ public:
+  explicit Driving(TransferPipeline* p)
+      : p_(p), entered_(!p->driving_.exchange(true, std::memory_order_acquire)) {}
+  ~Driving() {
+    if (entered_) p_->driving_.store(false, std::memory_order_release);
+  }
+  Driving(const Driving&) = delete;
+  Driving& operator=(const Driving&) = delete;
+  Status status(const char* call) const {
+    if (entered_) return Status::Ok();
+    return Status::FailedPrecondition(StrCat(
+        "TransferPipeline::", call, ": another thread is driving this pipeline (its staging ring "
+        "and stream serve one call at a time); give each thread its own pipeline or serialise "
+        "the calls"));
+  }
+
+ private:
+  TransferPipeline* const p_;
+  const bool entered_;
+};
+
 uint64_t TransferPipeline::ChunkLength(uint64_t i, uint64_t bytes) const {
   return std::min(options_.chunk_bytes, bytes - i * options_.chunk_bytes);
 }
 
 Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device_dst) {
+  const Driving driving(this);
+  SPILLWAY_RETURN_IF_ERROR(driving.status("NvmeToDevice"));
   auto expected = nvme_->ExpectedChecksum(off, bytes);
   if (!expected.ok()) return expected.status();
   const uint64_t chunk = options_.chunk_bytes;
@@ -114,6 +138,8 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
 }
 
 Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint64_t bytes) {
+  const Driving driving(this);
+  SPILLWAY_RETURN_IF_ERROR(driving.status("DeviceToNvme"));
   SPILLWAY_RETURN_IF_ERROR(nvme_->BeginWrite(off, bytes));
   const uint64_t chunk = options_.chunk_bytes;
   const uint64_t n = (bytes + chunk - 1) / chunk;
@@ -175,6 +201,8 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
 }
 
 Status TransferPipeline::HostToDevice(const void* host_src, void* device_dst, uint64_t bytes) {
+  const Driving driving(this);
+  SPILLWAY_RETURN_IF_ERROR(driving.status("HostToDevice"));
   const uint64_t chunk = options_.chunk_bytes;
   for (uint64_t i = 0; i * chunk < bytes; ++i) {
     SPILLWAY_RETURN_IF_ERROR(stream_->CopyAsync(static_cast<char*>(device_dst) + i * chunk,
@@ -188,6 +216,8 @@ Status TransferPipeline::HostToDevice(const void* host_src, void* device_dst, ui
 
 Status TransferPipeline::NvmeToDeviceSerial(uint64_t off, uint64_t bytes, void* host_buffer,
                                             void* device_dst) {
+  const Driving driving(this);
+  SPILLWAY_RETURN_IF_ERROR(driving.status("NvmeToDeviceSerial"));
   SPILLWAY_RETURN_IF_ERROR(nvme_->Read(off, host_buffer, bytes));
   SPILLWAY_RETURN_IF_ERROR(stream_->CopyAsync(device_dst, host_buffer, bytes));
   return stream_->Synchronize();

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <thread>
 
 #include "../allocator/nvme_test_util.h"
+#include "pausing_device.h"
 #include "spillway/allocator/crc32c.h"
 
 namespace spillway::offload {
@@ -157,6 +159,35 @@ TEST(TransferPipelineTest, AWriteFaultKeepsTheSourceAndInvalidatesTheExtent) {
   EXPECT_EQ(back, host);
   ASSERT_TRUE(rig.pipe->DeviceToNvme(dev, *off, bytes).ok());  // and it works again
   (void)rig.device->Free(dev);
+}
+
+TEST(TransferPipelineTest, ASecondThreadIsRefusedWhileAnotherDrivesIt) {
+  testing::PausingDevice device;
+  PipeRig rig(nullptr, &device);
+  const uint64_t bytes = 2 * kMiB + 10;
+  std::vector<char> a(bytes), b(bytes), back(bytes);
+  FillRandom(a.data(), bytes, 1);
+  FillRandom(b.data(), bytes, 2);
+  void* da = *device.Allocate(bytes);
+  void* db = *device.Allocate(bytes);
+  device.Arm();
+  Status first;
+  std::thread driver([&] { first = rig.pipe->HostToDevice(a.data(), da, bytes); });
+  device.WaitPaused();  // the driver is inside its first chunk copy
+  const Status second = rig.pipe->HostToDevice(b.data(), db, bytes);
+  device.Resume();
+  driver.join();
+  EXPECT_TRUE(first.ok()) << first.ToString();
+  EXPECT_EQ(second.code(), StatusCode::kFailedPrecondition) << second.ToString();
+  EXPECT_TRUE(Has(second, "another thread is driving this pipeline")) << second.ToString();
+  ASSERT_TRUE(device.CopyToHost(back.data(), da, bytes).ok());
+  EXPECT_EQ(back, a);
+  // Once the first call is done, the pipeline serves the other thread's call.
+  ASSERT_TRUE(rig.pipe->HostToDevice(b.data(), db, bytes).ok());
+  ASSERT_TRUE(device.CopyToHost(back.data(), db, bytes).ok());
+  EXPECT_EQ(back, b);
+  (void)device.Free(da);
+  (void)device.Free(db);
 }
 
 TEST(TransferPipelineTest, BadRangesAndOptionsAreRefused) {

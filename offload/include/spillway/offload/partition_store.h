@@ -5,14 +5,17 @@
 // Gemini does), never one in use. See docs/offload.md, Note [Spill].
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
@@ -41,7 +44,9 @@ using PartitionId = uint32_t;
 class PartitionStore;
 
 // A view of one partition in host memory, pinned in place while the handle lives. Move-only; the
-// destructor releases it. Using a released handle is an error status, not a crash.
+// destructor releases it. Using a released handle is an error status, not a crash. A handle that
+// outlives its store is a fatal error naming the partition in debug builds (NDEBUG unset) and
+// does nothing in release builds (the store freed the memory when it was destroyed).
 class Handle {
  public:
   Handle() = default;
@@ -58,7 +63,11 @@ class Handle {
 
  private:
   friend class PartitionStore;
+  // Whether the store still exists: Handle never touches store_ once it is false.
+  bool StoreAlive() const;
+  void ReleaseFromDestructor();
   PartitionStore* store_ = nullptr;
+  std::shared_ptr<const std::atomic<bool>> store_alive_;
   uint64_t handle_id_ = 0;
   PartitionId id_ = 0;
   void* data_ = nullptr;
@@ -85,11 +94,22 @@ struct StoreStats {
   uint64_t device_writebacks = 0;  // dirty device views written back on their last release
   uint64_t prefetches = 0;         // swap-ins done ahead of use by the prefetch thread
   uint64_t prefetch_failures = 0;  // ahead-of-use swap-ins that failed (the Acquire retries)
+  uint64_t memory_waits = 0;       // spills that waited for memory other threads were giving back
+  uint64_t memory_wait_timeouts = 0;  // of those, how many gave up after memory_wait()
+};
+
+// Test seam: called without mu_ at the named points, with the partition concerned.
+struct StoreHooks {
+  std::function<void(uint32_t id)> before_spill_write;  // SpillOne, the partition is busy
+  std::function<void(uint32_t id)> after_flush_write;   // Flush, written, before it is marked clean
 };
 
 // Thread-safe. mu_ guards the partition table; it is never held across an allocation (which may
-// call back into the spill handler), I/O, or a copy. A partition in transition (being swapped in
-// or spilled) is marked busy; others wait on busy_cv_.
+// call back into the spill handler), I/O, or a copy. A partition in transition (being swapped in,
+// spilled, flushed, or moved to or from the device) is marked busy by exactly one thread, which
+// clears it; everyone else waits on busy_cv_ before taking it. Note [Memory held by others] in
+// docs/offload.md: when the budget is full and every resident partition is in use or in
+// transition by other threads, a spill waits (at most memory_wait()) for them to give it back.
 class PartitionStore {
  public:
   // `nvme` may be null (no spill possible: the budget error then says how to allow it).
@@ -119,8 +139,15 @@ class PartitionStore {
   // host copy if resident, else to NVMe), and its device memory freed.
   Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite,
                          Tier tier = Tier::kHost);
-  // Enables the device tier. The pipeline (and its device) must outlive the store.
+  // Enables the device tier. The pipeline (and its device) must outlive the store; the store
+  // serialises its own use of it (a pipeline is driven by one thread at a time).
   void AttachDevice(TransferPipeline* pipeline);
+  // How long a spill under the budget waits for memory that other threads' handles, spills or
+  // swap-ins hold before the allocation fails (default 10 s). Memory this thread's own handles
+  // hold is never waited for: that fails at once, saying so.
+  void set_memory_wait(std::chrono::milliseconds wait);
+  std::chrono::milliseconds memory_wait() const;
+  void SetHooksForTesting(StoreHooks* hooks);
   Status Release(Handle& handle);
   // Brings partitions into host memory now (no handle kept).
   Status Prefetch(const std::vector<PartitionId>& ids);
@@ -149,6 +176,8 @@ class PartitionStore {
     bool dirty = false;            // the host copy is newer than the NVMe copy
     uint32_t pins = 0;             // live handles
     bool busy = false;             // being swapped in, spilled, or moved to or from the device
+    std::thread::id busy_by;       // the one thread that set busy (and clears it)
+    uint64_t writes = 0;           // write handles released: a flush marks clean only if unchanged
     bool tombstone = false;        // its Register failed: the id stays, the key is free again
     void* device = nullptr;        // device view while device handles are live
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
@@ -166,7 +195,21 @@ class PartitionStore {
   std::string Describe(PartitionId id) const;  // "master_weight rank 0 group 3 (4.00 MiB)"
   Tier HomeFor(StateKind kind) const;
   // Spill handler: frees at least `need` host bytes by spilling OPT victims; returns bytes freed.
+  // Waits (bounded) for memory other threads will give back; see memory_wait().
   uint64_t Spill(uint64_t need);
+  struct HandleInfo {
+    PartitionId id;
+    std::thread::id thread;  // the thread that acquired it
+  };
+  // mu_ held. Waits until `id` is not busy, then marks it busy for this thread.
+  void TakeBusyLocked(std::unique_lock<std::mutex>& lock, PartitionId id);
+  // mu_ held. Clears busy (only its owner may) and wakes waiters.
+  void ClearBusyLocked(PartitionId id);
+  // mu_ held: bytes of resident partitions that other threads hold (busy or pinned) and no handle
+  // of this thread pins; and the bytes this thread's own handles pin.
+  void HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const;
+  // Why this thread's last Spill call freed less than asked, for the budget error's context.
+  std::string SpillShortfallNote() const;
   // Without mu_: makes the host copy of `id` exist (allocate + read or zero-fill). `id` is busy.
   Status SwapIn(PartitionId id);
   // Without mu_: writes `id` out if needed and drops its host copy. `id` is busy.
@@ -188,7 +231,7 @@ class PartitionStore {
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
   uint64_t schedule_length_ = 0;             // guarded by mu_
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
-  std::unordered_set<uint64_t> live_handles_;  // guarded by mu_
+  std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
   StoreStats stats_;                         // guarded by mu_
   TransferPipeline* pipeline_ = nullptr;     // guarded by mu_; set once by AttachDevice
@@ -198,6 +241,10 @@ class PartitionStore {
   bool stopping_ = false;                    // guarded by mu_
   std::condition_variable prefetch_cv_;      // work queued, or the queue drained
   std::thread prefetcher_;
+  std::chrono::milliseconds memory_wait_{10'000};  // guarded by mu_
+  StoreHooks* hooks_ = nullptr;                    // test seam; set before use
+  std::mutex pipe_mu_;                             // serialises calls into pipeline_ (I/O held)
+  const std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
 };
 
 }  // namespace spillway::offload

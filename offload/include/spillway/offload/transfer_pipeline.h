@@ -30,7 +30,10 @@ struct PipelineStats {
   std::atomic<uint64_t> checksum_failures{0};
 };
 
-// Owned by one thread at a time (its stream and staging ring are not shared); stats are atomics.
+// Driven by one thread at a time: its stream and staging ring are not shared, so a call made while
+// another thread's call is in progress is refused (FAILED_PRECONDITION) instead of refilling a
+// staging slot under a queued copy. Callers that share one pipeline serialise their calls (the
+// PartitionStore does). Stats are atomics.
 class TransferPipeline {
  public:
   static Result<std::unique_ptr<TransferPipeline>> Create(allocator::HostArena* staging_arena,
@@ -60,6 +63,9 @@ class TransferPipeline {
   TransferPipeline(allocator::HostArena* arena, allocator::NvmeArena* nvme, Device* device,
                    PipelineOptions options);
   uint64_t ChunkLength(uint64_t i, uint64_t bytes) const;
+  class Driving;  // marks a call in progress; refuses a second thread
+
+  std::atomic<bool> driving_{false};
 
   allocator::HostArena* const arena_;
   allocator::NvmeArena* const nvme_;

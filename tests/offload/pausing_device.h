@@ -1,0 +1,83 @@
+// A fault-injection seam over the real CPU device backend: once armed, the next CopyAsync on any
+// of its streams blocks until Resume(), so a test can hold one thread inside a transfer while
+// another acts. Everything else is the CPU device's own code.
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "spillway/offload/device.h"
+
+namespace spillway::offload::testing {
+
+class PausingDevice : public Device {
+ public:
+  PausingDevice() : cpu_(std::move(Device::OpenCpu().value())) {}
+
+  void Arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = true;
+    paused_ = false;
+    resumed_ = false;
+  }
+  // Blocks until an armed copy is paused.
+  void WaitPaused() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return paused_; });
+  }
+  void Resume() {
+    std::lock_guard<std::mutex> lock(mu_);
+    resumed_ = true;
+    cv_.notify_all();
+  }
+
+  DeviceId id() const override { return cpu_->id(); }
+  Result<void*> Allocate(uint64_t bytes) override { return cpu_->Allocate(bytes); }
+  Status Free(void* ptr) override { return cpu_->Free(ptr); }
+  Result<std::unique_ptr<Stream>> NewStream() override {
+    auto inner = cpu_->NewStream();
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<Stream>(new PausingStream(this, std::move(inner.value())));
+  }
+  Status CopyToHost(void* host, const void* device, uint64_t bytes) override {
+    return cpu_->CopyToHost(host, device, bytes);
+  }
+  Status CopyFromHost(void* device, const void* host, uint64_t bytes) override {
+    return cpu_->CopyFromHost(device, host, bytes);
+  }
+
+ private:
+  class PausingStream : public Stream {
+   public:
+    PausingStream(PausingDevice* device, std::unique_ptr<Stream> inner)
+        : device_(device), inner_(std::move(inner)) {}
+    Status CopyAsync(void* dst, const void* src, uint64_t bytes) override {
+      device_->MaybePause();
+      return inner_->CopyAsync(dst, src, bytes);
+    }
+    Result<std::shared_ptr<Event>> Record() override { return inner_->Record(); }
+    Status Synchronize() override { return inner_->Synchronize(); }
+
+   private:
+    PausingDevice* const device_;
+    std::unique_ptr<Stream> inner_;
+  };
+
+  void MaybePause() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!armed_) return;
+    armed_ = false;
+    paused_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return resumed_; });
+  }
+
+  std::unique_ptr<Device> cpu_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, paused_ = false, resumed_ = false;
+};
+
+}  // namespace spillway::offload::testing
