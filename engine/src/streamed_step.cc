@@ -1,7 +1,9 @@
 // StreamedStep. Note [Streamed step] in docs/engine.md.
 #include "spillway/engine/streamed_step.h"
 
+#include <atomic>
 #include <future>
+#include <system_error>
 #include <vector>
 
 #include "clock.h"
@@ -14,6 +16,27 @@ using offload::Access;
 using offload::PartitionId;
 using offload::PartitionStore;
 using offload::Tier;
+
+std::atomic<int> g_failing_launches{0};  // FailThreadLaunchesForTesting
+
+// Starts `f` on its own thread. std::async throws std::system_error when no thread can be
+// started (the process's thread limit): that becomes a status, never an exception.
+template <typename F>
+Status Launch(std::future<Status>* out, const char* what, F f) {
+  try {
+    if (g_failing_launches.load(std::memory_order_relaxed) > 0 &&
+        g_failing_launches.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                              "injected");
+    }
+    *out = std::async(std::launch::async, std::move(f));
+    return Status::Ok();
+  } catch (const std::system_error& e) {
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("cannot start the streamed step's ", what, " thread (", e.what(),
+                               "); raise the process's thread limit (ulimit -u, pids.max)"));
+  }
+}
 
 std::vector<PartitionId> StateOf(const StreamedGroup& g) { return {g.master, g.exp_avg, g.exp_avg_sq}; }
 
@@ -37,6 +60,8 @@ Status Annotate(const Status& st, const StreamedGroup& g, size_t index, uint64_t
 }
 
 }  // namespace
+
+void FailThreadLaunchesForTesting(int n) { g_failing_launches.store(n, std::memory_order_relaxed); }
 
 Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
                                 std::span<const StreamedGroup> groups, const StepOptions& options,
@@ -119,9 +144,10 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       if (!st.ok()) return fail(st, i);
     }
     if (i + 1 < groups.size()) {
-      reading = std::async(std::launch::async, [&store, ids = StateOf(groups[i + 1])] {
+      Status st = Launch(&reading, "reader", [&store, ids = StateOf(groups[i + 1])] {
         return store.Prefetch(ids);
       });
+      if (!st.ok()) return fail(st, i);
     }
     // Acquire group i (resident by now, or swapped in here) and update it.
     std::vector<HostView> h;
@@ -148,11 +174,12 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       if (st.ok() && !rs.ok()) st = rs;
     }
     if (!st.ok()) return fail(st, i);
+    ++s.groups;  // group i has the step (counted before its write-back, which may still fail)
     // Keep one write-back in flight: group i - 1 must be out before group i goes.
     Status ws = finish_writes();
     if (!ws.ok()) return write_failed(ws, i - 1, i);
-    writing = std::async(std::launch::async, [&store, &g, &evicted] { return WriteBack(store, g, &evicted); });
-    ++s.groups;
+    ws = Launch(&writing, "writer", [&store, &g, &evicted] { return WriteBack(store, g, &evicted); });
+    if (!ws.ok()) return write_failed(ws, i, i);
   }
   Status ws = finish_writes();
   if (!ws.ok()) return write_failed(ws, groups.size() - 1, groups.size() - 1);

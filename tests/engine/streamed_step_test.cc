@@ -214,6 +214,22 @@ TEST(StreamedStepTest, AFailedWriteBackKeepsTheUpdateInHostMemoryUntilFlush) {
   }
 }
 
+TEST(StreamedStepTest, AThreadThatCannotStartIsAStatusAndLosesNothing) {
+  FaultRig f;
+  ASSERT_TRUE(f.StepOne().ok());
+  auto& [faults, rig, m, streamed, in_memory] = f;
+  const std::vector<GroupBuffers> after_step1 = f.PrepareStepTwo();
+  FailThreadLaunchesForTesting(1);  // the reader for group 1, started before group 0's update
+  auto r = StreamedStep(*streamed, *rig.store, m.groups);
+  FailThreadLaunchesForTesting(0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  const std::string msg = r.status().message();
+  EXPECT_NE(msg.find("cannot start the streamed step's reader thread"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("stopped at group 0"), std::string::npos) << msg;
+  for (int i = 0; i < kGroups; ++i) EXPECT_TRUE(SameAs(*rig.store, m, i, after_step1[i])) << i;
+}
+
 TEST(StreamedStepTest, AGroupThatDoesNotMatchItsPartitionsIsRefusedBeforeAnythingMoves) {
   StoreRig rig(ParseOrDie(OffloadJson("none", "nvme")), 512 * kMiB);
   ASSERT_NE(rig.store, nullptr);

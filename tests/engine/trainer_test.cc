@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -364,6 +366,45 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   unsetenv("RANK");
   ASSERT_FALSE(env.ok());
   EXPECT_NE(env.status().message().find("RANK=2 is not below WORLD_SIZE=2"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace spillway::engine
+
+namespace spillway::engine {
+namespace {
+
+// An I/O error inside the optimizer step (the state streams from NVMe) ends that step the way a
+// failed micro-batch does: the error says which units took the step, the gradients are zeroed,
+// the ledger step is closed, and the next step runs.
+TEST(TrainerTest, AFailedOptimizerStepEndsTheStepAndTheNextStepRuns) {
+  const GptConfig c = SmallGpt();
+  allocator::IoFaults faults;
+  StoreRig rig(ParseOrDie(Json("cpu", "nvme")), 256 * kMiB, true, &faults);
+  auto coll = std::move(Collectives::Create(DistEnv{}).value());
+  TrainerOptions o;
+  o.model = c;
+  o.adam = Adam();
+  auto t = std::move(
+      Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), &rig.ledger, 0).value());
+  ASSERT_TRUE(rig.ledger.BeginEpoch(0).ok());
+  auto first = t->Step({Batch(c, 0, 0)});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  faults.read_errno = EIO;  // the next NVMe read of optimizer state fails
+  auto failed = t->Step({Batch(c, 1, 0)});
+  ASSERT_FALSE(failed.ok());
+  const std::string msg = failed.status().message();
+  EXPECT_NE(msg.find("failed in the optimizer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("took the step"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the next step runs"), std::string::npos) << msg;
+  EXPECT_EQ(t->steps(), 1);
+  for (int step = 2; step < 4; ++step) {
+    auto next = t->Step({Batch(c, step, 0)});
+    ASSERT_TRUE(next.ok()) << "step " << step << ": " << next.status().ToString();
+    EXPECT_TRUE(std::isfinite(next->loss));
+    EXPECT_TRUE(next->boundary.clean()) << next->boundary.ToString();
+  }
+  EXPECT_EQ(t->steps(), 3);
 }
 
 }  // namespace

@@ -389,7 +389,8 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   return Status::Ok();
 }
 
-Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
+Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) {
+  *applied = 0;
   StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;
   if (store_->home(units_[0].master) == offload::Tier::kNvme) {
@@ -416,6 +417,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
     }
     Result<StepReport> report = StreamedStep(*optimizer_, *store_, groups, so, stream,
                                              [this](double s) { return coll_->AllReduceSum(s); });
+    *applied = stream->groups;  // one group per unit, in order
     // The gradients start the next step at zero.
     for (size_t u = 0; u < units_.size(); ++u) {
       std::memset(const_cast<void*>(groups[u].grad), 0, static_cast<size_t>(units_[u].shard) * 4);
@@ -466,8 +468,12 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream) {
     g.exp_avg_sq = static_cast<float*>(views[4].data);
     Status st = optimizer_->Update(g, *report);
     std::memset(views[0].data, 0, static_cast<size_t>(unit.shard) * 4);
-    for (HostView& v : views) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
+    for (HostView& v : views) {
+      Status rs = store_->Release(v.handle);
+      if (st.ok()) st = rs;
+    }
     SPILLWAY_RETURN_IF_ERROR(st);
+    ++*applied;
   }
   return report;
 }
@@ -490,33 +496,51 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
   // Ledger step numbers count attempts (they must increase), steps_ counts applied steps.
   if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(attempts_));
   ++attempts_;
-  // A failed micro-batch abandons the step: the gradients it accumulated are zeroed and the
-  // ledger's step is closed (step-scoped memory died with the tensors), so the next step starts
-  // exactly as if this one had not been tried.
-  auto abandon = [&](const Status& st) -> Status {
-    Status z = ZeroGrads();
+  // A step that fails (a micro-batch, or the optimizer step: an I/O error, a checksum mismatch,
+  // the budget, a collective) is ended here: the gradients it accumulated are zeroed and the
+  // ledger's step is closed (step-scoped memory died with the tensors), so the next step starts as
+  // if this one had not been tried, except for the units the optimizer already updated, which
+  // the error names.
+  auto end_failed = [&](const Status& st, const std::string& what, bool zero_grads) -> Status {
+    Status z = zero_grads ? ZeroGrads() : Status::Ok();
     allocator::BoundaryReport ignored;
     Status b = ledger_ != nullptr ? ledger_->EndStep(&ignored) : Status::Ok();
     std::string also;
     if (!z.ok()) also += "; zeroing the gradients also failed: " + z.message();
     if (!b.ok()) also += "; closing the ledger step also failed: " + b.message();
-    return Status::Make(st.code(), StrCat("step ", steps_, " abandoned, nothing applied: ",
-                                          st.message(), also), st.sys_error());
+    return Status::Make(st.code(), StrCat("step ", steps_, " ", what, ": ", st.message(), also),
+                        st.sys_error());
   };
   double loss = 0.0;
   const double scale = 1.0 / static_cast<double>(micro_batches.size());
   for (const torch::Tensor& mb : micro_batches) {
     Status st = CatchTorch("a micro-batch", [&] { return MicroBatch(mb, scale, &loss); });
-    if (!st.ok()) return abandon(st);
+    if (!st.ok()) return end_failed(st, "abandoned, nothing applied", true);
   }
-  auto report = OptimizerStep(&r.stream);
-  if (!report.ok()) return report.status();
+  size_t applied = 0;
+  auto report = OptimizerStep(&r.stream, &applied);
+  if (!report.ok()) {
+    const size_t n = units_.size();
+    std::string what =
+        applied == 0 ? std::string("failed in the optimizer before any unit took the step")
+        : applied == n
+            ? StrCat("failed in the optimizer after all ", n, " units took the step (Adam step ",
+                     optimizer_->step(), ")")
+            : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
+                     " took the step (Adam step ", optimizer_->step(), "); units ", applied, "..",
+                     n - 1, " did not");
+    what += ". The gradients are zeroed and the ledger step closed: the next step runs";
+    return end_failed(report.status(), what, true);
+  }
   r.report = *report;
+  ++steps_;  // applied, whatever happens below
   auto global = coll_->AllReduceSum(loss * scale);
-  if (!global.ok()) return global.status();
+  if (!global.ok()) {
+    return end_failed(global.status(), "was applied, but the loss all-reduce failed (the ledger "
+                      "step is closed)", false);
+  }
   r.loss = *global / static_cast<double>(coll_->world_size());
   if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->EndStep(&r.boundary));
-  ++steps_;
   return r;
 }
 

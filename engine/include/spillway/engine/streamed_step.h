@@ -30,7 +30,7 @@ struct StreamedGroup {
 };
 
 struct StreamStats {
-  uint64_t groups = 0;
+  uint64_t groups = 0;             // groups that took the step (also when the step fails)
   uint64_t evictions = 0;          // NVMe-homed groups written back behind the update
   uint64_t update_ns = 0;          // time in the fused update
   uint64_t wait_read_ns = 0;       // time the update loop waited for a swap-in
@@ -50,5 +50,9 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, offload::PartitionStor
                                 std::span<const StreamedGroup> groups,
                                 const StepOptions& options = {}, StreamStats* stats = nullptr,
                                 const NormReducer& reduce_sum = nullptr);
+
+// Test seam: the next `n` thread launches of StreamedStep fail as std::async does when the
+// process cannot start a thread.
+void FailThreadLaunchesForTesting(int n);
 
 }  // namespace spillway::engine

@@ -92,7 +92,8 @@ class Trainer {
 
   // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len;
   // gradients are averaged over all of them and over ranks). A micro-batch that fails abandons the
-  // step: nothing is applied, its gradients are zeroed, and the ledger step is closed.
+  // step: nothing is applied, its gradients are zeroed, and the ledger step is closed. A failed
+  // optimizer step ends the same way, and its error says which units already took the step.
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
   // The full parameters of one unit, on the host (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
@@ -118,7 +119,8 @@ class Trainer {
   bool DeviceCollectives() const;
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
-  Result<StepReport> OptimizerStep(StreamStats* stream);
+  // `applied`: how many units (in order) took the step, also when it fails.
+  Result<StepReport> OptimizerStep(StreamStats* stream, size_t* applied);
   Status ZeroGrads();
 
   const TrainerOptions options_;
