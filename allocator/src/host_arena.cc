@@ -118,6 +118,9 @@ HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger)
 
 HostArena::~HostArena() {
   ledger_->Detach(this);
+  // In a forked child the regions are the parent's (MADV_DONTFORK: absent here; CUDA-registered:
+  // not the child's to unregister). Leave them; the child's exit takes its copies.
+  if (!process_.InOwner()) return;
   std::vector<Region> regions;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -279,6 +282,7 @@ class HostArena::SpillCallGuard {
 };
 
 Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "Allocate"));
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
     return Status::InvalidArgument("HostArena::Allocate: owner tag kind or lifetime out of range");
@@ -427,6 +431,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
 }
 
 Status HostArena::Free(void* ptr) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "Free"));
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::vector<Region> to_release;
   {
@@ -460,6 +465,7 @@ std::string HostArena::DescribeLive() const {
 }
 
 uint64_t HostArena::Trim() {
+  if (!process_.InOwner()) return 0;  // a forked child unmaps nothing of the parent's
   std::vector<Region> to_release;
   uint64_t bytes = 0;
   {
@@ -481,6 +487,7 @@ bool HostArena::Contains(const void* ptr, uint64_t bytes) const {
 }
 
 Result<uint64_t> HostArena::AllocationSize(const void* ptr) const {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "AllocationSize"));
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::lock_guard<std::mutex> lock(mu_);
   const LiveTable::Live* live = live_->Find(addr);
@@ -511,6 +518,7 @@ HostArenaStats HostArena::Stats() const {
 
 Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                   TierReport* out) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "CollectBoundary"));
   std::vector<Region> to_release;
   LiveTable::Traces traces;
   out->tier = options_.name;
@@ -528,6 +536,7 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
 }
 
 void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
+  if (!process_.InOwner()) return;  // a forked child frees nothing of the parent's
   std::vector<Region> to_release;
   out->tier = options_.name;
   {

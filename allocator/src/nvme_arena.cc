@@ -140,12 +140,15 @@ NvmeArena::NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledg
 
 NvmeArena::~NvmeArena() {
   ledger_->Detach(this);
-  Status st = engine_->UnregisterFile(file_id_);
-  if (!st.ok()) Log(LogLevel::kError, st.ToString());
+  if (process_.InOwner()) {  // a forked child's engine refuses: only its own fd is closed
+    Status st = engine_->UnregisterFile(file_id_);
+    if (!st.ok()) Log(LogLevel::kError, st.ToString());
+  }
   close(fd_);  // the file was never linked: closing it frees the space
 }
 
 Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Allocate"));
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
     return Status::InvalidArgument("NvmeArena::Allocate: owner tag kind or lifetime out of range");
@@ -239,6 +242,7 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
 }
 
 Status NvmeArena::Free(uint64_t offset) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Free"));
   std::lock_guard<std::mutex> lock(mu_);
   if (live_->Find(offset) == nullptr) {
     live_->NoteBadFree();
@@ -269,6 +273,7 @@ Status NvmeArena::CheckExtentLocked(uint64_t offset, uint64_t bytes, const char*
 }
 
 Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Write"));
   if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
   std::string what;
   {
@@ -290,6 +295,7 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
 }
 
 Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Read"));
   if (dst == nullptr) return Status::InvalidArgument("NvmeArena::Read: null destination");
   std::string what;
   Check check;
@@ -348,6 +354,7 @@ Status NvmeArena::CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint6
 }
 
 Result<uint32_t> NvmeArena::ExpectedChecksum(uint64_t offset, uint64_t bytes) const {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "ExpectedChecksum"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::ExpectedChecksum", &what));
@@ -361,6 +368,7 @@ Result<uint32_t> NvmeArena::ExpectedChecksum(uint64_t offset, uint64_t bytes) co
 
 Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void* dst,
                                     uint64_t length) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "ReadRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(CheckRangeLocked(offset, range_offset, length, "NvmeArena::ReadRange"));
@@ -369,6 +377,7 @@ Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void
 }
 
 Status NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "BeginWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::BeginWrite", &what));
@@ -378,6 +387,7 @@ Status NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
 
 Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
                                      uint64_t length) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "WriteRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(
@@ -387,6 +397,7 @@ Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, con
 }
 
 Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CommitWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::CommitWrite", &what));
@@ -428,6 +439,7 @@ Status NvmeArena::Validate() const {
 
 Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                   TierReport* out) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CollectBoundary"));
   LiveTable::Traces traces;
   out->tier = options_.name;
   {
@@ -446,6 +458,7 @@ Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
 
 void NvmeArena::ReleaseScope(ScopeId scope, TierReport* out) {
   out->tier = options_.name;
+  if (!process_.InOwner()) return;  // a forked child frees nothing of the parent's
   std::lock_guard<std::mutex> lock(mu_);
   out->policy = options_.policy;
   live_->ReleaseScope(scope, out, [this](uint64_t off, uint64_t bytes) {

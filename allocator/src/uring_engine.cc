@@ -253,6 +253,12 @@ UringEngine::UringEngine(UringEngineOptions options) : options_(options) {
 
 UringEngine::~UringEngine() {
   if (impl_ == nullptr) return;
+  if (!process_.InOwner()) {
+    // A forked child has none of the ring or pool threads (joining them would hang or abort) and
+    // shares the parent's ring mappings: leave everything as it is; the child's exit drops it.
+    (void)impl_.release();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -273,6 +279,7 @@ bool UringEngine::DrainedLocked() const {
 }
 
 void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
+  if (!process_.InOwner()) return;  // never the parent's buffer table
   const size_t pieces = (bytes + kMaxIovecBytes - 1) / kMaxIovecBytes;
   std::vector<int> slots(pieces, -1);
   {
@@ -313,6 +320,7 @@ void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
 }
 
 void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
+  if (!process_.InOwner()) return;
   std::vector<int> slots;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -339,6 +347,7 @@ void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
 }
 
 Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignment) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "RegisterFile"));
   if (fd < 0) return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): bad fd ", fd));
   if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > options_.block_size) {
     return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): alignment ", alignment,
@@ -382,6 +391,7 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
 }
 
 Status UringEngine::UnregisterFile(int file_id) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "UnregisterFile"));
   int slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -427,6 +437,7 @@ Result<Ticket> UringEngine::Read(int file_id, uint64_t offset, void* buffer, uin
 Result<Ticket> UringEngine::Enqueue(Op op, int file_id, uint64_t offset, char* buffer,
                                     uint64_t bytes) {
   const char* verb = op == Op::kRead ? "Read" : "Write";
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", verb));
   if (buffer == nullptr || bytes == 0) {
     return Status::InvalidArgument(StrCat(verb, ": null buffer or 0 bytes"));
   }
@@ -455,6 +466,7 @@ Result<Ticket> UringEngine::Enqueue(Op op, int file_id, uint64_t offset, char* b
     req->offset = offset;
     req->buffer = buffer;
     req->bytes = bytes;
+    req->submitter = std::this_thread::get_id();
     pending_.push_back(req.get());
     requests_.emplace(ticket, std::move(req));
     stats_.requests++;
@@ -631,6 +643,7 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result) {
 }
 
 Status UringEngine::Wait(Ticket ticket) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "Wait"));
   std::unique_lock<std::mutex> lock(mu_);
   auto it = requests_.find(ticket);
   if (it == requests_.end() || it->second->waited) {
@@ -646,17 +659,20 @@ Status UringEngine::Wait(Ticket ticket) {
 }
 
 Status UringEngine::WaitAll() {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "WaitAll"));
+  const std::thread::id me = std::this_thread::get_id();
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [this] {
+  done_cv_.wait(lock, [this, me] {
     for (const auto& [t, r] : requests_) {
-      if (!r->done && !r->waited) return false;
+      if (r->submitter == me && !r->done && !r->waited) return false;
     }
     return true;
   });
   Status first;
   uint64_t failed = 0;
   for (auto it = requests_.begin(); it != requests_.end();) {
-    if (it->second->waited) {  // another thread is in Wait() for it
+    // Another thread's ticket is theirs to wait for; one in Wait() is being waited for.
+    if (it->second->submitter != me || it->second->waited) {
       ++it;
       continue;
     }

@@ -111,6 +111,25 @@ TEST_P(UringEngineTest, ManyRequestsInFlightThenOneWaitAll) {
   EXPECT_EQ(rig_->engine->Stats().queued_requests, 0u);
 }
 
+// WaitAll waits for and consumes the calling thread's tickets only: another thread's ticket is
+// still there for its own Wait (before, WaitAll took it and that Wait said "unknown ticket").
+TEST_P(UringEngineTest, WaitAllLeavesOtherThreadsTicketsToThem) {
+  constexpr uint64_t kBytes = 256 * 1024;
+  char* mine = static_cast<char*>(rig_->HostBuffer(kBytes));
+  char* theirs = static_cast<char*>(rig_->HostBuffer(kBytes));
+  FillRandom(mine, kBytes, 1);
+  FillRandom(theirs, kBytes, 2);
+  Result<Ticket> other = Status::Internal("not run");
+  std::thread([&] { other = rig_->engine->Write(file_, kBytes, theirs, kBytes); }).join();
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_TRUE(rig_->engine->Write(file_, 0, mine, kBytes).ok());
+  ASSERT_TRUE(rig_->engine->WaitAll().ok());
+  Status waited = Status::Internal("not run");
+  std::thread([&] { waited = rig_->engine->Wait(*other); }).join();
+  EXPECT_TRUE(waited.ok()) << waited.ToString();
+  EXPECT_EQ(rig_->engine->Stats().queued_requests, 0u);
+}
+
 TEST_P(UringEngineTest, FourThreadsShareTheEngine) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {

@@ -20,6 +20,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
+#include "spillway/allocator/process.h"
 #include "spillway/allocator/status.h"
 
 namespace spillway::allocator {
@@ -215,12 +216,13 @@ class HostArena final : public Tier {
   Ledger* const ledger_;
   const uint64_t page_;
 
+  const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu_;
   ExtentMap extents_;                          // guarded by mu_
   std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
   // Observers: their own mutex, never held while calling one (callbacks_in_flight_ counts those).
   std::mutex observers_mu_;
-  std::condition_variable observers_idle_;
+  ForkSafeCondition observers_idle_;
   std::vector<RegionObserver*> observers_;     // guarded by observers_mu_
   int callbacks_in_flight_ = 0;                // guarded by observers_mu_
   void NotifyObservers(bool mapped, void* base, uint64_t bytes);  // without mu_
@@ -231,7 +233,7 @@ class HostArena final : public Tier {
   SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
   const void* spill_owner_ = nullptr;          // guarded by mu_
   int spill_calls_in_flight_ = 0;              // guarded by mu_
-  std::condition_variable spill_idle_;         // spill_calls_in_flight_ reached 0
+  ForkSafeCondition spill_idle_;         // spill_calls_in_flight_ reached 0
   HostArenaStats stats_;                       // guarded by mu_
 
 };

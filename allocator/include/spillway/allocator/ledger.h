@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "spillway/allocator/owner.h"
+#include "spillway/allocator/process.h"
 #include "spillway/allocator/status.h"
 
 namespace spillway::allocator {
@@ -137,7 +138,7 @@ class Ledger {
   void UnpinTiers();
 
   mutable std::mutex mu_;
-  std::condition_variable tiers_idle_;
+  ForkSafeCondition tiers_idle_;
   std::vector<Tier*> tiers_;             // guarded by mu_
   int active_walks_ = 0;                 // guarded by mu_: boundaries/releases walking tiers_
   std::vector<std::string> scope_names_; // guarded by mu_; index = ScopeId

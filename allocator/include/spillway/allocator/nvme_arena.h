@@ -15,6 +15,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
+#include "spillway/allocator/process.h"
 #include "spillway/allocator/status.h"
 #include "spillway/allocator/uring_engine.h"
 
@@ -133,8 +134,9 @@ class NvmeArena final : public Tier {
   const uint32_t alignment_;
   const bool direct_;
 
+  const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu_;
-  std::condition_variable grown_cv_;             // a growth finished
+  ForkSafeCondition grown_cv_;             // a growth finished
   std::atomic<bool> without_fallocate_{false};  // set once fallocate said EOPNOTSUPP
   bool growing_ = false;                         // guarded by mu_: one fallocate at a time
   ExtentMap extents_;                            // guarded by mu_: one span, the whole file

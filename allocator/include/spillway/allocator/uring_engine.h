@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/process.h"
 #include "spillway/allocator/status.h"
 
 namespace spillway::allocator {
@@ -103,7 +104,8 @@ class UringEngine final : public HostArena::RegionObserver {
   Result<Ticket> Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
   // The ticket's final status; the ticket is consumed. Waiting twice is an error.
   Status Wait(Ticket ticket);
-  // Waits for every outstanding ticket, consumes them, returns the first failure (if any).
+  // Waits for every outstanding ticket this thread submitted (and no other thread is waiting for),
+  // consumes them, returns the first failure (if any). Other threads' tickets stay theirs.
   Status WaitAll();
   Status WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
   Status ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
@@ -137,6 +139,7 @@ class UringEngine final : public HostArena::RegionObserver {
     uint32_t in_flight = 0;     // chunks not yet complete
     bool done = false;
     bool waited = false;
+    std::thread::id submitter;  // WaitAll consumes only its caller's tickets
     Status status;
   };
   struct Chunk {
@@ -173,9 +176,10 @@ class UringEngine final : public HostArena::RegionObserver {
   IoBackend backend_ = IoBackend::kUring;
   std::unique_ptr<Impl> impl_;
 
+  const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu_;
-  std::condition_variable done_cv_;               // a request completed
-  std::condition_variable work_cv_;               // work for pool threads
+  ForkSafeCondition done_cv_;               // a request completed
+  ForkSafeCondition work_cv_;               // work for pool threads
   std::map<int, File> files_;                     // guarded by mu_
   // Fixed-file slots taken: by registered files, and by registrations and unregistrations whose
   // ring update is in flight (a slot is reserved before the update and freed after it is cleared).
