@@ -173,7 +173,7 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     }
     if (auto off = extents_.Allocate(rounded)) {
       live_->Insert(*off, rounded, bytes, tag, nullptr);
-      checks_[*off] = Check{};
+      checks_[*off] = Check{false, 0, ++next_generation_};
       return *off;
     }
     // Grow the file. The free tail of the file merges with the new space, so only the rest counts.
@@ -276,10 +276,12 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Write"));
   if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
   std::string what;
+  uint64_t generation;
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &what));
-    checks_[offset].valid = false;  // until this write completes, the old contents are gone
+    generation = ++next_generation_;
+    checks_[offset] = Check{false, 0, generation};  // until this write completes, the old contents are gone
   }
   const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
   Status st = engine_->WriteSync(file_id_, offset, src, bytes);
@@ -289,9 +291,18 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
     stats_.write_failures++;
     return st.WithContext(StrCat("writing ", what, "; the host copy is untouched and still valid"));
   }
-  if (it != checks_.end()) it->second = Check{true, crc};
+  if (it == checks_.end() || it->second.generation != generation) {
+    return Status::FailedPrecondition(StrCat("writing ", what, ": ", StaleWriteLocked(offset)));
+  }
+  it->second = Check{true, crc, generation};
   stats_.written_bytes += bytes;
   return Status::Ok();
+}
+
+std::string NvmeArena::StaleWriteLocked(uint64_t offset) const {
+  return StrCat("the extent at offset ", offset, " was freed, re-allocated or written again while "
+                "this write ran, so its data is not recorded as the extent's (the caller's copy is "
+                "still the good one); one write at a time per extent, and free it only after");
 }
 
 Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
@@ -376,13 +387,14 @@ Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void
   return engine_->Read(file_id_, offset + range_offset, dst, length);
 }
 
-Status NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
+Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "BeginWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::BeginWrite", &what));
-  checks_[offset].valid = false;
-  return Status::Ok();
+  const uint64_t generation = ++next_generation_;
+  checks_[offset] = Check{false, 0, generation};
+  return generation;
 }
 
 Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
@@ -396,12 +408,18 @@ Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, con
   return engine_->Write(file_id_, offset + range_offset, src, length);
 }
 
-Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc) {
+Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,
+                              uint64_t generation) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CommitWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::CommitWrite", &what));
-  checks_[offset] = Check{true, options_.checksum ? crc : 0};
+  Check& c = checks_[offset];
+  if (c.generation != generation) {
+    return Status::FailedPrecondition(StrCat("committing a write to ", what, ": ",
+                                             StaleWriteLocked(offset)));
+  }
+  c = Check{true, options_.checksum ? crc : 0, generation};
   stats_.written_bytes += bytes;
   return Status::Ok();
 }

@@ -140,7 +140,8 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
 Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint64_t bytes) {
   const Driving driving(this);
   SPILLWAY_RETURN_IF_ERROR(driving.status("DeviceToNvme"));
-  SPILLWAY_RETURN_IF_ERROR(nvme_->BeginWrite(off, bytes));
+  auto generation = nvme_->BeginWrite(off, bytes);
+  if (!generation.ok()) return generation.status();
   const uint64_t chunk = options_.chunk_bytes;
   const uint64_t n = (bytes + chunk - 1) / chunk;
   const uint64_t k = staging_.size();
@@ -195,7 +196,7 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
     return error.WithContext(StrCat(device_->id().ToString(), " -> NVMe transfer failed; the "
                                     "device source is unchanged and the NVMe extent is invalid"));
   }
-  SPILLWAY_RETURN_IF_ERROR(nvme_->CommitWrite(off, bytes, crc));
+  SPILLWAY_RETURN_IF_ERROR(nvme_->CommitWrite(off, bytes, crc, *generation));
   stats_.device_to_nvme_bytes += bytes;
   return Status::Ok();
 }

@@ -71,7 +71,7 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
     expect(nvme->Write(off, buf, bytes), "NvmeArena::Write");
     expect(nvme->Read(off, buf, bytes), "NvmeArena::Read");
     expect(nvme->ReadRange(off, 0, buf, 4096).status(), "NvmeArena::ReadRange");
-    expect(nvme->BeginWrite(off, bytes), "NvmeArena::BeginWrite");
+    expect(nvme->BeginWrite(off, bytes).status(), "NvmeArena::BeginWrite");
     expect(nvme->Free(off), "NvmeArena::Free");
     // Destroying them here must neither hang (no ring thread in the child) nor touch the parent's
     // ring, registered buffers or swap file.

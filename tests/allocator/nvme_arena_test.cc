@@ -2,6 +2,7 @@
 // boundaries across tiers, and the faults that matter: EIO, ENOSPC, a file size limit, a missing or
 // read-only directory, and a corrupted byte on disk. In every case: a clear status, the host data
 // intact, and the arena usable afterwards.
+#include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/nvme_arena.h"
 
 #include <dirent.h>
@@ -143,6 +144,32 @@ TEST_P(NvmeArenaTest, BadFreesAndWrongSizesAreRefusedAndChangeNothing) {
 }
 
 // Regression: range_offset + length wrapped past 2^64, so a huge length passed the range check.
+// A write whose extent was freed and re-allocated under it never validates the new owner's
+// extent: before, its commit recorded the old data's checksum there, and the new owner's next
+// read failed with a checksum mismatch on data that was fine.
+TEST_P(NvmeArenaTest, AWriteWhoseExtentChangedHandsIsNotCommitted) {
+  Make(Options());
+  const uint64_t bytes = kMiB;
+  std::vector<char> old_data(bytes, 0x11), new_data(bytes, 0x22), back(bytes);
+  const uint64_t off = *nvme_->Allocate(bytes, Tag(Kind::kGrad, Lifetime::kPersistent, 1));
+  auto generation = nvme_->BeginWrite(off, bytes);  // a chunked write starts...
+  ASSERT_TRUE(generation.ok()) << generation.status().ToString();
+  auto t = nvme_->WriteRange(off, 0, old_data.data(), bytes);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(nvme_->WaitRange(*t).ok());
+  ASSERT_TRUE(nvme_->Free(off).ok());  // ...its extent is freed and handed to a new owner...
+  const uint64_t again = *nvme_->Allocate(bytes, Tag(Kind::kParam, Lifetime::kPersistent, 2));
+  ASSERT_EQ(again, off);
+  ASSERT_TRUE(nvme_->Write(again, new_data.data(), bytes).ok());
+  // ...and then the old write commits.
+  const Status commit = nvme_->CommitWrite(off, bytes, Crc32c(old_data.data(), bytes), *generation);
+  EXPECT_EQ(commit.code(), StatusCode::kFailedPrecondition) << commit.ToString();
+  EXPECT_TRUE(Has(commit, "was freed, re-allocated or written again")) << commit.ToString();
+  const Status read = nvme_->Read(again, back.data(), bytes);
+  ASSERT_TRUE(read.ok()) << read.ToString();
+  EXPECT_EQ(back, new_data);
+}
+
 TEST_P(NvmeArenaTest, ARangeWhoseEndWrapsIsRefusedByName) {
   Make(Options());
   auto off = nvme_->Allocate(kMiB, Tag(Kind::kGrad, Lifetime::kPersistent, 5));

@@ -1,6 +1,7 @@
 // The `spillway` program as a user runs it: exit codes, output, and errors for bad flags, missing
 // files and impossible inputs.
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -26,7 +27,8 @@ Outcome Spillway(const std::string& args) {
 }
 
 std::string WriteConfig(const std::string& name, const std::string& json) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  // Per process: ctest runs these tests in parallel, and several write the same name.
+  const std::string path = ::testing::TempDir() + "/" + std::to_string(getpid()) + "-" + name;
   std::ofstream(path) << json;
   return path;
 }

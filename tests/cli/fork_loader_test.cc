@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,7 +19,7 @@ namespace spillway::cli {
 namespace {
 
 CharCorpus Corpus(const std::string& text) {
-  const std::string path = ::testing::TempDir() + "/corpus.txt";
+  const std::string path = ::testing::TempDir() + "/corpus-" + std::to_string(getpid()) + ".txt";
   std::ofstream(path) << text;
   auto c = CharCorpus::Load(path, 4);
   EXPECT_TRUE(c.ok()) << c.status().ToString();
@@ -109,15 +110,18 @@ TEST(ForkLoaderTest, AWorkerThatDiesIsNamedAndTheEpochIsClosed) {
   LoaderOptions o;
   o.workers = 2;
   o.seq_len = 1000;
-  // A batch four times what a worker's socket holds, so the victim is still blocked in its first
-  // write when it is killed. (With 100 KiB batches the victim sometimes had sent all of batch 1
-  // into a 208 KiB socket buffer before the kill, and batch 1 arrived whole.)
+  // A batch four times what a worker's socket holds, so the victim cannot have sent all of it.
+  // (With 100 KiB batches in a 208 KiB socket, batch 1 sometimes arrived whole.)
   o.batch_size = std::max<uint32_t>(64, static_cast<uint32_t>(4 * SocketSendBufferBytes() / (1001 * 8)) + 1);
   auto l = std::move(ForkingLoader::Create(&corpus, o).value());
   ASSERT_TRUE(l->BeginEpoch(0, 6).ok());
   const pid_t victim = l->worker_pids()[1];
-  usleep(100'000);  // the victim fills all the socket holds, the worst case for this test
   ASSERT_EQ(kill(victim, SIGKILL), 0);
+  // Wait until it is dead, without reaping it (the loader reaps it and says how it ended). A
+  // SIGKILL does not stop a write already copying in the kernel while the reader drains the
+  // socket: reading batch 1 before the victim was dead let it send all of it now and then.
+  siginfo_t info{};
+  ASSERT_EQ(waitid(P_PID, static_cast<id_t>(victim), &info, WEXITED | WNOWAIT), 0);
   std::vector<int64_t> rows(o.batch_size * l->row_elems());
   ASSERT_TRUE(l->Next(rows.data()).ok());  // batch 0 belongs to worker 0
   const Status st = l->Next(rows.data());  // batch 1 belongs to the dead worker
@@ -165,7 +169,7 @@ TEST(CharCorpusTest, MissingAndShortFilesAreNamed) {
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("--data /nonexistent/text.txt: cannot open"),
             std::string::npos);
-  const std::string path = ::testing::TempDir() + "/short.txt";
+  const std::string path = ::testing::TempDir() + "/short-" + std::to_string(getpid()) + ".txt";
   std::ofstream(path) << "tiny";
   auto short_text = CharCorpus::Load(path, 66);
   ASSERT_FALSE(short_text.ok());

@@ -89,12 +89,15 @@ class NvmeArena final : public Tier {
   // Checking it is the caller's job (it sees the chunks in order: Crc32cExtend).
   Result<uint32_t> ExpectedChecksum(uint64_t offset, uint64_t bytes) const;
   Result<Ticket> ReadRange(uint64_t offset, uint64_t range_offset, void* dst, uint64_t length);
-  // A chunked write: BeginWrite invalidates the extent, WriteRange queues pieces, CommitWrite
-  // records the checksum of the whole once every piece completed (or leaves it invalid on error).
-  Status BeginWrite(uint64_t offset, uint64_t bytes);
+  // A chunked write: BeginWrite invalidates the extent and returns the write's generation,
+  // WriteRange queues pieces, CommitWrite records the checksum of the whole once every piece
+  // completed (or leaves it invalid on error). An extent freed, re-allocated or written again
+  // since BeginWrite has a newer generation: CommitWrite then refuses (FAILED_PRECONDITION) and
+  // records nothing, so an old write never validates a new owner's extent.
+  Result<uint64_t> BeginWrite(uint64_t offset, uint64_t bytes);
   Result<Ticket> WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
                             uint64_t length);
-  Status CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc);
+  Status CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc, uint64_t generation);
   Status WaitRange(Ticket ticket) { return engine_->Wait(ticket); }
   bool checksum_enabled() const { return options_.checksum; }
 
@@ -113,7 +116,10 @@ class NvmeArena final : public Tier {
   struct Check {
     bool valid = false;   // the last write completed
     uint32_t crc = 0;
+    uint64_t generation = 0;  // of the allocation or write that last set it
   };
+  // mu_ held: the message for a write whose extent changed hands (or was written again) under it.
+  std::string StaleWriteLocked(uint64_t offset) const;
   NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd, int file_id,
             uint32_t alignment, bool direct);
   // Grows the file by fallocate so that `need` more bytes fit. Without mu_.
@@ -142,6 +148,7 @@ class NvmeArena final : public Tier {
   ExtentMap extents_;                            // guarded by mu_: one span, the whole file
   std::unique_ptr<LiveTable> live_;              // guarded by mu_
   std::unordered_map<uint64_t, Check> checks_;   // guarded by mu_: by extent offset
+  uint64_t next_generation_ = 0;                 // guarded by mu_
   NvmeArenaStats stats_;                         // guarded by mu_
 };
 
