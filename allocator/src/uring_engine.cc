@@ -63,11 +63,33 @@ struct UringEngine::Impl {
     const unsigned entries = std::max(8u, e->options_.queue_depth * 2 + 2);
     int rc = io_uring_queue_init_params(entries, &ring, &params);
     if (rc < 0) return -rc;
-    rc = io_uring_register_buffers_sparse(&ring, kBufferSlots);
-    if (rc == 0) rc = io_uring_register_files_sparse(&ring, kFileSlots);
-    if (rc < 0) {
+    // Sparse tables (Linux 5.19). Before that, register the file table plainly (a table of -1
+    // entries, filled by updates since 5.5) and run without fixed buffers, rather than leave io_uring.
+    const int fault = e->options_.faults != nullptr ? e->options_.faults->sparse_registration_errno : 0;
+    const int buffers = fault != 0 ? -fault : io_uring_register_buffers_sparse(&ring, kBufferSlots);
+    int files = fault != 0 ? -fault : io_uring_register_files_sparse(&ring, kFileSlots);
+    if (buffers == 0 && files == 0) {
+      e->stats_.registration = "sparse";
+    } else if (buffers == -EINVAL || files == -EINVAL) {
+      const int why = buffers != 0 ? -buffers : -files;
+      if (buffers == 0) io_uring_unregister_buffers(&ring);
+      if (files != 0) {
+        std::vector<int> empty(kFileSlots, -1);
+        files = io_uring_register_files(&ring, empty.data(), kFileSlots);
+      }
+      if (files < 0) {
+        io_uring_queue_exit(&ring);
+        return -files;
+      }
+      e->fixed_buffers_ = false;
+      e->stats_.registration = StrCat("plain files, no fixed buffers (sparse registration: ",
+                                      strerror(why), ")");
+      Log(LogLevel::kWarning, StrCat("io_uring without sparse registration (", strerror(why),
+                                     "; Linux < 5.19?): files are registered plainly and reads "
+                                     "and writes use no fixed buffers"));
+    } else {
       io_uring_queue_exit(&ring);
-      return -rc;
+      return buffers != 0 ? -buffers : -files;
     }
     event_fd = eventfd(0, EFD_CLOEXEC);
     if (event_fd < 0) {
@@ -76,15 +98,17 @@ struct UringEngine::Impl {
       return err;
     }
     uring = true;
-    ArmWake();
-    io_uring_submit(&ring);
     return 0;
   }
 
-  void ArmWake() {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+  // Queues the eventfd read that wakes the ring thread; false when no SQE is free (retried).
+  bool ArmWake() {
+    io_uring_sqe* sqe = GetSqe();
+    if (sqe == nullptr) return false;
     io_uring_prep_read(sqe, event_fd, &event_value, sizeof(event_value), 0);
     io_uring_sqe_set_data64(sqe, kWakeTag);
+    sq_order.push_back(nullptr);
+    return true;
   }
 
   void Wake() {
@@ -97,18 +121,25 @@ struct UringEngine::Impl {
     }
   }
 
+  // Null when the submission queue is full; the caller retries after the next submit. (Submitting
+  // here would hide a submit failure from RingLoop.)
   io_uring_sqe* GetSqe() {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
-    if (sqe == nullptr) {
-      io_uring_submit(&ring);
-      sqe = io_uring_get_sqe(&ring);
+    if (IoFaults* f = e->options_.faults; f != nullptr && f->null_sqes.load() > 0 &&
+                                          f->null_sqes.fetch_sub(1) > 0) {
+      return nullptr;
     }
-    return sqe;
+    return io_uring_get_sqe(&ring);
   }
 
-  void Prep(Chunk* c) {
-    e->FillFault(c);
+  // False when no SQE was free: the chunk waits for the next round.
+  bool Prep(Chunk* c) {
     io_uring_sqe* sqe = GetSqe();
+    if (sqe == nullptr) {
+      std::lock_guard<std::mutex> lock(e->mu_);
+      e->stats_.sqe_shortages++;
+      return false;
+    }
+    e->FillFault(c);
     char* buf = c->io_buffer + c->done;
     const uint64_t off = c->file_offset + c->done;
     const auto len = static_cast<unsigned>(c->submit_length);
@@ -126,15 +157,63 @@ struct UringEngine::Impl {
     }
     sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, c);
+    sq_order.push_back(c);
+    return true;
+  }
+
+  // Applies the completions in the CQ; chunks to resubmit go to `again`.
+  void Reap(std::vector<Chunk*>* again) {
+    io_uring_cqe* cqe;
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(&ring, head, cqe) {
+      ++seen;
+      if (cqe->user_data == kWakeTag) {
+        wake_armed = false;
+        continue;
+      }
+      auto* c = static_cast<Chunk*>(io_uring_cqe_get_data(cqe));
+      if (e->CompleteChunk(c, cqe->res)) again->push_back(c);
+    }
+    io_uring_cq_advance(&ring, seen);
+  }
+
+  // After a failed submit: wait (without submitting) for the chunks the kernel already has; a
+  // chunk that would need resubmitting (a retry, a short transfer) fails with the ring's error.
+  void DrainAfterFailure(const Status& failure) {
+    std::vector<Chunk*> again;
+    for (;;) {
+      for (Chunk* c : again) (void)e->CompleteChunk(c, 0, &failure);
+      again.clear();
+      {
+        std::lock_guard<std::mutex> lock(e->mu_);
+        if (e->in_flight_ == 0) return;
+      }
+      io_uring_cqe* cqe;
+      const int rc = io_uring_wait_cqe(&ring, &cqe);
+      if (rc == -EINTR) continue;
+      if (rc < 0) {
+        Log(LogLevel::kError, StrCat("io_uring_wait_cqe after a ring failure: ", strerror(-rc),
+                                     "; chunks the kernel holds are left unfinished"));
+        return;
+      }
+      Reap(&again);
+    }
   }
 
   // Owns the ring: cuts chunks, submits, reaps, until the engine stops and nothing is left.
+  // A failed io_uring_submit_and_wait (other than EINTR, EAGAIN, EBUSY) stops the ring: the chunks
+  // it did not submit and every request not yet cut fail with that error, the chunks the kernel
+  // already has are waited for, and the engine refuses new requests (RingFailed).
   void RingLoop() {
-    std::vector<Chunk*> again;
+    std::vector<Chunk*> again;  // to (re)submit: retries, short transfers, no SQE last time
     for (;;) {
-      for (Chunk* c : again) Prep(c);
-      again.clear();
-      for (;;) {
+      if (!wake_armed) wake_armed = ArmWake();
+      std::vector<Chunk*> todo;
+      todo.swap(again);
+      for (Chunk* c : todo) {
+        if (!Prep(c)) again.push_back(c);
+      }
+      while (again.empty()) {
         Chunk* c;
         {
           std::lock_guard<std::mutex> lock(e->mu_);
@@ -143,27 +222,37 @@ struct UringEngine::Impl {
         }
         if (c == nullptr) break;
         e->StageWrite(c);
-        Prep(c);
+        if (!Prep(c)) again.push_back(c);
       }
-      // The eventfd read is always armed, so this returns when a chunk completes or work arrives.
-      int rc = io_uring_submit_and_wait(&ring, 1);
-      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
-        Log(LogLevel::kError, StrCat("io_uring_submit_and_wait: ", strerror(-rc)));
+      // The eventfd read is armed, so this returns when a chunk completes or work arrives.
+      int rc;
+      if (IoFaults* f = e->options_.faults; f != nullptr && f->submit_errno.load() != 0) {
+        rc = -f->submit_errno.exchange(0);
+      } else {
+        // A chunk that found no SQE must not wait for a completion that may never come: the
+        // submit frees the queue's slots, so go round at once.
+        rc = io_uring_submit_and_wait(&ring, again.empty() ? 1 : 0);
       }
-      io_uring_cqe* cqe;
-      unsigned head, seen = 0;
-      io_uring_for_each_cqe(&ring, head, cqe) {
-        ++seen;
-        if (cqe->user_data == kWakeTag) {
-          ArmWake();
-          continue;
+      if (rc >= 0) {
+        const size_t n = std::min<size_t>(static_cast<size_t>(rc), sq_order.size());
+        sq_order.erase(sq_order.begin(), sq_order.begin() + static_cast<std::ptrdiff_t>(n));
+      } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+        // Unsubmitted: what is still in sq_order (minus the wake read) and what waits for an SQE.
+        std::vector<Chunk*> lost = again;
+        for (Chunk* c : sq_order) {
+          if (c != nullptr) lost.push_back(c);
         }
-        auto* c = static_cast<Chunk*>(io_uring_cqe_get_data(cqe));
-        if (e->CompleteChunk(c, cqe->res)) again.push_back(c);
+        sq_order.clear();
+        again.clear();
+        DrainAfterFailure(e->RingFailed(-rc, lost));
+        return;
       }
-      io_uring_cq_advance(&ring, seen);
+      Reap(&again);
     }
   }
+
+  std::deque<Chunk*> sq_order;  // ring thread: SQEs queued and not yet submitted (null: wake)
+  bool wake_armed = false;      // ring thread: the eventfd read is queued or in flight
 
   void PoolLoop() {
     for (;;) {
@@ -285,7 +374,7 @@ void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < pieces && !free_buffer_slots_.empty(); ++i) {
-      if (backend_ == IoBackend::kUring) {
+      if (backend_ == IoBackend::kUring && fixed_buffers_) {
         slots[i] = free_buffer_slots_.back();
         free_buffer_slots_.pop_back();
       }
@@ -449,6 +538,10 @@ Result<Ticket> UringEngine::Enqueue(Op op, int file_id, uint64_t offset, char* b
       return Status::InvalidArgument(StrCat(verb, ": file id ", file_id, " is not registered"));
     }
     if (stopping_) return Status::FailedPrecondition(StrCat(verb, ": the engine is stopping"));
+    if (!ring_error_.ok()) {
+      return Status::FailedPrecondition(StrCat(verb, ": the I/O engine's ring failed (",
+                                               ring_error_.message(), ")"));
+    }
     const File& f = it->second;
     if (offset % f.alignment != 0) {
       return Status::InvalidArgument(StrCat(verb, " of '", f.name, "' at offset ", offset,
@@ -559,10 +652,14 @@ int64_t UringEngine::InjectResult(const Chunk* c, int64_t result) {
   return result;
 }
 
-bool UringEngine::CompleteChunk(Chunk* c, int64_t result) {
-  result = InjectResult(c, result);
+bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure) {
   Request* r = c->request;
   const bool read = r->op == Op::kRead;
+  Status error;
+  if (failure != nullptr) {
+    error = *failure;
+  } else {
+  result = InjectResult(c, result);
   if ((result == -EINTR || result == -EAGAIN) && c->retries < kMaxRetries) {
     c->retries++;
     std::lock_guard<std::mutex> lock(mu_);
@@ -571,7 +668,6 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result) {
   }
   // A bounced read only needs the caller's bytes; the padding may lie past the end of the file.
   const uint64_t needed = read ? c->length : c->io_length;
-  Status error;
   if (result > 0) {
     c->done += static_cast<uint64_t>(result);
     if (c->done < needed) {
@@ -606,6 +702,7 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result) {
       }
     }
   }
+  }  // failure == nullptr
   if (error.ok() && read && c->bounce_index >= 0) {
     std::memcpy(r->buffer + c->offset_in_request, c->io_buffer, c->length);
   }
@@ -640,6 +737,32 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result) {
   work_cv_.notify_all();  // a queue slot or a bounce buffer came back
   delete c;
   return false;
+}
+
+Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) {
+  const Status failure = Status::FromErrno(
+      StatusCode::kIoError, err,
+      "io_uring_submit_and_wait failed and the I/O engine's ring stopped: this request was not "
+      "done (nothing was written or read for it); make a new engine");
+  Log(LogLevel::kError, failure.ToString());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ring_error_ = failure;
+    stats_.ring_failures++;
+    stats_.ring_error = failure.message();
+    // Requests not cut yet fail now; those with chunks in flight fail as the chunks end.
+    for (Request* r : pending_) {
+      if (r->status.ok()) r->status = failure;
+      if (r->in_flight == 0 && !r->done) {
+        stats_.failed_requests++;
+        r->done = true;
+      }
+    }
+    pending_.clear();
+    done_cv_.notify_all();
+  }
+  for (Chunk* c : unsubmitted) (void)CompleteChunk(c, 0, &failure);
+  return failure;
 }
 
 Status UringEngine::Wait(Ticket ticket) {

@@ -276,6 +276,22 @@ std::vector<MetricFamily> Collector::Collect() const {
               static_cast<double>(s.bounce_bytes));
     f.Gauge("spillway_io_registered_regions", "Host arena regions registered as fixed buffers.", b,
             static_cast<double>(s.registered_regions));
+    // Every fallback shows here, not only in a log line.
+    f.Gauge("spillway_io_engine_info",
+            "1, labelled with the backend, why the thread pool runs (if it does), and how the "
+            "ring's tables are registered.",
+            {{"backend", backend}, {"fallback_reason", s.fallback_reason},
+             {"registration", s.registration}},
+            1.0);
+    f.Counter("spillway_io_ring_failures_total",
+              "io_uring_submit_and_wait failures that stopped the ring (its requests failed).", b,
+              static_cast<double>(s.ring_failures));
+    f.Counter("spillway_io_buffer_registration_failures_total",
+              "Arena regions that could not be registered as fixed buffers (served unfixed).", b,
+              static_cast<double>(s.registration_failures));
+    f.Counter("spillway_io_sqe_shortages_total",
+              "Chunks deferred because the submission queue had no free entry.", b,
+              static_cast<double>(s.sqe_shortages));
   }
   for (const offload::PartitionStore* store : stores_) {
     const offload::StoreStats s = store->Stats();

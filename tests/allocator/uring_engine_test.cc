@@ -330,3 +330,98 @@ TEST(UringEngineSqpollTest, ASubmissionThreadRingMovesDataToo) {
 
 }  // namespace
 }  // namespace spillway::allocator
+
+namespace spillway::allocator {
+namespace {
+
+// An engine on a real ring with the fault seam; null when io_uring is unavailable here.
+struct RingRig {
+  explicit RingRig(IoFaults* faults) {
+    arena = testing::MakeArena(testing::PageableOptions(&ledger));
+    UringEngineOptions o;
+    o.arena = arena.get();
+    o.faults = faults;
+    auto e = UringEngine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    if (e.ok()) engine = std::move(e.value());
+    fd = testing::OpenScratch();
+    if (engine) file = *engine->RegisterFile(fd, "scratch", 4096);
+  }
+  ~RingRig() {
+    engine.reset();
+    arena.reset();
+    close(fd);
+  }
+  bool uring() const { return engine && engine->backend() == IoBackend::kUring; }
+  void* Buffer(uint64_t bytes) {
+    return *arena->Allocate(bytes, testing::Tag(Kind::kSwapBuffer, Lifetime::kPersistent));
+  }
+  Ledger ledger;
+  std::unique_ptr<HostArena> arena;
+  std::unique_ptr<UringEngine> engine;
+  int fd = -1;
+  int file = -1;
+};
+
+// io_uring_submit_and_wait failing (EFAULT here) fails the requests whose SQEs it held, names the
+// call, and the engine refuses new requests saying why; before, it logged and looped.
+TEST(UringEngineRingTest, ASubmitFailureFailsTheQueuedRequestsAndTheEngineSaysSo) {
+  IoFaults faults;
+  RingRig rig(&faults);
+  if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
+  void* buf = rig.Buffer(kMiB);
+  faults.submit_errno = EFAULT;
+  const Status st = rig.engine->WriteSync(rig.file, 0, buf, kMiB);
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(Has(st, "io_uring_submit_and_wait")) << st.ToString();
+  EXPECT_TRUE(Has(st, "Bad address")) << st.ToString();
+  const auto again = rig.engine->Write(rig.file, 0, buf, kMiB);
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition) << again.status().ToString();
+  EXPECT_TRUE(Has(again.status(), "ring failed")) << again.status().ToString();
+  const IoStats s = rig.engine->Stats();
+  EXPECT_EQ(s.ring_failures, 1u);
+  EXPECT_TRUE(Has(Status::Internal(s.ring_error), "Bad address")) << s.ring_error;
+  EXPECT_EQ(s.queued_requests, 0u);
+}
+
+// A null SQE (the submission queue full) defers the chunk instead of dereferencing it.
+TEST(UringEngineRingTest, ANullSqeDefersTheChunk) {
+  IoFaults faults;
+  RingRig rig(&faults);
+  if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
+  char* src = static_cast<char*>(rig.Buffer(4 * kMiB));
+  char* dst = static_cast<char*>(rig.Buffer(4 * kMiB));
+  testing::FillRandom(src, 4 * kMiB, 7);
+  faults.null_sqes = 3;
+  ASSERT_TRUE(rig.engine->WriteSync(rig.file, 0, src, 4 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->ReadSync(rig.file, 0, dst, 4 * kMiB).ok());
+  EXPECT_EQ(std::memcmp(src, dst, 4 * kMiB), 0);
+  EXPECT_EQ(faults.null_sqes.load(), 0);
+  EXPECT_GE(rig.engine->Stats().sqe_shortages, 1u);
+}
+
+// Without sparse registration (kernels before 5.19) the ring still runs, with plainly registered
+// files and no fixed buffers, and Stats() says so; before, the engine fell back to the thread pool.
+TEST(UringEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
+  {
+    RingRig probe(nullptr);
+    if (!probe.uring()) GTEST_SKIP() << "no io_uring here: " << probe.engine->Stats().fallback_reason;
+  }
+  IoFaults faults;
+  faults.sparse_registration_errno = EINVAL;
+  RingRig rig(&faults);
+  ASSERT_NE(rig.engine, nullptr);
+  EXPECT_EQ(rig.engine->backend(), IoBackend::kUring) << rig.engine->Stats().fallback_reason;
+  char* src = static_cast<char*>(rig.Buffer(2 * kMiB));
+  char* dst = static_cast<char*>(rig.Buffer(2 * kMiB));
+  testing::FillRandom(src, 2 * kMiB, 8);
+  ASSERT_TRUE(rig.engine->WriteSync(rig.file, 0, src, 2 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->ReadSync(rig.file, 0, dst, 2 * kMiB).ok());
+  EXPECT_EQ(std::memcmp(src, dst, 2 * kMiB), 0);
+  const IoStats s = rig.engine->Stats();
+  EXPECT_EQ(s.fixed_buffer_chunks, 0u);
+  EXPECT_TRUE(Has(Status::Internal(s.registration), "plain")) << s.registration;
+}
+
+}  // namespace
+}  // namespace spillway::allocator

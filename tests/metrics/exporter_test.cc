@@ -270,6 +270,12 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
     }
   }
   EXPECT_GT(names, 15);
+  // The engine's fallbacks and ring failures are exported, not only logged.
+  for (const char* family : {"\nspillway_io_engine_info{", "\nspillway_io_ring_failures_total{",
+                             "\nspillway_io_buffer_registration_failures_total{",
+                             "\nspillway_io_sqe_shortages_total{"}) {
+    EXPECT_NE(exposition.find(family), std::string::npos) << family;
+  }
   (*e)->Unwatch(nvme->get());
   nvme->reset();
   (*e)->Unwatch(engine->get());

@@ -37,6 +37,12 @@ struct IoFaults {
   std::atomic<int> short_writes{0};  // likewise for writes
   std::atomic<int> eintr{0};         // the next N chunk completions report -EINTR
   std::atomic<int> eagain{0};        // the next N chunk completions report -EAGAIN
+  // Ring only. The next io_uring_submit_and_wait is not made and reports -submit_errno instead
+  // (its SQEs stay unsubmitted, as when the call really fails).
+  std::atomic<int> submit_errno{0};
+  std::atomic<int> null_sqes{0};     // the next N io_uring_get_sqe calls return null
+  // Read once at Create: sparse table registration fails with this errno (a kernel before 5.19).
+  int sparse_registration_errno = 0;
 };
 
 struct UringEngineOptions {
@@ -57,6 +63,10 @@ inline constexpr std::array<double, 12> kIoLatencyBuckets = {
 struct IoStats {
   IoBackend backend = IoBackend::kUring;
   std::string fallback_reason;           // why the thread pool runs, when it does
+  std::string registration;              // ring tables: "sparse", or "plain files, no fixed buffers (why)"
+  uint64_t ring_failures = 0;            // io_uring_submit_and_wait failed: the ring stopped
+  std::string ring_error;                // that failure, when there was one
+  uint64_t sqe_shortages = 0;            // chunks deferred because no SQE was free
   uint64_t read_bytes = 0;               // completed, by requests that succeeded or not
   uint64_t write_bytes = 0;
   uint64_t read_ops = 0;                 // chunk completions
@@ -168,7 +178,11 @@ class UringEngine final : public HostArena::RegionObserver {
   void StageWrite(Chunk* chunk);                  // without mu_: copy into the bounce buffer
   bool DrainedLocked() const;                     // mu_ held: stopping and nothing left
   // Applies a completion: returns true when the chunk must be submitted again (retry or short).
-  bool CompleteChunk(Chunk* chunk, int64_t result);
+  // With `failure`, the chunk ends with that status whatever `result` says (a ring that failed).
+  bool CompleteChunk(Chunk* chunk, int64_t result, const Status* failure = nullptr);
+  // Ring thread: io_uring_submit_and_wait failed with `err`. Fails `unsubmitted` chunks and every
+  // request not yet cut, and refuses new requests from now on. Returns the failure.
+  Status RingFailed(int err, const std::vector<Chunk*>& unsubmitted);
   void FillFault(Chunk* chunk);  // applies short-transfer faults before a submission
   int64_t InjectResult(const Chunk* chunk, int64_t result);
 
@@ -200,6 +214,8 @@ class UringEngine final : public HostArena::RegionObserver {
   std::map<uint64_t, RegisteredRegion> regions_;  // guarded by mu_
   std::vector<int> free_buffer_slots_;            // guarded by mu_
   bool stopping_ = false;                         // guarded by mu_
+  Status ring_error_;                             // guarded by mu_: set once, when the ring fails
+  bool fixed_buffers_ = true;                     // set by Create: the ring has a buffer table
   IoStats stats_;                                 // guarded by mu_
 
   static constexpr uint64_t kMaxIovecBytes = 1ull << 30;  // io_uring's limit per fixed buffer
