@@ -82,6 +82,7 @@ Ledger& Ledger::Default() {
 }
 
 Status Ledger::BeginEpoch(int64_t epoch) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "BeginEpoch"));
   std::lock_guard<std::mutex> lock(mu_);
   if (in_epoch_.load()) {
     return Status::FailedPrecondition(StrCat("BeginEpoch(", epoch, "): epoch ", epoch_.load(),
@@ -103,6 +104,7 @@ Status Ledger::BeginEpoch(int64_t epoch) {
 }
 
 Status Ledger::BeginStep(int64_t step) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "BeginStep"));
   std::lock_guard<std::mutex> lock(mu_);
   if (in_step_.load()) {
     return Status::FailedPrecondition(StrCat("BeginStep(", step, "): step ", step_.load(),
@@ -119,6 +121,7 @@ Status Ledger::BeginStep(int64_t step) {
 }
 
 Status Ledger::EndStep(BoundaryReport* report) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "EndStep"));
   int64_t epoch, step;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -135,6 +138,7 @@ Status Ledger::EndStep(BoundaryReport* report) {
 }
 
 Status Ledger::EndEpoch(BoundaryReport* report) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "EndEpoch"));
   int64_t epoch, step;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -184,6 +188,7 @@ Status Ledger::RunBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
 }
 
 Result<ScopeId> Ledger::CreateScope(std::string_view name) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "CreateScope"));
   std::lock_guard<std::mutex> lock(mu_);
   if (scope_names_.size() >= kMaxScopes) {
     return Status::Make(StatusCode::kOutOfMemory,
@@ -198,6 +203,7 @@ Result<ScopeId> Ledger::CreateScope(std::string_view name) {
 }
 
 Result<ScopeReleaseReport> Ledger::ReleaseScope(ScopeId scope) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "ReleaseScope"));
   ScopeReleaseReport report;
   report.scope = scope;
   {
@@ -245,6 +251,9 @@ void Ledger::Attach(Tier* tier) {
 }
 
 void Ledger::Detach(Tier* tier) {
+  // In a forked child the mutex may have been held by a parent thread at fork time, and a boundary
+  // walk the parent had in flight never ends here: touch nothing (the child's ledger refuses).
+  if (!process_.InOwner()) return;
   std::unique_lock<std::mutex> lock(mu_);
   tiers_.erase(std::remove(tiers_.begin(), tiers_.end(), tier), tiers_.end());
   tiers_idle_.wait(lock, [this] { return active_walks_ == 0; });

@@ -192,8 +192,11 @@ struct UringEngine::Impl {
       const int rc = io_uring_wait_cqe(&ring, &cqe);
       if (rc == -EINTR) continue;
       if (rc < 0) {
+        // The ring cannot report completions either. Fail the requests so no Wait blocks for
+        // ever, and leak their chunks and bounce buffers: the kernel may still touch that memory.
         Log(LogLevel::kError, StrCat("io_uring_wait_cqe after a ring failure: ", strerror(-rc),
-                                     "; chunks the kernel holds are left unfinished"));
+                                     "; the requests the kernel still holds fail now"));
+        e->AbandonInFlight(failure);
         return;
       }
       Reap(&again);
@@ -231,7 +234,7 @@ struct UringEngine::Impl {
       } else {
         // A chunk that found no SQE must not wait for a completion that may never come: the
         // submit frees the queue's slots, so go round at once.
-        rc = io_uring_submit_and_wait(&ring, again.empty() ? 1 : 0);
+        rc = io_uring_submit_and_wait(&ring, again.empty() && wake_armed ? 1 : 0);
       }
       if (rc >= 0) {
         const size_t n = std::min<size_t>(static_cast<size_t>(rc), sq_order.size());
@@ -405,7 +408,8 @@ void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   regions_[reinterpret_cast<uint64_t>(base)] = RegisteredRegion{bytes, std::move(slots)};
   stats_.registered_regions = regions_.size();
-  stats_.registration_failures += failed;
+  // Without a buffer table (plain registration) nothing was tried: that is not a failure.
+  if (fixed_buffers_) stats_.registration_failures += failed;
 }
 
 void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
@@ -742,8 +746,9 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure)
 Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) {
   const Status failure = Status::FromErrno(
       StatusCode::kIoError, err,
-      "io_uring_submit_and_wait failed and the I/O engine's ring stopped: this request was not "
-      "done (nothing was written or read for it); make a new engine");
+      "io_uring_submit_and_wait failed and the I/O engine's ring stopped: this request did not "
+      "complete (parts of it may have been written or read: treat its destination, file range "
+      "or buffer, as invalid); make a new engine");
   Log(LogLevel::kError, failure.ToString());
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -763,6 +768,17 @@ Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) 
   }
   for (Chunk* c : unsubmitted) (void)CompleteChunk(c, 0, &failure);
   return failure;
+}
+
+void UringEngine::AbandonInFlight(const Status& failure) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [ticket, r] : requests_) {
+    if (r->done) continue;
+    if (r->status.ok()) r->status = failure;
+    r->done = true;
+    stats_.failed_requests++;
+  }
+  done_cv_.notify_all();
 }
 
 Status UringEngine::Wait(Ticket ticket) {

@@ -193,6 +193,17 @@ Result<StepReport> HostOptimizer::Plan(double sum_of_squares, const StepOptions&
   return r;
 }
 
+Status HostOptimizer::Unplan(const StepReport& plan) {
+  if (plan.skipped || plan.step == 0) return Status::Ok();
+  if (plan.step != step_) {
+    return Status::FailedPrecondition(StrCat("Unplan: step ", plan.step, " is not the last plan (",
+                                             step_, "); only the last plan can be taken back"));
+  }
+  --step_;
+  steps_.fetch_sub(1, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const StepReport& plan, bool fused) {
   const auto& t = *static_cast<const kernels::Table*>(table_);
   const AdamWConfig& c = options_.adam;

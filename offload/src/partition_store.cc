@@ -27,12 +27,20 @@ const char* TierName(Tier tier) {
 
 namespace {
 
-// Why this thread's last Spill call on `store` freed less than it was asked to.
+// Per thread: the store's allocation in progress (its memory-wait deadline, which spans every
+// spill-handler call the arena makes for it), and why the last Spill freed less than asked.
 struct SpillNote {
   const PartitionStore* store = nullptr;
   std::string text;
+  bool has_deadline = false;
+  std::chrono::steady_clock::time_point deadline;
 };
 thread_local SpillNote t_spill_note;
+
+// Starts one of the store's own allocations: every Spill call for it shares one deadline.
+void BeginStoreAllocation(const PartitionStore* store, std::chrono::milliseconds wait) {
+  t_spill_note = SpillNote{store, std::string(), true, std::chrono::steady_clock::now() + wait};
+}
 
 #ifndef NDEBUG
 [[noreturn]] void DanglingHandle(PartitionId id) {
@@ -113,7 +121,10 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
       new PartitionStore(config, host, nvme, scope, prefetch_window));
   PartitionStore* raw = store.get();
   // The thread first: Spill reads prefetcher_'s id, and the handler makes Spill reachable.
-  if (prefetch_window > 0) store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
+  if (prefetch_window > 0) {
+    store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
+    store->prefetcher_id_ = store->prefetcher_.get_id();
+  }
   host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); }, raw);
   return store;
 }
@@ -129,6 +140,11 @@ PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
 
 PartitionStore::~PartitionStore() {
   alive_->store(false, std::memory_order_release);
+  if (!process_.InOwner()) {
+    // A forked child has no prefetch thread to join, and the parent's memory is not its to free.
+    if (prefetcher_.joinable()) new std::thread(std::move(prefetcher_));  // leaked on purpose
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -201,6 +217,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   void* host = nullptr;
   uint64_t off = kNoExtent;
   if (home == Tier::kHost) {
+    BeginStoreAllocation(this, memory_wait());
     auto r = host_->Allocate(bytes, tag);  // may spill others to make room
     if (r.ok()) {
       host = *r;
@@ -302,8 +319,10 @@ void PartitionStore::HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const
     const Part& p = parts_[i];
     if (mine[i]) {
       *by_me += p.host != nullptr ? p.bytes : 0;
-    } else if (theirs[i] || (p.busy && p.busy_by != me)) {
-      *by_others += p.bytes;  // pinned, or in a spill or swap-in that another thread finishes
+    } else if ((theirs[i] && p.host != nullptr) || (p.busy && p.busy_by != me)) {
+      // Host memory another thread's handles pin, or a partition in another thread's spill or
+      // swap-in (once swapped in and released, it can spill). A device-only handle holds none.
+      *by_others += p.bytes;
     }
   }
 }
@@ -368,6 +387,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       p.busy_by = me;
       need_swap_in = true;
     }
+    if (!device && access == Access::kReadWrite) p.write_pins++;
     handle_id = next_handle_id_++;
     live_handles_.emplace(handle_id, HandleInfo{id, me});
     stats_.live_handles = live_handles_.size();
@@ -379,6 +399,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     if (!st.ok()) {
       parts_[id].pins--;
       if (device) parts_[id].device_pins--;
+      if (!device && access == Access::kReadWrite) parts_[id].write_pins--;
       live_handles_.erase(handle_id);
       stats_.live_handles = live_handles_.size();
       return st.WithContext(StrCat("acquiring ", Describe(id), " on ", TierName(tier)));
@@ -505,9 +526,10 @@ Status PartitionStore::SwapIn(PartitionId id) {
     valid = parts_[id].nvme_valid;
     tag = Tag(id);
   }
+  BeginStoreAllocation(this, memory_wait());
   auto host = host_->Allocate(bytes, tag);  // may spill other partitions (never this busy one)
+  std::string note = SpillShortfallNote();   // read (and cleared) on success too
   if (!host.ok()) {
-    std::string note = SpillShortfallNote();
     if (note.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
       uint64_t pinned = 0;
@@ -537,11 +559,13 @@ Status PartitionStore::SwapIn(PartitionId id) {
 uint64_t PartitionStore::Spill(uint64_t need) {
   if (nvme_ == nullptr) return 0;
   const std::thread::id me = std::this_thread::get_id();
-  const bool may_wait = me != prefetcher_.get_id();  // prefetching is best effort: it never waits
+  const bool may_wait = me != prefetcher_id_;  // prefetching is best effort: it never waits
   uint64_t freed = 0;
   std::string note;
   std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = std::chrono::steady_clock::now() + memory_wait_;
+  // One deadline per allocation, not per call: the arena calls again while calls free something.
+  const bool ours = t_spill_note.store == this && t_spill_note.has_deadline;
+  const auto deadline = ours ? t_spill_note.deadline : std::chrono::steady_clock::now() + memory_wait_;
   bool waited = false;
   while (freed < need && !stopping_) {
     PartitionId victim = 0;
@@ -575,8 +599,12 @@ uint64_t PartitionStore::Spill(uint64_t need) {
     uint64_t by_others = 0, by_me = 0;
     HeldBytesLocked(&by_others, &by_me);
     if (by_others == 0) {
-      note = StrCat(FormatBytes(by_me), " of host memory is held by this thread's own live handles "
-                    "and nothing else can spill; release handles before acquiring more");
+      note = by_me > 0
+                 ? StrCat(FormatBytes(by_me), " of host memory is held by this thread's own live "
+                          "handles and nothing else can spill; release handles before acquiring more")
+                 : std::string("no partition can spill: the budget is held by allocations outside "
+                               "the store (staging and bounce buffers, other users of the arena); "
+                               "raise the host budget");
       break;
     }
     if (!may_wait) break;
@@ -593,7 +621,7 @@ uint64_t PartitionStore::Spill(uint64_t need) {
     waited = true;
     busy_cv_.wait_until(lock, deadline);  // woken when a partition's busy mark or last pin goes
   }
-  t_spill_note = SpillNote{this, std::move(note)};
+  t_spill_note = SpillNote{this, std::move(note), ours, deadline};
   return freed;
 }
 
@@ -659,7 +687,7 @@ Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool wr
       Part& p = parts_[id];
       if (write) {
         p.dirty = true;
-        p.writes++;  // a flush in progress must not mark this partition clean
+        p.write_pins--;
       }
       if (--p.pins == 0) busy_cv_.notify_all();  // a spill may be waiting for this memory
       return Status::Ok();
@@ -775,35 +803,33 @@ Status PartitionStore::Flush() {
   }
   for (PartitionId id : todo) {
     void* host;
-    uint64_t off, bytes, writes;
+    uint64_t off, bytes;
     StoreHooks* hooks;
     {
       std::unique_lock<std::mutex> lock(mu_);
       TakeBusyLocked(lock, id);
       Part& p = parts_[id];
-      if (p.host == nullptr || !p.dirty) {
+      // A live write handle may be writing the copy: flushing it now would read bytes in
+      // flux. It stays dirty and goes out on a later flush or spill.
+      if (p.host == nullptr || !p.dirty || p.write_pins > 0) {
         ClearBusyLocked(id);
         continue;
       }
       host = p.host;
       off = p.nvme_off;
       bytes = p.bytes;
-      writes = p.writes;
       hooks = hooks_;
     }
-    // A host handle may still write the copy while it is written out; then it stays dirty.
+    // No write handle can come while the partition is busy (Acquire waits), so nobody writes the
+    // copy while it goes out.
     Status st = nvme_->Write(off, host, bytes);
     if (hooks != nullptr && hooks->after_flush_write) hooks->after_flush_write(id);
     std::lock_guard<std::mutex> lock(mu_);
     Part& p = parts_[id];
     ClearBusyLocked(id);
     if (!st.ok()) return st.WithContext(StrCat("flushing ", Describe(id)));
-    if (p.writes == writes) {
-      p.dirty = false;
-      p.nvme_valid = true;
-    } else {
-      p.nvme_valid = false;  // written while it was being flushed: the NVMe copy may be torn
-    }
+    p.dirty = false;
+    p.nvme_valid = true;
     stats_.flush_writes++;
   }
   return Status::Ok();

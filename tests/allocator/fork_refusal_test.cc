@@ -73,6 +73,8 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
     expect(nvme->ReadRange(off, 0, buf, 4096).status(), "NvmeArena::ReadRange");
     expect(nvme->BeginWrite(off, bytes).status(), "NvmeArena::BeginWrite");
     expect(nvme->Free(off), "NvmeArena::Free");
+    expect(io.ledger.BeginStep(7), "Ledger::BeginStep");
+    expect(io.ledger.CreateScope("child").status(), "Ledger::CreateScope");
     // Destroying them here must neither hang (no ring thread in the child) nor touch the parent's
     // ring, registered buffers or swap file.
     nvme.reset();

@@ -492,6 +492,7 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
   if (micro_batches.empty()) {
     return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
+  if (!out_of_step_.ok()) return out_of_step_;
   TrainStepResult r;
   // Ledger step numbers count attempts (they must increase), steps_ counts applied steps.
   if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(attempts_));
@@ -518,9 +519,15 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
     if (!st.ok()) return end_failed(st, "abandoned, nothing applied", true);
   }
   size_t applied = 0;
+  const uint64_t adam_before = optimizer_->step();
   auto report = OptimizerStep(&r.stream, &applied);
   if (!report.ok()) {
     const size_t n = units_.size();
+    if (applied == 0 && optimizer_->step() == adam_before + 1) {
+      StepReport planned;
+      planned.step = adam_before + 1;
+      (void)optimizer_->Unplan(planned);  // no unit used that Adam step: the next step reuses it
+    }
     std::string what =
         applied == 0 ? std::string("failed in the optimizer before any unit took the step")
         : applied == n
@@ -529,18 +536,32 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
             : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
                      " took the step (Adam step ", optimizer_->step(), "); units ", applied, "..",
                      n - 1, " did not");
+    if (coll_->world_size() > 1) {
+      // The other ranks may have taken the step and be in the next collective: the group is out
+      // of step, and going on would pair mismatched collectives. Every later Step says so.
+      what += ". The ranks are out of step (the others may have applied it): restart the group "
+              "from a checkpoint";
+      Status st = end_failed(report.status(), what, true);
+      out_of_step_ = Status::FailedPrecondition(StrCat("Step: an earlier optimizer step failed on "
+                                                       "this rank with world size ",
+                                                       coll_->world_size(), " (", st.message(),
+                                                       ")"));
+      return st;
+    }
     what += ". The gradients are zeroed and the ledger step closed: the next step runs";
     return end_failed(report.status(), what, true);
   }
   r.report = *report;
-  ++steps_;  // applied, whatever happens below
   auto global = coll_->AllReduceSum(loss * scale);
   if (!global.ok()) {
-    return end_failed(global.status(), "was applied, but the loss all-reduce failed (the ledger "
-                      "step is closed)", false);
+    Status st = end_failed(global.status(), "was applied, but the loss all-reduce failed (the "
+                           "ledger step is closed; steps() counts it)", false);
+    ++steps_;
+    return st;
   }
   r.loss = *global / static_cast<double>(coll_->world_size());
   if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->EndStep(&r.boundary));
+  ++steps_;
   return r;
 }
 

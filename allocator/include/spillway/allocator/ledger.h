@@ -137,6 +137,7 @@ class Ledger {
   std::vector<Tier*> PinTiers();   // copies the tier list and marks a boundary in flight
   void UnpinTiers();
 
+  const ProcessTag process_;  // Note [Fork]: refuses in a forked child
   mutable std::mutex mu_;
   ForkSafeCondition tiers_idle_;
   std::vector<Tier*> tiers_;             // guarded by mu_

@@ -182,6 +182,8 @@ class UringEngine final : public HostArena::RegionObserver {
   bool CompleteChunk(Chunk* chunk, int64_t result, const Status* failure = nullptr);
   // Ring thread: io_uring_submit_and_wait failed with `err`. Fails `unsubmitted` chunks and every
   // request not yet cut, and refuses new requests from now on. Returns the failure.
+  // AbandonInFlight: the ring cannot even report completions; every request not done fails.
+  void AbandonInFlight(const Status& failure);
   Status RingFailed(int err, const std::vector<Chunk*>& unsubmitted);
   void FillFault(Chunk* chunk);  // applies short-transfer faults before a submission
   int64_t InjectResult(const Chunk* chunk, int64_t result);

@@ -90,6 +90,9 @@ class HostOptimizer {
   Result<double> SumOfSquares(const SubGroup& group);  // of the gradients as stored (scaled)
   Result<StepReport> Plan(double sum_of_squares, const StepOptions& options);
   Status Update(const SubGroup& group, const StepReport& plan);
+  // Takes back a plan no group was updated with (the step failed before the first Update), so
+  // the next plan reuses its Adam step number. FAILED_PRECONDITION if a later plan was made.
+  Status Unplan(const StepReport& plan);
 
   // The unfused sequence DeepSpeed runs (norm pass, unscale/clip pass that rewrites the
   // gradients, Adam pass, fp32 -> 16-bit copy pass), built from the same kernels: the baseline of

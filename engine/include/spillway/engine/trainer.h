@@ -132,6 +132,7 @@ class Trainer {
   std::unique_ptr<HostOptimizer> optimizer_;
   std::vector<Unit> units_;
   std::function<void(int64_t)> fault_hook_;
+  Status out_of_step_;    // a failed optimizer step with world size > 1: every later Step refuses
   int64_t steps_ = 0;     // applied
   int64_t attempts_ = 0;  // begun (the ledger's step numbers)
 };

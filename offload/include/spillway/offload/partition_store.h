@@ -177,7 +177,7 @@ class PartitionStore {
     uint32_t pins = 0;             // live handles
     bool busy = false;             // being swapped in, spilled, or moved to or from the device
     std::thread::id busy_by;       // the one thread that set busy (and clears it)
-    uint64_t writes = 0;           // write handles released: a flush marks clean only if unchanged
+    uint32_t write_pins = 0;       // of `pins`, host handles with write access: Flush skips it
     bool tombstone = false;        // its Register failed: the id stays, the key is free again
     void* device = nullptr;        // device view while device handles are live
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
@@ -226,8 +226,9 @@ class PartitionStore {
   allocator::NvmeArena* const nvme_;
   const allocator::ScopeId scope_;
 
+  const allocator::ProcessTag process_;  // a forked child's destructor leaks (Note [Fork])
   mutable std::mutex mu_;
-  std::condition_variable busy_cv_;
+  allocator::ForkSafeCondition busy_cv_;
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
   uint64_t schedule_length_ = 0;             // guarded by mu_
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
@@ -239,8 +240,9 @@ class PartitionStore {
   std::vector<PartitionId> prefetch_queue_;  // guarded by mu_
   bool prefetch_running_ = false;            // guarded by mu_: the thread is swapping one in
   bool stopping_ = false;                    // guarded by mu_
-  std::condition_variable prefetch_cv_;      // work queued, or the queue drained
+  allocator::ForkSafeCondition prefetch_cv_;  // work queued, or the queue drained
   std::thread prefetcher_;
+  std::thread::id prefetcher_id_;            // set by Create before Spill can run; then const
   std::chrono::milliseconds memory_wait_{10'000};  // guarded by mu_
   StoreHooks* hooks_ = nullptr;                    // test seam; set before use
   std::mutex pipe_mu_;                             // serialises calls into pipeline_ (I/O held)
