@@ -261,6 +261,7 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   for (Part& p : parts_) p.uses.clear();
   for (uint64_t pos = 0; pos < order.size(); ++pos) parts_[order[pos]].uses.push_back(pos);
   schedule_length_ = order.size();
+  schedule_ = std::move(order);
   cursor_ = schedule_length_ == 0 ? 0 : schedule_length_ - 1;
   return Status::Ok();
 }
@@ -736,14 +737,10 @@ Status PartitionStore::Release(Handle& handle) {
 
 void PartitionStore::QueuePrefetchLocked() {
   if (prefetch_window_ == 0 || schedule_length_ == 0) return;
-  // The schedule entries after the cursor, in order; each is at some position of its partition.
-  std::vector<PartitionId> order(schedule_length_);
-  for (PartitionId i = 0; i < parts_.size(); ++i) {
-    for (uint64_t u : parts_[i].uses) order[u] = i;
-  }
+  // The window of schedule entries after the cursor: O(window) per Acquire.
   prefetch_queue_.clear();
   for (uint64_t k = 1; k <= prefetch_window_ && k < schedule_length_; ++k) {
-    const PartitionId id = order[(cursor_ + k) % schedule_length_];
+    const PartitionId id = schedule_[(cursor_ + k) % schedule_length_];
     // Never a host copy of a partition whose device view is live: it would be stale.
     if (parts_[id].host == nullptr && parts_[id].device == nullptr) prefetch_queue_.push_back(id);
   }

@@ -55,6 +55,11 @@ def test_errors_are_python_exceptions_with_the_status_message():
         a.empty((4,), kind="no-such-kind")
     with pytest.raises(spillway.InvalidArgument, match="negative dimension"):
         a.empty((-1, 4))
+    # Products that wrap 64 bits are refused, not allocated small (the item-12 numel checks).
+    with pytest.raises(spillway.InvalidArgument, match="element count overflows 64 bits"):
+        a.empty((1 << 32, 1 << 32, 2), torch.uint8)
+    with pytest.raises(spillway.InvalidArgument, match="size in bytes overflows 64 bits"):
+        a.empty((1 << 62,), torch.float64)
     with pytest.raises(spillway.InvalidArgument):
         spillway.HostArena(policy="sometimes")
     with pytest.raises(spillway.FailedPrecondition):

@@ -231,6 +231,7 @@ class PartitionStore {
   allocator::ForkSafeCondition busy_cv_;
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
   uint64_t schedule_length_ = 0;             // guarded by mu_
+  std::vector<PartitionId> schedule_;        // guarded by mu_: SetSchedule's order
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
