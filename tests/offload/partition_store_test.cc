@@ -189,34 +189,6 @@ struct DeviceRig {
   std::unique_ptr<TransferPipeline> pipe;
 };
 
-// A StoreHooks point that, once armed, holds the thread that reaches it until Resume().
-struct Gate {
-  void Arm() {
-    std::lock_guard<std::mutex> lock(mu);
-    armed = true;
-  }
-  void Hit() {
-    std::unique_lock<std::mutex> lock(mu);
-    if (!armed) return;
-    armed = false;
-    held = true;
-    cv.notify_all();
-    cv.wait(lock, [this] { return resumed; });
-  }
-  void WaitHeld() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [this] { return held; });
-  }
-  void Resume() {
-    std::lock_guard<std::mutex> lock(mu);
-    resumed = true;
-    cv.notify_all();
-  }
-  std::mutex mu;
-  std::condition_variable cv;
-  bool armed = false, held = false, resumed = false;
-};
-
 // Polls `done` for up to 30 s.
 template <typename F>
 bool Eventually(F done) {
@@ -511,7 +483,7 @@ TEST(PartitionStoreTest, ASpillWaitsForAnotherThreadsSpillInsteadOfFailing) {
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     std::memset(*h->Data(), 0x5a, 4 * kMiB);
   }
-  Gate gate;
+  testing::Gate gate;
   StoreHooks hooks;
   hooks.before_spill_write = [&](uint32_t) { gate.Hit(); };
   rig.store->SetHooksForTesting(&hooks);
@@ -584,7 +556,7 @@ TEST(PartitionStoreTest, ReleasingTheLastDeviceHandleWaitsForAFlushInProgress) {
   auto dv = store.Acquire(id, Access::kReadWrite, Tier::kDevice);
   ASSERT_TRUE(dv.ok()) << dv.status().ToString();
   ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
-  Gate gate;
+  testing::Gate gate;
   StoreHooks hooks;
   hooks.after_flush_write = [&](uint32_t) { gate.Hit(); };
   store.SetHooksForTesting(&hooks);

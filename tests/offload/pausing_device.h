@@ -12,26 +12,47 @@
 
 namespace spillway::offload::testing {
 
-class PausingDevice : public Device {
+// Once armed, holds the first thread that reaches Hit() until Resume(); a test waits for that
+// with WaitHeld(). For StoreHooks points and for PausingDevice.
+class Gate {
  public:
-  PausingDevice() : cpu_(std::move(Device::OpenCpu().value())) {}
-
   void Arm() {
     std::lock_guard<std::mutex> lock(mu_);
     armed_ = true;
-    paused_ = false;
+    held_ = false;
     resumed_ = false;
   }
-  // Blocks until an armed copy is paused.
-  void WaitPaused() {
+  void Hit() {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return paused_; });
+    if (!armed_) return;
+    armed_ = false;
+    held_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return resumed_; });
+  }
+  void WaitHeld() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return held_; });
   }
   void Resume() {
     std::lock_guard<std::mutex> lock(mu_);
     resumed_ = true;
     cv_.notify_all();
   }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, held_ = false, resumed_ = false;
+};
+
+class PausingDevice : public Device {
+ public:
+  PausingDevice() : cpu_(std::move(Device::OpenCpu().value())) {}
+
+  void Arm() { gate_.Arm(); }
+  void WaitPaused() { gate_.WaitHeld(); }  // blocks until an armed copy is paused
+  void Resume() { gate_.Resume(); }
 
   DeviceId id() const override { return cpu_->id(); }
   Result<void*> Allocate(uint64_t bytes) override { return cpu_->Allocate(bytes); }
@@ -65,19 +86,10 @@ class PausingDevice : public Device {
     std::unique_ptr<Stream> inner_;
   };
 
-  void MaybePause() {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!armed_) return;
-    armed_ = false;
-    paused_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [this] { return resumed_; });
-  }
+  void MaybePause() { gate_.Hit(); }
 
   std::unique_ptr<Device> cpu_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool armed_ = false, paused_ = false, resumed_ = false;
+  Gate gate_;
 };
 
 }  // namespace spillway::offload::testing
