@@ -4,7 +4,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
-#include <mutex>
+#include "spillway/allocator/log.h"
 
 namespace spillway::allocator {
 
@@ -18,12 +18,24 @@ void InChild() { internal::g_fork_generation.fetch_add(1, std::memory_order_rela
 
 }  // namespace
 
-ProcessTag::ProcessTag() {
-  static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, InChild); });
-  generation_ = internal::g_fork_generation.load(std::memory_order_relaxed);
-  pid_ = getpid();
+Status ForkTracking() {
+  static const Status status = [] {
+    const int rc = pthread_atfork(nullptr, nullptr, InChild);
+    if (rc == 0) return Status::Ok();
+    Status st = Status::FromErrno(StatusCode::kInternal, rc,
+                                  "pthread_atfork failed: fork checks fall back to getpid() per call");
+    Log(LogLevel::kError, st.ToString());
+    return st;
+  }();
+  return status;
 }
+
+ProcessTag::ProcessTag()
+    : tracked_(ForkTracking().ok()),
+      generation_(internal::g_fork_generation.load(std::memory_order_relaxed)),
+      pid_(getpid()) {}
+
+pid_t ProcessTag::CurrentPid() { return getpid(); }
 
 Status ProcessTag::Refuse(const char* what, const char* call) const {
   return Status::FailedPrecondition(StrCat(

@@ -107,7 +107,7 @@ class AioHandle {
     }
   }
   ~AioHandle() {
-    if (::getpid() != pid_) {
+    if (!process_.InOwner()) {
       // A forked child: the ring, its threads and the files are the parent's. Destroying them here
       // would join threads the child does not have and free buffers into the parent's arena, so
       // they are left to the child's exit.
@@ -245,11 +245,11 @@ class AioHandle {
   // Every call in a process forked from the one that made the handle is refused: the child has no
   // ring thread and must not touch the parent's ring, fixed files or buffers.
   void CheckProcess() const {
-    const pid_t now = ::getpid();
-    if (now != pid_) {
+    if (!process_.InOwner()) {
       Raise(Status::FailedPrecondition(StrCat(
-          "aio_handle was made in process ", pid_, " and this is a forked child (pid ", now,
-          "); its ring and files belong to the parent. Make a new aio_handle in the child")));
+          "aio_handle was made in process ", process_.pid(), " and this is a forked child (pid ",
+          ::getpid(), "); its ring and files belong to the parent. Make a new aio_handle in the "
+          "child")));
     }
   }
 
@@ -587,7 +587,7 @@ class AioHandle {
   const bool single_submit_, overlap_events_;
   const int intra_op_;
   const std::shared_ptr<PyArena> arena_;
-  const pid_t pid_ = ::getpid();
+  const allocator::ProcessTag process_;  // the process that made it (Note [Fork])
   std::atomic<bool> direct_ok_{true};
 
   std::mutex mu_;

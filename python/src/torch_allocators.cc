@@ -69,10 +69,14 @@ const TagScope* CurrentTag() {
   return static_cast<const TagScope*>(c10::ThreadLocalDebugInfo::get(kTagKind));
 }
 
-// Set in a child made by fork() after install: the arenas' regions are MADV_DONTFORK, so the child
-// has no mapping of them. It must neither allocate from nor free into them.
-std::atomic<bool> g_forked{false};
-void OnForkChild() { g_forked.store(true, std::memory_order_relaxed); }
+// The process install() ran in (null before): in a child made by fork() after install, the
+// arenas' regions are MADV_DONTFORK, so the child has no mapping of them. It must neither allocate
+// from nor free into them. Set once, never freed.
+std::atomic<const allocator::ProcessTag*> g_installed_in{nullptr};
+bool Forked() {
+  const allocator::ProcessTag* tag = g_installed_in.load(std::memory_order_acquire);
+  return tag != nullptr && !tag->InOwner();
+}
 
 // ---- Blocks whose free waits for events ----
 
@@ -164,7 +168,7 @@ class Blocks {
   // The storage died (a deleter: never throws). Frees now when no stream used the block, else
   // records one event per stream and parks it.
   void Release(Block* b) {
-    if (g_forked.load(std::memory_order_relaxed)) return;  // the child has no mapping to free
+    if (Forked()) return;  // the child has no mapping to free
     std::vector<c10::Stream> streams;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -217,7 +221,7 @@ class Blocks {
 
   // Notes that `stream` uses the block. False when ctx is not a live block of ours.
   bool Record(void* ctx, c10::Stream stream) {
-    if (g_forked.load(std::memory_order_relaxed)) return false;
+    if (Forked()) return false;
     auto* b = static_cast<Block*>(ctx);
     std::lock_guard<std::mutex> lock(mu_);
     if (ctx == nullptr || live_.count(b) == 0) {
@@ -237,7 +241,7 @@ class Blocks {
   // graph pool is being allocated to (querying an event during a capture breaks the capture). A
   // query that throws puts every block back and rethrows.
   size_t Poll() {
-    if (g_forked.load(std::memory_order_relaxed)) return 0;
+    if (Forked()) return 0;
     std::vector<Block*> pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -395,7 +399,7 @@ void ReleaseBlock(void* ctx) {
 // Throws c10::OutOfMemoryError (torch.OutOfMemoryError in Python) over budget, with a message that
 // starts "spillway.OverBudget:" so the Python edge can re-raise it as spillway.OverBudget.
 void* ArenaAllocate(PyArena& arena, uint64_t bytes, const OwnerTag& tag, const char* what) {
-  TORCH_CHECK(!g_forked.load(std::memory_order_relaxed),
+  TORCH_CHECK(!Forked(),
               "spillway: ", what, " of ", bytes, " bytes in a process forked after spillway.install(): "
               "Spillway's arenas are not mapped in a forked child (MADV_DONTFORK). Leave the "
               "spillway.tag() scope before forking, or allocate in the child outside any tag scope");
@@ -505,7 +509,7 @@ class PinnedAllocator final : public at::HostAllocator {
     return previous_ != nullptr && previous_->record_event(ptr, ctx, stream);
   }
   void empty_cache() override {
-    if (g_forked.load(std::memory_order_relaxed)) return;  // nothing of the parent's to give back
+    if (Forked()) return;  // nothing of the parent's to give back
     Blocks::Get().Poll();
     (void)arena_->get()->Trim();
     if (previous_ != nullptr) previous_->empty_cache();
@@ -558,14 +562,14 @@ PinnedAllocator* g_pinned = nullptr;
 bool g_installed = false;  // both registrations took
 
 void CpuRouter::FreeRouted(void* p) {
-  if (g_forked.load(std::memory_order_relaxed)) return;  // the child has no mapping to free
+  if (Forked()) return;  // the child has no mapping to free
   const Status st = g_router->arena_->get()->Free(p);
   if (!st.ok()) std::fprintf(stderr, "spillway: freeing a CPU tensor: %s\n", st.ToString().c_str());
 }
 
 void CpuRouter::RawFree(void* p) {
   // In a forked child the arena's regions are not mapped, and malloc may reuse their addresses.
-  if (!g_forked.load(std::memory_order_relaxed) && p != nullptr && g_router->arena_->Contains(p, 1)) {
+  if (!Forked() && p != nullptr && g_router->arena_->Contains(p, 1)) {
     FreeRouted(p);
     return;
   }
@@ -592,16 +596,14 @@ Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, u
         "an earlier spillway.install() in this process failed (its error named the allocator that "
         "kept its place); start a new process to install again");
   }
-  if (g_forked.load()) {
+  if (Forked()) {
     return Status::FailedPrecondition("spillway.install() in a forked child: install in the parent");
   }
   if (small_bytes == 0) {
     return Status::InvalidArgument("spillway.install(small_bytes=0): must be at least 1 byte");
   }
-  static const int atfork = pthread_atfork(nullptr, nullptr, &OnForkChild);
-  if (atfork != 0) {
-    return Status::FromErrno(StatusCode::kInternal, atfork, "spillway.install(): pthread_atfork failed");
-  }
+  SPILLWAY_RETURN_IF_ERROR(allocator::ForkTracking().WithContext("spillway.install()"));
+  g_installed_in.store(new allocator::ProcessTag(), std::memory_order_release);
   c10::Allocator* const previous_cpu = c10::GetCPUAllocator();
   // Published before torch can call them: once SetCPUAllocator returns, other threads may already
   // allocate, and raw frees read g_router. Never destroyed (torch keeps the raw pointers).
@@ -742,7 +744,7 @@ void BindTorchAllocators(py::module_& m) {
     if (s == nullptr) return py::none();
     return py::str(s->label);
   });
-  m.def("_forked_after_install", [] { return g_forked.load(); });
+  m.def("_forked_after_install", [] { return Forked(); });
 
   m.def("_install", [](std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, uint64_t small_bytes,
                        int priority) {

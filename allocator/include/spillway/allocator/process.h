@@ -23,11 +23,17 @@ namespace internal {
 extern std::atomic<uint64_t> g_fork_generation;  // bumped in every forked child
 }  // namespace internal
 
+// Installs the atfork handler once; its error (pthread_atfork's ENOMEM) on every later call.
+// ProcessTag works either way (see below); callers that can report an error check this.
+Status ForkTracking();
+
 class ProcessTag {
  public:
   ProcessTag();  // the calling process; installs the atfork handler once
-  // True in the process that made the object, false in a forked child.
+  // True in the process that made the object, false in a forked child. Without the atfork
+  // handler (its registration failed, which was logged) it compares getpid(), a system call.
   bool InOwner() const {
+    if (!tracked_) return CurrentPid() == pid_;
     return internal::g_fork_generation.load(std::memory_order_relaxed) == generation_;
   }
   // OK in the owner; in a forked child, FAILED_PRECONDITION: "<what>::<call> in a forked child
@@ -39,6 +45,8 @@ class ProcessTag {
 
  private:
   Status Refuse(const char* what, const char* call) const;
+  static pid_t CurrentPid();
+  bool tracked_;  // first: the handler is installed before the generation is read
   uint64_t generation_;
   pid_t pid_;
 };
