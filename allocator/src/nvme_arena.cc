@@ -21,6 +21,13 @@
 namespace spillway::allocator {
 namespace {
 
+// The error of a write whose extent changed hands (or was written again) while it ran.
+std::string StaleWrite(uint64_t offset) {
+  return StrCat("the extent at offset ", offset, " was freed, re-allocated or written again while "
+                "this write ran, so its data is not recorded as the extent's (the caller's copy is "
+                "still the good one); one write at a time per extent, and free it only after");
+}
+
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string FreeSpace(const std::string& dir) {
@@ -292,18 +299,13 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
     return st.WithContext(StrCat("writing ", what, "; the host copy is untouched and still valid"));
   }
   if (it == checks_.end() || it->second.generation != generation) {
-    return Status::FailedPrecondition(StrCat("writing ", what, ": ", StaleWriteLocked(offset)));
+    return Status::FailedPrecondition(StrCat("writing ", what, ": ", StaleWrite(offset)));
   }
   it->second = Check{true, crc, generation};
   stats_.written_bytes += bytes;
   return Status::Ok();
 }
 
-std::string NvmeArena::StaleWriteLocked(uint64_t offset) const {
-  return StrCat("the extent at offset ", offset, " was freed, re-allocated or written again while "
-                "this write ran, so its data is not recorded as the extent's (the caller's copy is "
-                "still the good one); one write at a time per extent, and free it only after");
-}
 
 Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Read"));
@@ -417,7 +419,7 @@ Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,
   Check& c = checks_[offset];
   if (c.generation != generation) {
     return Status::FailedPrecondition(StrCat("committing a write to ", what, ": ",
-                                             StaleWriteLocked(offset)));
+                                             StaleWrite(offset)));
   }
   c = Check{true, options_.checksum ? crc : 0, generation};
   stats_.written_bytes += bytes;

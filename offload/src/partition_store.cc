@@ -208,8 +208,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
     p.key = key;
     p.bytes = bytes;
     p.home = home;
-    p.busy = true;  // until placed
-    p.busy_by = std::this_thread::get_id();
+    MarkBusy(p);  // until placed
     parts_.push_back(std::move(p));
     tag = Tag(id);
   }
@@ -295,8 +294,12 @@ void PartitionStore::SetHooksForTesting(StoreHooks* hooks) {
 
 void PartitionStore::TakeBusyLocked(std::unique_lock<std::mutex>& lock, PartitionId id) {
   busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
-  parts_[id].busy = true;
-  parts_[id].busy_by = std::this_thread::get_id();
+  MarkBusy(parts_[id]);
+}
+
+void PartitionStore::MarkBusy(Part& p) {
+  p.busy = true;
+  p.busy_by = std::this_thread::get_id();
 }
 
 void PartitionStore::ClearBusyLocked(PartitionId id) {
@@ -379,13 +382,11 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     if (device) {
       p.device_pins++;
       if (p.device == nullptr) {
-        p.busy = true;
-        p.busy_by = me;
+        MarkBusy(p);
         need_fill = true;
       }
     } else if (p.host == nullptr) {
-      p.busy = true;
-      p.busy_by = me;
+      MarkBusy(p);
       need_swap_in = true;
     }
     if (!device && access == Access::kReadWrite) p.write_pins++;
@@ -583,8 +584,7 @@ uint64_t PartitionStore::Spill(uint64_t need) {
       }
     }
     if (found) {
-      parts_[victim].busy = true;
-      parts_[victim].busy_by = me;
+      MarkBusy(parts_[victim]);
       lock.unlock();
       Status st = SpillOne(victim, &freed);
       lock.lock();
@@ -704,8 +704,7 @@ Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool wr
     }
     // The last device handle: write the view back (if dirty) and free it, outside the lock. The
     // partition stays pinned and busy until then, so nothing spills or re-reads it meanwhile.
-    p.busy = true;
-    p.busy_by = std::this_thread::get_id();
+    MarkBusy(p);
     write_back = true;
   }
   Status st = write_back ? WriteBackDevice(id) : Status::Ok();
@@ -757,8 +756,7 @@ void PartitionStore::PrefetchLoop() {
     Part& p = parts_[id];
     // Already there, someone is on it, or its device view is live (a host copy would be stale).
     if (p.host != nullptr || p.busy || p.device != nullptr || p.device_pins > 0) continue;
-    p.busy = true;
-    p.busy_by = std::this_thread::get_id();
+    MarkBusy(p);
     prefetch_running_ = true;
     lock.unlock();
     Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
@@ -848,8 +846,7 @@ Status PartitionStore::Evict(PartitionId id) {
                                                " handles; release them first"));
     }
     if (p.host == nullptr) return Status::Ok();
-    p.busy = true;
-    p.busy_by = std::this_thread::get_id();
+    MarkBusy(p);
   }
   uint64_t freed = 0;
   Status st = SpillOne(id, &freed);

@@ -118,8 +118,6 @@ class NvmeArena final : public Tier {
     uint32_t crc = 0;
     uint64_t generation = 0;  // of the allocation or write that last set it
   };
-  // mu_ held: the message for a write whose extent changed hands (or was written again) under it.
-  std::string StaleWriteLocked(uint64_t offset) const;
   NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd, int file_id,
             uint32_t alignment, bool direct);
   // Grows the file by fallocate so that `need` more bytes fit. Without mu_.

@@ -203,6 +203,8 @@ class PartitionStore {
   };
   // mu_ held. Waits until `id` is not busy, then marks it busy for this thread.
   void TakeBusyLocked(std::unique_lock<std::mutex>& lock, PartitionId id);
+  // mu_ held (or the part not yet visible). Marks `p` busy for this thread; `p` must not be busy.
+  static void MarkBusy(Part& p);
   // mu_ held. Clears busy (only its owner may) and wakes waiters.
   void ClearBusyLocked(PartitionId id);
   // mu_ held: bytes of resident partitions that other threads hold (busy or pinned) and no handle
