@@ -3,7 +3,7 @@
 #include "cuda_host.h"
 
 #if SPILLWAY_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "spillway/allocator/cuda_status.h"
 #endif
 
 #include <algorithm>
@@ -14,10 +14,8 @@ namespace spillway::allocator::cuda {
 #if SPILLWAY_WITH_CUDA
 namespace {
 Status CudaError(cudaError_t err, const std::string& what) {
-  return Status::Make(StatusCode::kOutOfMemory,
-                      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err),
-                             "); lower the host budget or set pin_memory=false"),
-                      static_cast<int>(err));
+  return spillway::cuda::ToStatus(err, what, StatusCode::kOutOfMemory,
+                                  "; lower the host budget or set pin_memory=false");
 }
 }  // namespace
 
@@ -31,7 +29,7 @@ bool DeviceAvailable(std::string* why) {
     if (err != cudaSuccess) {
       reason = StrCat("cudaGetDeviceCount: ", cudaGetErrorName(err), " (",
                       cudaGetErrorString(err), ")");
-      cudaGetLastError();  // clear the sticky error
+      spillway::cuda::ConsumeError();
     } else if (count == 0) {
       reason = "cudaGetDeviceCount found 0 devices";
     } else {
@@ -49,8 +47,11 @@ Status HostRegister(void* base, size_t bytes) {
     const size_t piece = std::min(kMaxRegisterBytes, bytes - done);
     cudaError_t err = cudaHostRegister(p + done, piece, cudaHostRegisterPortable);
     if (err != cudaSuccess) {
-      for (size_t undo = 0; undo < done; undo += kMaxRegisterBytes) cudaHostUnregister(p + undo);
-      return CudaError(err, StrCat("cudaHostRegister of ", FormatBytes(piece)));
+      Status st = CudaError(err, StrCat("cudaHostRegister of ", FormatBytes(piece)));
+      for (size_t undo = 0; undo < done; undo += kMaxRegisterBytes) {
+        (void)CudaError(cudaHostUnregister(p + undo), "cudaHostUnregister");
+      }
+      return st;
     }
     done += piece;
   }
@@ -61,8 +62,8 @@ Status HostUnregister(void* base, size_t bytes) {
   auto* p = static_cast<char*>(base);
   Status first;
   for (size_t done = 0; done < bytes; done += kMaxRegisterBytes) {
-    cudaError_t err = cudaHostUnregister(p + done);
-    if (err != cudaSuccess && first.ok()) first = CudaError(err, "cudaHostUnregister");
+    Status st = CudaError(cudaHostUnregister(p + done), "cudaHostUnregister");
+    if (first.ok()) first = std::move(st);
   }
   return first;
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "spillway/allocator/cuda_status.h"
 #include "spillway/engine/cuda_kernels.h"
 
 namespace spillway::engine::cuda {
@@ -25,10 +26,9 @@ struct TensorDesc {
   int dtype;
 };
 
+// Every failure consumes the thread's last error (Note [CUDA error state], docs/gpu.md).
 Status CudaError(cudaError_t err, const char* what) {
-  return Status::Make(StatusCode::kUnavailable,
-                      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"),
-                      static_cast<int>(err));
+  return spillway::cuda::ToStatus(err, what, StatusCode::kUnavailable);
 }
 
 // Element types by dtype code (0 fp32, 1 bf16, 2 fp16), with their conversions.

@@ -1,9 +1,10 @@
-// The CUDA device backend: cudaMalloc, a non-blocking copy stream, events. Every call sets the
-// device first (the current device is per thread). Compiled to an UNAVAILABLE stub without CUDA.
+// The CUDA device backend: cudaMalloc, a non-blocking copy stream, events. Every call makes its
+// device current for the call and gives the caller's back, and no failed call leaves its error for
+// torch to find (Note [CUDA error state], docs/gpu.md). An UNAVAILABLE stub without CUDA.
 #include "spillway/offload/device.h"
 
 #if SPILLWAY_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "spillway/allocator/cuda_status.h"
 #endif
 
 namespace spillway::offload {
@@ -11,24 +12,20 @@ namespace spillway::offload {
 #if SPILLWAY_WITH_CUDA
 namespace {
 
-Status CudaStatus(cudaError_t err, const std::string& what) {
-  if (err == cudaSuccess) return Status::Ok();
-  return Status::Make(err == cudaErrorMemoryAllocation ? StatusCode::kOutOfMemory
-                                                       : StatusCode::kInternal,
-                      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"),
-                      static_cast<int>(err));
-}
+using spillway::cuda::DeviceScope;
+using spillway::cuda::ToStatus;
 
 class CudaEvent final : public Event {
  public:
   CudaEvent(int device, cudaEvent_t e) : device_(device), event_(e) {}
   ~CudaEvent() override {
-    cudaSetDevice(device_);
-    cudaEventDestroy(event_);
+    DeviceScope scope(device_);
+    if (scope.status().ok()) (void)ToStatus(cudaEventDestroy(event_), "cudaEventDestroy");
   }
   Status Wait() override {
-    cudaSetDevice(device_);
-    return CudaStatus(cudaEventSynchronize(event_), "cudaEventSynchronize");
+    DeviceScope scope(device_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaEventSynchronize(event_), "cudaEventSynchronize");
   }
 
  private:
@@ -40,30 +37,34 @@ class CudaStream final : public Stream {
  public:
   CudaStream(int device, cudaStream_t s) : device_(device), stream_(s) {}
   ~CudaStream() override {
-    cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    DeviceScope scope(device_);
+    if (!scope.status().ok()) return;
+    (void)ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    (void)ToStatus(cudaStreamDestroy(stream_), "cudaStreamDestroy");
   }
   Status CopyAsync(void* dst, const void* src, uint64_t bytes) override {
-    cudaSetDevice(device_);
-    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_),
-                      "cudaMemcpyAsync");
+    DeviceScope scope(device_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_),
+                    StrCat("cudaMemcpyAsync of ", FormatBytes(bytes)));
   }
   Result<std::shared_ptr<Event>> Record() override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
     cudaEvent_t e;
-    SPILLWAY_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                                        "cudaEventCreate"));
-    Status st = CudaStatus(cudaEventRecord(e, stream_), "cudaEventRecord");
+    SPILLWAY_RETURN_IF_ERROR(
+        ToStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
+    Status st = ToStatus(cudaEventRecord(e, stream_), "cudaEventRecord");
     if (!st.ok()) {
-      cudaEventDestroy(e);
+      (void)ToStatus(cudaEventDestroy(e), "cudaEventDestroy");
       return st;
     }
     return std::shared_ptr<Event>(new CudaEvent(device_, e));
   }
   Status Synchronize() override {
-    cudaSetDevice(device_);
-    return CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    DeviceScope scope(device_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
  private:
@@ -76,30 +77,37 @@ class CudaDevice final : public Device {
   explicit CudaDevice(int index) : index_(index) {}
   DeviceId id() const override { return {DeviceType::kCuda, index_}; }
   Result<void*> Allocate(uint64_t bytes) override {
-    cudaSetDevice(index_);
+    DeviceScope scope(index_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
     void* p = nullptr;
-    SPILLWAY_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes),
-                                        StrCat("cudaMalloc of ", FormatBytes(bytes))));
+    SPILLWAY_RETURN_IF_ERROR(ToStatus(cudaMalloc(&p, bytes),
+                                      StrCat("cudaMalloc of ", FormatBytes(bytes))));
     return p;
   }
   Status Free(void* ptr) override {
-    cudaSetDevice(index_);
-    return CudaStatus(cudaFree(ptr), "cudaFree");
+    DeviceScope scope(index_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaFree(ptr), "cudaFree");
   }
   Result<std::unique_ptr<Stream>> NewStream() override {
-    cudaSetDevice(index_);
+    DeviceScope scope(index_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
     cudaStream_t s;
-    SPILLWAY_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                        "cudaStreamCreate"));
+    SPILLWAY_RETURN_IF_ERROR(
+        ToStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
     return std::unique_ptr<Stream>(new CudaStream(index_, s));
   }
   Status CopyToHost(void* host, const void* device, uint64_t bytes) override {
-    cudaSetDevice(index_);
-    return CudaStatus(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    DeviceScope scope(index_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost),
+                    StrCat("cudaMemcpy D2H of ", FormatBytes(bytes)));
   }
   Status CopyFromHost(void* device, const void* host, uint64_t bytes) override {
-    cudaSetDevice(index_);
-    return CudaStatus(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    DeviceScope scope(index_);
+    SPILLWAY_RETURN_IF_ERROR(scope.status());
+    return ToStatus(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice),
+                    StrCat("cudaMemcpy H2D of ", FormatBytes(bytes)));
   }
 
  private:
@@ -110,12 +118,8 @@ class CudaDevice final : public Device {
 
 Result<std::unique_ptr<Device>> Device::OpenCuda(int index) {
   int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("cudaGetDeviceCount: ", cudaGetErrorName(err)));
-  }
+  SPILLWAY_RETURN_IF_ERROR(spillway::cuda::ToStatus(cudaGetDeviceCount(&count),
+                                                    "cudaGetDeviceCount", StatusCode::kUnavailable));
   if (index < 0 || index >= count) {
     return Status::Make(StatusCode::kUnavailable,
                         StrCat("CUDA device ", index, " does not exist (", count, " present)"));
