@@ -411,7 +411,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     }
     // Over budget: ask the spill handler (without any lock) to free room, a few rounds at most.
     uint64_t freed = 0;
-    if (counted) freed = handler(spill_need);
+    if (counted) freed = handler(SpillRequest{spill_need, rounded});
     std::lock_guard<std::mutex> lock(mu_);
     stats_.spilled_bytes += freed;
     if (freed > 0) continue;

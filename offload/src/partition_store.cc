@@ -125,7 +125,8 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
     store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
     store->prefetcher_id_ = store->prefetcher_.get_id();
   }
-  host->SetSpillHandler([raw](uint64_t need) { return raw->Spill(need); }, raw);
+  host->SetSpillHandler(
+      [raw](const allocator::HostArena::SpillRequest& request) { return raw->Spill(request); }, raw);
   return store;
 }
 
@@ -558,8 +559,14 @@ Status PartitionStore::SwapIn(PartitionId id) {
   return Status::Ok();
 }
 
-uint64_t PartitionStore::Spill(uint64_t need) {
+// Victims: a partition at least as large as the request first (freeing it makes room by itself:
+// its extent fits, or its region empties and is unmapped), then OPT's order (the next use
+// furthest away). Among the large enough, OPT's order too. Freeing smaller ones scattered through
+// shared regions may make room nowhere, however many bytes they add up to.
+uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request) {
   if (nvme_ == nullptr) return 0;
+  const uint64_t need = request.bytes_needed;
+  constexpr uint64_t kPage = 4096;  // the arena's granule: a partition's extent is its bytes rounded up
   const std::thread::id me = std::this_thread::get_id();
   const bool may_wait = me != prefetcher_id_;  // prefetching is best effort: it never waits
   uint64_t freed = 0;
@@ -572,14 +579,16 @@ uint64_t PartitionStore::Spill(uint64_t need) {
   while (freed < need && !stopping_) {
     PartitionId victim = 0;
     uint64_t best = 0;
-    bool found = false;
+    bool found = false, victim_fits = false;
     for (PartitionId i = 0; i < parts_.size(); ++i) {
       const Part& p = parts_[i];
       if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
+      const bool fits = (p.bytes + kPage - 1) / kPage * kPage >= request.request_bytes;
       const uint64_t d = NextUseDistance(p);
-      if (!found || d > best) {
+      if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
         best = d;
         victim = i;
+        victim_fits = fits;
         found = true;
       }
     }
@@ -594,6 +603,7 @@ uint64_t PartitionStore::Spill(uint64_t need) {
         Log(LogLevel::kError, note);
         break;  // the victim keeps its host copy; the caller gets the budget error
       }
+      if (victim_fits) break;  // its room is the request's
       continue;
     }
     // Nothing can be spilled now. Wait only for memory another thread will give back.

@@ -360,10 +360,10 @@ TEST_F(HostArenaTest, ClearingASpillHandlerRemovesOnlyItsOwnAndWaitsForACallInFl
   auto arena = MakeArena(o);
   int old_owner = 0, new_owner = 0;
   std::atomic<int> old_calls{0}, new_calls{0};
-  arena->SetSpillHandler([&](uint64_t) -> uint64_t { ++old_calls; return 0; }, &old_owner);
+  arena->SetSpillHandler([&](const HostArena::SpillRequest&) -> uint64_t { ++old_calls; return 0; }, &old_owner);
   std::promise<void> entered, release;
   std::shared_future<void> released = release.get_future().share();
-  arena->SetSpillHandler([&](uint64_t) -> uint64_t {
+  arena->SetSpillHandler([&](const HostArena::SpillRequest&) -> uint64_t {
     if (new_calls++ == 0) {
       entered.set_value();
       released.wait();
@@ -406,18 +406,19 @@ TEST_F(HostArenaTest, SpillHandlerMakesRoomBeforeTheBudgetErrorFires) {
   auto arena = MakeArena(o);
   auto victim = arena->Allocate(6 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
   ASSERT_TRUE(victim.ok());
-  uint64_t asked = 0;
+  HostArena::SpillRequest asked;
   int calls = 0;
-  arena->SetSpillHandler([&](uint64_t need) -> uint64_t {
+  arena->SetSpillHandler([&](const HostArena::SpillRequest& request) -> uint64_t {
     ++calls;
-    asked = need;
+    asked = request;
     // A real handler writes the partition to NVMe first; freeing it is what makes room.
     return arena->Free(*victim).ok() ? 6 * kMiB : 0;
   }, this);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(calls, 1);
-  EXPECT_EQ(asked, 4 * kMiB);  // 6 MiB wanted, 2 MiB of headroom
+  EXPECT_EQ(asked.bytes_needed, 4 * kMiB);  // 6 MiB wanted, 2 MiB of headroom
+  EXPECT_EQ(asked.request_bytes, 6 * kMiB);
   HostArenaStats st = arena->Stats();
   EXPECT_EQ(st.spill_calls, 1u);
   EXPECT_EQ(st.spilled_bytes, 6 * kMiB);
@@ -429,7 +430,7 @@ TEST_F(HostArenaTest, SpillHandlerThatFreesNothingEndsInOverBudget) {
   o.budget_bytes = 8 * kMiB;
   auto arena = MakeArena(o);
   ASSERT_TRUE(arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent)).ok());
-  arena->SetSpillHandler([](uint64_t) -> uint64_t { return 0; }, this);
+  arena->SetSpillHandler([](const HostArena::SpillRequest&) -> uint64_t { return 0; }, this);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   EXPECT_EQ(p.status().code(), StatusCode::kOverBudget);
   EXPECT_TRUE(Has(p.status(), "the spill handler freed nothing")) << p.status().ToString();

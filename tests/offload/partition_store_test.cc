@@ -305,6 +305,36 @@ TEST(PartitionStoreTest, OptSpillsThePartitionNeededFurthestInTheFuture) {
   EXPECT_FALSE(rig.store->resident(id[2]));
 }
 
+// The arena tells the spill handler the size of the request that failed. Freeing small partitions
+// scattered through a shared region makes room in no single place, so the store prefers one
+// victim at least as large as the request over OPT's order among smaller ones.
+TEST(PartitionStoreTest, ASpillForALargeRequestFreesOneLargeVictimNotScatteredSmallOnes) {
+  // 64 partitions of 64 KiB fill one shared 4 MiB region; one of 2 MiB has a region of its own.
+  constexpr uint64_t kSmall = 64 * 1024, kLarge = 2 * kMiB;
+  StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), kBounce + 4 * kMiB + kLarge);
+  std::vector<PartitionId> small;
+  for (uint32_t g = 0; g < 64; ++g) {
+    auto id = rig.store->Register({0, g, StateKind::kExpAvg}, kSmall);
+    ASSERT_TRUE(id.ok()) << g << ": " << id.status().ToString();
+    small.push_back(*id);
+  }
+  auto large = rig.store->Register({0, 64, StateKind::kExpAvg}, kLarge);
+  ASSERT_TRUE(large.ok()) << large.status().ToString();
+  // The schedule uses the large one first, then the odd small ones, then the even ones: by next
+  // use alone the even ones go first, and they are not adjacent, so freeing them frees no 2 MiB.
+  std::vector<PartitionId> order{*large};
+  for (size_t i = 1; i < small.size(); i += 2) order.push_back(small[i]);
+  for (size_t i = 0; i < small.size(); i += 2) order.push_back(small[i]);
+  ASSERT_TRUE(rig.store->SetSchedule(order).ok());
+  const uint64_t spills_before = rig.store->Stats().spills;
+
+  auto second = rig.store->Register({0, 65, StateKind::kExpAvg}, kLarge);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(rig.store->Stats().spills - spills_before, 1u) << "small partitions were spilled for nothing";
+  EXPECT_FALSE(rig.store->resident(*large));
+  for (PartitionId id : small) EXPECT_TRUE(rig.store->resident(id)) << id;
+}
+
 TEST(PartitionStoreTest, HandlesReleaseOnceAndAReleasedHandleIsAnError) {
   StoreRig rig(ParseOrDie(OffloadJson("cpu", "nvme")), 256 * kMiB);
   auto id = rig.store->Register({0, 0, StateKind::kMasterWeight}, kMiB);

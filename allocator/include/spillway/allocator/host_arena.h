@@ -136,9 +136,16 @@ class HostArena final : public Tier {
     virtual void OnRegionUnmapping(void* base, uint64_t bytes) = 0;
   };
 
+  // What a spill handler is asked for. Freed bytes help only where they make room for the request:
+  // either `bytes_needed` more budget headroom (once freed extents empty a region), or one freed
+  // extent of at least `request_bytes`. Small frees scattered through shared regions do neither.
+  struct SpillRequest {
+    uint64_t bytes_needed = 0;   // the budget headroom still missing
+    uint64_t request_bytes = 0;  // the failed request, rounded up to pages
+  };
   // Called without locks when a request would cross the budget; returns the bytes it freed
   // (by calling Free on this arena). Set by the offload layer to spill partitions to NVMe.
-  using SpillHandler = std::function<uint64_t(uint64_t bytes_needed)>;
+  using SpillHandler = std::function<uint64_t(const SpillRequest& request)>;
 
   // Resolves kAuto and checks the options; the arena maps nothing until the first Allocate.
   static Result<std::unique_ptr<HostArena>> Create(HostArenaOptions options);

@@ -196,7 +196,7 @@ class PartitionStore {
   Tier HomeFor(StateKind kind) const;
   // Spill handler: frees at least `need` host bytes by spilling OPT victims; returns bytes freed.
   // Waits (bounded) for memory other threads will give back; see memory_wait().
-  uint64_t Spill(uint64_t need);
+  uint64_t Spill(const allocator::HostArena::SpillRequest& request);
   struct HandleInfo {
     PartitionId id;
     std::thread::id thread;  // the thread that acquired it
