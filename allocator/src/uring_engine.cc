@@ -505,11 +505,17 @@ Status UringEngine::UnregisterFile(int file_id) {
   // its file replaced by this update.
   if (slot >= 0) {
     int minus_one = -1;
-    int rc = io_uring_register_files_update(&impl_->ring, slot, &minus_one, 1);
+    const int fault = options_.faults != nullptr ? options_.faults->unregister_errno.exchange(0) : 0;
+    const int rc = fault != 0 ? -fault : io_uring_register_files_update(&impl_->ring, slot, &minus_one, 1);
     if (rc < 0) {
-      // Still holding the old file: the slot stays taken and counted (never handed out again).
+      // The slot still holds the old file: it stays taken and counted, never handed out again, and
+      // no request can name it (the file id is gone). The table holds its own reference to the
+      // open file, not the descriptor, so the caller may close its fd: a file that reuses the fd
+      // number is a different file in a different slot. The ring lets go at teardown.
       return Status::FromErrno(StatusCode::kIoError, -rc,
-                               StrCat("clearing fixed file slot ", slot, "; the slot is retired"));
+                               StrCat("clearing fixed file slot ", slot,
+                                      "; the slot is retired until the engine is destroyed, and "
+                                      "the descriptor may be closed"));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -402,6 +402,50 @@ TEST(UringEngineRingTest, ANullSqeDefersTheChunk) {
 
 // Without sparse registration (kernels before 5.19) the ring still runs, with plainly registered
 // files and no fixed buffers, and Stats() says so; before, the engine fell back to the thread pool.
+// A failed fixed-slot clear retires the slot. Closing the descriptor afterwards is safe: the table
+// holds the open file, not the fd, so a new file that gets the same fd number gets its own slot
+// and its own bytes, and the old file keeps its bytes.
+TEST(UringEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
+  IoFaults faults;
+  RingRig rig(&faults);
+  if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
+  char* a_bytes = static_cast<char*>(rig.Buffer(kMiB));
+  char* b_bytes = static_cast<char*>(rig.Buffer(kMiB));
+  char* back = static_cast<char*>(rig.Buffer(kMiB));
+  testing::FillRandom(a_bytes, kMiB, 21);
+  testing::FillRandom(b_bytes, kMiB, 22);
+  const int a_fd = testing::OpenScratch();
+  const int a_witness = dup(a_fd);  // to read A's bytes after its fd is closed
+  ASSERT_GE(a_witness, 0);
+  auto a = rig.engine->RegisterFile(a_fd, "A", 4096);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(rig.engine->WriteSync(*a, 0, a_bytes, kMiB).ok());
+
+  faults.unregister_errno = EBUSY;
+  const Status st = rig.engine->UnregisterFile(*a);
+  ASSERT_FALSE(st.ok());
+  EXPECT_TRUE(Has(st, "retired")) << st.ToString();
+  EXPECT_TRUE(Has(st, "may be closed")) << st.ToString();
+  EXPECT_EQ(rig.engine->Write(*a, 0, a_bytes, kMiB).status().code(), StatusCode::kInvalidArgument)
+      << "the unregistered id must name nothing";
+  ASSERT_EQ(close(a_fd), 0);
+
+  const int b_fd = testing::OpenScratch();
+  EXPECT_EQ(b_fd, a_fd) << "the test wants the fd number reused";
+  auto b = rig.engine->RegisterFile(b_fd, "B", 4096);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_TRUE(rig.engine->WriteSync(*b, 0, b_bytes, kMiB).ok());
+  ASSERT_TRUE(rig.engine->ReadSync(*b, 0, back, kMiB).ok());
+  EXPECT_EQ(std::memcmp(back, b_bytes, kMiB), 0);
+  ASSERT_EQ(pread(b_fd, back, kMiB, 0), static_cast<ssize_t>(kMiB));
+  EXPECT_EQ(std::memcmp(back, b_bytes, kMiB), 0) << "B's bytes are not in B";
+  ASSERT_EQ(pread(a_witness, back, kMiB, 0), static_cast<ssize_t>(kMiB));
+  EXPECT_EQ(std::memcmp(back, a_bytes, kMiB), 0) << "A's bytes changed";
+  EXPECT_TRUE(rig.engine->UnregisterFile(*b).ok());
+  close(b_fd);
+  close(a_witness);
+}
+
 TEST(UringEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
   {
     RingRig probe(nullptr);

@@ -41,6 +41,8 @@ struct IoFaults {
   // (its SQEs stay unsubmitted, as when the call really fails).
   std::atomic<int> submit_errno{0};
   std::atomic<int> null_sqes{0};     // the next N io_uring_get_sqe calls return null
+  // Ring only. The next fixed-file slot clear in UnregisterFile fails with -unregister_errno.
+  std::atomic<int> unregister_errno{0};
   // Read once at Create: sparse table registration fails with this errno (a kernel before 5.19).
   int sparse_registration_errno = 0;
 };
