@@ -446,6 +446,12 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
     return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): alignment ", alignment,
                                           " must be a power of two no larger than block_size"));
   }
+  if (options_.block_size % alignment != 0) {  // chunks start every block_size bytes
+    return Status::InvalidArgument(StrCat(
+        "RegisterFile('", name, "'): its direct-I/O alignment is ", FormatBytes(alignment),
+        " and block_size ", FormatBytes(options_.block_size), " would start chunks off it; set "
+        "aio.block_size to a multiple of ", FormatBytes(alignment)));
+  }
   int slot = -1;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -291,6 +291,27 @@ TEST(UringEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
   EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.block_size"));
 }
 
+// A file whose direct-I/O alignment does not divide block_size would get chunks that start off
+// its alignment (O_DIRECT refuses them with EINVAL mid-request): refused at registration instead.
+TEST(UringEngineOptionsTest, AFileWhoseAlignmentDoesNotDivideTheBlockSizeIsRefused) {
+  Ledger ledger;
+  auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
+  UringEngineOptions o;
+  o.arena = arena.get();
+  o.block_size = 3 * 4096;
+  auto engine = UringEngine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const int fd = testing::OpenScratch();
+  auto bad = (*engine)->RegisterFile(fd, "wide", 8192);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(bad.status(), "block_size 12.00 KiB")) << bad.status().ToString();
+  EXPECT_TRUE(Has(bad.status(), "multiple of 8.00 KiB")) << bad.status().ToString();
+  auto good = (*engine)->RegisterFile(fd, "narrow", 4096);
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_TRUE((*engine)->UnregisterFile(*good).ok());
+  close(fd);
+}
+
 }  // namespace
 }  // namespace spillway::allocator
 
