@@ -56,24 +56,32 @@ const char* DTypeName(DType dtype) {
 
 uint64_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
 
-Result<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(const HostOptimizerOptions& options) {
-  const AdamWConfig& a = options.adam;
+namespace {
+// The hyperparameters' domains; `where` prefixes the message ("" or "<group>: ").
+Status CheckConfig(const AdamWConfig& a, std::string_view where) {
+  const std::string at = where.empty() ? std::string() : StrCat(where, ": ");
   if (!(a.lr >= 0.0) || !std::isfinite(a.lr)) {
-    return Status::InvalidArgument(StrCat("AdamW lr = ", a.lr, " is invalid; use a finite lr >= 0"));
+    return Status::InvalidArgument(StrCat(at, "AdamW lr = ", a.lr, " is invalid; use a finite lr >= 0"));
   }
   for (auto [name, beta] : {std::pair{"beta1", a.beta1}, std::pair{"beta2", a.beta2}}) {
     if (!(beta >= 0.0 && beta < 1.0)) {
       return Status::InvalidArgument(
-          StrCat("AdamW ", name, " = ", beta, " is invalid; use a value in [0, 1)"));
+          StrCat(at, "AdamW ", name, " = ", beta, " is invalid; use a value in [0, 1)"));
     }
   }
   if (!(a.eps > 0.0) || !std::isfinite(a.eps)) {
-    return Status::InvalidArgument(StrCat("AdamW eps = ", a.eps, " is invalid; use eps > 0"));
+    return Status::InvalidArgument(StrCat(at, "AdamW eps = ", a.eps, " is invalid; use eps > 0"));
   }
   if (!(a.weight_decay >= 0.0) || !std::isfinite(a.weight_decay)) {
     return Status::InvalidArgument(
-        StrCat("AdamW weight_decay = ", a.weight_decay, " is invalid; use a value >= 0"));
+        StrCat(at, "AdamW weight_decay = ", a.weight_decay, " is invalid; use a value >= 0"));
   }
+  return Status::Ok();
+}
+}  // namespace
+
+Result<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(const HostOptimizerOptions& options) {
+  SPILLWAY_RETURN_IF_ERROR(CheckConfig(options.adam, ""));
   if (options.chunk_elems == 0 || options.chunk_elems % kernels::kBlock != 0) {
     return Status::InvalidArgument(StrCat("chunk_elems = ", options.chunk_elems,
                                           " is invalid; use a positive multiple of ",
@@ -204,14 +212,14 @@ Status HostOptimizer::Unplan(const StepReport& plan) {
   return Status::Ok();
 }
 
-void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const StepReport& plan, bool fused) {
+void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const AdamWConfig& c,
+                            uint64_t step_number, double grad_scale, bool fused) {
   const auto& t = *static_cast<const kernels::Table*>(table_);
-  const AdamWConfig& c = options_.adam;
-  const double step = static_cast<double>(plan.step);
+  const double step = static_cast<double>(step_number);
   const double bc1 = c.bias_correction ? 1.0 - std::pow(c.beta1, step) : 1.0;
   const double bc2 = c.bias_correction ? 1.0 - std::pow(c.beta2, step) : 1.0;
   kernels::AdamArgs base{};
-  base.grad_scale = fused ? static_cast<float>(plan.combined_scale) : 1.0f;
+  base.grad_scale = fused ? static_cast<float>(grad_scale) : 1.0f;
   base.beta1 = static_cast<float>(c.beta1);
   base.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
   base.beta2 = static_cast<float>(c.beta2);
@@ -224,7 +232,7 @@ void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const StepReport& 
 
   const std::vector<Task> tasks = Split(groups, options_.chunk_elems);
   if (!fused) {  // pass 2 of the unfused sequence: rewrite the gradients scaled
-    const float scale = static_cast<float>(plan.combined_scale);
+    const float scale = static_cast<float>(grad_scale);
     pool_->Run(tasks.size(), [&](size_t i) {
       const Task& k = tasks[i];
       const SubGroup& g = groups[k.group];
@@ -261,7 +269,27 @@ Status HostOptimizer::Update(const SubGroup& group, const StepReport& plan) {
                                              "; pass the StepReport that Plan returned"));
   }
   const uint64_t t0 = NowNs();
-  RunAdam(std::span<const SubGroup>(&group, 1), plan, /*fused=*/true);
+  RunAdam(std::span<const SubGroup>(&group, 1), options_.adam, plan.step, plan.combined_scale,
+          /*fused=*/true);
+  elements_.fetch_add(group.numel, std::memory_order_relaxed);
+  step_ns_total_.fetch_add(NowNs() - t0, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+Status HostOptimizer::UpdateWith(const SubGroup& group, const AdamWConfig& adam, uint64_t step,
+                                 double grad_scale) {
+  SPILLWAY_RETURN_IF_ERROR(Check(group, /*needs_state=*/true));
+  SPILLWAY_RETURN_IF_ERROR(CheckConfig(adam, group.name));
+  if (step == 0) {
+    return Status::InvalidArgument(StrCat(group.name, ": Adam step 0; the first step is 1 (count "
+                                          "the step before calling, as torch.optim does)"));
+  }
+  if (!std::isfinite(grad_scale)) {
+    return Status::InvalidArgument(StrCat(group.name, ": gradient scale ", grad_scale,
+                                          " is not finite; skip the step instead"));
+  }
+  const uint64_t t0 = NowNs();
+  RunAdam(std::span<const SubGroup>(&group, 1), adam, step, grad_scale, /*fused=*/true);
   elements_.fetch_add(group.numel, std::memory_order_relaxed);
   step_ns_total_.fetch_add(NowNs() - t0, std::memory_order_relaxed);
   return Status::Ok();
@@ -280,7 +308,7 @@ Result<StepReport> HostOptimizer::RunStep(std::span<const SubGroup> groups,
   Result<StepReport> plan = Plan(*sum, options);
   if (!plan.ok()) return plan.status();
   if (!plan->skipped) {
-    RunAdam(groups, *plan, fused);
+    RunAdam(groups, options_.adam, plan->step, plan->combined_scale, fused);
     elements_.fetch_add(elements, std::memory_order_relaxed);
   }
   const uint64_t ns = NowNs() - t0;

@@ -294,6 +294,48 @@ TEST(HostOptimizerTest, TheStreamedPiecesEqualOneStep) {
   EXPECT_EQ(b->Stats().steps, 3u);
 }
 
+// UpdateWith is Update with the caller's own hyperparameters and step number (DeepSpeed and
+// torch.optim keep them per parameter group): bit for bit the same pass, and the optimizer's own
+// step counter and config are neither read nor moved.
+TEST(HostOptimizerTest, UpdateWithTheCallersStepAndConfigEqualsUpdate) {
+  constexpr uint64_t kN = 30'001;
+  GroupBuffers a(kN, DType::kBf16, DType::kBf16, true, 61), b(kN, DType::kBf16, DType::kBf16, true, 61);
+  auto planner = MakeOptimizer(Isa::kAuto);
+  HostOptimizerOptions other;
+  other.adam.lr = 0.5;  // must not be used by UpdateWith
+  other.adam.weight_decay = 0.3;
+  auto caller = HostOptimizer::Create(other);
+  ASSERT_TRUE(caller.ok());
+  StepOptions so;
+  so.loss_scale = 4.0;
+  so.max_grad_norm = 1.0;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    a.FillGrad(step, 2.0f);
+    b.FillGrad(step, 2.0f);
+    auto plan = planner->Plan(*planner->SumOfSquares(a.View()), so);
+    ASSERT_TRUE(plan.ok());
+    ASSERT_TRUE(planner->Update(a.View(), *plan).ok());
+    ASSERT_TRUE((*caller)->UpdateWith(b.View(), planner->config(), plan->step, plan->combined_scale).ok());
+  }
+  EXPECT_EQ(std::memcmp(a.master.data(), b.master.data(), kN * 4), 0);
+  EXPECT_EQ(std::memcmp(a.exp_avg_sq.data(), b.exp_avg_sq.data(), kN * 4), 0);
+  EXPECT_EQ(a.param, b.param);
+  EXPECT_EQ((*caller)->step(), 0u);
+  EXPECT_EQ((*caller)->config().lr, 0.5);
+  // Bad input: named, and nothing is touched.
+  const std::vector<float> before = b.master;
+  AdamWConfig bad = planner->config();
+  bad.beta2 = 1.0;
+  Status st = (*caller)->UpdateWith(b.View(), bad, 4, 1.0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("beta2"), std::string::npos) << st.ToString();
+  st = (*caller)->UpdateWith(b.View(), planner->config(), 0, 1.0);
+  EXPECT_NE(st.message().find("step 0"), std::string::npos) << st.ToString();
+  st = (*caller)->UpdateWith(b.View(), planner->config(), 4, std::nan(""));
+  EXPECT_NE(st.message().find("not finite"), std::string::npos) << st.ToString();
+  EXPECT_EQ(b.master, before);
+}
+
 TEST(HostOptimizerTest, TheUnfusedSequenceComputesTheSameStepForFp32Gradients) {
   constexpr uint64_t kN = 30'001;
   GroupBuffers fused(kN, DType::kFp32, DType::kBf16, true, 8), unfused(kN, DType::kFp32, DType::kBf16, true, 8);

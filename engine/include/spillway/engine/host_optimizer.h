@@ -90,6 +90,12 @@ class HostOptimizer {
   Result<double> SumOfSquares(const SubGroup& group);  // of the gradients as stored (scaled)
   Result<StepReport> Plan(double sum_of_squares, const StepOptions& options);
   Status Update(const SubGroup& group, const StepReport& plan);
+  // One fused pass over `group` with the caller's hyperparameters and Adam step number, for callers
+  // that keep both per parameter group (DeepSpeed's CPU Adam, torch.optim): `step` is this group's
+  // step counted from 1, `grad_scale` multiplies every gradient element (the combined
+  // unscale-and-clip factor). Neither this optimizer's step counter nor its config is used or
+  // changed. On an error nothing was updated.
+  Status UpdateWith(const SubGroup& group, const AdamWConfig& adam, uint64_t step, double grad_scale);
   // Takes back a plan no group was updated with (the step failed before the first Update), so
   // the next plan reuses its Adam step number. FAILED_PRECONDITION if a later plan was made.
   Status Unplan(const StepReport& plan);
@@ -110,7 +116,8 @@ class HostOptimizer {
   HostOptimizer(const HostOptimizerOptions& options, Isa isa);
   Status Check(const SubGroup& group, bool needs_state) const;
   Result<double> SumOfSquaresAll(std::span<const SubGroup> groups);
-  void RunAdam(std::span<const SubGroup> groups, const StepReport& plan, bool fused);
+  void RunAdam(std::span<const SubGroup> groups, const AdamWConfig& adam, uint64_t step,
+               double grad_scale, bool fused);
   Result<StepReport> RunStep(std::span<const SubGroup> groups, const StepOptions& options,
                              bool fused);
 
