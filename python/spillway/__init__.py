@@ -285,4 +285,4 @@ class tag:  # noqa: N801  (used like a function: `with spillway.tag("grad"):`)
         return wrapped
 
 
-from . import deepspeed, engine, metrics  # noqa: F401,E402
+from . import deepspeed, engine, metrics, optim  # noqa: F401,E402

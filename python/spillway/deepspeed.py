@@ -11,7 +11,10 @@ What it does (docs/deepspeed.md):
 - `engine.step()` marks a step boundary at each gradient-accumulation boundary;
 - after deepspeed.initialize and after the first optimizer step, an audit walks DeepSpeed's
   offloaded tensors and reports by name each one whose memory is not Spillway's;
-- DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it.
+- DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it;
+- ZeRO-3's host optimizer step runs on Spillway's fused pass (`step=True`, the default): per
+  sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
+  pass over the data (Note [DeepSpeed step] in docs/deepspeed.md).
 
 `uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
 rest of the process (memory they handed out must keep freeing through them).
@@ -135,9 +138,10 @@ def _wrap_initialize(original):
     return initialize
 
 
-def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True):
+def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True):
     """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
-    is built. `allocators=False` replaces only the aio op (the old behaviour).
+    is built. `allocators=False` replaces only the aio op (the old behaviour). `step=False` keeps
+    DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic).
 
     Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
     missing an allocation site, gets one warning that names the version and what still works."""
@@ -160,6 +164,8 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True):
     _saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
     AsyncIOBuilder.load = lambda self, verbose=True: _op()
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True
+    if step:
+        _install_step()
     if not allocators:
         return
     import importlib  # noqa: PLC0415
@@ -214,6 +220,159 @@ def uninstall():
 
 def installed():
     return _saved is not None
+
+
+# ---- The optimizer step (Note [DeepSpeed step] in docs/deepspeed.md) ----
+
+# DeepSpeedZeroOptimizer_Stage3's per-sub-group sequence in step(), read from DeepSpeed 0.19.8:
+#   unscale_and_clip_grads(i, norm)                grad *= 1 / combined_scale        (pass 1)
+#   _optimizer_step(i)                             DeepSpeedCPUAdam.step()           (pass 2)
+#   _reassign_or_swap_out_partitioned_parameters(i)  fp16_flat[i].copy_(fp32_flat[i])  (pass 3)
+# (the norm before them is DeepSpeed's and stays). Spillway records the scale in the first, runs
+# one fused pass in the second (unscale and clip folded in, the 16-bit partition written from the
+# new master), and skips the copy in the third. Any sub-group Spillway does not take runs the
+# original three.
+_STEP_SEAM = ("unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters")
+_declined = set()   # reasons already warned about (once per process each)
+
+
+class StepWarning(UserWarning):
+    """Spillway's step is not used for (some of) this run's sub-groups; the reason is in the text."""
+
+
+def _decline_once(reason):
+    if reason not in _declined:
+        _declined.add(reason)
+        warnings.warn(f"spillway.deepspeed: DeepSpeed's own optimizer step runs: {reason}", StepWarning,
+                      stacklevel=4)
+
+
+def _why_not_ours(opt, sub_group_id):
+    """None when Spillway's fused pass can run this sub-group's step with DeepSpeed's semantics; else
+    the reason DeepSpeed's own step runs it."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+
+    inner = opt.optimizer
+    if type(inner) is not DeepSpeedCPUAdam:
+        return (f"the optimizer is {type(inner).__name__}; Spillway's fused step implements Adam and AdamW "
+                "(DeepSpeedCPUAdam, made by offload_optimizer with optimizer type Adam or AdamW)")
+    if not opt.offload_optimizer or opt.subgroup_to_device[sub_group_id] != "cpu":
+        return "the sub-group's optimizer state is not on the CPU (offload_optimizer.device is not cpu or nvme)"
+    if getattr(opt, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast's GradScaler steps the optimizer"
+    if getattr(opt, "zenflow", False):
+        return "ZenFlow steps the optimizer"
+    if getattr(opt, "use_muon", False) and opt.sub_groups_using_muon[sub_group_id]:
+        return "the sub-group uses Muon"
+    if not getattr(inner, "fp32_optimizer_states", True):
+        return "fp32_optimizer_states is off (Spillway keeps the moments in fp32)"
+    fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+    if fp32.dtype != torch.float32 or fp32.device.type != "cpu" or fp32.grad is None:
+        return f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants fp32 on the CPU)"
+    return None
+
+
+def _fused_unscale_and_clip_grads(original):
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        reason = _why_not_ours(self, sub_group_id)
+        pending = self.__dict__.setdefault("_spillway_scale", {})
+        if reason is not None:
+            _decline_once(reason)
+            pending.pop(sub_group_id, None)
+            return original(self, sub_group_id, total_norm)
+        # DeepSpeed's arithmetic, kept to the op: the factor each gradient element is multiplied by.
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * self.loss_scale
+        factor = 1. / combined_scale
+        pending[sub_group_id] = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    unscale_and_clip_grads.__spillway_original__ = original
+    return unscale_and_clip_grads
+
+
+def _fused_optimizer_step(original):
+    @functools.wraps(original)
+    def _optimizer_step(self, sub_group_id):
+        scale = self.__dict__.get("_spillway_scale", {}).pop(sub_group_id, None)
+        if scale is None:  # unscale_and_clip_grads declined it (or a caller skipped it): DeepSpeed's path
+            return original(self, sub_group_id)
+        inner = self.optimizer
+        group_id = self.sub_group_to_group_id[sub_group_id]
+        if not 0 <= group_id < len(inner.param_groups):
+            raise spillway_error("InvalidArgument")(
+                f"spillway.deepspeed: sub-group {sub_group_id} belongs to parameter group {group_id}, and the "
+                f"optimizer has {len(inner.param_groups)}; parameter groups were changed after "
+                "deepspeed.initialize (add them before it)")
+        group = inner.param_groups[group_id]
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        state = inner.state[fp32]
+        if len(state) == 0:  # as DeepSpeedCPUAdam.step does at the first step
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+            state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].shape != fp32.shape:
+                raise spillway_error("InvalidArgument")(
+                    f"spillway.deepspeed: sub-group {sub_group_id}: optimizer state '{key}' has shape "
+                    f"{tuple(state[key].shape)} and the fp32 partition {tuple(fp32.shape)}; the state was "
+                    "loaded from a checkpoint of another model, world size or sub_group_size")
+        shadow = self.fp16_partitioned_groups_flat[sub_group_id]
+        if shadow is not None and (shadow.dtype not in (torch.bfloat16, torch.float16)
+                                   or shadow.numel() != fp32.numel() or not shadow.is_contiguous()):
+            shadow = None  # DeepSpeed's own copy in _reassign_or_swap_out_partitioned_parameters
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        kernel = self.__dict__.get("_spillway_kernel")
+        if kernel is None:
+            kernel = self._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
+        kernel.update(f"DeepSpeed sub-group {sub_group_id} (parameter group {group_id})", fp32.data,
+                      state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]),
+                      group["lr"], beta1, beta2, group["eps"], group["weight_decay"], inner.adam_w_mode,
+                      group.get("bias_correction", True), scale)
+        if shadow is not None:
+            self.__dict__.setdefault("_spillway_copied", set()).add(sub_group_id)
+    _optimizer_step.__spillway_original__ = original
+    return _optimizer_step
+
+
+def _fused_reassign(original):
+    @functools.wraps(original)
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        copied = self.__dict__.get("_spillway_copied")
+        if copied is None or sub_group_id not in copied:
+            return original(self, sub_group_id)
+        copied.discard(sub_group_id)
+        self._unflatten_partitioned_parameters(sub_group_id)  # what the original does after its copy
+    _reassign_or_swap_out_partitioned_parameters.__spillway_original__ = original
+    return _reassign_or_swap_out_partitioned_parameters
+
+
+def spillway_error(name):
+    import spillway  # noqa: PLC0415
+
+    return getattr(spillway, name)
+
+
+def _install_step():
+    """Patches the seam when this DeepSpeed has it as read; otherwise says once why not."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+
+    version = _deepspeed_version()
+    missing = [name for name in _STEP_SEAM if name not in Stage3.__dict__]
+    if version not in TESTED_DEEPSPEED or missing:
+        _decline_once(f"DeepSpeed {version} is {'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
+                      f"{'; its ZeRO-3 optimizer lacks ' + ', '.join(missing) if missing else ''}: the seam "
+                      "Spillway patches (unscale_and_clip_grads, _optimizer_step, "
+                      "_reassign_or_swap_out_partitioned_parameters) was read from 0.19.8 only")
+        return False
+    _patch(Stage3, "unscale_and_clip_grads", _fused_unscale_and_clip_grads(Stage3.__dict__["unscale_and_clip_grads"]))
+    _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
+    _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
+           _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+    return True
 
 
 # ---- The audit ----

@@ -34,5 +34,7 @@ T Check(Result<T> r) {
 
 // Defined in engine.cc (the libtorch trainer, for spillway.engine).
 void BindEngine(pybind11::module_& m);
+// Defined in optim.cc (the fused host AdamW pass, for spillway.optim and spillway.deepspeed).
+void BindOptim(pybind11::module_& m);
 
 }  // namespace spillway::python

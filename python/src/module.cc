@@ -176,6 +176,7 @@ PYBIND11_MODULE(_spillway, m) {
              e.Watch(&a->ledger());
            }, py::keep_alive<1, 2>());
   python::BindEngine(m);
+  python::BindOptim(m);
   python::BindTorchAllocators(m);
   m.def("_serve", [](const std::string& address, const std::map<std::string, std::string>& labels) {
     metrics::ExporterOptions o;

@@ -18,7 +18,7 @@ import deepspeed  # noqa: E402
 which, swap, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if which == "spillway":
     import spillway
-    spillway.deepspeed.install()
+    spillway.deepspeed.install(step=False)  # DeepSpeed's own step: the losses compare bit for bit
 elif which != "deepspeed":
     sys.exit(f"unknown aio op {which!r}: deepspeed or spillway")
 
