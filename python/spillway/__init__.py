@@ -9,7 +9,8 @@
 
     h = spillway.aio_handle(block_size=1 << 20, queue_depth=32)   # DeepSpeed's aio_handle contract
 
-    spillway.deepspeed.install()      # DeepSpeed: its whole host side in Spillway's arenas (docs/deepspeed.md)
+    spillway.deepspeed.install()      # DeepSpeed: its whole host side in Spillway's arenas, its host step
+                                      # on Spillway's fused pass, the device guard (docs/deepspeed.md)
     spillway.install()                # any loop: torch's CPU and pinned allocators become Spillway's
     with spillway.tag("optimizer_state"):
         state = torch.zeros(n)        # pageable, MADV_DONTFORK, budgeted, ledgered
@@ -43,7 +44,7 @@ from . import _spillway  # noqa: E402
 __all__ = [
     "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
-    "Unavailable", "Escaped", "InternalError", "install", "installed", "tag", "next_epoch", "Runtime",
+    "Unavailable", "Escaped", "InternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime",
 ]
 
 
@@ -285,4 +286,5 @@ class tag:  # noqa: N801  (used like a function: `with spillway.tag("grad"):`)
         return wrapped
 
 
-from . import deepspeed, engine, metrics, optim  # noqa: F401,E402
+from . import deepspeed, engine, guard, metrics, optim  # noqa: F401,E402
+from .guard import DeviceMismatch  # noqa: F401,E402

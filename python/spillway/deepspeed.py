@@ -15,6 +15,9 @@ What it does (docs/deepspeed.md):
 - ZeRO-3's host optimizer step runs on Spillway's fused pass (`step=True`, the default): per
   sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
   pass over the data (Note [DeepSpeed step] in docs/deepspeed.md).
+- the device guard (`guard=True`, the default) checks every op of ZeRO-3's optimizer step for tensors
+  on mixed devices and names them (spillway.DeviceMismatch), and deepspeed.initialize refuses a
+  model spread over devices (spillway.guard.audit; Note [Device guard] in docs/deepspeed.md).
 
 `uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
 rest of the process (memory they handed out must keep freeing through them).
@@ -124,6 +127,30 @@ def _wrap_step(original):
     return step
 
 
+def _guarded_step(original):
+    from . import guard  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        with guard.devices(self):
+            return original(self, *args, **kwargs)
+    step.__spillway_original__ = original
+    return step
+
+
+def _audited_initialize(original):
+    from . import guard  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        model = kwargs.get("model", args[1] if len(args) > 1 else None)
+        if isinstance(model, torch.nn.Module):
+            guard.audit(model)
+        return original(*args, **kwargs)
+    initialize.__spillway_original__ = original
+    return initialize
+
+
 def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
@@ -138,10 +165,11 @@ def _wrap_initialize(original):
     return initialize
 
 
-def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True):
+def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True, guard=True):
     """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
     is built. `allocators=False` replaces only the aio op (the old behaviour). `step=False` keeps
-    DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic).
+    DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic). `guard=False` leaves the
+    optimizer step and deepspeed.initialize unchecked.
 
     Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
     missing an allocation site, gets one warning that names the version and what still works."""
@@ -166,6 +194,11 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True
     if step:
         _install_step()
+    if guard:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+
+        _patch(Stage3, "step", _guarded_step(Stage3.__dict__["step"]))
+        _patch(deepspeed, "initialize", _audited_initialize(deepspeed.initialize))
     if not allocators:
         return
     import importlib  # noqa: PLC0415

@@ -1,0 +1,173 @@
+"""spillway.guard: the device mix-ups of the seed reports, each reproduced with its control: torch's
+bare error (or silence) without the guard, Spillway's named error with it. On this machine without a
+GPU the "other device" is meta; scripts/gpu-check runs the same file with cuda where one is lent."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import spillway
+from spillway import guard
+
+OTHER = "cuda" if torch.cuda.is_available() else "meta"
+
+
+def test_a_delta_on_another_device_added_to_a_weight_is_named_easyedit_memit():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    delta = torch.randn(4, 8, device=OTHER)
+    w = model[1].weight
+    # Control: torch's own error names no tensor.
+    with pytest.raises(RuntimeError) as bare:
+        _ = w + delta
+    assert "1.weight" not in str(bare.value)
+    with pytest.raises(spillway.DeviceMismatch) as named, guard.devices(model):
+        _ = w + delta
+    text = str(named.value)
+    assert "aten.add" in text
+    assert "1.weight float32[4x8] on cpu" in text
+    assert f"(a temporary: not a parameter, buffer, gradient or optimizer state) float32[4x8] on {OTHER}" in text
+    assert "test_guard.py" in text and "_ = w + delta" in text  # the caller's frame
+    assert "fix: put them on one device" in text
+    assert isinstance(named.value, RuntimeError)  # code that catches torch's error still catches it
+
+
+@pytest.mark.skipif(OTHER != "meta", reason="meta-specific control: torch accepts an in-place add of a meta delta")
+def test_an_in_place_add_torch_lets_through_silently_is_refused():
+    model = torch.nn.Linear(8, 4)
+    delta = torch.randn(4, 8, device="meta")
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(delta)  # control: torch raises nothing
+    with torch.no_grad(), pytest.raises(spillway.DeviceMismatch, match=r"weight float32\[4x8\] on cpu"), \
+            guard.devices(model):
+        model.weight.add_(delta)
+    del before
+
+
+def test_optimizer_state_and_gradients_are_named_and_scalars_on_the_cpu_pass():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with guard.devices(model, opt) as mode:
+        model.weight.grad.mul_(torch.tensor(0.5))  # a 0-dim CPU tensor: allowed, as in torch
+        opt.step()
+    assert mode.ops_checked > 0
+    buf = opt.state[model.weight]["momentum_buffer"]
+    with pytest.raises(spillway.DeviceMismatch) as e, guard.devices(model, opt):
+        buf.add_(torch.ones(4, 8, device=OTHER) + 0)
+    assert "weight optimizer state['momentum_buffer'] float32[4x8] on cpu" in str(e.value)
+    with pytest.raises(spillway.DeviceMismatch, match=r"weight\.grad float32\[4x8\] on cpu"), guard.devices(model):
+        model.weight.grad.mul_(torch.tensor(2.0, device=OTHER))
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None  # off: no mode stays installed
+
+
+def test_copies_between_devices_pass():
+    with guard.devices():
+        x = torch.randn(4).to(OTHER)
+        torch.empty(4, device=OTHER).copy_(torch.randn(4))
+    assert x.device.type == OTHER
+
+
+DS = """
+import os, socket, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, deepspeed, spillway
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+OTHER = %r
+
+# DeepSpeed 0.14.1's bug, injected into 0.19.8: the combined scale on the accelerator while the fp32
+# gradients of offload_optimizer live on the CPU (seeds 000-002: Axolotl, Qwen3-72B, XTuner Yi-34B).
+def unscale_and_clip_grads(self, sub_group_id, total_norm):
+    combined_scale = torch.tensor(float(self.loss_scale), device=OTHER)
+    self.fp32_partitioned_groups_flat[sub_group_id].grad.mul_(1. / combined_scale)
+Stage3.unscale_and_clip_grads = unscale_and_clip_grads
+if sys.argv[1] == "guard":
+    spillway.deepspeed.install(step=False)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                "offload_param": {"device": "cpu"}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+loss = engine(torch.randn(4, 16).to(torch.bfloat16)).float().sum()
+engine.backward(loss)
+engine.step()
+"""
+
+
+def ds_run(mode):
+    p = subprocess.run([sys.executable, "-c", DS % OTHER, mode], capture_output=True, text=True, timeout=900)
+    return p.returncode, p.stderr
+
+
+def test_deepspeed_0_14_1s_scale_on_another_device_is_named_by_the_guard_install_turns_on():
+    pytest.importorskip("deepspeed")
+    rc, bare = ds_run("plain")
+    if OTHER == "cuda":  # the seed: torch's bare error, naming no tensor
+        assert rc != 0 and "Expected all tensors to be on the same device" in bare and "DeviceMismatch" not in bare
+    else:  # torch lets an in-place mul_ take a 0-dim meta tensor without a word: the step "succeeds"
+        assert rc == 0, bare[-3000:]
+    rc, named = ds_run("guard")
+    assert rc != 0
+    assert "spillway.DeviceMismatch: aten.mul_" in named, named[-3000:]
+    assert "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad float32" in named, named[-3000:]
+    assert f"float32[scalar] on {OTHER}" in named, named[-3000:]
+    assert "line 12, in unscale_and_clip_grads" in named  # the injected function: the caller's frame
+    assert "a scalar factor that enters host math belongs on the CPU" in named
+
+
+def spread_gpt2():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)  # from a config: nothing is downloaded
+    # What device_map='auto' leaves: each top-level block on its device, and the map on the model.
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "cpu",
+                  "transformer.h.1": "cpu", "transformer.h.2": OTHER, "transformer.h.3": OTHER,
+                  "transformer.ln_f": OTHER, "lm_head": "cpu"}
+    for name, device in device_map.items():
+        model.get_submodule(name).to(device)
+    model.hf_device_map = device_map
+    return model
+
+
+def test_a_model_spread_by_device_map_is_refused_with_its_layers_named():
+    model = spread_gpt2()
+    with pytest.raises(spillway.DeviceMismatch) as e:
+        guard.audit(model)
+    text = str(e.value)
+    assert "GPT2LMHeadModel is spread over 2 devices" in text
+    assert f"device_map {OTHER}: transformer.h.2, transformer.h.3, transformer.ln_f" in text
+    assert "transformer.h.0" in text and "device_map=None" in text and "ZeRO-3 or FSDP" in text
+    # Control: the same model on one device passes.
+    transformers = pytest.importorskip("transformers")
+    one = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=128,
+                                                               n_positions=64))
+    assert guard.audit(one) == "cpu"
+
+
+def test_deepspeed_initialize_refuses_a_spread_model_after_install():
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
+    code = textwrap.dedent("""
+        import os, sys
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        sys.path.insert(0, %r)
+        import deepspeed, spillway
+        from test_guard import spread_gpt2
+        spillway.deepspeed.install()
+        try:
+            deepspeed.initialize(model=spread_gpt2(), config={"train_micro_batch_size_per_gpu": 1})
+        except spillway.DeviceMismatch as e:
+            print("REFUSED", str(e).splitlines()[0])
+    """) % str(__import__("pathlib").Path(__file__).parent)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "REFUSED GPT2LMHeadModel is spread over 2 devices" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
