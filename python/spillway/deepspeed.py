@@ -132,6 +132,8 @@ def _guarded_step(original):
 
     @functools.wraps(original)
     def step(self, *args, **kwargs):
+        if not getattr(self, "spillway_guard", True):  # `optimizer.spillway_guard = False`: unchecked
+            return original(self, *args, **kwargs)
         with guard.devices(self):
             return original(self, *args, **kwargs)
     step.__spillway_original__ = original
@@ -308,10 +310,12 @@ def _why_not_ours(opt, sub_group_id):
 def _fused_unscale_and_clip_grads(original):
     @functools.wraps(original)
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
-        reason = _why_not_ours(self, sub_group_id)
         pending = self.__dict__.setdefault("_spillway_scale", {})
+        # `optimizer.spillway_step = False` on one ZeRO optimizer keeps DeepSpeed's step for it.
+        reason = _why_not_ours(self, sub_group_id) if getattr(self, "spillway_step", True) else "off"
         if reason is not None:
-            _decline_once(reason)
+            if reason != "off":
+                _decline_once(reason)
             pending.pop(sub_group_id, None)
             return original(self, sub_group_id, total_norm)
         # DeepSpeed's arithmetic, kept to the op: the factor each gradient element is multiplied by.

@@ -35,6 +35,9 @@ _CROSS_DEVICE_OPS = frozenset({
     "aten::_has_same_storage_numel", "aten::is_same_size", "aten::_nested_tensor_from_tensor_list",
 })
 
+_CROSS_DEVICE_PACKETS = frozenset(getattr(torch.ops.aten, n.split("::")[1]) for n in _CROSS_DEVICE_OPS
+                                   if hasattr(torch.ops.aten, n.split("::")[1]))
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -140,17 +143,18 @@ class devices(TorchDispatchMode):  # noqa: N801 (used as a context manager, like
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops_checked += 1
-        name = func._schema.name
-        if name not in _CROSS_DEVICE_OPS:
-            flat, _ = tree_flatten((args, kwargs))
+        packet = func.overloadpacket
+        if packet not in _CROSS_DEVICE_PACKETS:
             seen = None
-            for t in flat:
-                # A 0-dim CPU tensor meets any device, as torch allows for scalars.
-                if isinstance(t, torch.Tensor) and not (t.dim() == 0 and t.device.type == "cpu"):
-                    if seen is None:
-                        seen = t.device
-                    elif t.device != seen:
-                        self._raise(func, flat)
+            # Tensors and lists of tensors, one level deep, are all aten's schemas pass.
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    # A 0-dim CPU tensor meets any device, as torch allows for scalars.
+                    if isinstance(t, torch.Tensor) and (t.dim() != 0 or t.device.type != "cpu"):
+                        if seen is None:
+                            seen = t.device
+                        elif t.device != seen:
+                            self._raise(func, tree_flatten((args, kwargs))[0])
         return func(*args, **kwargs)
 
     def _raise(self, func, flat):
