@@ -485,3 +485,68 @@ def _audit_and_warn(engine, when):
             f"spillway.deepspeed.install() before the model is built and before deepspeed.initialize",
             AuditWarning, stacklevel=3)
     return report
+
+
+# ---- Streaming the consolidated 16-bit weights (docs/checkpoint.md) ----
+
+def _consolidated_entries(engine, exclude_frozen_parameters):
+    """(key, kind, module, tensor) in DeepSpeed's _zero3_consolidated_16bit_state_dict order: per
+    module, its own parameters (a tied parameter under each of its names), then its persistent
+    buffers, then its children."""
+    out = []
+
+    def walk(module, prefix):
+        for name, p in module.named_parameters(recurse=False):
+            if p is None or (exclude_frozen_parameters and not p.requires_grad):
+                continue
+            out.append((prefix + name, "param", module, p))
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out.append((prefix + name, "buffer", module, b))
+        for name, child in module.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+    walk(engine.module, "")
+    return out
+
+
+def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_parameters=False,
+                     block_size=1 << 20, queue_depth=8):
+    """Writes a ZeRO-3 engine's 16-bit weights to `save_dir` as transformers-style sharded
+    safetensors with model.safetensors.index.json: the tensors DeepSpeed's own
+    engine.save_16bit_model would write, under the same names. Every rank must call it (the
+    parameters are gathered collectively); rank 0 writes. One parameter is gathered at a time and
+    streamed to its place in its shard through Spillway's aio_handle, so rank 0's host memory
+    peaks at about one parameter, not the model (DeepSpeed gathers the whole state dict on rank 0
+    first). Returns the files written on rank 0, [] elsewhere. Atomicity: see spillway.safetensors_stream.Writer."""
+    import deepspeed  # noqa: PLC0415
+    import deepspeed.comm as dist  # noqa: PLC0415
+
+    from . import safetensors_stream as st  # noqa: PLC0415
+
+    if not engine.zero_optimization_partition_weights():
+        raise spillway_error("InvalidArgument")(
+            "spillway.deepspeed.save_16bit_model: the engine is not ZeRO-3 (its weights are not "
+            "partitioned); engine.module.state_dict() already holds them whole")
+    entries = _consolidated_entries(engine, exclude_frozen_parameters)
+    rank0 = dist.get_rank() == 0
+    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, _, t in entries]
+    plan = st.Plan(layout, max_shard_size)
+    writer = st.Writer(save_dir, plan, block_size, queue_depth) if rank0 else None
+    try:
+        # A tied parameter is gathered again and written under each of its names: DeepSpeed's
+        # state dict holds the same tensor under both, and safetensors has no aliases.
+        for key, kind, _, t in entries:
+            if kind == "param" and hasattr(t, "ds_id"):
+                with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                    if rank0:
+                        writer.write(key, t.data)
+            elif rank0:
+                writer.write(key, t)
+        if not rank0:
+            return []
+        return writer.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise

@@ -1,0 +1,85 @@
+"""A DeepSpeed ZeRO-3 run (CPU accelerator, bf16, offload cpu) of a transformers GPT-2 built from a
+tiny config (tied embeddings), saved with DeepSpeed's engine.save_16bit_model and with
+spillway.deepspeed.save_16bit_model, each save's peak host memory measured.
+
+    python ds_save.py OUT.json DS_DIR SPILLWAY_DIR [N_LAYER] [N_EMBD] [MAX_SHARD_BYTES]
+
+World size 1 by default; with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by the caller, one
+rank of that world (rank 0 writes OUT.json). At world size 1 "gathering" a parameter allocates
+nothing (the partition is the whole parameter), so the memory comparison runs at world size 2.
+
+Peak memory: the process's VmHWM after `echo 5 > /proc/self/clear_refs` (which resets it to the
+current RSS) minus VmRSS before the save."""
+import json
+import os
+import socket
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch  # noqa: E402
+import deepspeed  # noqa: E402
+import transformers  # noqa: E402
+
+import spillway  # noqa: E402
+
+out, ds_dir, sp_dir = sys.argv[1:4]
+n_layer = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+n_embd = int(sys.argv[5]) if len(sys.argv) > 5 else 64
+max_shard = int(sys.argv[6]) if len(sys.argv) > 6 else 1 << 20
+if os.environ.get("DS_SAVE_INSTALL", "1") == "1":
+    spillway.deepspeed.install()
+if "WORLD_SIZE" not in os.environ:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+os.environ["LOCAL_RANK"] = os.environ["RANK"]
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+torch.manual_seed(0)
+cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=512, n_positions=64)
+model = transformers.GPT2LMHeadModel(cfg)
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                "offload_param": {"device": "cpu"},
+                                "stage3_gather_16bit_weights_on_model_save": True}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+for _ in range(2):
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def peak(fn):
+    # Freed heap memory goes back to the OS first, so that an allocation during the save shows in
+    # RSS instead of reusing pages training left resident.
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    result = fn()
+    return status("VmHWM") - before, result
+
+
+ds_peak, _ = peak(lambda: engine.save_16bit_model(ds_dir))
+sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
+model.config.save_pretrained(sp_dir)
+params = list(model.parameters())
+if int(os.environ["RANK"]) != 0:
+    sys.exit(0)
+json.dump({"ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
+           "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
+           "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
+print("done")
