@@ -566,7 +566,7 @@ Status PartitionStore::SwapIn(PartitionId id) {
 uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request) {
   if (nvme_ == nullptr) return 0;
   const uint64_t need = request.bytes_needed;
-  constexpr uint64_t kPage = 4096;  // the arena's granule: a partition's extent is its bytes rounded up
+  const uint64_t page = host_->page_bytes();  // the arena's granule: an extent is its bytes rounded up
   const std::thread::id me = std::this_thread::get_id();
   const bool may_wait = me != prefetcher_id_;  // prefetching is best effort: it never waits
   uint64_t freed = 0;
@@ -583,7 +583,7 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
     for (PartitionId i = 0; i < parts_.size(); ++i) {
       const Part& p = parts_[i];
       if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
-      const bool fits = (p.bytes + kPage - 1) / kPage * kPage >= request.request_bytes;
+      const bool fits = (p.bytes + page - 1) / page * page >= request.request_bytes;
       const uint64_t d = NextUseDistance(p);
       if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
         best = d;

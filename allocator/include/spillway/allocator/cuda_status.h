@@ -36,17 +36,42 @@ inline Status ToStatus(cudaError_t err, std::string_view what,
                       static_cast<int>(err));
 }
 
+// Whether the calling thread has a current CUDA context. cudaGetDevice answers 0 on a thread that
+// never chose a device, and cudaSetDevice(0) there would create device 0's primary context (memory
+// on GPU 0 in every process, as torch's MaybeSetDevice avoids). The driver's cuCtxGetCurrent says;
+// it is looked up through the runtime, so Spillway does not link libcuda. Unknown (no driver entry
+// point) reads as true: restoring is then what it was before this check.
+inline bool ThreadHasContext() {
+  using CtxGetCurrent = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const CtxGetCurrent get = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      ConsumeError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<CtxGetCurrent>(fn);
+  }();
+  if (get == nullptr) return true;
+  void* ctx = nullptr;
+  return get(&ctx) != 0 || ctx != nullptr;  // an error answers "unknown", hence true
+}
+
 // Makes `device` current for the scope and gives the caller back its own device at exit, as
 // c10::cuda::CUDAGuard does. The switch is skipped when `device` is already current, so the common
-// case costs one cudaGetDevice (a thread-local read in the runtime). status() is the result of
-// reading or setting the device; a caller checks it before touching the device.
+// case costs one cudaGetDevice (a thread-local read in the runtime). A thread that had no context
+// before is left on `device` rather than made to create a context on device 0. status() is the
+// result of reading or setting the device; a caller checks it before touching the device.
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
     cudaError_t err = cudaGetDevice(&previous_);
     if (err == cudaSuccess && previous_ != device) {
+      const bool had_context = ThreadHasContext();
       err = cudaSetDevice(device);
-      switched_ = err == cudaSuccess;
+      switched_ = err == cudaSuccess && had_context;
     }
     status_ = ToStatus(err, StrCat("making CUDA device ", device, " current"),
                        StatusCode::kUnavailable);
