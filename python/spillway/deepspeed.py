@@ -147,7 +147,9 @@ def _audited_initialize(original):
     def initialize(*args, **kwargs):
         model = kwargs.get("model", args[1] if len(args) > 1 else None)
         if isinstance(model, torch.nn.Module):
-            guard.audit(model)
+            # DeepSpeed moves a module whose parameters merely sit on several devices to its own;
+            # a device map (hf_device_map) is the placement it cannot undo.
+            guard.audit(model, parameters=False)
         return original(*args, **kwargs)
     initialize.__spillway_original__ = original
     return initialize
@@ -286,7 +288,13 @@ def _why_not_ours(opt, sub_group_id):
     """None when Spillway's fused pass can run this sub-group's step with DeepSpeed's semantics; else
     the reason DeepSpeed's own step runs it."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
 
+    # A subclass that overrides part of the seam (SuperOffload's _optimizer_step, for one) calls
+    # the pieces in its own order: the three must be the ones patched here, or none is ours.
+    overridden = [n for n in _STEP_SEAM if getattr(type(opt), n) is not getattr(Stage3, n)]
+    if overridden:
+        return f"{type(opt).__name__} overrides {', '.join(overridden)}"
     inner = opt.optimizer
     if type(inner) is not DeepSpeedCPUAdam:
         return (f"the optimizer is {type(inner).__name__}; Spillway's fused step implements Adam and AdamW "
@@ -302,8 +310,10 @@ def _why_not_ours(opt, sub_group_id):
     if not getattr(inner, "fp32_optimizer_states", True):
         return "fp32_optimizer_states is off (Spillway keeps the moments in fp32)"
     fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
-    if fp32.dtype != torch.float32 or fp32.device.type != "cpu" or fp32.grad is None:
+    if fp32.dtype != torch.float32 or fp32.device.type != "cpu":
         return f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants fp32 on the CPU)"
+    if fp32.grad is None or fp32.grad.device.type != "cpu":
+        return "the master partition's gradient is missing or not on the CPU"
     return None
 
 
@@ -311,6 +321,9 @@ def _fused_unscale_and_clip_grads(original):
     @functools.wraps(original)
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
         pending = self.__dict__.setdefault("_spillway_scale", {})
+        # A mark left by a step that raised between _optimizer_step and _reassign must not make
+        # this step skip its copy.
+        self.__dict__.get("_spillway_copied", set()).discard(sub_group_id)
         # `optimizer.spillway_step = False` on one ZeRO optimizer keeps DeepSpeed's step for it.
         reason = _why_not_ours(self, sub_group_id) if getattr(self, "spillway_step", True) else "off"
         if reason is not None:
@@ -357,18 +370,22 @@ def _fused_optimizer_step(original):
                     f"{tuple(state[key].shape)} and the fp32 partition {tuple(fp32.shape)}; the state was "
                     "loaded from a checkpoint of another model, world size or sub_group_size")
         shadow = self.fp16_partitioned_groups_flat[sub_group_id]
-        if shadow is not None and (shadow.dtype not in (torch.bfloat16, torch.float16)
+        # The 16-bit partition is written in the same pass only where the pass can reach it: on
+        # the CPU (with offload_param off it lives on the accelerator; DeepSpeed's own copy in
+        # _reassign_or_swap_out_partitioned_parameters moves it there).
+        if shadow is not None and (shadow.device.type != "cpu" or shadow.dtype not in (torch.bfloat16, torch.float16)
                                    or shadow.numel() != fp32.numel() or not shadow.is_contiguous()):
-            shadow = None  # DeepSpeed's own copy in _reassign_or_swap_out_partitioned_parameters
-        state["step"] += 1
+            shadow = None
         beta1, beta2 = group["betas"]
         kernel = self.__dict__.get("_spillway_kernel")
         if kernel is None:
             kernel = self._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
+        # The step count moves only once the update is made: a refused update leaves it as it was.
         kernel.update(f"DeepSpeed sub-group {sub_group_id} (parameter group {group_id})", fp32.data,
-                      state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]),
+                      state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1,
                       group["lr"], beta1, beta2, group["eps"], group["weight_decay"], inner.adam_w_mode,
                       group.get("bias_correction", True), scale)
+        state["step"] += 1
         if shadow is not None:
             self.__dict__.setdefault("_spillway_copied", set()).add(sub_group_id)
     _optimizer_step.__spillway_original__ = original

@@ -38,6 +38,10 @@ _CROSS_DEVICE_OPS = frozenset({
 _CROSS_DEVICE_PACKETS = frozenset(getattr(torch.ops.aten, n.split("::")[1]) for n in _CROSS_DEVICE_OPS
                                    if hasattr(torch.ops.aten, n.split("::")[1]))
 
+_INDEX_PACKETS = frozenset(getattr(torch.ops.aten, n) for n in ("index", "index_put", "index_put_", "_index_put_impl_",
+                                                                  "_unsafe_index", "_unsafe_index_put")
+                           if hasattr(torch.ops.aten, n))
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -48,7 +52,20 @@ def _describe(t):
 
 
 def _same(a, b):
-    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a._cdata == b._cdata)
+    """The same tensor, or a view of the same bytes with the same geometry (`p.data`, `p.grad.data`
+    and `p.detach()` are other tensor objects over the parameter's storage)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a._cdata == b._cdata:
+        return True
+    if a.device != b.device or a.device.type == "meta" or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    try:
+        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.data_ptr() != 0
+    except RuntimeError:  # a tensor without storage (a functional or sparse tensor)
+        return False
 
 
 def _local(t):
@@ -144,17 +161,33 @@ class devices(TorchDispatchMode):  # noqa: N801 (used as a context manager, like
         kwargs = kwargs or {}
         self.ops_checked += 1
         packet = func.overloadpacket
-        if packet not in _CROSS_DEVICE_PACKETS:
+        if packet in _CROSS_DEVICE_PACKETS:
+            return func(*args, **kwargs)
+        if packet in _INDEX_PACKETS:
+            # Indices may live on the CPU whatever the device of the tensor they index (torch
+            # moves them): only self and the values must agree.
+            groups = [[a for i, a in enumerate(args) if i != 1] + [v for k, v in kwargs.items() if k != "indices"]]
+        elif packet.__name__.startswith("_foreach_"):
+            # One op over lists: element i of every list (and any tensor outside the lists) must
+            # agree; different elements may be on different devices.
+            lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
+            single = [a for a in (*args, *kwargs.values()) if not isinstance(a, (list, tuple))]
+            n = max((len(x) for x in lists), default=0)
+            groups = [[x[i] for x in lists if i < len(x)] + single for i in range(n)]
+        else:
+            groups = [[*args, *kwargs.values()]]
+        for group in groups:
             seen = None
             # Tensors and lists of tensors, one level deep, are all aten's schemas pass.
-            for a in (*args, *kwargs.values()):
+            for a in group:
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     # A 0-dim CPU tensor meets any device, as torch allows for scalars.
                     if isinstance(t, torch.Tensor) and (t.dim() != 0 or t.device.type != "cpu"):
                         if seen is None:
                             seen = t.device
                         elif t.device != seen:
-                            self._raise(func, tree_flatten((args, kwargs))[0])
+                            self._raise(func, [x for a2 in group
+                                               for x in (a2 if isinstance(a2, (list, tuple)) else (a2,))])
         return func(*args, **kwargs)
 
     def _raise(self, func, flat):
@@ -167,7 +200,9 @@ class devices(TorchDispatchMode):  # noqa: N801 (used as a context manager, like
                          f" {_describe(t)}")
         where = sorted({str(d) for d in found})
         counts = {d: sum(1 for f in found if str(f) == d) for d in where}
-        majority = max(where, key=lambda d: counts[d])
+        # An in-place op's result stays where `self` is: that is the device to move the rest to.
+        inplace = func._schema.name.endswith("_") and found
+        majority = str(found[0]) if inplace else max(where, key=lambda d: counts[d])
         raise DeviceMismatch(
             f"{func._schema.name.replace('aten::', 'aten.')} gets tensors on {' and '.join(where)}:\n"
             + "\n".join(lines)
@@ -177,16 +212,17 @@ class devices(TorchDispatchMode):  # noqa: N801 (used as a context manager, like
             f"tensor); a model spread over devices by device_map needs spillway.guard.audit(model)")
 
 
-def audit(model):
-    """Refuses a model spread over devices (seed 003: device_map='auto' and then training it).
-    Raises DeviceMismatch naming the layers on each device and the fix; returns the device otherwise."""
+def audit(model, parameters=True):
+    """Refuses a model spread over devices (seed 003: device_map='auto' and then training it): by
+    its `hf_device_map`, and (with `parameters`) by where its parameters are. Raises DeviceMismatch
+    naming the layers on each device and the fix; returns the device otherwise."""
     by_device = {}
     for name, p in model.named_parameters():
         by_device.setdefault(str(p.device), []).append(name)
     hf_map = getattr(model, "hf_device_map", None)
     mapped = sorted({str(v) for v in hf_map.values()}) if isinstance(hf_map, dict) else []
-    if len(by_device) <= 1 and len(mapped) <= 1:
-        return next(iter(by_device), None)
+    if (len(by_device) <= 1 or not parameters) and len(mapped) <= 1:
+        return next(iter(by_device), None) if len(by_device) <= 1 else None
     parts = []
     if len(mapped) > 1:
         for d in mapped:

@@ -29,6 +29,32 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _sum_over_shards(total, params):
+    """The global sum of squares when the parameters are DTensor shards (FSDP2): all-reduced over
+    the mesh, so every rank clips and skips alike. Only Shard placements are summed (a replicated
+    parameter would be counted once per rank)."""
+    meshes = {id(p.device_mesh): p for p in params if hasattr(p, "device_mesh")}
+    if not meshes:
+        return total
+    import torch.distributed as dist
+
+    if len(meshes) > 1:
+        raise ValueError("FusedAdamW: clipping or loss scaling over parameters on several device meshes is not "
+                         "supported; use torch.nn.utils.clip_grad_norm_ and step(loss_scale=1)")
+    p = next(iter(meshes.values()))
+    from torch.distributed.tensor import Shard
+
+    if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in p.placements):
+        raise ValueError(f"FusedAdamW: clipping over DTensor placements {p.placements} on a {p.device_mesh.ndim}-D "
+                         "mesh is not supported (FSDP2's Shard(0) on a 1-D mesh is); use "
+                         "torch.nn.utils.clip_grad_norm_")
+    group = p.device_mesh.get_group()
+    device = "cpu" if dist.get_backend(group) == "gloo" else p.device_mesh.device_type
+    t = torch.tensor([total], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
 def _check_hyper(lr, betas, eps, weight_decay, where):
     if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
         raise ValueError(f"{where}: lr = {lr!r} is invalid; use a finite lr >= 0")
@@ -137,10 +163,13 @@ class FusedAdamW(torch.optim.Optimizer):
                 if _local(p.grad).is_sparse:
                     raise ValueError(f"FusedAdamW: {where} has a sparse gradient; use torch.optim.SparseAdam")
                 work.append((group, p, where))
+        # Every state is checked (and made) before anything is updated: a refusal changes nothing.
+        states = [self._state(p, where) for _, p, where in work]
         scale = 1.0 / loss_scale
         self.last_step_skipped = False
         if self.max_grad_norm > 0 or loss_scale != 1.0:
             total = sum(self._kernel.sum_of_squares(where, _local(p.grad).contiguous()) for _, p, where in work)
+            total = _sum_over_shards(total, [p for _, p, _ in work])
             norm = math.sqrt(total) / loss_scale
             self.last_grad_norm = norm
             if not math.isfinite(norm):
@@ -148,12 +177,22 @@ class FusedAdamW(torch.optim.Optimizer):
                 return loss
             if self.max_grad_norm > 0:
                 scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_
-        for group, p, where in work:
-            state = self._state(p, where)
-            state["step"] += 1
+        for (group, p, where), state in zip(work, states):
             beta1, beta2 = group["betas"]
             self._kernel.update(where, _local(p), state["exp_avg"], state["exp_avg_sq"], _local(p.grad).contiguous(),
-                                state.get("shadow"), int(state["step"].item()), group["lr"], beta1, beta2,
+                                state.get("shadow"), int(state["step"].item()) + 1, group["lr"], beta1, beta2,
                                 group["eps"], group["weight_decay"], group["adamw_mode"],
                                 group["bias_correction"], scale)
+            state["step"] += 1
         return loss
+
+    def load_state_dict(self, state_dict):
+        # torch casts every floating state entry to its parameter's dtype: the 16-bit shadow comes
+        # back float32. It is a copy of the weight, so it is remade from the loaded weight.
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "shadow" in state:
+                if self.shadow_dtype is None:
+                    del state["shadow"]
+                else:
+                    state["shadow"] = _local(p).detach().to(self.shadow_dtype)

@@ -87,6 +87,10 @@ class AdamKernel {
       Check(CheckTensor(*param, "the 16-bit copy", name, n));
       g.param = param->data_ptr();
       g.param_dtype = Check(DTypeOf(*param, "the 16-bit copy", name));
+      if (g.param_dtype == engine::DType::kFp32) {
+        Raise(Status::InvalidArgument(StrCat(name, ": the 16-bit copy is float32; pass a bfloat16 or "
+                                             "float16 tensor, or None")));
+      }
     }
     engine::AdamWConfig c;
     c.lr = lr;
@@ -102,6 +106,13 @@ class AdamKernel {
       st = opt_->UpdateWith(g, c, step, grad_scale);
     }
     Check(st);
+    // Written through raw pointers: tell autograd, as an in-place op would, so a graph that saved
+    // one of these tensors refuses to use the stale value.
+    // (Inference tensors keep no version counter.)
+    for (torch::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
+      if (!t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
+    }
+    if (g.param != nullptr && !param->is_inference()) param->unsafeGetTensorImpl()->bump_version();
   }
 
   double SumOfSquares(const std::string& name, torch::Tensor grad) {

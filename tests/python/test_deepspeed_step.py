@@ -28,9 +28,9 @@ STEPS = 50
 ULP = torch.finfo(torch.float32).eps
 
 
-def run(tmp_path, which, optimizer="AdamW", steps=STEPS):
-    out = tmp_path / f"{which}-{optimizer}.pt"
-    p = subprocess.run([sys.executable, str(WORKER), which, str(steps), str(out), optimizer],
+def run(tmp_path, which, optimizer="AdamW", steps=STEPS, variant="bf16-cpu"):
+    out = tmp_path / f"{which}-{optimizer}-{variant}.pt"
+    p = subprocess.run([sys.executable, str(WORKER), which, str(steps), str(out), optimizer, variant],
                        capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, f"{which} run failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return torch.load(out)
@@ -64,8 +64,13 @@ def test_the_first_step_matches_deepspeedcpuadam_to_the_rounding_of_the_update(r
         bound = 2 * ULP * torch.maximum(a.abs(), b.abs()) + 16 * ULP * lr
         excess = ((a - b).abs() - bound).max().item()
         assert excess <= 0, f"sub-group {i}: off by {(a - b).abs().max().item()} beyond the bound"
+    # Masters within 2 ulp round to the same bf16 except where they straddle a rounding boundary:
+    # at most a few elements, each by one bf16 ulp (the rounding itself is checked exactly below).
     for i, (a, b) in enumerate(zip(theirs["first"]["params16"], ours["first"]["params16"])):
-        assert torch.equal(a, b), f"sub-group {i}: the 16-bit partition differs after one step"
+        differ = a != b
+        assert differ.float().mean().item() <= 1e-3, f"sub-group {i}: {int(differ.sum())} elements differ"
+        ulp16 = torch.finfo(torch.bfloat16).eps * a.float().abs()
+        assert ((a.float() - b.float()).abs() <= ulp16 + 1e-30).all(), f"sub-group {i}"
 
 
 def test_fifty_steps_stay_within_twice_the_distance_between_deepspeeds_own_two_adams(runs):
@@ -84,6 +89,19 @@ def test_fifty_steps_stay_within_twice_the_distance_between_deepspeeds_own_two_a
     assert ours["losses"][-1] < 0.8 * ours["losses"][0]  # it trained
 
 
+def test_optimizer_state_on_nvme_and_two_micro_batches_per_step_stay_within_the_control(tmp_path):
+    # DeepSpeed's optimizer swapper (on Spillway's aio op) moves the moments to NVMe and back around
+    # every sub-group's step; the fused pass updates them in the swapped-in buffers.
+    r = {w: run(tmp_path, w, steps=30, variant="bf16-nvme-ga2") for w in ("deepspeed", "torch-adam", "spillway")}
+    ours, theirs, control = r["spillway"], r["deepspeed"], r["torch-adam"]
+    assert ours["kernel"] and ours["steps"] == theirs["steps"] == [30] * ours["sub_groups"]
+    for i, (a, b, c) in enumerate(zip(theirs["masters"], ours["masters"], control["masters"])):
+        print(f"nvme sub-group {i}: rms spillway-ds {rms(a, b):.3e}, torch-ds {rms(a, c):.3e}")
+        assert rms(a, b) <= 2 * rms(a, c), i
+        assert (a - b).abs().max() <= 2 * (a - c).abs().max(), i
+    assert abs(ours["losses"][-1] - theirs["losses"][-1]) <= 0.01 * theirs["losses"][-1]
+
+
 def test_the_16_bit_partition_is_the_round_to_nearest_even_of_the_new_master(runs):
     ours = runs["spillway"]
     for i, (master, p16) in enumerate(zip(ours["masters"], ours["params16"])):
@@ -97,3 +115,47 @@ def test_bad_input_an_optimizer_spillway_does_not_implement_keeps_deepspeeds_and
     assert len(said) == 1, r["warnings"]  # once, not per sub-group and step
     assert "DeepSpeedCPUAdagrad" in said[0] and "Adam and AdamW" in said[0], said
     assert len(r["losses"]) == 3
+
+
+SEAM = """
+import os
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, spillway
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+from deepspeed.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3
+spillway.deepspeed.install(allocators=False)
+
+def zero_optimizer(cls, shadow_device):
+    # A ZeRO-3 optimizer's state as stage3 leaves it for one sub-group, without its __init__ (which
+    # needs a model and a process group): the fp16 partition on another device stands in for a
+    # GPU, where offload_param is off and DeepSpeed keeps it on the accelerator.
+    o = cls.__new__(cls)
+    fp32 = torch.nn.Parameter(torch.randn(1000))
+    fp32.grad = torch.randn(1000)
+    o.fp32_partitioned_groups_flat = [fp32]
+    o.fp16_partitioned_groups_flat = [torch.empty(1000, dtype=torch.bfloat16, device=shadow_device)]
+    o.sub_group_to_group_id, o.subgroup_to_device = {0: 0}, {0: "cpu"}
+    o.offload_optimizer, o.torch_autocast_gradscaler, o.zenflow, o.use_muon = True, None, False, False
+    o.custom_loss_scaler, o.external_loss_scale, o.clip_grad = True, 1.0, 0.0
+    o.optimizer = DeepSpeedCPUAdam([fp32], lr=1e-3)
+    o.optimizer.param_groups[0]["params"] = []
+    return o, fp32
+
+o, fp32 = zero_optimizer(Stage3, "meta")
+before = fp32.detach().clone()
+o.unscale_and_clip_grads(0, torch.tensor(1.0))
+o._optimizer_step(0)
+assert o.optimizer.state[fp32]["step"] == 1 and not torch.equal(fp32.detach(), before)
+assert 0 not in o.__dict__.get("_spillway_copied", set()), "a partition off the CPU was marked copied"
+print("OFF-CPU SHADOW: updated, copy left to DeepSpeed")
+s, _ = zero_optimizer(SuperOffloadOptimizer_Stage3, "cpu")
+print("SUPEROFFLOAD:", spillway.deepspeed._why_not_ours(s, 0))
+"""
+
+
+def test_a_16_bit_partition_off_the_cpu_and_a_subclass_that_overrides_the_seam_keep_deepspeeds_parts():
+    p = subprocess.run([sys.executable, "-c", SEAM], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "OFF-CPU SHADOW: updated, copy left to DeepSpeed" in p.stdout
+    assert "SUPEROFFLOAD: SuperOffloadOptimizer_Stage3 overrides _optimizer_step" in p.stdout, p.stdout

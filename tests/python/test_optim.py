@@ -4,9 +4,9 @@ The bound is adamw_torch_test.cc's: the fused pass and torch's foreach AdamW rou
 last bit of each element, so over 30 steps the weights may drift by a few ulp: 4e-7 * (1 + |w|)."""
 import copy
 import math
+import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -128,38 +128,7 @@ def test_state_dicts_move_between_fusedadamw_and_torch_adamw():
 
 
 def test_fsdp2_with_cpu_offload_trains_on_fusedadamw_as_on_torch_adamw(tmp_path):
-    code = textwrap.dedent("""
-        import json, os, socket, sys, torch, torch.distributed as dist
-        import spillway
-        from torch.distributed.fsdp import fully_shard, CPUOffloadPolicy
-        from torch.distributed.device_mesh import init_device_mesh
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (1,))
-        out = {}
-        for which in ("torch", "spillway"):
-            torch.manual_seed(0)
-            m = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
-            for layer in m:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-            fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-            opt = (spillway.optim.FusedAdamW if which == "spillway" else torch.optim.AdamW)(m.parameters(), lr=1e-2)
-            g = torch.Generator().manual_seed(1)
-            losses = []
-            for _ in range(8):
-                loss = m(torch.randn(16, 32, generator=g)).square().mean()
-                loss.backward(); opt.step(); opt.zero_grad()
-                losses.append(loss.item())
-            out[which] = {"losses": losses, "params": [p.to_local().detach().clone().tolist() for p in m.parameters()]}
-        print(json.dumps(out))
-    """)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    import json
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_fsdp2(tmp_path, world=1, clip=0.0)
     for x, y in zip(out["torch"]["params"], out["spillway"]["params"]):
         assert close(torch.tensor(x), torch.tensor(y), 1e-6)
     assert out["spillway"]["losses"] == pytest.approx(out["torch"]["losses"], rel=1e-5)
@@ -207,3 +176,92 @@ def test_bad_input_a_step_count_or_scale_spillway_refuses_reaches_python_as_an_e
         k.update("t", z(), z(), z(), z(), None, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0)
     with pytest.raises(spillway.InvalidArgument, match="exp_avg has 4 elements"):
         k.update("t", z(), torch.zeros(4), z(), z(), None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0)
+
+
+def test_the_shadow_stays_16_bit_across_a_state_dict_round_trip():
+    a, _ = twins()
+    opt = FusedAdamW(a, lr=1e-2, shadow_dtype=torch.bfloat16)
+    for p, g in zip(a, grads(a, 0)):
+        p.grad = g
+    opt.step()
+    again = FusedAdamW(a, lr=1e-2, shadow_dtype=torch.bfloat16)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p in a:
+        assert again.shadow(p).dtype == torch.bfloat16
+        assert torch.equal(again.shadow(p), p.detach().to(torch.bfloat16))
+
+
+def test_bad_input_a_bad_state_on_a_later_parameter_changes_no_parameter():
+    a, _ = twins()
+    opt = FusedAdamW(a, lr=1e-2)
+    for p, g in zip(a, grads(a, 0)):
+        p.grad = g
+    opt.step()
+    opt.state[a[2]]["exp_avg"] = torch.zeros(3)  # the last parameter's state is wrong
+    before = [p.detach().clone() for p in a]
+    steps = [opt.state[p]["step"].item() for p in a]
+    with pytest.raises(ValueError, match=r"params\[2\] \(64, 300\): state\[.exp_avg.\]"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, before))
+    assert [opt.state[p]["step"].item() for p in a] == steps
+
+
+FSDP2 = """
+import json, os, sys, torch, torch.distributed as dist
+import spillway
+from torch.distributed.fsdp import fully_shard, CPUOffloadPolicy
+from torch.distributed.device_mesh import init_device_mesh
+clip = float(sys.argv[1])
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+out = {}
+for which in ("torch", "spillway"):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    if which == "spillway":
+        opt = spillway.optim.FusedAdamW(m.parameters(), lr=1e-2, max_grad_norm=clip)
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())   # each rank its own batch
+    losses = []
+    for _ in range(6):
+        loss = m(torch.randn(16, 32, generator=g)).square().mean()
+        loss.backward()
+        if which == "torch" and clip > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step(); opt.zero_grad()
+        losses.append(loss.item())
+    out[which] = {"losses": losses, "params": [p.to_local().detach().clone().tolist() for p in m.parameters()]}
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def run_fsdp2(tmp_path, world, clip):
+    """FSDP2 with CPUOffloadPolicy on a Gloo group of `world` processes, trained once on
+    torch.optim.AdamW (+ clip_grad_norm_ when clip > 0) and once on FusedAdamW(max_grad_norm=clip)."""
+    import json
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2)
+    procs = [subprocess.Popen([sys.executable, str(script), str(clip)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(world)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-1500:] + e[-3000:] for o, e in outs)
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def test_fsdp2_on_two_ranks_clips_by_the_global_norm_as_clip_grad_norm_does(tmp_path):
+    out = run_fsdp2(tmp_path, world=2, clip=0.05)
+    for x, y in zip(out["torch"]["params"], out["spillway"]["params"]):
+        assert close(torch.tensor(x), torch.tensor(y), 1e-5)

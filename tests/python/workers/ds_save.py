@@ -12,12 +12,12 @@ Peak memory: the process's VmHWM after `echo 5 > /proc/self/clear_refs` (which r
 current RSS) minus VmRSS before the save."""
 import json
 import os
-import socket
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
+from _dist import world_from_env_or_single  # noqa: E402
 import transformers  # noqa: E402
 
 import spillway  # noqa: E402
@@ -28,12 +28,7 @@ n_embd = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 max_shard = int(sys.argv[6]) if len(sys.argv) > 6 else 1 << 20
 if os.environ.get("DS_SAVE_INSTALL", "1") == "1":
     spillway.deepspeed.install()
-if "WORLD_SIZE" not in os.environ:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-os.environ["LOCAL_RANK"] = os.environ["RANK"]
+world_from_env_or_single()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 torch.manual_seed(0)

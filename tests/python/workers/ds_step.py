@@ -2,7 +2,11 @@
 different weight decay, a warmup-decay learning-rate schedule, gradient clipping), in a process of
 its own, with DeepSpeed's own optimizer step or Spillway's fused one.
 
-    python ds_step.py {deepspeed|torch-adam|spillway} STEPS OUT.pt [OPTIMIZER]
+    python ds_step.py {deepspeed|torch-adam|spillway} STEPS OUT.pt [OPTIMIZER] [VARIANT]
+
+VARIANT `bf16-cpu` (the default) or `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
+swapper, on Spillway's aio op) and two micro-batches per step. (fp16 and its dynamic loss scale are
+refused by DeepSpeed's CPU accelerator: GPU only.)
 
 `torch-adam` is DeepSpeed's own step with torch.optim.AdamW in place of DeepSpeedCPUAdam
 ("torch_adam": true): the control for how far two correct implementations of one step drift apart.
@@ -11,26 +15,24 @@ Saves the per-step losses, the fp32 master partitions, the Adam moments, the per
 and lrs, and the 16-bit parameters to OUT.pt.
 """
 import os
-import socket
 import sys
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
+from _dist import world_from_env_or_single  # noqa: E402
 
 which, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 optimizer = sys.argv[4] if len(sys.argv) > 4 else "AdamW"
+variant = sys.argv[5] if len(sys.argv) > 5 else "bf16-cpu"
 if which == "spillway":
     import spillway
     spillway.deepspeed.install(step=True)
 elif which not in ("deepspeed", "torch-adam"):
     sys.exit(f"unknown step {which!r}: deepspeed, torch-adam or spillway")
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+world_from_env_or_single()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 torch.manual_seed(0)
@@ -61,6 +63,16 @@ config = {
         "sub_group_size": 40000,  # several sub-groups per parameter group
     },
 }
+accumulate = 1
+if variant == "bf16-nvme-ga2":
+    accumulate = config["gradient_accumulation_steps"] = 2
+    swap = out + ".swap"
+    os.makedirs(swap, exist_ok=True)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False}
+    config["aio"] = {"block_size": 1 << 18, "queue_depth": 8}
+elif variant != "bf16-cpu":
+    sys.exit(f"unknown variant {variant!r}: bf16-cpu or bf16-nvme-ga2")
+dtype = torch.bfloat16
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
@@ -68,11 +80,12 @@ with warnings.catch_warnings(record=True) as caught:
     teacher = torch.randn(64, 8, generator=g)
     losses, lrs, first = [], [], None
     for step in range(steps):
-        x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
-        y = (x.float() @ teacher).argmax(dim=1)
-        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
-        engine.backward(loss)
-        engine.step()
+        for _ in range(accumulate):
+            x = torch.randn(16, 64, generator=g).to(dtype)
+            y = (x.float() @ teacher).argmax(dim=1)
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
         losses.append(loss.item())
         lrs.append([pg["lr"] for pg in engine.optimizer.optimizer.param_groups])
         if step == 0:

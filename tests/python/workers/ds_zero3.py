@@ -8,12 +8,12 @@ swap files were on disk after the first step.
 """
 import json
 import os
-import socket
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
+from _dist import world_from_env_or_single  # noqa: E402
 
 which, swap, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if which == "spillway":
@@ -22,10 +22,7 @@ if which == "spillway":
 elif which != "deepspeed":
     sys.exit(f"unknown aio op {which!r}: deepspeed or spillway")
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+world_from_env_or_single()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 torch.manual_seed(0)
