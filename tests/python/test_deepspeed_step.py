@@ -151,11 +151,31 @@ assert 0 not in o.__dict__.get("_spillway_copied", set()), "a partition off the 
 print("OFF-CPU SHADOW: updated, copy left to DeepSpeed")
 s, _ = zero_optimizer(SuperOffloadOptimizer_Stage3, "cpu")
 print("SUPEROFFLOAD:", spillway.deepspeed._why_not_ours(s, 0))
+
+# Bad input: a parameter group DeepSpeed's optimizer does not have, a moment of another shape.
+for what in ("group", "state"):
+    b, fp32 = zero_optimizer(Stage3, "cpu")
+    if what == "group":
+        b.sub_group_to_group_id = {0: 3}
+    else:
+        b.optimizer.state[fp32] = {"step": 4, "exp_avg": torch.zeros(999), "exp_avg_sq": torch.zeros(1000)}
+    before = fp32.detach().clone()
+    b.unscale_and_clip_grads(0, torch.tensor(1.0))
+    try:
+        b._optimizer_step(0)
+    except spillway.InvalidArgument as e:
+        print("REFUSED", what, str(e).splitlines()[0])
+    assert torch.equal(fp32.detach(), before)
+    assert what == "group" or b.optimizer.state[fp32]["step"] == 4
 """
 
 
-def test_a_16_bit_partition_off_the_cpu_and_a_subclass_that_overrides_the_seam_keep_deepspeeds_parts():
+def test_a_16_bit_partition_off_the_cpu_a_subclass_and_bad_groups_or_states():
     p = subprocess.run([sys.executable, "-c", SEAM], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "OFF-CPU SHADOW: updated, copy left to DeepSpeed" in p.stdout
     assert "SUPEROFFLOAD: SuperOffloadOptimizer_Stage3 overrides _optimizer_step" in p.stdout, p.stdout
+    assert "REFUSED group spillway.deepspeed: sub-group 0 belongs to parameter group 3, and the optimizer has 1" \
+        in p.stdout, p.stdout
+    assert "REFUSED state spillway.deepspeed: sub-group 0: optimizer state 'exp_avg' has shape (999,) and the " \
+        "fp32 partition (1000,)" in p.stdout, p.stdout
