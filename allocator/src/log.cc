@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -10,21 +11,28 @@
 namespace spillway {
 namespace {
 
+// Quiet by default: errors and warnings print, informational lines only when asked for.
 LogLevel ThresholdFromEnv() {
   const char* env = std::getenv("SPILLWAY_LOG");
-  if (env == nullptr) return LogLevel::kInfo;
+  if (env == nullptr) return LogLevel::kWarning;
   if (std::strcmp(env, "error") == 0) return LogLevel::kError;
-  if (std::strcmp(env, "warning") == 0) return LogLevel::kWarning;
+  if (std::strcmp(env, "info") == 0) return LogLevel::kInfo;
   if (std::strcmp(env, "debug") == 0) return LogLevel::kDebug;
-  return LogLevel::kInfo;
+  return LogLevel::kWarning;
+}
+
+std::atomic<int>& Threshold() {
+  static std::atomic<int> threshold{static_cast<int>(ThresholdFromEnv())};
+  return threshold;
 }
 
 }  // namespace
 
 bool LogEnabled(LogLevel level) {
-  static const LogLevel threshold = ThresholdFromEnv();
-  return static_cast<int>(level) <= static_cast<int>(threshold);
+  return static_cast<int>(level) <= Threshold().load(std::memory_order_relaxed);
 }
+
+void SetLogLevel(LogLevel level) { Threshold().store(static_cast<int>(level), std::memory_order_relaxed); }
 
 void Log(LogLevel level, std::string_view message) {
   if (!LogEnabled(level)) return;

@@ -38,13 +38,14 @@ from ._spillway import (  # noqa: F401
     default_arena,
     default_host_budget,
     memory_limit_bytes,
+    set_log_level,
 )
 from . import _spillway  # noqa: E402
 
 __all__ = [
     "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
-    "Unavailable", "Escaped", "InternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime",
+    "Unavailable", "Escaped", "InternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
 ]
 
 

@@ -13,6 +13,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
+#include "spillway/allocator/log.h"
 #include "spillway/metrics/exporter.h"
 #include "aio_handle.h"
 #include "errors.h"
@@ -160,6 +161,16 @@ PYBIND11_MODULE(_spillway, m) {
         return ReportToDict(r);
       });
   m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
+  m.def("set_log_level", [](const std::string& level) {
+    static const std::map<std::string, LogLevel> kLevels = {
+        {"error", LogLevel::kError}, {"warning", LogLevel::kWarning}, {"info", LogLevel::kInfo},
+        {"debug", LogLevel::kDebug}};
+    auto it = kLevels.find(level);
+    if (it == kLevels.end()) {
+      Raise(Status::InvalidArgument(StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
+    }
+    SetLogLevel(it->second);
+  }, "What Spillway's C++ core prints on stderr from now on (default: SPILLWAY_LOG, else warning).");
   m.def("memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
         "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
   m.def("default_host_budget", [] { return allocator::DefaultHostBudget(); },
