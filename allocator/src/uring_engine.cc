@@ -668,13 +668,9 @@ int64_t UringEngine::InjectResult(const Chunk* c, int64_t result) {
   return result;
 }
 
-bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure) {
+bool UringEngine::ApplyResult(Chunk* c, int64_t result, Status* error) {
   Request* r = c->request;
   const bool read = r->op == Op::kRead;
-  Status error;
-  if (failure != nullptr) {
-    error = *failure;
-  } else {
   result = InjectResult(c, result);
   if ((result == -EINTR || result == -EAGAIN) && c->retries < kMaxRetries) {
     c->retries++;
@@ -691,34 +687,44 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure)
       stats_.short_resubmits++;
       return true;
     }
-  } else {
-    std::string file;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = files_.find(r->file_id);
-      file = it == files_.end() ? StrCat("file ", r->file_id) : it->second.name;
-    }
-    const std::string what = StrCat(read ? "read" : "write", " of ", c->io_length - c->done,
-                                    " bytes at offset ", c->file_offset + c->done, " of '", file,
-                                    "'");
-    if (result == 0) {
-      error = Status::Make(StatusCode::kIoError,
-                           StrCat(what, " reached the end of the file after ", c->done,
-                                  " bytes; the file is shorter than the transfer"));
-    } else {
-      const int err = static_cast<int>(-result);
-      const bool space = err == ENOSPC || err == EFBIG || err == EDQUOT;
-      error = Status::FromErrno(space ? StatusCode::kNoSpace : StatusCode::kIoError, err, what);
-      if (err == ENOSPC || err == EDQUOT) {
-        error = error.WithContext("no space: free space on the NVMe path or lower the NVMe budget");
-      } else if (err == EFBIG) {
-        error = error.WithContext(
-            "file too large: the file size limit (ulimit -f) or the filesystem's maximum file "
-            "size was reached");
-      }
-    }
+    return false;
   }
-  }  // failure == nullptr
+  std::string file;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(r->file_id);
+    file = it == files_.end() ? StrCat("file ", r->file_id) : it->second.name;
+  }
+  const std::string what = StrCat(read ? "read" : "write", " of ", c->io_length - c->done,
+                                  " bytes at offset ", c->file_offset + c->done, " of '", file, "'");
+  if (result == 0) {
+    *error = Status::Make(StatusCode::kIoError,
+                          StrCat(what, " reached the end of the file after ", c->done,
+                                 " bytes; the file is shorter than the transfer"));
+    return false;
+  }
+  const int err = static_cast<int>(-result);
+  const bool space = err == ENOSPC || err == EFBIG || err == EDQUOT;
+  *error = Status::FromErrno(space ? StatusCode::kNoSpace : StatusCode::kIoError, err, what);
+  if (err == ENOSPC || err == EDQUOT) {
+    *error = error->WithContext("no space: free space on the NVMe path or lower the NVMe budget");
+  } else if (err == EFBIG) {
+    *error = error->WithContext(
+        "file too large: the file size limit (ulimit -f) or the filesystem's maximum file size "
+        "was reached");
+  }
+  return false;
+}
+
+bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure) {
+  Request* r = c->request;
+  const bool read = r->op == Op::kRead;
+  Status error;
+  if (failure != nullptr) {
+    error = *failure;
+  } else if (ApplyResult(c, result, &error)) {
+    return true;
+  }
   if (error.ok() && read && c->bounce_index >= 0) {
     std::memcpy(r->buffer + c->offset_in_request, c->io_buffer, c->length);
   }

@@ -179,6 +179,9 @@ class UringEngine final : public HostArena::RegionObserver {
   Chunk* NextChunkLocked(bool use_fixed_slots);  // mu_ held
   void StageWrite(Chunk* chunk);                  // without mu_: copy into the bounce buffer
   bool DrainedLocked() const;                     // mu_ held: stopping and nothing left
+  // A completion's result for `c`: true when the chunk must be submitted again (a retry, a short
+  // transfer); otherwise `error` holds the failure, if there is one.
+  bool ApplyResult(Chunk* c, int64_t result, Status* error);
   // Applies a completion: returns true when the chunk must be submitted again (retry or short).
   // With `failure`, the chunk ends with that status whatever `result` says (a ring that failed).
   bool CompleteChunk(Chunk* chunk, int64_t result, const Status* failure = nullptr);
