@@ -180,7 +180,7 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     }
     if (auto off = extents_.Allocate(rounded)) {
       live_->Insert(*off, rounded, bytes, tag, nullptr);
-      checks_[*off] = Check{false, 0, ++next_generation_};
+      (void)NewGenerationLocked(*off);
       return *off;
     }
     // Grow the file. The free tail of the file merges with the new space, so only the rest counts.
@@ -248,6 +248,12 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   }
 }
 
+uint64_t NvmeArena::NewGenerationLocked(uint64_t offset) {
+  const uint64_t generation = ++next_generation_;
+  checks_[offset] = Check{false, 0, generation};
+  return generation;
+}
+
 Status NvmeArena::Free(uint64_t offset) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Free"));
   std::lock_guard<std::mutex> lock(mu_);
@@ -287,8 +293,7 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &what));
-    generation = ++next_generation_;
-    checks_[offset] = Check{false, 0, generation};  // until this write completes, the old contents are gone
+    generation = NewGenerationLocked(offset);  // until this write completes, the old contents are gone
   }
   const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
   Status st = engine_->WriteSync(file_id_, offset, src, bytes);
@@ -305,7 +310,6 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
   stats_.written_bytes += bytes;
   return Status::Ok();
 }
-
 
 Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Read"));
@@ -394,9 +398,7 @@ Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::BeginWrite", &what));
-  const uint64_t generation = ++next_generation_;
-  checks_[offset] = Check{false, 0, generation};
-  return generation;
+  return NewGenerationLocked(offset);
 }
 
 Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, const void* src,

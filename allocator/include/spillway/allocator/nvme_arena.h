@@ -118,6 +118,8 @@ class NvmeArena final : public Tier {
     uint32_t crc = 0;
     uint64_t generation = 0;  // of the allocation or write that last set it
   };
+  // mu_ held. The extent at `offset` starts a new owner or write: invalid, with a new generation.
+  uint64_t NewGenerationLocked(uint64_t offset);
   NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd, int file_id,
             uint32_t alignment, bool direct);
   // Grows the file by fallocate so that `need` more bytes fit. Without mu_.
