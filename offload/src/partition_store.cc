@@ -260,16 +260,19 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   }
   for (Part& p : parts_) p.uses.clear();
   for (uint64_t pos = 0; pos < order.size(); ++pos) parts_[order[pos]].uses.push_back(pos);
-  schedule_length_ = order.size();
   schedule_ = std::move(order);
-  cursor_ = schedule_length_ == 0 ? 0 : schedule_length_ - 1;
+  cursor_ = schedule_.empty() ? 0 : schedule_.size() - 1;
   return Status::Ok();
 }
 
+uint64_t PartitionStore::UseDistance(uint64_t use) const {
+  const uint64_t len = schedule_.size();
+  return (use + len - cursor_ - 1) % len + 1;
+}
+
 uint64_t PartitionStore::NextUseDistance(const Part& p) const {
-  const uint64_t len = schedule_length_;
-  uint64_t best = len + 1;  // never used again under the schedule: evict first
-  for (uint64_t u : p.uses) best = std::min(best, (u + len - cursor_ - 1) % len + 1);
+  uint64_t best = schedule_.size() + 1;  // never used again under the schedule: evict first
+  for (uint64_t u : p.uses) best = std::min(best, UseDistance(u));
   return best;
 }
 
@@ -344,6 +347,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
   bool need_fill = false;
   uint64_t handle_id;
   const bool device = tier == Tier::kDevice;
+  const bool host_write = !device && access == Access::kReadWrite;  // counted in write_pins
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (id >= parts_.size() || parts_[id].bytes == 0) {
@@ -370,7 +374,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     if (!p.uses.empty()) {  // advance the schedule cursor to this use
       uint64_t best = p.uses.front(), best_d = UINT64_MAX;
       for (uint64_t u : p.uses) {
-        const uint64_t d = (u + schedule_length_ - cursor_ - 1) % schedule_length_ + 1;
+        const uint64_t d = UseDistance(u);
         if (d < best_d) {
           best_d = d;
           best = u;
@@ -390,7 +394,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       MarkBusy(p);
       need_swap_in = true;
     }
-    if (!device && access == Access::kReadWrite) p.write_pins++;
+    if (host_write) p.write_pins++;
     handle_id = next_handle_id_++;
     live_handles_.emplace(handle_id, HandleInfo{id, me});
     stats_.live_handles = live_handles_.size();
@@ -402,7 +406,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     if (!st.ok()) {
       parts_[id].pins--;
       if (device) parts_[id].device_pins--;
-      if (!device && access == Access::kReadWrite) parts_[id].write_pins--;
+      if (host_write) parts_[id].write_pins--;
       live_handles_.erase(handle_id);
       stats_.live_handles = live_handles_.size();
       return st.WithContext(StrCat("acquiring ", Describe(id), " on ", TierName(tier)));
@@ -745,11 +749,12 @@ Status PartitionStore::Release(Handle& handle) {
 }
 
 void PartitionStore::QueuePrefetchLocked() {
-  if (prefetch_window_ == 0 || schedule_length_ == 0) return;
+  const uint64_t len = schedule_.size();
+  if (prefetch_window_ == 0 || len == 0) return;
   // The window of schedule entries after the cursor: O(window) per Acquire.
   prefetch_queue_.clear();
-  for (uint64_t k = 1; k <= prefetch_window_ && k < schedule_length_; ++k) {
-    const PartitionId id = schedule_[(cursor_ + k) % schedule_length_];
+  for (uint64_t k = 1; k <= prefetch_window_ && k < len; ++k) {
+    const PartitionId id = schedule_[(cursor_ + k) % len];
     // Never a host copy of a partition whose device view is live: it would be stale.
     if (parts_[id].host == nullptr && parts_[id].device == nullptr) prefetch_queue_.push_back(id);
   }

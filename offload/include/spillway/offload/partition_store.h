@@ -221,6 +221,8 @@ class PartitionStore {
   Status FillDevice(PartitionId id);       // without mu_; `id` is busy
   Status WriteBackDevice(PartitionId id);  // without mu_; `id` is busy
   // mu_ held: schedule distance from the cursor to the next use of `id`.
+  // mu_ held, schedule non-empty: schedule positions from the cursor to `use` (1 = the next one).
+  uint64_t UseDistance(uint64_t use) const;
   uint64_t NextUseDistance(const Part& p) const;
 
   const Config config_;
@@ -232,7 +234,6 @@ class PartitionStore {
   mutable std::mutex mu_;
   allocator::ForkSafeCondition busy_cv_;
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
-  uint64_t schedule_length_ = 0;             // guarded by mu_
   std::vector<PartitionId> schedule_;        // guarded by mu_: SetSchedule's order
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
