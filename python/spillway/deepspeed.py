@@ -352,7 +352,7 @@ def _fused_optimizer_step(original):
         inner = self.optimizer
         group_id = self.sub_group_to_group_id[sub_group_id]
         if not 0 <= group_id < len(inner.param_groups):
-            raise spillway_error("InvalidArgument")(
+            raise _spillway.InvalidArgument(
                 f"spillway.deepspeed: sub-group {sub_group_id} belongs to parameter group {group_id}, and the "
                 f"optimizer has {len(inner.param_groups)}; parameter groups were changed after "
                 "deepspeed.initialize (add them before it)")
@@ -365,7 +365,7 @@ def _fused_optimizer_step(original):
             state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
         for key in ("exp_avg", "exp_avg_sq"):
             if state[key].shape != fp32.shape:
-                raise spillway_error("InvalidArgument")(
+                raise _spillway.InvalidArgument(
                     f"spillway.deepspeed: sub-group {sub_group_id}: optimizer state '{key}' has shape "
                     f"{tuple(state[key].shape)} and the fp32 partition {tuple(fp32.shape)}; the state was "
                     "loaded from a checkpoint of another model, world size or sub_group_size")
@@ -402,12 +402,6 @@ def _fused_reassign(original):
         self._unflatten_partitioned_parameters(sub_group_id)  # what the original does after its copy
     _reassign_or_swap_out_partitioned_parameters.__spillway_original__ = original
     return _reassign_or_swap_out_partitioned_parameters
-
-
-def spillway_error(name):
-    import spillway  # noqa: PLC0415
-
-    return getattr(spillway, name)
 
 
 def _install_step():
@@ -507,7 +501,7 @@ def _audit_and_warn(engine, when):
 # ---- Streaming the consolidated 16-bit weights (docs/checkpoint.md) ----
 
 def _consolidated_entries(engine, exclude_frozen_parameters):
-    """(key, kind, module, tensor) in DeepSpeed's _zero3_consolidated_16bit_state_dict order: per
+    """(key, kind, tensor) in DeepSpeed's _zero3_consolidated_16bit_state_dict order: per
     module, its own parameters (a tied parameter under each of its names), then its persistent
     buffers, then its children."""
     out = []
@@ -516,10 +510,10 @@ def _consolidated_entries(engine, exclude_frozen_parameters):
         for name, p in module.named_parameters(recurse=False):
             if p is None or (exclude_frozen_parameters and not p.requires_grad):
                 continue
-            out.append((prefix + name, "param", module, p))
+            out.append((prefix + name, "param", p))
         for name, b in module.named_buffers(recurse=False):
             if b is not None and name not in module._non_persistent_buffers_set:
-                out.append((prefix + name, "buffer", module, b))
+                out.append((prefix + name, "buffer", b))
         for name, child in module.named_children():
             if child is not None:
                 walk(child, prefix + name + ".")
@@ -542,18 +536,18 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     from . import safetensors_stream as st  # noqa: PLC0415
 
     if not engine.zero_optimization_partition_weights():
-        raise spillway_error("InvalidArgument")(
+        raise _spillway.InvalidArgument(
             "spillway.deepspeed.save_16bit_model: the engine is not ZeRO-3 (its weights are not "
             "partitioned); engine.module.state_dict() already holds them whole")
     entries = _consolidated_entries(engine, exclude_frozen_parameters)
     rank0 = dist.get_rank() == 0
-    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, _, t in entries]
+    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
     plan = st.Plan(layout, max_shard_size)
     writer = st.Writer(save_dir, plan, block_size, queue_depth) if rank0 else None
     try:
         # A tied parameter is gathered again and written under each of its names: DeepSpeed's
         # state dict holds the same tensor under both, and safetensors has no aliases.
-        for key, kind, _, t in entries:
+        for key, kind, t in entries:
             if kind == "param" and hasattr(t, "ds_id"):
                 with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
                     if rank0:

@@ -77,22 +77,24 @@ def named_tensors(*objects):
     torch optimizers (their state, named after the module's parameter where one of `objects` has
     it), DeepSpeed engines and ZeRO optimizers (the flat fp32 and 16-bit partitions and their
     gradients), and dicts of name -> tensor."""
+    def module_of(obj):
+        module = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "module", None)
+        return module if isinstance(module, torch.nn.Module) else None
+
     out, param_names = [], {}
-    for obj in objects:
-        module = getattr(obj, "module", None) if not isinstance(obj, torch.nn.Module) else obj
-        if isinstance(module, torch.nn.Module):
-            for name, p in module.named_parameters():
-                param_names[p._cdata] = name
+    for module in filter(None, map(module_of, objects)):
+        for name, p in module.named_parameters():
+            param_names[p._cdata] = name
     seen_opts = set()
 
     def add_optimizer(opt, prefix):
         if id(opt) in seen_opts:
             return
         seen_opts.add(id(opt))
-        for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"):
-            for i, t in enumerate(getattr(opt, attr, None) or ()):
-                if isinstance(t, torch.Tensor):
-                    param_names.setdefault(t._cdata, f"{prefix}{attr}[{i}]")
+        flats = [(f"{prefix}{attr}[{i}]", t) for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat")
+                 for i, t in enumerate(getattr(opt, attr, None) or ()) if isinstance(t, torch.Tensor)]
+        for name, t in flats:  # the inner optimizer's parameters are these partitions
+            param_names.setdefault(t._cdata, name)
         for gi, group in enumerate(getattr(opt, "param_groups", ()) or ()):
             for pi, p in enumerate(group.get("params", ())):
                 if not isinstance(p, torch.Tensor):
@@ -104,12 +106,10 @@ def named_tensors(*objects):
                 for key, value in getattr(opt, "state", {}).get(p, {}).items():
                     if isinstance(value, torch.Tensor):
                         out.append((f"{name} optimizer state['{key}']", value))
-        for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"):
-            for i, t in enumerate(getattr(opt, attr, None) or ()):
-                if isinstance(t, torch.Tensor):
-                    out.append((f"{prefix}{attr}[{i}]", t))
-                    if t.grad is not None:
-                        out.append((f"{prefix}{attr}[{i}].grad", t.grad))
+        for name, t in flats:
+            out.append((name, t))
+            if t.grad is not None:
+                out.append((f"{name}.grad", t.grad))
         inner = getattr(opt, "optimizer", None)
         if inner is not None and hasattr(inner, "param_groups"):
             add_optimizer(inner, f"{prefix}optimizer.")
@@ -118,8 +118,8 @@ def named_tensors(*objects):
         if isinstance(obj, dict):
             out.extend((str(k), v) for k, v in obj.items() if isinstance(v, torch.Tensor))
             continue
-        module = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "module", None)
-        if isinstance(module, torch.nn.Module):
+        module = module_of(obj)
+        if module is not None:
             for name, p in module.named_parameters():
                 out.append((name, p))
                 if p.grad is not None:

@@ -162,14 +162,14 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._check_param(p, where)
                 if _local(p.grad).is_sparse:
                     raise ValueError(f"FusedAdamW: {where} has a sparse gradient; use torch.optim.SparseAdam")
-                work.append((group, p, where))
+                work.append((group, p, where, _local(p.grad).contiguous()))
         # Every state is checked (and made) before anything is updated: a refusal changes nothing.
-        states = [self._state(p, where) for _, p, where in work]
+        states = [self._state(p, where) for _, p, where, _ in work]
         scale = 1.0 / loss_scale
         self.last_step_skipped = False
         if self.max_grad_norm > 0 or loss_scale != 1.0:
-            total = sum(self._kernel.sum_of_squares(where, _local(p.grad).contiguous()) for _, p, where in work)
-            total = _sum_over_shards(total, [p for _, p, _ in work])
+            total = sum(self._kernel.sum_of_squares(where, grad) for _, _, where, grad in work)
+            total = _sum_over_shards(total, [p for _, p, _, _ in work])
             norm = math.sqrt(total) / loss_scale
             self.last_grad_norm = norm
             if not math.isfinite(norm):
@@ -177,9 +177,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 return loss
             if self.max_grad_norm > 0:
                 scale *= min(1.0, self.max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_
-        for (group, p, where), state in zip(work, states):
+        for (group, p, where, grad), state in zip(work, states):
             beta1, beta2 = group["betas"]
-            self._kernel.update(where, _local(p), state["exp_avg"], state["exp_avg_sq"], _local(p.grad).contiguous(),
+            self._kernel.update(where, _local(p), state["exp_avg"], state["exp_avg_sq"], grad,
                                 state.get("shadow"), int(state["step"].item()) + 1, group["lr"], beta1, beta2,
                                 group["eps"], group["weight_decay"], group["adamw_mode"],
                                 group["bias_correction"], scale)

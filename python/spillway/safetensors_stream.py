@@ -11,6 +11,7 @@ Shards follow transformers' names (model-00001-of-00003.safetensors) and its ind
 `safetensors.torch.load_file` reads each shard and `from_pretrained` reads the directory.
 """
 import json
+import math
 import os
 import struct
 
@@ -25,10 +26,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def nbytes(shape, dtype):
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(int(s) for s in shape) * dtype.itemsize
 
 
 class Plan:
