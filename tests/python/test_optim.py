@@ -31,6 +31,11 @@ def grads(params, step, scale=1.0):
     return [torch.randn(p.shape, generator=g) * scale for p in params]
 
 
+def set_grads(params, step):
+    for p, g in zip(params, grads(params, step)):
+        p.grad = g
+
+
 def test_thirty_steps_with_two_groups_and_a_scheduler_match_torch_adamw():
     a, b = twins()
     groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0,
@@ -61,8 +66,7 @@ def test_the_bf16_shadow_is_the_round_to_nearest_even_of_each_new_weight():
     opt = FusedAdamW(a, lr=1e-2, shadow_dtype=torch.bfloat16)
     assert opt.shadow(a[0]) is None
     for step in range(3):
-        for p, g in zip(a, grads(a, step)):
-            p.grad = g
+        set_grads(a, step)
         opt.step()
         for p in a:
             assert torch.equal(opt.shadow(p), p.detach().to(torch.bfloat16))
@@ -89,8 +93,7 @@ def test_loss_scale_and_clipping_are_folded_in_as_unscale_then_clip_grad_norm_th
 def test_an_inf_gradient_skips_the_step_and_touches_nothing():
     a, _ = twins()
     opt = FusedAdamW(a, lr=1e-2, max_grad_norm=1.0)
-    for p, g in zip(a, grads(a, 0)):
-        p.grad = g
+    set_grads(a, 0)
     opt.step()
     before = [p.detach().clone() for p in a]
     a[1].grad[3] = float("inf")
@@ -104,8 +107,7 @@ def test_state_dicts_move_between_fusedadamw_and_torch_adamw():
     a, b = twins()
     ours = FusedAdamW(a, lr=1e-2)
     for step in range(3):
-        for p, g in zip(a, grads(a, step)):
-            p.grad = g
+        set_grads(a, step)
         ours.step()
     ref = torch.optim.AdamW(b, lr=1e-2)
     for p, q in zip(a, b):
@@ -151,18 +153,15 @@ def test_bad_input_is_refused_by_name(make, says):
 def test_bad_input_a_state_dict_of_another_model_is_refused_by_shape_and_nothing_changes():
     a, _ = twins()
     opt = FusedAdamW(a, lr=1e-2)
-    for p, g in zip(a, grads(a, 0)):
-        p.grad = g
+    set_grads(a, 0)
     opt.step()
     other, _ = twins(shapes=((17, 300), (17,), (64, 300)))
     wrong = FusedAdamW(other, lr=1e-2)
-    for p, g in zip(other, grads(other, 0)):
-        p.grad = g
+    set_grads(other, 0)
     wrong.step()
     opt.load_state_dict(wrong.state_dict())  # torch checks group sizes only
     before = [p.detach().clone() for p in a]
-    for p, g in zip(a, grads(a, 1)):
-        p.grad = g
+    set_grads(a, 1)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\.params\[0\] \(300, 17\): state\['exp_avg'\] has "
                                           r"shape \(17, 300\)"):
         opt.step()
@@ -181,8 +180,7 @@ def test_bad_input_a_step_count_or_scale_spillway_refuses_reaches_python_as_an_e
 def test_the_shadow_stays_16_bit_across_a_state_dict_round_trip():
     a, _ = twins()
     opt = FusedAdamW(a, lr=1e-2, shadow_dtype=torch.bfloat16)
-    for p, g in zip(a, grads(a, 0)):
-        p.grad = g
+    set_grads(a, 0)
     opt.step()
     again = FusedAdamW(a, lr=1e-2, shadow_dtype=torch.bfloat16)
     again.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -194,8 +192,7 @@ def test_the_shadow_stays_16_bit_across_a_state_dict_round_trip():
 def test_bad_input_a_bad_state_on_a_later_parameter_changes_no_parameter():
     a, _ = twins()
     opt = FusedAdamW(a, lr=1e-2)
-    for p, g in zip(a, grads(a, 0)):
-        p.grad = g
+    set_grads(a, 0)
     opt.step()
     opt.state[a[2]]["exp_avg"] = torch.zeros(3)  # the last parameter's state is wrong
     before = [p.detach().clone() for p in a]
