@@ -115,6 +115,8 @@ Status HostOptimizer::SetLearningRate(double lr) {
   return Status::Ok();
 }
 
+void HostOptimizer::RestoreStep(uint64_t step) { step_ = step; }
+
 Status HostOptimizer::Check(const SubGroup& g, bool needs_state) const {
   if (g.numel == 0) {
     return Status::InvalidArgument(StrCat(GroupName(g), " has numel 0; register non-empty groups"));

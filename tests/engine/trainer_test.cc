@@ -16,40 +16,18 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
+#include "trainer_test_util.h"
 
 namespace spillway::engine {
 namespace {
 
 using offload::testing::ParseOrDie;
 using offload::testing::StoreRig;
-constexpr uint64_t kMiB = 1ull << 20;
-
-GptConfig SmallGpt() {
-  GptConfig c;
-  c.vocab = 32;
-  c.d_model = 32;
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.seq_len = 16;
-  c.seed = 7;
-  return c;
-}
-
-AdamWConfig Adam() {
-  AdamWConfig a;
-  a.lr = 3e-3;
-  a.beta1 = 0.9;
-  a.beta2 = 0.99;
-  a.eps = 1e-8;
-  a.weight_decay = 0.01;
-  return a;
-}
-
-// Deterministic micro-batches: step s, micro-batch k.
-torch::Tensor Batch(const GptConfig& c, int step, int k) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(10'000 + step * 100 + k);
-  return torch::randint(0, c.vocab, {4, c.seq_len + 1}, gen, torch::kInt64);
-}
+using testing::Adam;
+using testing::Batch;
+using testing::Json;
+using testing::kMiB;
+using testing::SmallGpt;
 
 constexpr int kSteps = 8;
 constexpr int kAccum = 2;
@@ -84,12 +62,6 @@ struct Reference {
   }
 };
 
-std::string Json(const char* param, const char* opt) {
-  const std::string dir = allocator::testing::NvmeTestDir();
-  return StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": ")", param,
-                R"(", "nvme_path": ")", dir, R"("}, "offload_optimizer": {"device": ")", opt,
-                R"(", "nvme_path": ")", dir, R"("}}})");
-}
 
 // Trains kSteps with offload `device` ("none", "cpu", "nvme") and the math on `compute`, against
 // the reference on the same compute device.

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "catch_torch.h"
 #include "host_view.h"
 #include "spillway/allocator/log.h"
 
@@ -158,12 +159,6 @@ Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_ra
   return torch::Device(torch::kCUDA, static_cast<torch::DeviceIndex>(index));
 }
 
-struct Trainer::Unit {
-  int64_t numel = 0;
-  int64_t shard = 0;  // elements per rank (numel padded up to world * shard)
-  offload::PartitionId param = 0, grad = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
-};
-
 Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
                  offload::PartitionStore* store, allocator::HostArena* arena,
                  allocator::Ledger* ledger, allocator::ScopeId scope,
@@ -315,27 +310,6 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   return store_->Release(v->handle);
 }
 
-namespace {
-// libtorch reports failures (a GPU out of memory, a kernel error) by throwing; the trainer's
-// callers get statuses, and the step that threw is abandoned like any failed micro-batch (its
-// buffers and views are released as the stack unwinds).
-template <typename Fn>
-Status CatchTorch(const char* what, Fn fn) {
-  try {
-    return fn();
-  } catch (const c10::OutOfMemoryError& e) {
-    return Status::Make(StatusCode::kOutOfMemory,
-                        StrCat(what, ": libtorch ran out of memory: ", e.what_without_backtrace(),
-                               "; use smaller micro-batches (more gradient accumulation steps) or "
-                               "a smaller model per device"));
-  } catch (const c10::Error& e) {
-    return Status::Make(StatusCode::kInternal,
-                        StrCat(what, ": libtorch raised: ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    return Status::Make(StatusCode::kInternal, StrCat(what, ": ", e.what()));
-  }
-}
-}  // namespace
 
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
   const GptConfig& c = options_.model;

@@ -110,6 +110,10 @@ class HostOptimizer {
   const AdamWConfig& config() const { return options_.adam; }
   Status SetLearningRate(double lr);  // schedulers change lr between steps
   uint64_t step() const { return step_; }
+  // A checkpoint's resume: the Adam steps already applied to the state it restored (the next
+  // applied step is step + 1, as bias correction needs). The counters in Stats() are this
+  // process's and are not changed.
+  void RestoreStep(uint64_t step);
   OptimizerStats Stats() const;
 
  private:

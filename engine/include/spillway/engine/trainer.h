@@ -19,6 +19,8 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/status.h"
+#include "spillway/allocator/uring_engine.h"
+#include "spillway/engine/checkpoint_file.h"
 #include "spillway/engine/collectives.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/engine/streamed_step.h"
@@ -77,6 +79,25 @@ struct TrainStepResult {
   StreamStats stream;                  // when the optimizer state streamed from NVMe
 };
 
+// Save and Load (Note [Checkpoint] in docs/checkpoint.md).
+struct CheckpointOptions {
+  allocator::UringEngine* io = nullptr;  // required: every byte goes through it
+  // The caller's own state (a JSON object: the data position, its settings), kept in the
+  // manifest and handed back by Load.
+  std::string extra_json = "{}";
+  // Checkpoints kept in the directory after a save, newest first (the one just written counts);
+  // 0 keeps every one. Saving never removes the previous checkpoint before the new one is in place.
+  int keep = 2;
+  checkpoint::FaultHook fault_hook;  // test seam: see checkpoint_file.h; the trainer adds
+                                     // "manifest", "rename" and "latest" (before each)
+};
+
+struct CheckpointInfo {
+  std::string path;        // the checkpoint's own directory (DIR/step-N)
+  int64_t step = 0;        // optimizer steps applied when it was saved
+  std::string extra_json;  // CheckpointOptions::extra_json of the save
+};
+
 // Owned by one thread; collectives are issued in the same order on every rank.
 class Trainer {
  public:
@@ -108,8 +129,27 @@ class Trainer {
   }
   int64_t steps() const { return steps_; }
 
+  // Writes a checkpoint of this trainer into `dir` (created if needed) as DIR/step-N, N = steps():
+  // one safetensors file per rank with its partitions (parameters, fp32 master, both moments) and
+  // the torch CPU generator's state, streamed from wherever the store keeps them (one partition at
+  // a time; the NVMe-homed ones pass through the store's host slot) through the io_uring engine;
+  // then a manifest with the world size, the model, the dtypes and a CRC32C per tensor; then
+  // DIR/latest names it. Every rank calls it between steps; each step of it is agreed by all ranks
+  // before the next, so an error on one rank is an error on all. A save that fails or is killed
+  // leaves the previous checkpoint (and `latest`) as they were.
+  Result<CheckpointInfo> Save(const std::string& dir, const CheckpointOptions& options);
+  // Restores what Save wrote: `dir` is the directory given to Save (its `latest` is loaded) or one
+  // checkpoint's own directory. Every rank calls it. A wrong world size, a missing rank file, a
+  // model whose shapes differ, and a byte whose CRC32C does not match are refused, naming the
+  // file, the tensor and what to change, before anything in the trainer changes.
+  Result<CheckpointInfo> Load(const std::string& dir, const CheckpointOptions& options);
+
  private:
-  struct Unit;
+  struct Unit {
+    int64_t numel = 0;
+    int64_t shard = 0;  // elements per rank (numel padded up to world * shard)
+    offload::PartitionId param = 0, grad = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
+  };
   Trainer(const TrainerOptions& options, Collectives* collectives, offload::PartitionStore* store,
           allocator::HostArena* arena, allocator::Ledger* ledger, allocator::ScopeId scope,
           std::unique_ptr<HostOptimizer> optimizer);
@@ -122,6 +162,9 @@ class Trainer {
   // `applied`: how many units (in order) took the step, also when it fails.
   Result<StepReport> OptimizerStep(StreamStats* stream, size_t* applied);
   Status ZeroGrads();
+  std::vector<checkpoint::TensorSpec> CheckpointSpecs(uint64_t rng_bytes) const;
+  // Every rank's `local` outcome: OK only when every rank's is (the ranks stay in step).
+  Status Agree(const Status& local, const char* what);
 
   const TrainerOptions options_;
   Collectives* const coll_;

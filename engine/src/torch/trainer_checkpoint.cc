@@ -1,0 +1,414 @@
+// The trainer's checkpoints: Trainer::Save and Trainer::Load. See trainer.h and docs/checkpoint.md,
+// Note [Checkpoint].
+//
+// Layout of a checkpoint directory DIR:
+//   DIR/latest                          the name of the newest complete checkpoint, replaced atomically
+//   DIR/step-00000128/manifest.json     world size, model, steps, the caller's state, every tensor's
+//                                       dtype, shape, offsets and CRC32C, per rank
+//   DIR/step-00000128/rank-00000-of-00002.safetensors   rank 0's partitions
+//   DIR/.tmp-step-00000192/             a save in progress (or one that was killed): never loaded
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "catch_torch.h"
+#include "host_view.h"
+#include "spillway/engine/trainer.h"
+
+namespace spillway::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using checkpoint::TensorRecord;
+using checkpoint::TensorSpec;
+using nlohmann::json;
+
+constexpr const char* kFormat = "spillway-checkpoint";
+constexpr int kVersion = 1;
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kLatest = "latest";
+constexpr const char* kRngTensor = "rng.torch_cpu";
+constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads through this much
+
+std::string StepName(int64_t step) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "step-%08" PRId64, step);
+  return b;
+}
+
+std::string RankFile(int rank, int world) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "rank-%05d-of-%05d.safetensors", rank, world);
+  return b;
+}
+
+std::string SidecarFile(int rank, int world) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "rank-%05d-of-%05d.json", rank, world);
+  return b;
+}
+
+json ModelJson(const GptConfig& c) {
+  return {{"vocab", c.vocab}, {"d_model", c.d_model}, {"n_layer", c.n_layer},
+          {"n_head", c.n_head}, {"seq_len", c.seq_len}, {"seed", c.seed}};
+}
+
+json RecordsJson(const std::vector<TensorRecord>& records) {
+  json t = json::object();
+  for (const TensorRecord& r : records) {
+    t[r.spec.name] = {{"dtype", r.spec.dtype}, {"shape", r.spec.shape},
+                      {"data_offsets", {r.begin, r.end}}, {"crc32c", r.crc32c}};
+  }
+  return t;
+}
+
+std::string Hex(uint32_t v) {
+  char b[16];
+  std::snprintf(b, sizeof(b), "0x%08x", v);
+  return b;
+}
+
+// std::filesystem reports by exception; checkpoints report statuses.
+template <typename Fn>
+Status Fs(const std::string& what, Fn fn) {
+  try {
+    fn();
+    return Status::Ok();
+  } catch (const fs::filesystem_error& e) {
+    return Status::FromErrno(e.code().value() == ENOSPC ? StatusCode::kNoSpace : StatusCode::kIoError,
+                             e.code().value(), StrCat(what, ": ", e.what()));
+  }
+}
+
+torch::Tensor RngState() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+// The checkpoint a Load of `dir` means: `dir` itself when it holds a manifest, else what its
+// `latest` names.
+Result<std::string> ResolveCheckpoint(const std::string& dir) {
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / kManifest, ec)) return dir;
+  const std::string latest = (fs::path(dir) / kLatest).string();
+  if (!fs::exists(latest, ec)) {
+    return Status::InvalidArgument(StrCat("checkpoint directory ", dir, " holds no checkpoint (no ",
+                                          kLatest, " file, no ", kManifest, "): give the directory "
+                                          "that was passed to save, or one of its step-N directories"));
+  }
+  auto name = checkpoint::ReadSmallFile(latest, 4096);
+  if (!name.ok()) return name.status();
+  std::string n = *name;
+  while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
+  if (n.empty() || n.find('/') != std::string::npos || n[0] == '.') {
+    return Status::Make(StatusCode::kChecksumMismatch,
+                        StrCat(latest, " holds '", n, "', not a checkpoint name; the file is damaged: "
+                               "load one of ", dir, "'s step-N directories directly"));
+  }
+  return (fs::path(dir) / n).string();
+}
+
+}  // namespace
+
+std::vector<TensorSpec> Trainer::CheckpointSpecs(uint64_t rng_bytes) const {
+  std::vector<TensorSpec> specs;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (const char* what : {"param", "master", "exp_avg", "exp_avg_sq"}) {
+      specs.push_back({StrCat("unit.", u, ".", what), "F32", {units_[u].shard},
+                       static_cast<uint64_t>(units_[u].shard) * 4});
+    }
+  }
+  specs.push_back({kRngTensor, "U8", {static_cast<int64_t>(rng_bytes)}, rng_bytes});
+  return specs;
+}
+
+Status Trainer::Agree(const Status& local, const char* what) {
+  auto failed = coll_->AllReduceSum(local.ok() ? 0.0 : 1.0);
+  if (!local.ok()) return local.WithContext(what);
+  if (!failed.ok()) return failed.status().WithContext(what);
+  if (*failed > 0) {
+    return Status::FailedPrecondition(StrCat(what, " failed on ", *failed, " other rank(s) (their "
+                                             "errors say why); this rank's part succeeded"));
+  }
+  return Status::Ok();
+}
+
+Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOptions& o) {
+  const int rank = coll_->rank(), world = coll_->world_size();
+  const std::string name = StepName(steps_);
+  const std::string tmp = (fs::path(dir) / (".tmp-" + name)).string();
+  const auto hook = [&](std::string_view point) {
+    if (o.fault_hook) o.fault_hook(point);
+  };
+  // 1. Rank 0 makes the temporary directory (a killed save's leftovers of the same step go).
+  Status st;
+  json extra = json::parse(o.extra_json, nullptr, /*allow_exceptions=*/false);
+  if (o.io == nullptr) {
+    st = Status::InvalidArgument("Save needs CheckpointOptions::io (the io_uring engine)");
+  } else if (!out_of_step_.ok()) {
+    st = Status::FailedPrecondition(StrCat("Save refused: this trainer's state is not one step's (",
+                                           out_of_step_.message(), ")"));
+  } else if (!extra.is_object()) {
+    st = Status::InvalidArgument(StrCat("CheckpointOptions::extra_json must be a JSON object; got '",
+                                        o.extra_json.substr(0, 80), "'"));
+  } else if (o.keep < 0) {
+    st = Status::InvalidArgument(StrCat("CheckpointOptions::keep = ", o.keep, "; use 0 (keep all) or more"));
+  } else if (rank == 0) {
+    st = Fs(StrCat("creating ", tmp), [&] {
+      fs::create_directories(dir);
+      fs::remove_all(tmp);
+      fs::create_directory(tmp);
+    });
+  }
+  SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: preparing the directory"));
+
+  // 2. Every rank streams its partitions into its own file, then lists their checksums beside it.
+  st = CatchTorch("checkpoint save", [&]() -> Status {
+    const torch::Tensor rng = RngState();
+    auto writer = checkpoint::FileWriter::Create((fs::path(tmp) / RankFile(rank, world)).string(),
+                                                 CheckpointSpecs(static_cast<uint64_t>(rng.numel())),
+                                                 o.io, o.fault_hook);
+    if (!writer.ok()) return writer.status();
+    for (const Unit& unit : units_) {
+      for (offload::PartitionId id : {unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+        auto v = AcquireView(*store_, id, offload::Access::kRead);
+        if (!v.ok()) return v.status();
+        Status w = (*writer)->Write(v->data);
+        SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+        SPILLWAY_RETURN_IF_ERROR(w);
+      }
+    }
+    SPILLWAY_RETURN_IF_ERROR((*writer)->Write(rng.data_ptr()));
+    auto records = (*writer)->Finish();
+    if (!records.ok()) return records.status();
+    return checkpoint::WriteFileDurably((fs::path(tmp) / SidecarFile(rank, world)).string(),
+                                        RecordsJson(*records).dump());
+  });
+  SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: writing the rank files"));
+
+  // 3. Rank 0: the manifest, the rename into place, `latest`, and the old checkpoints go.
+  CheckpointInfo info;
+  info.step = steps_;
+  info.extra_json = extra.dump();
+  std::string final_name = name;
+  if (rank == 0) {
+    st = [&]() -> Status {
+      json files = json::array();
+      for (int r = 0; r < world; ++r) {
+        const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
+        auto text = checkpoint::ReadSmallFile(sidecar);
+        if (!text.ok()) return text.status();
+        json t = json::parse(*text, nullptr, false);
+        if (!t.is_object()) return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
+        files.push_back({{"file", RankFile(r, world)}, {"tensors", std::move(t)}});
+      }
+      const GptConfig& m = options_.model;
+      json manifest = {{"format", kFormat},
+                       {"version", kVersion},
+                       {"world_size", world},
+                       {"step", steps_},
+                       {"adam_step", optimizer_->step()},
+                       {"model", ModelJson(m)},
+                       {"dtypes", {{"param", "F32"}, {"master", "F32"}, {"exp_avg", "F32"},
+                                   {"exp_avg_sq", "F32"}}},
+                       {"extra", extra},
+                       {"ranks", std::move(files)}};
+      hook("manifest");
+      SPILLWAY_RETURN_IF_ERROR(checkpoint::WriteFileDurably((fs::path(tmp) / kManifest).string(),
+                                                            manifest.dump(1)));
+      SPILLWAY_RETURN_IF_ERROR(Fs("removing the per-rank checksum lists", [&] {
+        for (int r = 0; r < world; ++r) fs::remove(fs::path(tmp) / SidecarFile(r, world));
+      }));
+      SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(tmp));
+      std::error_code ec;
+      for (int k = 1; fs::exists(fs::path(dir) / final_name, ec); ++k) final_name = StrCat(name, ".", k);
+      hook("rename");
+      SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"), [&] {
+        fs::rename(tmp, fs::path(dir) / final_name);
+      }));
+      SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(dir));
+      hook("latest");
+      SPILLWAY_RETURN_IF_ERROR(
+          checkpoint::WriteFileDurably((fs::path(dir) / kLatest).string(), final_name + "\n"));
+      // Now the new checkpoint is the one loaded. Older ones beyond `keep`, and temporary
+      // directories of killed saves, go (every rank finished writing in step 2).
+      return Fs(StrCat("removing old checkpoints in ", dir), [&] {
+        std::vector<std::string> old;
+        for (const auto& e : fs::directory_iterator(dir)) {
+          const std::string n = e.path().filename().string();
+          if (n.rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
+          if (n.rfind("step-", 0) == 0 && n != final_name && e.is_directory()) old.push_back(n);
+        }
+        std::sort(old.rbegin(), old.rend());
+        for (size_t i = 0; o.keep > 0 && i < old.size(); ++i) {
+          if (static_cast<int>(i) + 1 >= o.keep) fs::remove_all(fs::path(dir) / old[i]);
+        }
+      });
+    }();
+  }
+  SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: the manifest and the rename"));
+  info.path = (fs::path(dir) / final_name).string();  // rank 0's name: suffixes are rare
+  return info;
+}
+
+Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOptions& o) {
+  const int rank = coll_->rank(), world = coll_->world_size();
+  CheckpointInfo info;
+  json manifest;
+  std::unique_ptr<checkpoint::FileReader> reader;
+  std::vector<const TensorRecord*> records;  // in CheckpointSpecs order
+  std::vector<uint32_t> crcs;
+
+  // 1. Read-only: find it, check it against this trainer, checksum every byte of this rank's file.
+  Status st = [&]() -> Status {
+    if (o.io == nullptr) return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
+    auto path = ResolveCheckpoint(dir);
+    if (!path.ok()) return path.status();
+    info.path = *path;
+    const std::string mpath = (fs::path(*path) / kManifest).string();
+    auto text = checkpoint::ReadSmallFile(mpath);
+    if (!text.ok()) return text.status();
+    manifest = json::parse(*text, nullptr, false);
+    const auto damaged = [&](const std::string& what) {
+      return Status::Make(StatusCode::kChecksumMismatch,
+                          StrCat(mpath, ": ", what, "; the manifest is damaged: load an older "
+                                 "checkpoint or restore this one from a copy"));
+    };
+    if (!manifest.is_object() || manifest.value("format", "") != kFormat) {
+      return damaged(StrCat("not a ", kFormat, " manifest"));
+    }
+    if (manifest.value("version", 0) != kVersion) {
+      return Status::InvalidArgument(StrCat(mpath, ": format version ", manifest.value("version", 0),
+                                            "; this Spillway reads version ", kVersion));
+    }
+    const int64_t saved_world = manifest.value("world_size", int64_t{0});
+    if (saved_world != world) {
+      return Status::InvalidArgument(StrCat(
+          "checkpoint ", *path, " was written by ", saved_world, " rank(s); this run has ", world,
+          ". A ZeRO-3 checkpoint holds each rank's partitions: resume with ", saved_world,
+          " rank(s) (torchrun --nproc-per-node ", saved_world, "); resharding is not supported"));
+    }
+    const json mine = ModelJson(options_.model);
+    for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
+      if (!manifest["model"].contains(k) || manifest["model"][k] != mine[k]) {
+        return Status::InvalidArgument(StrCat(
+            "checkpoint ", *path, " is of a model with ", k, " = ", manifest["model"].value(k, json()).dump(),
+            "; this trainer's has ", mine[k].dump(), ": create the trainer with the checkpoint's model ",
+            manifest["model"].dump()));
+      }
+    }
+    if (!manifest["ranks"].is_array() || manifest["ranks"].size() != static_cast<size_t>(world) ||
+        !manifest["step"].is_number_unsigned() || !manifest["adam_step"].is_number_unsigned() ||
+        !manifest["extra"].is_object()) {
+      return damaged("step, adam_step, extra or the list of rank files is missing");
+    }
+    const json& entry = manifest["ranks"][static_cast<size_t>(rank)];
+    if (entry.value("file", "") != RankFile(rank, world) || !entry["tensors"].is_object()) {
+      return damaged(StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
+    }
+    const std::string file = (fs::path(*path) / RankFile(rank, world)).string();
+    auto r = checkpoint::FileReader::Open(file, o.io);
+    if (!r.ok()) return r.status();
+    reader = std::move(*r);
+    const TensorRecord* rng = reader->Find(kRngTensor);
+    if (rng == nullptr) return damaged(StrCat(file, " has no tensor '", kRngTensor, "'"));
+    uint64_t biggest = 0;
+    for (const TensorSpec& want : CheckpointSpecs(rng->spec.bytes)) {
+      const TensorRecord* got = reader->Find(want.name);
+      const json& m = entry["tensors"].value(want.name, json());
+      if (got == nullptr || !m.is_object()) {
+        return Status::InvalidArgument(StrCat("checkpoint file ", file, " has no tensor '", want.name,
+                                              "', which this trainer needs: it was saved by a "
+                                              "different trainer; load a checkpoint of this model"));
+      }
+      if (got->spec.dtype != want.dtype || got->spec.shape != want.shape) {
+        return Status::InvalidArgument(StrCat("checkpoint file ", file, ", tensor '", want.name, "': ",
+                                              got->spec.dtype, " ", json(got->spec.shape).dump(),
+                                              " in the file, this trainer needs ", want.dtype, " ",
+                                              json(want.shape).dump(), ": load a checkpoint of this model"));
+      }
+      if (m.value("dtype", "") != got->spec.dtype || m.value("shape", json()) != json(got->spec.shape) ||
+          m.value("data_offsets", json()) != json({got->begin, got->end}) || !m["crc32c"].is_number_unsigned()) {
+        return damaged(StrCat("its entry for tensor '", want.name, "' disagrees with the header of ", file));
+      }
+      records.push_back(got);
+      crcs.push_back(m["crc32c"].get<uint32_t>());
+      biggest = std::max(biggest, got->spec.bytes);
+    }
+    const uint64_t scratch_bytes = std::max<uint64_t>(1, std::min(biggest, kScratchBytes));
+    auto scratch = arena_->Allocate(scratch_bytes, allocator::OwnerTag{allocator::Kind::kCheckpoint,
+                                                                       allocator::Lifetime::kStep, 0,
+                                                                       scope_, SPILLWAY_SITE});
+    if (!scratch.ok()) return scratch.status().WithContext("the checkpoint's checksum buffer");
+    Status checked;
+    for (size_t i = 0; i < records.size() && checked.ok(); ++i) {
+      auto crc = reader->Checksum(*records[i], *scratch, scratch_bytes);
+      if (!crc.ok()) {
+        checked = crc.status();
+      } else if (*crc != crcs[i]) {
+        checked = Status::Make(StatusCode::kChecksumMismatch,
+                               StrCat("checkpoint file ", file, ", tensor '", records[i]->spec.name,
+                                      "': its bytes have CRC32C ", Hex(*crc), ", the manifest says ",
+                                      Hex(crcs[i]), ": the file is damaged; load an older checkpoint "
+                                      "or restore this one from a copy"));
+      }
+    }
+    SPILLWAY_RETURN_IF_ERROR(arena_->Free(*scratch));
+    return checked;
+  }();
+  SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint load: checking it"));
+
+  // 2. Every check passed on every rank: overwrite the state.
+  st = CatchTorch("checkpoint load", [&]() -> Status {
+    size_t i = 0;
+    for (const Unit& unit : units_) {
+      for (offload::PartitionId id : {unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+        auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+        if (!v.ok()) return v.status();
+        auto crc = reader->Read(*records[i], v->data);
+        SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+        if (!crc.ok()) return crc.status();
+        if (*crc != crcs[i]) {
+          return Status::Make(StatusCode::kChecksumMismatch,
+                              StrCat(reader->path(), ", tensor '", records[i]->spec.name,
+                                     "' changed between the check and the load"));
+        }
+        ++i;
+      }
+    }
+    torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);
+    auto crc = reader->Read(*records[i], rng.data_ptr());
+    if (!crc.ok()) return crc.status();
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    return ZeroGrads();
+  });
+  if (st.ok()) {
+    steps_ = manifest["step"].get<int64_t>();
+    attempts_ = std::max(attempts_, steps_);  // the ledger's step numbers only increase
+    optimizer_->RestoreStep(manifest["adam_step"].get<uint64_t>());
+    info.step = steps_;
+    info.extra_json = manifest["extra"].dump();
+  }
+  Status agreed = Agree(st, "checkpoint load: restoring the state");
+  if (!agreed.ok()) {
+    // This rank's state, or another's, is partly the checkpoint's: no step may run on it.
+    out_of_step_ = Status::FailedPrecondition(StrCat(
+        "a checkpoint load failed after it began overwriting the trainers' state (",
+        agreed.message(), "): create new trainers and load again"));
+    return agreed;
+  }
+  return info;
+}
+
+}  // namespace spillway::engine
