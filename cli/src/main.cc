@@ -6,6 +6,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cinttypes>
+#include <csignal>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,6 +36,24 @@ int FailStatus(const Status& st) {
   std::fprintf(stderr, "spillway: %s\n", st.ToString().c_str());
   return st.code() == spillway::StatusCode::kInvalidArgument ? 2 : 1;
 }
+
+#if SPILLWAY_WITH_TORCH
+// Fault-injection seam for the crash tests (tests/cli/checkpoint_crash_test.cc):
+// SPILLWAY_TEST_KILL_SAVE_AT=POINT:N SIGKILLs this process the Nth time a save reaches POINT
+// (checkpoint_file.h and trainer.h name the points). Unset: no hook.
+spillway::engine::checkpoint::FaultHook KillSaveAtFromEnvironment() {
+  const char* env = std::getenv("SPILLWAY_TEST_KILL_SAVE_AT");
+  if (env == nullptr || *env == '\0') return {};
+  std::string spec = env;
+  const size_t colon = spec.rfind(':');
+  const std::string point = spec.substr(0, colon);
+  const long nth = colon == std::string::npos ? 1 : std::strtol(spec.c_str() + colon + 1, nullptr, 10);
+  auto seen = std::make_shared<long>(0);
+  return [point, nth, seen](std::string_view p) {
+    if (p == point && ++*seen == nth) ::raise(SIGKILL);
+  };
+}
+#endif
 
 }  // namespace
 
@@ -89,6 +109,15 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   bool quiet = false;
   train->add_flag("--quiet", quiet, "no progress lines or reports, only the final summary");
+  train->add_option("--save", to.save_dir,
+                    "checkpoint directory: a checkpoint after the last epoch (DIR/step-N, DIR/latest)");
+  train->add_flag("--save-every-epoch", to.save_every_epoch, "with --save: a checkpoint after every epoch");
+  train->add_option("--keep", to.keep_checkpoints, "with --save: checkpoints kept, newest first (0: all)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  train->add_option("--resume", to.resume_dir,
+                    "go on from the checkpoint in DIR (its latest, or a step-N directory) with the "
+                    "next epoch, up to --epochs in all");
 #endif
 
   CLI::App* leak = app.add_subcommand(
@@ -114,8 +143,11 @@ int main(int argc, char** argv) {
   if (train->parsed()) {
 #if SPILLWAY_WITH_TORCH
     to.progress = !quiet;
+    if (to.save_every_epoch && to.save_dir.empty()) return Fail("--save-every-epoch needs --save DIR");
+    to.checkpoint_fault_hook = KillSaveAtFromEnvironment();
     auto r = spillway::cli::RunTrainJob(to);
     if (!r.ok()) return FailStatus(r.status());
+    if (r->epochs.empty()) return Fail("no epoch was trained");
     const auto& last = r->epochs.back();
     std::printf("spillway train: done, %zu epochs, final mean loss %.4f, %" PRIu64
                 " worker processes forked, escapes at the last boundary %" PRIu64 "\n",

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/log.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/cli/char_corpus.h"
@@ -274,6 +275,62 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     result.metrics_address = exporter->address();
   }
 
+  // The data position: epochs are whole (the loader's batches depend on the seed and the epoch
+  // number only), so a checkpoint at an epoch's end resumes at the next one exactly.
+  const auto position = [&](int64_t epoch) {
+    return nlohmann::json{{"epoch", epoch}, {"steps_per_epoch", o.steps_per_epoch},
+                          {"data_path", o.data_path}, {"loader_seed", model.seed},
+                          {"micro_batch_size", tc.micro_batch_size},
+                          {"gradient_accumulation_steps", tc.gradient_accumulation_steps}}.dump();
+  };
+  int64_t first_epoch = 1;
+  if (!o.resume_dir.empty()) {
+    engine::CheckpointOptions co;
+    co.io = io;
+    auto info = (*trainer)->Load(o.resume_dir, co);
+    if (!info.ok()) return info.status().WithContext(StrCat("--resume ", o.resume_dir));
+    const nlohmann::json saved = nlohmann::json::parse(info->extra_json);
+    if (!saved.contains("epoch") || !saved["epoch"].is_number_integer()) {
+      return Status::InvalidArgument(StrCat("--resume ", info->path, ": the checkpoint has no epoch "
+                                            "(it was not saved by spillway train)"));
+    }
+    result.resumed_from_epoch = saved["epoch"].get<int64_t>();
+    first_epoch = result.resumed_from_epoch + 1;
+    if (first_epoch > o.epochs) {
+      return Status::InvalidArgument(StrCat("--resume ", info->path, " is at the end of epoch ",
+                                            result.resumed_from_epoch, " and --epochs is ", o.epochs,
+                                            ": nothing is left to train; raise --epochs"));
+    }
+    const nlohmann::json now = nlohmann::json::parse(position(result.resumed_from_epoch));
+    for (const auto& [key, value] : saved.items()) {
+      if (key != "epoch" && now.contains(key) && now[key] != value) {
+        Log(LogLevel::kWarning, StrCat("--resume ", info->path, ": it was trained with ", key, " = ",
+                                       value.dump(), ", this run has ", now[key].dump(),
+                                       "; the run goes on, but not as the uninterrupted run would"));
+      }
+    }
+    if (o.progress) {
+      std::fprintf(o.out, "  resumed from %s: step %" PRId64 ", epoch %" PRId64 " done\n",
+                   info->path.c_str(), info->step, result.resumed_from_epoch);
+    }
+  }
+  const auto save = [&](int64_t epoch) -> Status {
+    engine::CheckpointOptions co;
+    co.io = io;
+    co.extra_json = position(epoch);
+    co.keep = o.keep_checkpoints;
+    co.fault_hook = o.checkpoint_fault_hook;
+    const auto t0 = Clock::now();
+    auto info = (*trainer)->Save(o.save_dir, co);
+    if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
+    result.checkpoints.push_back(info->path);
+    if (o.progress) {
+      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s)\n", info->path.c_str(),
+                   info->step, Seconds(t0, Clock::now()));
+    }
+    return Status::Ok();
+  };
+
   LoaderOptions lo;
   lo.workers = o.workers;
   lo.batch_size = static_cast<uint32_t>(tc.micro_batch_size);
@@ -315,7 +372,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   auto baseline_tree = Tree();
   if (!baseline_tree.ok()) return baseline_tree.status();
   uint64_t prev_host = host_live(), prev_nvme = nvme_live(), prev_pss = baseline_tree->pss_anon_bytes;
-  for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch <= o.epochs; ++epoch) {
     EpochSummary s;
     s.epoch = epoch;
     SPILLWAY_RETURN_IF_ERROR(ledger.BeginEpoch(epoch));
@@ -375,6 +432,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     prev_pss = s.tree_at_boundary.pss_anon_bytes;
     if (o.progress) std::fputs(FormatEpochReport(s).c_str(), out);
     result.epochs.push_back(std::move(s));
+    if (!o.save_dir.empty() && (o.save_every_epoch || epoch == o.epochs)) SPILLWAY_RETURN_IF_ERROR(save(epoch));
   }
   result.forks = (*loader)->stats().forks;
   if (o.sample_chars > 0) {

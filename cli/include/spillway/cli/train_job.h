@@ -35,6 +35,15 @@ struct TrainJobOptions {
   bool progress = true;
   std::FILE* out = stdout;
   int sample_chars = 100;        // greedy sample printed at the end; 0: none
+  // Checkpoints (Note [Checkpoint] in docs/checkpoint.md). save_dir: a checkpoint after the last
+  // epoch, or after every epoch with save_every_epoch. resume_dir: the run goes on from the
+  // checkpoint there (its `latest`, or a step-N directory) with the epoch after the saved one, up
+  // to `epochs` in total, so that 2 epochs + resume to 3 equals 3 epochs bit for bit.
+  std::string save_dir;
+  bool save_every_epoch = false;
+  std::string resume_dir;
+  int keep_checkpoints = 2;
+  engine::checkpoint::FaultHook checkpoint_fault_hook;  // test seam (the CLI's SPILLWAY_TEST_KILL_SAVE_AT)
 
   struct StepEvent {
     int64_t epoch = 0, step = 0;  // step within the epoch
@@ -81,7 +90,9 @@ struct EpochSummary {
 };
 
 struct TrainJobResult {
-  std::vector<EpochSummary> epochs;
+  std::vector<EpochSummary> epochs;  // the epochs this run trained (after a resume: the rest)
+  int64_t resumed_from_epoch = 0;    // the checkpoint's epoch; 0 when the run started fresh
+  std::vector<std::string> checkpoints;  // saved by this run, in order
   std::string sample;
   std::string metrics_address;  // bound address, empty when off
   std::string compute;          // where the math ran, and why
