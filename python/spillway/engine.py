@@ -20,6 +20,7 @@ Run it multi-process with `torchrun --nproc-per-node 2 -m spillway.engine --step
 nodes with torchrun's usual flags). See docs/engine.md, Note [Process groups].
 """
 import json
+import os
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -29,7 +30,7 @@ DEFAULT_MODEL = {"vocab": 32, "d_model": 32, "n_layer": 2, "n_head": 2, "seq_len
 
 
 def train_gpt(config, *, steps, micro_batches=1, batch_rows=4, model=None, data_seed=10_000,
-              device="cpu", group=None):
+              device="cpu", group=None, save=None, resume=None):
     """Trains the reference GPT for `steps` optimizer steps and returns a dict: `losses` (one per
     step, the mean over every rank's micro-batches), `params` (each unit's full parameters after the
     last step, gathered), `backend` ("single" or the group's, e.g. "gloo" or "cpu:gloo,cuda:nccl"),
@@ -46,12 +47,19 @@ def train_gpt(config, *, steps, micro_batches=1, batch_rows=4, model=None, data_
     `device`: "cpu", "cuda" (this LOCAL_RANK's GPU), "cuda:N" or "auto".
     `group`: a torch.distributed ProcessGroup with a CPU backend (gloo), and a CUDA one (nccl) for
     collectives on the GPU; or None for one process.
+    `resume`: a checkpoint directory (what `save` was given, or one of its step-N directories): the
+    trainer starts from it and trains `steps` more steps, from the checkpoint's step on (the
+    result's `start_step`), on the micro-batches an uninterrupted run would see there.
+    `save`: a directory; after the last step every rank writes its partitions there and the result's
+    `checkpoint` names the new checkpoint (docs/checkpoint.md).
     Errors are spillway exceptions naming what to change; every rank must call this together.
     """
     if not isinstance(config, str):
         config = json.dumps(config)
     return _spillway._train_gpt(config, dict(model or DEFAULT_MODEL), int(steps), int(micro_batches),
-                                int(batch_rows), int(data_seed), str(device), group)
+                                int(batch_rows), int(data_seed), str(device), group,
+                                "" if save is None else os.fspath(save),
+                                "" if resume is None else os.fspath(resume))
 
 
 def _main(argv=None):

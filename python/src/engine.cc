@@ -36,6 +36,7 @@ struct TrainRequest {
   int64_t batch_rows = 4;
   int64_t data_seed = 10'000;
   std::string device = "cpu";
+  std::string save_dir, resume_dir;  // empty: none
 };
 
 struct TrainOutcome {
@@ -45,6 +46,8 @@ struct TrainOutcome {
   std::string compute, collectives;  // devices: where the math ran, where gather/scatter ran
   int rank = 0, world_size = 1;
   uint64_t host_live_bytes = 0, nvme_live_bytes = 0, host_escapes = 0;
+  int64_t start_step = 0;  // the checkpoint's step after a resume
+  std::string checkpoint;  // the checkpoint saved at the end, when asked
 };
 
 // Global micro-batch k of step s: the same tokens whatever the world size, so ranks that split the
@@ -88,7 +91,17 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   out.collectives = (*trainer)->collectives_device().str();
   out.rank = coll->rank();
   out.world_size = coll->world_size();
-  for (int64_t s = 0; s < q.steps; ++s) {
+  // The data position is the step: micro-batches are a function of (data_seed, step, k).
+  const std::string position = StrCat(R"({"data_seed": )", q.data_seed, R"(, "batch_rows": )",
+                                      q.batch_rows, R"(, "micro_batches_per_rank": )", q.micro_batches, "}");
+  if (!q.resume_dir.empty()) {
+    engine::CheckpointOptions co;
+    co.io = (*tiers)->io.get();
+    auto info = (*trainer)->Load(q.resume_dir, co);
+    if (!info.ok()) return info.status();
+    out.start_step = info->step;
+  }
+  for (int64_t s = out.start_step; s < out.start_step + q.steps; ++s) {
     std::vector<torch::Tensor> mbs;
     for (int64_t j = 0; j < q.micro_batches; ++j) {
       mbs.push_back(GlobalMicroBatch(q, s, coll->rank() * q.micro_batches + j));
@@ -101,6 +114,14 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
     auto p = (*trainer)->GatherUnit(u);  // an all-gather: every rank takes part
     if (!p.ok()) return p.status();
     out.params.push_back(std::move(*p));
+  }
+  if (!q.save_dir.empty()) {
+    engine::CheckpointOptions co;
+    co.io = (*tiers)->io.get();
+    co.extra_json = position;
+    auto info = (*trainer)->Save(q.save_dir, co);
+    if (!info.ok()) return info.status();
+    out.checkpoint = info->path;
   }
   out.host_live_bytes = host->Stats().live_bytes;
   out.host_escapes = host->Stats().escape_count;
@@ -140,7 +161,8 @@ void BindEngine(py::module_& m) {
   m.def(
       "_train_gpt",
       [](const std::string& config_json, const py::dict& model, int64_t steps, int64_t micro_batches,
-         int64_t batch_rows, int64_t data_seed, const std::string& device, py::object group) {
+         int64_t batch_rows, int64_t data_seed, const std::string& device, py::object group,
+         const std::string& save, const std::string& resume) {
         if (steps < 1 || micro_batches < 1 || batch_rows < 1) {
           Raise(Status::InvalidArgument(StrCat("steps (", steps, "), micro_batches (", micro_batches,
                                                ") and batch_rows (", batch_rows, ") must be at least 1")));
@@ -153,6 +175,8 @@ void BindEngine(py::module_& m) {
         q.batch_rows = batch_rows;
         q.data_seed = data_seed;
         q.device = device;
+        q.save_dir = save;
+        q.resume_dir = resume;
         std::unique_ptr<engine::Collectives> coll;
         if (group.is_none()) {
           coll = Check(engine::Collectives::Create(engine::DistEnv{}));
@@ -184,10 +208,13 @@ void BindEngine(py::module_& m) {
         d["host_live_bytes"] = o.host_live_bytes;
         d["nvme_live_bytes"] = o.nvme_live_bytes;
         d["host_escapes"] = o.host_escapes;
+        d["start_step"] = o.start_step;
+        d["checkpoint"] = o.checkpoint.empty() ? py::object(py::none()) : py::object(py::str(o.checkpoint));
         return d;
       },
       py::arg("config_json"), py::arg("model"), py::arg("steps"), py::arg("micro_batches"),
-      py::arg("batch_rows"), py::arg("data_seed"), py::arg("device"), py::arg("group"));
+      py::arg("batch_rows"), py::arg("data_seed"), py::arg("device"), py::arg("group"),
+      py::arg("save") = "", py::arg("resume") = "");
 }
 
 }  // namespace spillway::python
