@@ -16,6 +16,7 @@
 #include "spillway/allocator/pow2_caching_policy.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/cli/proc_memory.h"
+#include "spillway/engine/checkpoint_file.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
@@ -398,12 +399,14 @@ Result<ScenarioOutcome> SwappedAlive(const LeakSuiteOptions& suite) {
 }
 
 // 6. epoch-checkpoint. Detector: host bytes held from the OS, sampled during the save; growth is
-// each epoch's peak over the previous boundary. The budget leaves 4 MiB of headroom over the
-// state: Spillway streams through a 1 MiB buffer, the control gathers the whole 16-bit model.
+// each epoch's peak over the previous boundary. Both save through the trainer's checkpoint writer
+// (engine/checkpoint_file.h: safetensors through the io_uring engine). Spillway's way streams each
+// partition from where it lives in the arena; the control first gathers the whole fp32 state into
+// one host buffer (DeepSpeed's stage3_gather_16bit_weights_on_model_save) and writes that. The
+// budget leaves 4 MiB of headroom over the state.
 Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
   constexpr int kEpochs = 4, kSteps = 3, kParts = 16;
   constexpr uint64_t kElems = 1 << 20;  // 4 MiB of fp32 per partition: 64 MiB of master weights
-  constexpr uint64_t kStage = kMiB;
   ScenarioOutcome out;
   out.detector = "host bytes held from the OS";
   out.epochs = kEpochs;
@@ -427,7 +430,15 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
       master.push_back(static_cast<float*>(*p));
       std::fill(master.back(), master.back() + kElems, 0.25f * i);
     }
-    const std::string path = StrCat(ScratchDir(suite), "/checkpoint-", spillway ? "spillway" : "control", ".bin");
+    const std::string path = StrCat(ScratchDir(suite), "/checkpoint-", spillway ? "spillway" : "control", ".safetensors");
+    std::vector<engine::checkpoint::TensorSpec> specs;
+    if (spillway) {
+      for (int i = 0; i < kParts; ++i) {
+        specs.push_back({StrCat("master.", i), "F32", {static_cast<int64_t>(kElems)}, kElems * 4});
+      }
+    } else {
+      specs.push_back({"master", "F32", {static_cast<int64_t>(kParts * kElems)}, kParts * kElems * 4});
+    }
     int64_t step = 0;
     series->Add(0, 0, true, HostCommitted(r));
     for (int e = 1; e <= kEpochs; ++e) {
@@ -435,39 +446,26 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
         for (float* m : master) m[s] += 1.0f;
         series->Add(++step, e, false, HostCommitted(r));
       }
-      // The save: fp32 master -> bf16 (truncation keeps this short) -> file.
-      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-      if (fd < 0) return Status::FromErrno(StatusCode::kIoError, errno, StrCat("open ", path));
-      const uint64_t stage_bytes = spillway ? kStage : kParts * kElems * 2;
-      auto stage = r.host->Allocate(stage_bytes, OwnerTag{Kind::kCheckpoint, Lifetime::kEpoch, 0, 0, SPILLWAY_SITE});
-      if (!stage.ok()) {
-        close(fd);
-        return stage.status().WithContext("checkpoint buffer");
-      }
-      auto* buf = static_cast<uint16_t*>(*stage);
-      uint64_t file_off = 0, filled = 0;
-      Status st;
-      auto flush = [&]() {
-        if (filled == 0) return;
-        if (pwrite(fd, buf, filled * 2, static_cast<off_t>(file_off)) != static_cast<ssize_t>(filled * 2)) {
-          st = Status::FromErrno(StatusCode::kIoError, errno, StrCat("writing ", path));
+      auto writer = engine::checkpoint::FileWriter::Create(path, specs, r.io.get());
+      if (!writer.ok()) return writer.status();
+      if (spillway) {
+        for (float* m : master) {
+          SPILLWAY_RETURN_IF_ERROR((*writer)->Write(m));
+          series->Add(step, e, false, HostCommitted(r));
         }
-        file_off += filled * 2;
-        filled = 0;
-      };
-      for (int i = 0; i < kParts && st.ok(); ++i) {
-        for (uint64_t j = 0; j < kElems; ++j) {
-          uint32_t bits;
-          std::memcpy(&bits, &master[i][j], 4);
-          buf[filled++] = static_cast<uint16_t>(bits >> 16);
-          if (filled * 2 == stage_bytes) flush();
+      } else {
+        auto gathered = r.host->Allocate(kParts * kElems * 4, OwnerTag{Kind::kCheckpoint, Lifetime::kEpoch, 0, 0, SPILLWAY_SITE});
+        if (!gathered.ok()) return gathered.status().WithContext("the gathered model");
+        for (int i = 0; i < kParts; ++i) {
+          std::memcpy(static_cast<float*>(*gathered) + i * kElems, master[i], kElems * 4);
+          series->Add(step, e, false, HostCommitted(r));
         }
-        series->Add(step, e, false, HostCommitted(r));
+        Status st = (*writer)->Write(*gathered);
+        SPILLWAY_RETURN_IF_ERROR(r.host->Free(*gathered));
+        SPILLWAY_RETURN_IF_ERROR(st);
       }
-      flush();
-      close(fd);
-      SPILLWAY_RETURN_IF_ERROR(r.host->Free(*stage));
-      SPILLWAY_RETURN_IF_ERROR(st);
+      auto done = (*writer)->Finish();
+      if (!done.ok()) return done.status();
       series->Add(step, e, true, HostCommitted(r));
     }
     for (float* m : master) SPILLWAY_RETURN_IF_ERROR(r.host->Free(m));

@@ -64,7 +64,7 @@ const std::vector<ScenarioInfo>& LeakScenarios() {
       {"swapped-alive", "parameters swapped to NVMe and back every step", &leak::SwappedAlive, nullptr},
       {"engine-rebuild", "the trainer created and destroyed 10 times in one process (RLHF)",
        SPILLWAY_TORCH_SCENARIO(EngineRebuild)},
-      {"epoch-checkpoint", "a 16-bit checkpoint saved at every epoch end", &leak::EpochCheckpoint, nullptr},
+      {"epoch-checkpoint", "a checkpoint saved at every epoch end", &leak::EpochCheckpoint, nullptr},
       {"accum-remainder", "10 micro-batches per epoch, accumulation over 4",
        SPILLWAY_TORCH_SCENARIO(AccumRemainder)},
       {"step-exception", "a layer fails in the middle of a step", SPILLWAY_TORCH_SCENARIO(StepException)},
