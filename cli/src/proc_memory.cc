@@ -3,6 +3,8 @@
 
 #include <dirent.h>
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -78,6 +80,43 @@ Result<TreeMemory> ProcessTreeMemory(pid_t pid) {
     for (pid_t c : ChildProcesses(p)) pending.push_back(c);
   }
   return m;
+}
+
+PeakSampler::PeakSampler(pid_t pid, std::chrono::milliseconds interval) : pid_(pid), interval_(interval) {
+  Sample();
+  thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, interval_, [this] { return stop_; })) {
+      lock.unlock();
+      Sample();
+      lock.lock();
+    }
+  });
+}
+
+PeakSampler::~PeakSampler() { (void)Stop(); }
+
+void PeakSampler::Sample() {
+  auto t = ProcessTreeMemory(pid_);
+  if (!t.ok()) {
+    if (error_.ok()) error_ = t.status();
+    return;
+  }
+  peak_ = std::max(peak_, t->pss_anon_bytes);
+}
+
+Result<uint64_t> PeakSampler::Stop() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    Sample();
+  }
+  if (!error_.ok()) return error_;
+  return peak_;
 }
 
 }  // namespace spillway::cli

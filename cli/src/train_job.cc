@@ -320,14 +320,22 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     co.extra_json = position(epoch);
     co.keep = o.keep_checkpoints;
     co.fault_hook = o.checkpoint_fault_hook;
+    auto before = Tree();
+    if (!before.ok()) return before.status();
+    PeakSampler sampler(getpid());
     const auto t0 = Clock::now();
     auto info = (*trainer)->Save(o.save_dir, co);
+    const double seconds = Seconds(t0, Clock::now());
+    auto peak = sampler.Stop();
     if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
-    result.checkpoints.push_back(info->path);
+    if (!peak.ok()) return peak.status();
+    TrainJobResult::Checkpoint c{info->path, info->step, seconds,
+                                 static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes)};
     if (o.progress) {
-      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s)\n", info->path.c_str(),
-                   info->step, Seconds(t0, Clock::now()));
+      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s, tree anonymous PSS peak %s during the save)\n",
+                   c.path.c_str(), c.step, c.seconds, SignedMib(c.peak_extra_pss_bytes).c_str());
     }
+    result.checkpoints.push_back(std::move(c));
     return Status::Ok();
   };
 

@@ -100,6 +100,47 @@ TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
   EXPECT_EQ(r->sample.size(), std::string("This License ").size() + 20);
 }
 
+// The save streams partitions from where they live: the tree's anonymous PSS during it stays within
+// the default config's I/O window (queue_depth 8 x block_size 1 MiB) plus 4 MiB. The control,
+// under the same sampler, gathers a copy of the model's parameters into host memory and writes it,
+// as DeepSpeed's stage3_gather_16bit_weights_on_model_save does: it grows by the model's size.
+TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
+  TrainJobOptions o = Small();
+  o.epochs = 1;
+  o.steps_per_epoch = 1;
+  o.workers = 1;
+  o.sample_chars = 0;
+  o.metrics_address = "off";
+  o.model.d_model = 256;
+  o.model.n_layer = 4;
+  o.model.n_head = 4;
+  o.save_dir = o.swap_dir + "/checkpoints";
+  auto r = RunTrainJob(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->checkpoints.size(), 1u);
+  int64_t params = 0;
+  for (int64_t u = 0; u < engine::gpt::Units(o.model); ++u) params += engine::gpt::UnitNumel(o.model, u);
+  const int64_t model_bytes = params * 4, bound = (8 + 4) << 20;
+  std::printf("save of a %.1f MiB model (x4 states): tree anonymous PSS peak %+.2f MiB\n",
+              model_bytes / 1048576.0, r->checkpoints[0].peak_extra_pss_bytes / 1048576.0);
+  EXPECT_LE(r->checkpoints[0].peak_extra_pss_bytes, bound);
+
+  auto before = ProcessTreeMemory(getpid());
+  ASSERT_TRUE(before.ok());
+  PeakSampler sampler(getpid());
+  {
+    std::vector<float> gathered(static_cast<size_t>(params), 0.5f);
+    std::ofstream(o.swap_dir + "/gathered.bin", std::ios::binary)
+        .write(reinterpret_cast<const char*>(gathered.data()), model_bytes);
+  }
+  auto peak = sampler.Stop();
+  ASSERT_TRUE(peak.ok());
+  const int64_t control = static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
+  std::printf("control, gather to host: %+.2f MiB\n", control / 1048576.0);
+  EXPECT_GE(control, model_bytes * 9 / 10);
+  EXPECT_GT(control, bound);
+}
+
 TEST(TrainJobTest, ItsOwnSwapDirectoryIsRemoved) {
   TrainJobOptions o = Small();
   o.swap_dir.clear();

@@ -6,7 +6,11 @@
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "spillway/allocator/status.h"
@@ -27,6 +31,30 @@ struct TreeMemory {
 // while being read is skipped; `pid` itself missing is INVALID_ARGUMENT, and a kernel without
 // Pss_Anon in smaps_rollup (before Linux 5.9) is UNAVAILABLE.
 Result<TreeMemory> ProcessTreeMemory(pid_t pid);
+
+// The largest tree anonymous PSS of `pid` while it runs: a thread samples ProcessTreeMemory every
+// `interval` from construction until Stop (both ends sampled). For peaks that last milliseconds,
+// such as a checkpoint save.
+class PeakSampler {
+ public:
+  explicit PeakSampler(pid_t pid, std::chrono::milliseconds interval = std::chrono::milliseconds(2));
+  ~PeakSampler();
+  PeakSampler(const PeakSampler&) = delete;
+  PeakSampler& operator=(const PeakSampler&) = delete;
+  // The largest pss_anon_bytes seen; the first failure to read /proc if there was one.
+  Result<uint64_t> Stop();
+
+ private:
+  void Sample();
+  const pid_t pid_;
+  const std::chrono::milliseconds interval_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  uint64_t peak_ = 0;  // written by the sampling thread; read after join
+  Status error_;       // likewise
+  std::thread thread_;
+};
 
 // The children of every thread of `pid` (one level).
 std::vector<pid_t> ChildProcesses(pid_t pid);

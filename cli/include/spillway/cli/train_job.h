@@ -92,7 +92,14 @@ struct EpochSummary {
 struct TrainJobResult {
   std::vector<EpochSummary> epochs;  // the epochs this run trained (after a resume: the rest)
   int64_t resumed_from_epoch = 0;    // the checkpoint's epoch; 0 when the run started fresh
-  std::vector<std::string> checkpoints;  // saved by this run, in order
+  struct Checkpoint {
+    std::string path;
+    int64_t step = 0;
+    double seconds = 0.0;
+    // The tree's anonymous PSS during the save (sampled every 2 ms) over its level just before.
+    int64_t peak_extra_pss_bytes = 0;
+  };
+  std::vector<Checkpoint> checkpoints;  // saved by this run, in order
   std::string sample;
   std::string metrics_address;  // bound address, empty when off
   std::string compute;          // where the math ran, and why
