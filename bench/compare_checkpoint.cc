@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
   const double a = Median(save_a), a2 = Median(save_a2), t = Median(save_torch), f = Median(fio);
   const double la = Median(load_a), lt = Median(load_torch);
   std::vector<double> aa;
-  for (size_t i = 0; i < std::min(save_a.size(), save_a2.size()); ++i) aa.push_back(save_a[i] / save_a2[i]);
+  for (size_t i = 0; i < std::min(save_a.size(), save_a2.size()); ++i) aa.push_back(save_a2[i] / save_a[i]);
   std::sort(aa.begin(), aa.end());
   std::printf("checkpoint of %.1f MiB (d_model %lld, %lld layers, offload %s), %d rounds interleaved, medians\n",
               mib, static_cast<long long>(d_model), static_cast<long long>(layers), offload.c_str(), rounds);

@@ -328,9 +328,13 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     const double seconds = Seconds(t0, Clock::now());
     auto peak = sampler.Stop();
     if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
-    if (!peak.ok()) return peak.status();
-    TrainJobResult::Checkpoint c{info->path, info->step, seconds,
-                                 static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes)};
+    int64_t extra = 0;  // the save is done; a failed /proc read only loses the measurement
+    if (peak.ok()) {
+      extra = static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
+    } else {
+      Log(LogLevel::kWarning, StrCat("checkpoint saved; its memory peak is unknown: ", peak.status().message()));
+    }
+    TrainJobResult::Checkpoint c{info->path, info->step, seconds, extra};
     if (o.progress) {
       std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s, tree anonymous PSS peak %s during the save)\n",
                    c.path.c_str(), c.step, c.seconds, SignedMib(c.peak_extra_pss_bytes).c_str());

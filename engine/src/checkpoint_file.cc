@@ -219,9 +219,11 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
     uint64_t n = DTypeBytes(t.spec.dtype);
     if (n == 0) return bad("unknown dtype");
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) return bad("a dimension is not a non-negative integer");
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+        return bad("a dimension is not a non-negative 64-bit integer");
+      }
       t.spec.shape.push_back(d.get<int64_t>());
-      n *= d.get<uint64_t>();
+      if (__builtin_mul_overflow(n, d.get<uint64_t>(), &n)) return bad("its size overflows 64 bits");
     }
     t.begin = e["data_offsets"][0].get<uint64_t>();
     t.end = e["data_offsets"][1].get<uint64_t>();
@@ -230,7 +232,9 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
     r->records_.push_back(std::move(t));
   }
   std::sort(r->records_.begin(), r->records_.end(),
-            [](const TensorRecord& a, const TensorRecord& b) { return a.begin < b.begin; });
+            [](const TensorRecord& a, const TensorRecord& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;  // empty tensors first
+            });
   uint64_t expect = 0;
   for (const TensorRecord& t : r->records_) {
     if (t.begin != expect) return Damaged(path, StrCat("tensor '", t.spec.name, "' leaves a hole or overlaps"));
@@ -304,8 +308,16 @@ Status WriteFileDurably(const std::string& path, const std::string& contents) {
     ::unlink(tmp.c_str());
     return Errno(err, StrCat("fsync of ", tmp));
   }
-  if (::close(fd) != 0) return Errno(errno, StrCat("closing ", tmp));
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return Errno(errno, StrCat("renaming ", tmp, " to ", path));
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return Errno(err, StrCat("closing ", tmp));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return Errno(err, StrCat("renaming ", tmp, " to ", path));
+  }
   return FsyncDirectory(Parent(path));
 }
 

@@ -306,6 +306,71 @@ TEST_F(BadCheckpointTest, ADamagedManifestOrLatestOrNoCheckpointIsRefused) {
   ExpectRefused(StatusCode::kInvalidArgument, {"holds no checkpoint"});
 }
 
+TEST_F(BadCheckpointTest, FieldsOfTheWrongTypeAreADamagedManifestNotACrash) {
+  const nlohmann::json good = Manifest();
+  for (int k = 0; k < 4; ++k) {
+    nlohmann::json m = good;
+    if (k == 0) m.erase("model");
+    if (k == 1) m["ranks"][0] = "rank-00000-of-00001.safetensors";
+    if (k == 2) m["ranks"][0]["tensors"]["unit.0.param"]["crc32c"] = "0x1234";
+    if (k == 3) m["step"] = -4;
+    WriteManifest(m);
+    ExpectRefused(StatusCode::kChecksumMismatch, {"manifest.json", "wrong type", "damaged"});
+  }
+}
+
+TEST_F(BadCheckpointTest, GeneratorStateOfAnotherSizeIsRefusedBeforeAnythingChanges) {
+  // Another torch's generator state: the file is rewritten with 8 more bytes of it.
+  auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
+  ASSERT_TRUE(reader.ok());
+  std::vector<checkpoint::TensorSpec> specs;
+  std::vector<std::vector<char>> data;
+  for (const auto& t : (*reader)->tensors()) {
+    checkpoint::TensorSpec s = t.spec;
+    data.emplace_back(t.spec.bytes);
+    ASSERT_TRUE((*reader)->Read(t, data.back().data()).ok());
+    if (s.name == "rng.torch_cpu") {
+      s.shape[0] += 8;
+      s.bytes += 8;
+      data.back().resize(s.bytes);
+    }
+    specs.push_back(s);
+  }
+  reader->reset();
+  auto w = checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
+  ASSERT_TRUE((*w)->Finish().ok());
+  ExpectRefused(StatusCode::kInvalidArgument, {"rng.torch_cpu", "another torch version"});
+}
+
+TEST(CheckpointTest, AfterAResumeFromAnOlderStepTheAbandonedCheckpointsGoFirst) {
+  const std::string dir = FreshDir("prune-resume");
+  TrainRun first("cpu");
+  CheckpointOptions all = first.Options();
+  all.keep = 0;
+  for (int i = 1; i <= 3; ++i) {
+    first.Train(i - 1, i);
+    ASSERT_TRUE(first.trainer->Save(dir, all).ok());
+  }
+  TrainRun again("cpu");
+  ASSERT_TRUE(again.trainer->Load(dir + "/step-00000001", again.Options()).ok());
+  again.Train(1, 2);
+  auto saved = again.trainer->Save(dir, again.Options());  // keep = 2; step 2 is taken
+  ASSERT_TRUE(saved.ok()) << saved.status().ToString();
+  EXPECT_EQ(saved->path, dir + "/step-00000002.1");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000002", "step-00000002.1"}));
+  TrainRun check("cpu");
+  auto loaded = check.trainer->Load(dir, check.Options());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->path, dir + "/step-00000002.1");
+  ExpectSameWeights(check.Weights(), again.Weights());
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointTest, SaveRefusesBadOptions) {
   TrainRun run("cpu");
   CheckpointOptions o = run.Options();

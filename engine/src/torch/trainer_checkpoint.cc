@@ -19,6 +19,7 @@
 
 #include "catch_torch.h"
 #include "host_view.h"
+#include "spillway/allocator/log.h"
 #include "spillway/engine/trainer.h"
 
 namespace spillway::engine {
@@ -86,6 +87,50 @@ Status Fs(const std::string& what, Fn fn) {
   }
 }
 
+// The manifest's structure, before any field is read: every later access is then in range.
+bool WellFormed(const json& m) {
+  const auto unsigned_field = [&](const json& o, const char* k) {
+    return o.contains(k) && o[k].is_number_unsigned() &&
+           o[k].get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
+  };
+  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() || !unsigned_field(m, "version") ||
+      !unsigned_field(m, "world_size") || !unsigned_field(m, "step") || !unsigned_field(m, "adam_step") ||
+      !m.contains("model") || !m["model"].is_object() || !m.contains("extra") || !m["extra"].is_object() ||
+      !m.contains("ranks") || !m["ranks"].is_array()) {
+    return false;
+  }
+  for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
+    if (!unsigned_field(m["model"], k)) return false;
+  }
+  for (const json& r : m["ranks"]) {
+    if (!r.is_object() || !r.contains("file") || !r["file"].is_string() || !r.contains("tensors") ||
+        !r["tensors"].is_object()) {
+      return false;
+    }
+    for (const auto& [name, t] : r["tensors"].items()) {
+      if (!t.is_object() || !t.contains("crc32c") || !t["crc32c"].is_number_unsigned() ||
+          t["crc32c"].get<uint64_t>() > UINT32_MAX) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Checkpoint files are input: a JSON value of the wrong type is a damaged file, never a crash.
+template <typename Fn>
+Status GuardJson(const std::string& what, Fn fn) {
+  try {
+    return fn();
+  } catch (const json::exception& e) {
+    return Status::Make(StatusCode::kChecksumMismatch,
+                        StrCat(what, ": unexpected JSON (", e.what(), "); the checkpoint is damaged: "
+                               "load an older checkpoint or restore this one from a copy"));
+  } catch (const std::exception& e) {
+    return Status::Internal(StrCat(what, ": ", e.what()));
+  }
+}
+
 torch::Tensor RngState() {
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -112,7 +157,39 @@ Result<std::string> ResolveCheckpoint(const std::string& dir) {
                         StrCat(latest, " holds '", n, "', not a checkpoint name; the file is damaged: "
                                "load one of ", dir, "'s step-N directories directly"));
   }
-  return (fs::path(dir) / n).string();
+  const std::string path = (fs::path(dir) / n).string();
+  if (!fs::exists(fs::path(path) / kManifest, ec)) {
+    return Status::InvalidArgument(StrCat(latest, " names ", n, ", which holds no ", kManifest,
+                                          " (removed by hand?): load one of ", dir,
+                                          "'s step-N directories directly"));
+  }
+  return path;
+}
+
+// Removes checkpoints in `dir` beyond `keep` (the one just saved, `current` at step `step`,
+// counts), and the temporary directories of killed saves. Kept first: the highest steps not past
+// `step`. After a resume from an older step, checkpoints past it belong to the abandoned run and go
+// first, while the one resumed from stays as the new run's fallback. Directories without a
+// readable manifest are not checkpoints and are left alone.
+Status Prune(const std::string& dir, const std::string& current, int64_t step, int keep) {
+  return Fs(StrCat("removing old checkpoints in ", dir), [&] {
+    std::vector<std::pair<std::pair<bool, int64_t>, fs::path>> old;  // ((same run, step), path)
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
+      if (n.rfind("step-", 0) != 0 || n == current || !e.is_directory()) continue;
+      auto text = checkpoint::ReadSmallFile((e.path() / kManifest).string());
+      if (!text.ok()) continue;
+      const json m = json::parse(*text, nullptr, false);
+      if (!WellFormed(m)) continue;
+      const int64_t s = m["step"].get<int64_t>();
+      old.push_back({{s <= step, s}, e.path()});
+    }
+    std::sort(old.rbegin(), old.rend());
+    for (size_t i = 0; keep > 0 && i < old.size(); ++i) {
+      if (static_cast<int>(i) + 1 >= keep) fs::remove_all(old[i].second);
+    }
+  });
 }
 
 }  // namespace
@@ -166,6 +243,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       fs::remove_all(tmp);
       fs::create_directory(tmp);
     });
+    // DIR itself must survive a power cut once a checkpoint in it is reported saved.
+    if (st.ok()) st = checkpoint::FsyncDirectory(fs::absolute(dir).parent_path().string());
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: preparing the directory"));
 
@@ -198,8 +277,9 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
   info.step = steps_;
   info.extra_json = extra.dump();
   std::string final_name = name;
+  int suffix = 0;  // step-N.suffix when step-N is taken (a second save of the same step)
   if (rank == 0) {
-    st = [&]() -> Status {
+    st = CatchTorch("checkpoint save", [&]() -> Status {
       json files = json::array();
       for (int r = 0; r < world; ++r) {
         const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
@@ -228,7 +308,7 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       }));
       SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(tmp));
       std::error_code ec;
-      for (int k = 1; fs::exists(fs::path(dir) / final_name, ec); ++k) final_name = StrCat(name, ".", k);
+      while (fs::exists(fs::path(dir) / final_name, ec)) final_name = StrCat(name, ".", ++suffix);
       hook("rename");
       SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"), [&] {
         fs::rename(tmp, fs::path(dir) / final_name);
@@ -238,23 +318,18 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       SPILLWAY_RETURN_IF_ERROR(
           checkpoint::WriteFileDurably((fs::path(dir) / kLatest).string(), final_name + "\n"));
       // Now the new checkpoint is the one loaded. Older ones beyond `keep`, and temporary
-      // directories of killed saves, go (every rank finished writing in step 2).
-      return Fs(StrCat("removing old checkpoints in ", dir), [&] {
-        std::vector<std::string> old;
-        for (const auto& e : fs::directory_iterator(dir)) {
-          const std::string n = e.path().filename().string();
-          if (n.rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
-          if (n.rfind("step-", 0) == 0 && n != final_name && e.is_directory()) old.push_back(n);
-        }
-        std::sort(old.rbegin(), old.rend());
-        for (size_t i = 0; o.keep > 0 && i < old.size(); ++i) {
-          if (static_cast<int>(i) + 1 >= o.keep) fs::remove_all(fs::path(dir) / old[i]);
-        }
-      });
-    }();
+      // directories of killed saves, go (every rank finished writing in step 2). The save has
+      // succeeded whatever happens to them.
+      Status pruned = Prune(dir, final_name, steps_, o.keep);
+      if (!pruned.ok()) Log(LogLevel::kWarning, StrCat("checkpoint saved, but ", pruned.message()));
+      return Status::Ok();
+    });
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: the manifest and the rename"));
-  info.path = (fs::path(dir) / final_name).string();  // rank 0's name: suffixes are rare
+  auto agreed_suffix = coll_->AllReduceSum(rank == 0 ? suffix : 0);  // rank 0 chose the name
+  if (!agreed_suffix.ok()) return agreed_suffix.status();
+  suffix = static_cast<int>(*agreed_suffix);
+  info.path = (fs::path(dir) / (suffix == 0 ? name : StrCat(name, ".", suffix))).string();
   return info;
 }
 
@@ -267,7 +342,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   std::vector<uint32_t> crcs;
 
   // 1. Read-only: find it, check it against this trainer, checksum every byte of this rank's file.
-  Status st = [&]() -> Status {
+  Status st = GuardJson(StrCat("loading the checkpoint in ", dir), [&]() -> Status {
     if (o.io == nullptr) return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
     auto path = ResolveCheckpoint(dir);
     if (!path.ok()) return path.status();
@@ -281,14 +356,14 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
                           StrCat(mpath, ": ", what, "; the manifest is damaged: load an older "
                                  "checkpoint or restore this one from a copy"));
     };
-    if (!manifest.is_object() || manifest.value("format", "") != kFormat) {
-      return damaged(StrCat("not a ", kFormat, " manifest"));
+    if (!WellFormed(manifest) || manifest["format"] != kFormat) {
+      return damaged(StrCat("not a ", kFormat, " manifest, or a field is missing or of the wrong type"));
     }
-    if (manifest.value("version", 0) != kVersion) {
-      return Status::InvalidArgument(StrCat(mpath, ": format version ", manifest.value("version", 0),
+    if (manifest["version"] != kVersion) {
+      return Status::InvalidArgument(StrCat(mpath, ": format version ", manifest["version"].dump(),
                                             "; this Spillway reads version ", kVersion));
     }
-    const int64_t saved_world = manifest.value("world_size", int64_t{0});
+    const int64_t saved_world = manifest["world_size"].get<int64_t>();
     if (saved_world != world) {
       return Status::InvalidArgument(StrCat(
           "checkpoint ", *path, " was written by ", saved_world, " rank(s); this run has ", world,
@@ -297,20 +372,18 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     }
     const json mine = ModelJson(options_.model);
     for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
-      if (!manifest["model"].contains(k) || manifest["model"][k] != mine[k]) {
+      if (manifest["model"][k] != mine[k]) {
         return Status::InvalidArgument(StrCat(
-            "checkpoint ", *path, " is of a model with ", k, " = ", manifest["model"].value(k, json()).dump(),
+            "checkpoint ", *path, " is of a model with ", k, " = ", manifest["model"][k].dump(),
             "; this trainer's has ", mine[k].dump(), ": create the trainer with the checkpoint's model ",
             manifest["model"].dump()));
       }
     }
-    if (!manifest["ranks"].is_array() || manifest["ranks"].size() != static_cast<size_t>(world) ||
-        !manifest["step"].is_number_unsigned() || !manifest["adam_step"].is_number_unsigned() ||
-        !manifest["extra"].is_object()) {
-      return damaged("step, adam_step, extra or the list of rank files is missing");
+    if (manifest["ranks"].size() != static_cast<size_t>(world)) {
+      return damaged(StrCat("it lists ", manifest["ranks"].size(), " rank files for world size ", world));
     }
     const json& entry = manifest["ranks"][static_cast<size_t>(rank)];
-    if (entry.value("file", "") != RankFile(rank, world) || !entry["tensors"].is_object()) {
+    if (entry.at("file") != RankFile(rank, world)) {
       return damaged(StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
     }
     const std::string file = (fs::path(*path) / RankFile(rank, world)).string();
@@ -319,10 +392,17 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     reader = std::move(*r);
     const TensorRecord* rng = reader->Find(kRngTensor);
     if (rng == nullptr) return damaged(StrCat(file, " has no tensor '", kRngTensor, "'"));
+    const uint64_t rng_bytes = static_cast<uint64_t>(RngState().numel());
+    if (rng->spec.bytes != rng_bytes) {
+      return Status::InvalidArgument(StrCat(
+          "checkpoint file ", file, ", tensor '", kRngTensor, "': ", rng->spec.bytes, " bytes of torch "
+          "CPU generator state, this libtorch's is ", rng_bytes, ": it was saved by another torch "
+          "version; resume with the torch it was saved with"));
+    }
     uint64_t biggest = 0;
     for (const TensorSpec& want : CheckpointSpecs(rng->spec.bytes)) {
       const TensorRecord* got = reader->Find(want.name);
-      const json& m = entry["tensors"].value(want.name, json());
+      const json& m = entry.at("tensors").contains(want.name) ? entry.at("tensors").at(want.name) : json();
       if (got == nullptr || !m.is_object()) {
         return Status::InvalidArgument(StrCat("checkpoint file ", file, " has no tensor '", want.name,
                                               "', which this trainer needs: it was saved by a "
@@ -335,11 +415,11 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
                                               json(want.shape).dump(), ": load a checkpoint of this model"));
       }
       if (m.value("dtype", "") != got->spec.dtype || m.value("shape", json()) != json(got->spec.shape) ||
-          m.value("data_offsets", json()) != json({got->begin, got->end}) || !m["crc32c"].is_number_unsigned()) {
+          m.value("data_offsets", json()) != json({got->begin, got->end})) {
         return damaged(StrCat("its entry for tensor '", want.name, "' disagrees with the header of ", file));
       }
       records.push_back(got);
-      crcs.push_back(m["crc32c"].get<uint32_t>());
+      crcs.push_back(static_cast<uint32_t>(m.at("crc32c").get<uint64_t>()));
       biggest = std::max(biggest, got->spec.bytes);
     }
     const uint64_t scratch_bytes = std::max<uint64_t>(1, std::min(biggest, kScratchBytes));
@@ -362,7 +442,18 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     }
     SPILLWAY_RETURN_IF_ERROR(arena_->Free(*scratch));
     return checked;
-  }();
+  });
+  // Every rank must have found the same checkpoint (each resolves `latest` itself; it could move
+  // between their reads). Equal sums of the steps and of their squares mean equal steps.
+  const double my_step = st.ok() ? manifest["step"].get<double>() : 0.0;
+  auto sum = coll_->AllReduceSum(my_step);
+  auto sum_sq = coll_->AllReduceSum(my_step * my_step);
+  if (!sum.ok()) return sum.status();
+  if (!sum_sq.ok()) return sum_sq.status();
+  if (st.ok() && (*sum != my_step * world || *sum_sq != my_step * my_step * world)) {
+    st = Status::FailedPrecondition(StrCat("the ranks found different checkpoints in ", dir, " (this rank: ",
+                                           info.path, "); was a save running? load a step-N directory"));
+  }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint load: checking it"));
 
   // 2. Every check passed on every rank: overwrite the state.
@@ -386,6 +477,10 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);
     auto crc = reader->Read(*records[i], rng.data_ptr());
     if (!crc.ok()) return crc.status();
+    if (*crc != crcs[i]) {
+      return Status::Make(StatusCode::kChecksumMismatch, StrCat(reader->path(), ", tensor '", kRngTensor,
+                                                                "' changed between the check and the load"));
+    }
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
