@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -224,6 +225,25 @@ class BadCheckpointTest : public ::testing::Test {
       before_ = target_.Weights();
     }
   }
+  // Rewrites the rank file with `edit` applied to each tensor's spec and bytes.
+  void RewriteRankFile(const std::function<void(checkpoint::TensorSpec&, std::vector<char>&)>& edit) {
+    auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
+    ASSERT_TRUE(reader.ok());
+    std::vector<checkpoint::TensorSpec> specs;
+    std::vector<std::vector<char>> data;
+    for (const auto& t : (*reader)->tensors()) {
+      checkpoint::TensorSpec s = t.spec;
+      data.emplace_back(t.spec.bytes);
+      ASSERT_TRUE((*reader)->Read(t, data.back().data()).ok());
+      edit(s, data.back());
+      specs.push_back(s);
+    }
+    reader->reset();
+    auto w = checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
+    ASSERT_TRUE((*w)->Finish().ok());
+  }
   nlohmann::json Manifest() { return nlohmann::json::parse(std::ifstream(ckpt_ + "/manifest.json")); }
   void WriteManifest(const nlohmann::json& m) { std::ofstream(ckpt_ + "/manifest.json") << m.dump(); }
 
@@ -273,27 +293,13 @@ TEST_F(BadCheckpointTest, AnotherModelIsRefusedNamingTheSetting) {
 }
 
 TEST_F(BadCheckpointTest, ADtypeOrShapeThatDisagreesWithTheTrainerIsRefused) {
-  // A header that says F16 for a tensor (the manifest agrees): not what this trainer holds.
-  nlohmann::json m = Manifest();
-  auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
-  ASSERT_TRUE(reader.ok());
-  std::vector<checkpoint::TensorSpec> specs;
-  std::vector<std::vector<char>> data;
-  for (const auto& t : (*reader)->tensors()) {
-    checkpoint::TensorSpec s = t.spec;
+  // A header that says F16 for a tensor: not what this trainer holds (checked before the manifest).
+  RewriteRankFile([](checkpoint::TensorSpec& s, std::vector<char>&) {
     if (s.name == "unit.2.param") {
       s.dtype = "F16";
       s.shape[0] *= 2;
     }
-    data.emplace_back(t.spec.bytes);
-    ASSERT_TRUE((*reader)->Read(t, data.back().data()).ok());
-    specs.push_back(s);
-  }
-  reader->reset();
-  auto w = checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
-  ASSERT_TRUE((*w)->Finish().ok());
+  });
   ExpectRefused(StatusCode::kInvalidArgument, {file_, "tensor 'unit.2.param'", "F16", "this trainer needs F32"});
 }
 
@@ -321,26 +327,12 @@ TEST_F(BadCheckpointTest, FieldsOfTheWrongTypeAreADamagedManifestNotACrash) {
 
 TEST_F(BadCheckpointTest, GeneratorStateOfAnotherSizeIsRefusedBeforeAnythingChanges) {
   // Another torch's generator state: the file is rewritten with 8 more bytes of it.
-  auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
-  ASSERT_TRUE(reader.ok());
-  std::vector<checkpoint::TensorSpec> specs;
-  std::vector<std::vector<char>> data;
-  for (const auto& t : (*reader)->tensors()) {
-    checkpoint::TensorSpec s = t.spec;
-    data.emplace_back(t.spec.bytes);
-    ASSERT_TRUE((*reader)->Read(t, data.back().data()).ok());
-    if (s.name == "rng.torch_cpu") {
-      s.shape[0] += 8;
-      s.bytes += 8;
-      data.back().resize(s.bytes);
-    }
-    specs.push_back(s);
-  }
-  reader->reset();
-  auto w = checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
-  ASSERT_TRUE((*w)->Finish().ok());
+  RewriteRankFile([](checkpoint::TensorSpec& s, std::vector<char>& bytes) {
+    if (s.name != "rng.torch_cpu") return;
+    s.shape[0] += 8;
+    s.bytes += 8;
+    bytes.resize(s.bytes);
+  });
   ExpectRefused(StatusCode::kInvalidArgument, {"rng.torch_cpu", "another torch version"});
 }
 
