@@ -2,6 +2,8 @@
 // once; the rest of the code trusts a Config.
 #include "spillway/offload/config.h"
 
+#include <cstdlib>
+
 #include <sys/statvfs.h>
 
 #include <cctype>
@@ -172,6 +174,11 @@ class Reader {
           if (f.ok()) c.fork_safety = *f;
           else Fail(p, f.status().message());
         }
+      } else if (k == "spill_path") String(v, p, &c.spill_path);
+      else if (k == "prefetch_partitions") {
+        if (Count(v, p, 0, &c.prefetch_partitions) && c.prefetch_partitions > 1024) {
+          Fail(p, StrCat("is ", c.prefetch_partitions, "; at most 1024 partitions ahead"));
+        }
       } else if (k == "peak_slack") {
         if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
           Fail(p, StrCat("is ", Describe(v), "; expected a fraction in [0, 1]"));
@@ -181,7 +188,7 @@ class Reader {
       } else {
         Fail(p, "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
                 "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
-                "retain_limit_bytes, peak_slack");
+                "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions");
       }
     }
   }
@@ -247,6 +254,10 @@ class Reader {
       } else if (k == "offload_param") OffloadParam(v, p);
       else if (k == "offload_optimizer") OffloadOptimizer(v, p);
       else if (k == "sub_group_size") Count(v, p, 1, &c_->sub_group_size);
+      else if (k == "stage3_prefetch_bucket_size") {
+        // "auto" (the HF Trainer's placeholder) keeps the default: only 0 (off) changes anything.
+        if (!(v.is_string() && v.get<std::string>() == "auto")) Count(v, p, 0, &c_->prefetch_bucket_size);
+      }
       else c_->ignored_keys.push_back(p);
     }
   }
@@ -429,6 +440,18 @@ allocator::NvmeArenaOptions Config::NvmeArenaOptions() const {
   o.policy = spillway.nvme_escape_policy;
   o.checksum = spillway.checksum;
   return o;
+}
+
+allocator::NvmeArenaOptions Config::SpillArenaOptions() const {
+  Config c = *this;
+  std::string dir = spillway.spill_path;
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    dir = tmp != nullptr && *tmp != '\0' ? tmp : "/var/tmp";
+  }
+  c.offload_optimizer.device = OffloadDevice::kNvme;
+  c.offload_optimizer.nvme_path = dir;
+  return c.NvmeArenaOptions();
 }
 
 }  // namespace spillway::offload

@@ -640,11 +640,17 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
   return freed;
 }
 
+void PartitionStore::SetSpillNotice(std::string notice) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spill_notice_ = std::move(notice);
+}
+
 Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
   uint64_t bytes, off;
   void* host;
   bool write;
   allocator::OwnerTag tag;
+  std::string notice;  // the first spill's warning, logged without mu_
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Part& p = parts_[id];
@@ -677,10 +683,12 @@ Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
     p.nvme_valid = true;
     p.dirty = false;
     p.host = nullptr;
+    notice.swap(spill_notice_);
     stats_.spills++;
     stats_.spill_bytes += bytes;
     stats_.spill_writes += write ? 1 : 0;
   }
+  if (!notice.empty()) Log(LogLevel::kWarning, notice);
   SPILLWAY_RETURN_IF_ERROR(host_->Free(host));
   *freed += bytes;
   return Status::Ok();

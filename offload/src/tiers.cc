@@ -1,6 +1,8 @@
 // See tiers.h.
 #include "spillway/offload/tiers.h"
 
+#include "spillway/allocator/log.h"
+
 namespace spillway::offload {
 
 Result<std::unique_ptr<Tiers>> Tiers::Create(const Config& config, allocator::ScopeId scope) {
@@ -13,16 +15,39 @@ Result<std::unique_ptr<Tiers>> Tiers::Create(const Config& config, allocator::Sc
   auto io = allocator::UringEngine::Create(config.EngineOptions(t->host.get()));
   if (!io.ok()) return io.status().WithContext("I/O engine");
   t->io = std::move(*io);
-  if (config.any_nvme()) {
-    allocator::NvmeArenaOptions no = config.NvmeArenaOptions();
+  // A config that homes something on NVMe has its arena there. One with host-homed offload
+  // ("cpu") gets a spill arena: an empty swap file that grows only when the host budget is full
+  // and the store spills (Note [Spill] in docs/offload.md); the first spill says where.
+  const bool spill_only = !config.any_nvme() && (config.offload_param.device == OffloadDevice::kCpu ||
+                                                 config.offload_optimizer.device == OffloadDevice::kCpu);
+  std::string spill_dir;
+  if (config.any_nvme() || spill_only) {
+    allocator::NvmeArenaOptions no = spill_only ? config.SpillArenaOptions() : config.NvmeArenaOptions();
     no.ledger = &t->ledger;
     auto nvme = allocator::NvmeArena::Create(no, t->io.get());
-    if (!nvme.ok()) return nvme.status().WithContext("NVMe arena");
-    t->nvme = std::move(*nvme);
+    if (nvme.ok()) {
+      t->nvme = std::move(*nvme);
+      spill_dir = no.directory;
+    } else if (!spill_only) {
+      return nvme.status().WithContext("NVMe arena");
+    } else if (!config.spillway.spill_path.empty()) {
+      return nvme.status().WithContext(StrCat("the spill arena in ", no.directory, " (spillway.spill_path)"));
+    } else {
+      // The default place did not work and nobody asked for it: run without spilling, and say so.
+      Log(LogLevel::kWarning, StrCat("no spill arena in ", no.directory, " (", nvme.status().message(),
+                                     "): partitions cannot spill over the host budget; set "
+                                     "spillway.spill_path to a writable directory on a local disk"));
+    }
   }
-  auto store = PartitionStore::Create(config, t->host.get(), t->nvme.get(), scope);
+  auto store = PartitionStore::Create(config, t->host.get(), t->nvme.get(), scope,
+                                      config.PrefetchWindow());
   if (!store.ok()) return store.status();
   t->store = std::move(*store);
+  if (spill_only) {
+    t->store->SetSpillNotice(StrCat("the host budget (spillway.host_budget_bytes) is full: spilling "
+                                    "partitions to a swap file in ", spill_dir,
+                                    " (spillway.spill_path; the config homes nothing on NVMe)"));
+  }
   return t;
 }
 

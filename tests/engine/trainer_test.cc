@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
+#include "spillway/offload/tiers.h"
 #include "trainer_test_util.h"
 
 namespace spillway::engine {
@@ -382,6 +383,79 @@ TEST(TrainerTest, AFailedOptimizerStepEndsTheStepAndTheNextStepRuns) {
   }
   EXPECT_EQ(t->steps(), 3);
   EXPECT_EQ(t->optimizer().step(), none ? 3u : 4u);
+}
+
+// Note [Schedule]: cpu/cpu offload under a host budget of a quarter of the states, on the tiers
+// `spillway train` builds: partitions spill to the spill arena Tiers makes for a config that homes
+// nothing on NVMe, and training is bit for bit the unbounded run's. With the trainer's schedule
+// the store moves no more NVMe bytes than without one (every next use equally far: it spills the
+// lowest-numbered partition); OPT is optimal for misses. Prefetching is off for the byte count (a
+// background prefetch can race a spill) and on for the equality check.
+struct BudgetRun {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> weights;
+  uint64_t io_bytes = 0, spills = 0;
+};
+
+BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool schedule, int prefetch) {
+  const std::string json = StrCat(
+      R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+          "offload_optimizer": {"device": "cpu"}}, "aio": {"block_size": 262144},
+          "spillway": {"host_budget_bytes": ")", budget, R"(", "nvme_budget_bytes": "256MiB",
+          "prefetch_partitions": )", prefetch, R"(, "spill_path": ")", allocator::testing::NvmeTestDir(), R"("}})");
+  auto tiers = offload::Tiers::Create(ParseOrDie(json));
+  EXPECT_TRUE(tiers.ok()) << tiers.status().ToString();
+  BudgetRun out;
+  if (!tiers.ok()) return out;
+  EXPECT_NE((*tiers)->nvme, nullptr) << "a cpu/cpu config gets a spill arena";
+  auto coll = Collectives::Create(DistEnv{});
+  TrainerOptions o;
+  o.model = c;
+  o.adam = Adam();
+  o.optimizer_threads = 2;
+  o.schedule = schedule;
+  auto trainer = Trainer::Create(o, coll->get(), (*tiers)->store.get(), (*tiers)->host.get(),
+                                 &(*tiers)->ledger, allocator::kProcessScope);
+  EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
+  if (!trainer.ok()) return out;
+  EXPECT_TRUE((*tiers)->ledger.BeginEpoch(0).ok());
+  const allocator::IoStats before = (*tiers)->io->Stats();
+  for (int s = 0; s < 4; ++s) {
+    auto r = (*trainer)->Step({Batch(c, s, 0), Batch(c, s, 1)});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    if (r.ok()) out.losses.push_back(r->loss);
+  }
+  const allocator::IoStats after = (*tiers)->io->Stats();
+  out.io_bytes = after.read_bytes + after.write_bytes - before.read_bytes - before.write_bytes;
+  out.spills = (*tiers)->store->Stats().spills;
+  for (int64_t u = 0; u < gpt::Units(c); ++u) out.weights.push_back((*trainer)->GatherUnit(u).value());
+  return out;
+}
+
+TEST(TrainerTest, CpuOffloadUnderAQuarterBudgetSpillsAndTrainsTheSame) {
+  GptConfig c = SmallGpt();
+  c.d_model = 128;
+  c.n_layer = 4;
+  c.n_head = 4;
+  // States: 5 fp32 partitions per unit, 24 MiB in all; the budget: a quarter of that plus the
+  // engine's bounce pool (8 x 256 KiB).
+  const BudgetRun unbounded = TrainUnderBudget(c, "1GiB", true, 2);
+  const BudgetRun opt = TrainUnderBudget(c, "8MiB", true, 0);
+  const BudgetRun lowest_id = TrainUnderBudget(c, "8MiB", false, 0);
+  const BudgetRun prefetched = TrainUnderBudget(c, "8MiB", true, 2);
+  EXPECT_EQ(unbounded.spills, 0u);
+  for (const BudgetRun* r : {&opt, &lowest_id, &prefetched}) {
+    EXPECT_GT(r->spills, 0u);
+    EXPECT_EQ(r->losses, unbounded.losses);
+    ASSERT_EQ(r->weights.size(), unbounded.weights.size());
+    for (size_t u = 0; u < r->weights.size(); ++u) EXPECT_TRUE(torch::equal(r->weights[u], unbounded.weights[u]));
+  }
+  std::printf("NVMe bytes per step under a quarter budget: schedule (OPT) %.2f MiB, no schedule "
+              "(lowest id) %.2f MiB, schedule + prefetch 2 %.2f MiB; spills %llu / %llu / %llu\n",
+              opt.io_bytes / 4.0 / kMiB, lowest_id.io_bytes / 4.0 / kMiB, prefetched.io_bytes / 4.0 / kMiB,
+              static_cast<unsigned long long>(opt.spills), static_cast<unsigned long long>(lowest_id.spills),
+              static_cast<unsigned long long>(prefetched.spills));
+  EXPECT_LE(opt.io_bytes, lowest_id.io_bytes);
 }
 
 }  // namespace

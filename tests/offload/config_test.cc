@@ -112,6 +112,23 @@ TEST(ConfigTest, DefaultsAreDeepSpeeds) {
   EXPECT_EQ(c->training.weight_decay, 0.0);
 }
 
+TEST(ConfigTest, PrefetchAndSpillSettings) {
+  auto c = Config::Parse("{}");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->PrefetchWindow(), 2u);
+  EXPECT_EQ(c->spillway.spill_path, "");
+  c = Config::Parse(R"({"zero_optimization": {"stage3_prefetch_bucket_size": 0},
+                        "spillway": {"prefetch_partitions": 6, "spill_path": "/scratch"}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->PrefetchWindow(), 0u) << "DeepSpeed's 0 turns prefetching off";
+  EXPECT_EQ(c->SpillArenaOptions().directory, "/scratch");
+  c = Config::Parse(R"({"zero_optimization": {"stage3_prefetch_bucket_size": "auto"},
+                        "spillway": {"prefetch_partitions": 6}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->PrefetchWindow(), 6u) << "the HF Trainer's \"auto\" keeps prefetching on";
+  EXPECT_TRUE(c->ignored_keys.empty());
+}
+
 struct BadCase {
   const char* name;
   const char* json;
@@ -175,6 +192,10 @@ INSTANTIATE_TEST_SUITE_P(
                 "expected [beta1, beta2], each in [0, 1)"},
         BadCase{"ZeroLr", R"({"optimizer": {"params": {"lr": 0}}})", "expected lr > 0"},
         BadCase{"NegativeClip", R"({"gradient_clipping": -1})", "expected a finite number >= 0"},
+        BadCase{"TooMuchPrefetch", R"({"spillway": {"prefetch_partitions": 5000}})",
+                "'spillway.prefetch_partitions': is 5000; at most 1024"},
+        BadCase{"SpillPathNotAString", R"({"spillway": {"spill_path": 3}})",
+                "'spillway.spill_path': is 3; expected a string"},
         BadCase{"ZeroAccumulation", R"({"gradient_accumulation_steps": 0})",
                 "'gradient_accumulation_steps': is 0"}),
     [](const ::testing::TestParamInfo<BadCase>& p) { return std::string(p.param.name); });

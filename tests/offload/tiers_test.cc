@@ -11,7 +11,7 @@ namespace {
 using testing::OffloadJson;
 using testing::ParseOrDie;
 
-TEST(TiersTest, NvmeIsMadeOnlyWhenTheConfigPlacesSomethingThere) {
+TEST(TiersTest, NvmeIsMadeWhereTheConfigPlacesSomethingAndToSpillCpuOffload) {
   auto with = Tiers::Create(ParseOrDie(OffloadJson("nvme", "cpu")));
   ASSERT_TRUE(with.ok()) << with.status().ToString();
   EXPECT_NE((*with)->host, nullptr);
@@ -19,10 +19,26 @@ TEST(TiersTest, NvmeIsMadeOnlyWhenTheConfigPlacesSomethingThere) {
   EXPECT_NE((*with)->nvme, nullptr);
   EXPECT_NE((*with)->store, nullptr);
 
-  auto without = Tiers::Create(ParseOrDie(OffloadJson("cpu", "cpu")));
+  // cpu offload: a spill arena (an empty swap file until the host budget is full).
+  auto spill = Tiers::Create(ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "cpu"}}, "spillway": {"spill_path": ")" +
+                                       allocator::testing::NvmeTestDir() + R"("}})"));
+  ASSERT_TRUE(spill.ok()) << spill.status().ToString();
+  ASSERT_NE((*spill)->nvme, nullptr);
+  EXPECT_EQ((*spill)->nvme->Stats().capacity_bytes, 0u) << "nothing is written before a spill";
+
+  auto without = Tiers::Create(ParseOrDie(OffloadJson("none", "none")));
   ASSERT_TRUE(without.ok()) << without.status().ToString();
   EXPECT_EQ((*without)->nvme, nullptr);
   EXPECT_NE((*without)->store, nullptr);
+}
+
+TEST(TiersTest, ASpillPathThatCannotHoldASwapFileIsNamed) {
+  auto t = Tiers::Create(ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+      "spillway": {"spill_path": "/proc/spillway-cannot-be-here"}})"));
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("the spill arena in /proc/spillway-cannot-be-here (spillway.spill_path)"),
+            std::string::npos) << t.status().ToString();
 }
 
 TEST(TiersTest, TheStoreReportsToTheOneLedger) {

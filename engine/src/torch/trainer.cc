@@ -452,6 +452,34 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
   return report;
 }
 
+std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const {
+  std::vector<offload::PartitionId> order;
+  for (size_t m = 0; m < micro_batches; ++m) {
+    for (const Unit& unit : units_) order.push_back(unit.param);  // forward
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {    // backward: recompute, reduce
+      order.push_back(it->param);
+      order.push_back(it->grad);
+    }
+  }
+  if (store_->home(units_[0].master) == offload::Tier::kNvme) {  // OptimizerStep's streamed path
+    for (const Unit& unit : units_) {
+      order.push_back(unit.grad);
+      order.push_back(unit.param);
+    }
+    for (const Unit& unit : units_) {
+      for (offload::PartitionId id : {unit.master, unit.exp_avg, unit.exp_avg_sq}) order.push_back(id);
+    }
+  } else {
+    for (const Unit& unit : units_) order.push_back(unit.grad);  // the norm
+    for (const Unit& unit : units_) {
+      for (offload::PartitionId id : {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+        order.push_back(id);
+      }
+    }
+  }
+  return order;
+}
+
 Status Trainer::ZeroGrads() {
   for (const Unit& unit : units_) {
     auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
@@ -467,6 +495,10 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
     return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
   if (!out_of_step_.ok()) return out_of_step_;
+  if (options_.schedule && micro_batches.size() != scheduled_micro_batches_) {
+    SPILLWAY_RETURN_IF_ERROR(store_->SetSchedule(Schedule(micro_batches.size())));
+    scheduled_micro_batches_ = micro_batches.size();
+  }
   TrainStepResult r;
   // Ledger step numbers count attempts (they must increase), steps_ counts applied steps.
   if (ledger_ != nullptr) SPILLWAY_RETURN_IF_ERROR(ledger_->BeginStep(attempts_));

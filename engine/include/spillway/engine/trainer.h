@@ -66,6 +66,10 @@ struct TrainerOptions {
   AdamWConfig adam;
   uint32_t optimizer_threads = 0;
   double max_grad_norm = 0.0;  // 0: no clipping
+  // Hands the store each step's access order (Note [Schedule] in docs/engine.md), so that it
+  // spills the partition used furthest ahead and swaps the next ones in ahead of use. Off: the
+  // store has no schedule (every next use looks equally far; the bench's baseline).
+  bool schedule = true;
 
   // Takes the optimizer settings of a DeepSpeed config's training keys (optimizer.type and
   // .params, gradient_clipping); the model, device and threads are left as they are.
@@ -162,6 +166,8 @@ class Trainer {
   // `applied`: how many units (in order) took the step, also when it fails.
   Result<StepReport> OptimizerStep(StreamStats* stream, size_t* applied);
   Status ZeroGrads();
+  // One step's partition accesses in order, for `micro_batches` micro-batches.
+  std::vector<offload::PartitionId> Schedule(size_t micro_batches) const;
   std::vector<checkpoint::TensorSpec> CheckpointSpecs(uint64_t rng_bytes) const;
   // Every rank's `local` outcome: OK only when every rank's is (the ranks stay in step).
   Status Agree(const Status& local, const char* what);
@@ -178,6 +184,7 @@ class Trainer {
   Status out_of_step_;    // a failed optimizer step with world size > 1: every later Step refuses
   int64_t steps_ = 0;     // applied
   int64_t attempts_ = 0;  // begun (the ledger's step numbers)
+  size_t scheduled_micro_batches_ = 0;  // the schedule the store holds; 0: none yet
 };
 
 }  // namespace spillway::engine

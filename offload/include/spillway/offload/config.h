@@ -72,6 +72,12 @@ struct SpillwayConfig {  // spillway (ours)
   bool capture_backtraces = false;
   uint64_t retain_limit_bytes = allocator::HostArenaOptions{}.retain_limit_bytes;
   double peak_slack = allocator::HostArenaOptions{}.peak_slack;
+  // Where partitions spill over the host budget when the config homes nothing on NVMe (offload
+  // "cpu" or "none"): a swap file in this directory. Empty: $TMPDIR, else /var/tmp.
+  std::string spill_path;
+  // Partitions of the step's schedule the store swaps in ahead of use (a background thread).
+  // zero_optimization.stage3_prefetch_bucket_size = 0 turns it off, as it turns off DeepSpeed's.
+  uint64_t prefetch_partitions = 2;
 };
 
 // "68719476736", "64GiB", "512 MiB", "1.5TB", "34e9": a positive byte count. Units: B, KiB, MiB,
@@ -83,6 +89,7 @@ struct Config {
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
   uint64_t sub_group_size = 1'000'000'000;  // elements
+  uint64_t prefetch_bucket_size = 50'000'000;  // zero_optimization.stage3_prefetch_bucket_size
   AioConfig aio;
   TrainingConfig training;
   SpillwayConfig spillway;
@@ -100,6 +107,12 @@ struct Config {
   allocator::UringEngineOptions EngineOptions(allocator::HostArena* arena) const;
   // For offload_param or offload_optimizer on nvme (the optimizer's path wins when both are set).
   allocator::NvmeArenaOptions NvmeArenaOptions() const;
+  // The spill arena's settings when nothing is homed on NVMe (spillway.spill_path).
+  allocator::NvmeArenaOptions SpillArenaOptions() const;
+  // The store's prefetch window: spillway.prefetch_partitions, 0 when prefetching is off.
+  uint32_t PrefetchWindow() const {
+    return prefetch_bucket_size == 0 ? 0 : static_cast<uint32_t>(spillway.prefetch_partitions);
+  }
   bool any_nvme() const {
     return offload_param.device == OffloadDevice::kNvme ||
            offload_optimizer.device == OffloadDevice::kNvme;

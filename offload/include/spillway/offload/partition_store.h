@@ -148,6 +148,8 @@ class PartitionStore {
   void set_memory_wait(std::chrono::milliseconds wait);
   std::chrono::milliseconds memory_wait() const;
   void SetHooksForTesting(StoreHooks* hooks);
+  // A warning logged once, at the first spill (Tiers names the spill arena's directory with it).
+  void SetSpillNotice(std::string notice);
   Status Release(Handle& handle);
   // Brings partitions into host memory now (no handle kept).
   Status Prefetch(const std::vector<PartitionId>& ids);
@@ -228,6 +230,7 @@ class PartitionStore {
   const Config config_;
   allocator::HostArena* const host_;
   allocator::NvmeArena* const nvme_;
+  std::string spill_notice_;  // guarded by mu_; cleared once logged
   const allocator::ScopeId scope_;
 
   const allocator::ProcessTag process_;  // a forked child's destructor leaks (Note [Fork])
