@@ -37,7 +37,10 @@ Result<std::unique_ptr<Rig>> MakeRig(const LeakSuiteOptions& suite, const RigOpt
   allocator::HostArenaOptions ho;
   ho.budget_bytes = o.host_budget_bytes;
   ho.region_bytes = o.region_bytes;
-  ho.pin = allocator::PinMode::kPageable;
+  // Pinned as `spillway train` pins (its default config has pin_memory: true): CUDA-registered
+  // where a device is present, mlock otherwise. A machine whose mlock limit is too small fails
+  // here as the main job would, naming RLIMIT_MEMLOCK.
+  ho.pin = allocator::PinMode::kAuto;
   ho.fork_safety = o.fork_safety;
   ho.capture_backtraces = o.capture_backtraces;
   ho.ledger = &rig->ledger;

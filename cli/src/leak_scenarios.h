@@ -35,7 +35,7 @@ struct RigOptions {
   uint64_t block_size = 1ull << 20;
 };
 
-// Pageable host memory (pinning is not what these scenarios measure, and mlock limits differ by user).
+// Host memory pinned the way `spillway train` pins it (PinMode::kAuto: CUDA or mlock).
 Result<std::unique_ptr<Rig>> MakeRig(const LeakSuiteOptions& suite, const RigOptions& options);
 std::string ScratchDir(const LeakSuiteOptions& suite);
 
