@@ -1,0 +1,40 @@
+# `cmake --install` and find_package(spillway): the libraries, their public headers, and a package
+# config that finds what they link. A consumer writes
+#     find_package(spillway REQUIRED)
+#     target_link_libraries(app PRIVATE spillway::engine)   # or allocator, offload, metrics, trainer
+# tests/package builds such a consumer against an installed tree.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(spillway_exported spillway_allocator spillway_offload spillway_engine spillway_metrics)
+set(spillway_header_dirs allocator offload engine metrics)
+if(SPILLWAY_WITH_TORCH)
+  list(APPEND spillway_exported spillway_trainer)
+endif()
+foreach(t IN LISTS spillway_exported)
+  string(REPLACE "spillway_" "" short "${t}")
+  set_target_properties(${t} PROPERTIES EXPORT_NAME ${short})
+  target_include_directories(${t} INTERFACE $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+endforeach()
+# Linked privately into the static libraries, so named in the export as link-only: its warning
+# flags never reach a consumer's compile lines.
+set_target_properties(spillway_warnings PROPERTIES EXPORT_NAME warnings)
+
+install(TARGETS ${spillway_exported} spillway_warnings EXPORT spillway-targets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+foreach(d IN LISTS spillway_header_dirs)
+  # cuda_status.h is for Spillway's own CUDA translation units (it includes the CUDA runtime's
+  # header); it is not part of the interface.
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${d}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+          FILES_MATCHING PATTERN "*.h" PATTERN "cuda_status.h" EXCLUDE)
+endforeach()
+install(EXPORT spillway-targets NAMESPACE spillway:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/spillway-config.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/spillway-config.cmake
+  INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/spillway-config-version.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/spillway-config.cmake
+              ${CMAKE_CURRENT_BINARY_DIR}/spillway-config-version.cmake
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
