@@ -21,7 +21,24 @@ import threading
 
 import torch  # (loads libtorch and registers torch.Tensor before the extension)
 
-from ._spillway import (  # noqa: F401
+from . import _build_info
+
+__version__ = _build_info.version
+
+
+def _check_torch(built, running):
+    """The extension links libtorch's C++ API, whose ABI changes between minor versions: loading it
+    under another torch can crash in the loader or later. Refuse before loading it."""
+    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+        raise ImportError(
+            f"spillway {__version__} was built against torch {built}, but this environment has torch "
+            f"{running}. Rebuild it against this torch: pip install --no-build-isolation <spillway "
+            f"checkout> (or rebuild the CMake tree and use its build/<preset>/python)")
+
+
+_check_torch(_build_info.torch_version, torch.__version__)
+
+from ._spillway import (  # noqa: F401,E402
     ChecksumMismatch,
     Error,
     Escaped,
@@ -43,7 +60,7 @@ from ._spillway import (  # noqa: F401
 from . import _spillway  # noqa: E402
 
 __all__ = [
-    "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
+    "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
     "Unavailable", "Escaped", "InternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
 ]

@@ -1,7 +1,19 @@
-# The spillway package is built into <build>/python; ctest puts it on PYTHONPATH.
+# The spillway package is built into <build>/python, and ctest puts it on PYTHONPATH; or, under
+# scripts/test, it is pip-installed into build/venv, whose interpreter ctest runs
+# (SPILLWAY_TESTS_INSTALLED=1): then the tests must import that installed package.
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: no GPU here
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("SPILLWAY_TESTS_INSTALLED") == "1":
+        import spillway
+
+        build = os.path.realpath(os.environ["SPILLWAY_BUILD_TREE"])
+        where = os.path.realpath(spillway.__file__)
+        if where.startswith(build + os.sep) or "site-packages" not in where:
+            raise RuntimeError(f"the tests must import the pip-installed spillway, but imported {where}")
 
 
 # ctest reports a file with any skipped test as skipped, never as passed (SKIP_RETURN_CODE in

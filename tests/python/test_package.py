@@ -1,0 +1,40 @@
+"""The package as users install it: a version, type information whose names match the extension,
+and an import under another torch that refuses with what to do instead of loading an extension of
+another C++ ABI. Under scripts/test this file, like every other, runs against the pip-installed
+package (conftest.py checks it)."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import spillway
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_version_is_the_projects():
+    want = re.search(r"project\(spillway VERSION ([0-9.]+)", (ROOT / "CMakeLists.txt").read_text()).group(1)
+    assert spillway.__version__ == want
+
+
+def test_the_stub_names_every_public_name_of_the_extension():
+    pkg = Path(spillway.__file__).parent
+    assert (pkg / "py.typed").exists()
+    stub = (pkg / "_spillway.pyi").read_text()
+    public = [n for n in dir(spillway._spillway) if not n.startswith("_")]
+    missing = [n for n in public if not re.search(rf"\b{n}\b", stub)]
+    assert not missing, f"_spillway.pyi lacks {missing}: regenerate it (its header says how)"
+
+
+def test_an_import_under_another_torch_refuses_and_says_to_rebuild():
+    code = "import torch; torch.__version__ = '2.99.1+cpu'; import spillway"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr
+    assert "was built against torch" in out.stderr and "2.99.1" in out.stderr
+    assert "pip install --no-build-isolation" in out.stderr
+    assert "Segmentation fault" not in out.stderr
+
+
+def test_a_patch_release_of_the_same_torch_is_accepted():
+    spillway._check_torch("2.13.0", "2.13.1+cpu")  # no error: same minor version
