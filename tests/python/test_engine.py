@@ -121,6 +121,18 @@ def test_a_group_of_one_runs_its_collectives_on_gloo_and_changes_nothing(tmp_pat
         assert torch.equal(a, b)
 
 
+def test_a_group_with_only_a_cpu_backend_is_used_as_it_is(tmp_path):
+    """init_process_group("cpu:gloo") registers no backend for CUDA: the trainer asks for one
+    through torch_compat::BackendFor (the query that also builds against torch 2.11) and gets none."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    alone = spillway.engine.train_gpt(config("cpu", tmp_path / "a"), steps=3, micro_batches=2)
+    grouped = run_ranks(config("cpu", tmp_path / "b"), 1, tmp_path / "one.pt", micro=2, steps=3,
+                        backend="cpu:gloo")
+    assert grouped["backend"] == "gloo" and grouped["collectives_device"] == "cpu"
+    assert grouped["losses"] == alone["losses"]
+
+
 def test_the_comparison_sees_a_different_batch(tmp_path):
     """Control: two ranks that each see only their half of the batch (world size 1 with half the
     micro-batches stands in for a wrong split) are far outside the tolerance above."""

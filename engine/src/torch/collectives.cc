@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
+#include "torch_compat.h"
+
 // The CPU wheel of torch ships ProcessGroupGloo.hpp but not the gloo headers it includes, so the
 // Gloo path builds only where they are given (SPILLWAY_GLOO_INCLUDE_DIR, matching the gloo commit
 // bundled in libtorch). Without them a world size above 1 is UNAVAILABLE and says so.
@@ -95,7 +97,7 @@ Result<std::unique_ptr<Collectives>> Collectives::FromProcessGroup(
     env.rank = pg->getRank();
     env.world_size = pg->getSize();
     cpu = pg->getBackend(c10::DeviceType::CPU);
-    if (pg->hasBackendForDeviceType(c10::DeviceType::CUDA)) cuda = pg->getBackend(c10::DeviceType::CUDA);
+    cuda = torch_compat::BackendFor(*pg, c10::DeviceType::CUDA);
     // init_process_group("gloo") registers its one Gloo backend for CUDA as well; Gloo stages CUDA
     // tensors through the host, which the trainer's host path does better (into pinned memory), so
     // only a backend of the CUDA device's own (NCCL) counts as one.
