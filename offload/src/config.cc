@@ -256,7 +256,11 @@ class Reader {
       else if (k == "sub_group_size") Count(v, p, 1, &c_->sub_group_size);
       else if (k == "stage3_prefetch_bucket_size") {
         // "auto" (the HF Trainer's placeholder) keeps the default: only 0 (off) changes anything.
-        if (!(v.is_string() && v.get<std::string>() == "auto")) Count(v, p, 0, &c_->prefetch_bucket_size);
+        // Only 0 acts, so any number >= 0 is accepted (older HF versions write 0.9 * h * h).
+        double bucket = 0.0;
+        if (!(v.is_string() && v.get<std::string>() == "auto") && NonNegative(v, p, &bucket)) {
+          c_->prefetch_bucket_size = static_cast<uint64_t>(bucket);
+        }
       }
       else c_->ignored_keys.push_back(p);
     }

@@ -262,6 +262,7 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   for (uint64_t pos = 0; pos < order.size(); ++pos) parts_[order[pos]].uses.push_back(pos);
   schedule_ = std::move(order);
   cursor_ = schedule_.empty() ? 0 : schedule_.size() - 1;
+  prefetch_queue_.clear();  // positions of the old schedule
   return Status::Ok();
 }
 

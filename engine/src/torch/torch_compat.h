@@ -5,6 +5,11 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <string>
+
+#include "spillway/allocator/log.h"
+#include "spillway/allocator/status.h"
+
 namespace spillway::engine::torch_compat {
 
 // The group's backend for `type`, or null when it has none. ProcessGroup::hasBackendForDeviceType
@@ -13,7 +18,14 @@ namespace spillway::engine::torch_compat {
 inline c10::intrusive_ptr<c10d::Backend> BackendFor(c10d::ProcessGroup& pg, c10::DeviceType type) {
   try {
     return pg.getBackend(type);
-  } catch (const c10::Error&) {
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("No backend type associated with device type") == std::string::npos) {
+      // Not the "none" answer: a backend that exists and failed. The trainer then runs its
+      // collectives on the host, and says why.
+      Log(LogLevel::kWarning, StrCat("the process group's ", c10::DeviceTypeName(type),
+                                     " backend is unusable (", what, "): collectives run on the host"));
+    }
     return {};
   }
 }

@@ -72,8 +72,9 @@ struct SpillwayConfig {  // spillway (ours)
   bool capture_backtraces = false;
   uint64_t retain_limit_bytes = allocator::HostArenaOptions{}.retain_limit_bytes;
   double peak_slack = allocator::HostArenaOptions{}.peak_slack;
-  // Where partitions spill over the host budget when the config homes nothing on NVMe (offload
-  // "cpu" or "none"): a swap file in this directory. Empty: $TMPDIR, else /var/tmp.
+  // Where partitions spill over the host budget when the config offloads to "cpu" and homes nothing
+  // on NVMe: a swap file in this directory (its budget: nvme_budget_bytes, else 90% of the free
+  // space there). Empty: $TMPDIR, else /var/tmp.
   std::string spill_path;
   // Partitions of the step's schedule the store swaps in ahead of use (a background thread).
   // zero_optimization.stage3_prefetch_bucket_size = 0 turns it off, as it turns off DeepSpeed's.
