@@ -14,17 +14,6 @@ def pytest_sessionstart(session):
         where = os.path.realpath(spillway.__file__)
         if where.startswith(build + os.sep) or "site-packages" not in where:
             raise RuntimeError(f"the tests must import the pip-installed spillway, but imported {where}")
-        # SPILLWAY_PYTHON_TESTS_PYTHON is cached by CMake: an installed extension older than the
-        # build tree's would test stale code.
-        import glob
-
-        installed = glob.glob(os.path.join(os.path.dirname(where), "_spillway*.so"))
-        built = glob.glob(os.path.join(build, "python", "spillway", "_spillway*.so"))
-        if installed and built and os.path.getmtime(built[0]) > os.path.getmtime(installed[0]):
-            raise RuntimeError(
-                f"the pip-installed extension {installed[0]} is older than the build tree's {built[0]}: "
-                "reinstall it (pip install --no-build-isolation .) or reconfigure with "
-                "-DSPILLWAY_PYTHON_TESTS_PYTHON= to test the build tree")
 
 
 # ctest reports a file with any skipped test as skipped, never as passed (SKIP_RETURN_CODE in
