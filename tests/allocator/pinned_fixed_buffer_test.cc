@@ -95,7 +95,13 @@ void ExpectPinnedAndFixed(PinMode mode) {
   engine->reset();
 }
 
-TEST(PinnedFixedBufferTest, AnMlockedRegionIsAlsoAnIoUringFixedBuffer) { ExpectPinnedAndFixed(PinMode::kMlock); }
+TEST(PinnedFixedBufferTest, AnMlockedRegionIsAlsoAnIoUringFixedBuffer) {
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's mlock interceptor returns success without locking: the kernel would count nothing.
+  GTEST_SKIP() << "ASan makes mlock a no-op; the default and TSan builds run this test";
+#endif
+  ExpectPinnedAndFixed(PinMode::kMlock);
+}
 
 TEST(CudaPinnedFixedBufferTest, ACudaRegisteredRegionIsAlsoAnIoUringFixedBuffer) {
   ExpectPinnedAndFixed(PinMode::kCuda);
