@@ -281,7 +281,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return nlohmann::json{{"epoch", epoch}, {"steps_per_epoch", o.steps_per_epoch},
                           {"data_path", o.data_path}, {"loader_seed", model.seed},
                           {"micro_batch_size", tc.micro_batch_size},
-                          {"gradient_accumulation_steps", tc.gradient_accumulation_steps}}.dump();
+                          {"gradient_accumulation_steps", tc.gradient_accumulation_steps}};
   };
   int64_t first_epoch = 1;
   if (!o.resume_dir.empty()) {
@@ -301,7 +301,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
                                             result.resumed_from_epoch, " and --epochs is ", o.epochs,
                                             ": nothing is left to train; raise --epochs"));
     }
-    const nlohmann::json now = nlohmann::json::parse(position(result.resumed_from_epoch));
+    const nlohmann::json now = position(result.resumed_from_epoch);
     for (const auto& [key, value] : saved.items()) {
       if (key != "epoch" && now.contains(key) && now[key] != value) {
         Log(LogLevel::kWarning, StrCat("--resume ", info->path, ": it was trained with ", key, " = ",
@@ -317,7 +317,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   const auto save = [&](int64_t epoch) -> Status {
     engine::CheckpointOptions co;
     co.io = io;
-    co.extra_json = position(epoch);
+    co.extra_json = position(epoch).dump();
     co.keep = o.keep_checkpoints;
     co.fault_hook = o.checkpoint_fault_hook;
     auto before = Tree();

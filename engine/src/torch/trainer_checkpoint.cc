@@ -11,6 +11,7 @@
 #include <ATen/core/Generator.h>
 
 #include <algorithm>
+#include <array>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -36,6 +37,14 @@ constexpr const char* kManifest = "manifest.json";
 constexpr const char* kLatest = "latest";
 constexpr const char* kRngTensor = "rng.torch_cpu";
 constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads through this much
+
+// The partitions a checkpoint holds per unit, in file order, and their tensor names' suffixes:
+// CheckpointSpecs, Save and Load all walk them through these two.
+constexpr std::array<const char*, 4> kSavedStates = {"param", "master", "exp_avg", "exp_avg_sq"};
+template <typename Unit>
+std::array<offload::PartitionId, 4> SavedPartitions(const Unit& u) {
+  return {u.param, u.master, u.exp_avg, u.exp_avg_sq};
+}
 
 std::string StepName(int64_t step) {
   char b[32];
@@ -197,7 +206,7 @@ Status Prune(const std::string& dir, const std::string& current, int64_t step, i
 std::vector<TensorSpec> Trainer::CheckpointSpecs(uint64_t rng_bytes) const {
   std::vector<TensorSpec> specs;
   for (size_t u = 0; u < units_.size(); ++u) {
-    for (const char* what : {"param", "master", "exp_avg", "exp_avg_sq"}) {
+    for (const char* what : kSavedStates) {
       specs.push_back({StrCat("unit.", u, ".", what), "F32", {units_[u].shard},
                        static_cast<uint64_t>(units_[u].shard) * 4});
     }
@@ -256,7 +265,7 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
                                                  o.io, o.fault_hook);
     if (!writer.ok()) return writer.status();
     for (const Unit& unit : units_) {
-      for (offload::PartitionId id : {unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+      for (offload::PartitionId id : SavedPartitions(unit)) {
         auto v = AcquireView(*store_, id, offload::Access::kRead);
         if (!v.ok()) return v.status();
         Status w = (*writer)->Write(v->data);
@@ -457,30 +466,30 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint load: checking it"));
 
   // 2. Every check passed on every rank: overwrite the state.
+  // Tensor i into `dst`, against the CRC32C the check pass read.
+  const auto read_checked = [&](size_t i, void* dst) -> Status {
+    auto crc = reader->Read(*records[i], dst);
+    if (!crc.ok()) return crc.status();
+    if (*crc != crcs[i]) {
+      return Status::Make(StatusCode::kChecksumMismatch,
+                          StrCat(reader->path(), ", tensor '", records[i]->spec.name,
+                                 "' changed between the check and the load"));
+    }
+    return Status::Ok();
+  };
   st = CatchTorch("checkpoint load", [&]() -> Status {
     size_t i = 0;
     for (const Unit& unit : units_) {
-      for (offload::PartitionId id : {unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+      for (offload::PartitionId id : SavedPartitions(unit)) {
         auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
         if (!v.ok()) return v.status();
-        auto crc = reader->Read(*records[i], v->data);
+        Status read = read_checked(i++, v->data);
         SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
-        if (!crc.ok()) return crc.status();
-        if (*crc != crcs[i]) {
-          return Status::Make(StatusCode::kChecksumMismatch,
-                              StrCat(reader->path(), ", tensor '", records[i]->spec.name,
-                                     "' changed between the check and the load"));
-        }
-        ++i;
+        SPILLWAY_RETURN_IF_ERROR(read);
       }
     }
     torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);
-    auto crc = reader->Read(*records[i], rng.data_ptr());
-    if (!crc.ok()) return crc.status();
-    if (*crc != crcs[i]) {
-      return Status::Make(StatusCode::kChecksumMismatch, StrCat(reader->path(), ", tensor '", kRngTensor,
-                                                                "' changed between the check and the load"));
-    }
+    SPILLWAY_RETURN_IF_ERROR(read_checked(i, rng.data_ptr()));
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
