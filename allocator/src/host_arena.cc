@@ -506,6 +506,12 @@ std::vector<HostArena::RegionInfo> HostArena::Regions() const {
   return out;
 }
 
+void HostArena::ResetPeakStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  live_->ResetPeaks();
+  stats_.peak_committed_bytes = stats_.committed_bytes;
+}
+
 HostArenaStats HostArena::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   HostArenaStats s = stats_;

@@ -44,6 +44,10 @@ class LiveTable {
   // Explains why addr is not a live allocation; `inside` says whether it lies in the arena.
   std::string DescribeBadFree(uint64_t addr, bool inside) const;
   void NoteBadFree() { stats_.bad_free_count++; }
+  void ResetPeaks() {
+    stats_.peak_live_bytes = stats_.live_bytes;
+    stats_.peak_requested_bytes = stats_.requested_bytes;
+  }
 
   // Boundary sweep: selects escapes (step records born at or before `step`; at an epoch end also
   // epoch records born at or before `epoch`), lists up to kMaxListedEscapes, frees them through

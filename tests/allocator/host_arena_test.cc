@@ -64,6 +64,26 @@ TEST_F(HostArenaTest, SmallRequestsShareARegionAndFreedExtentsAreReused) {
   EXPECT_TRUE(arena->Validate().ok());
 }
 
+TEST_F(HostArenaTest, ResetPeakStatsMeasuresTheNextPhaseAlone) {
+  auto arena = MakeArena(PageableOptions(&ledger_));
+  auto big = arena->Allocate(1 << 20, Tag(Kind::kGrad, Lifetime::kStep));
+  ASSERT_TRUE(big.ok());
+  ASSERT_TRUE(arena->Free(*big).ok());
+  auto keep = arena->Allocate(8192, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(keep.ok());
+  EXPECT_EQ(arena->Stats().peak_live_bytes, 1u << 20);  // the earlier phase's peak
+  arena->ResetPeakStats();
+  HostArenaStats st = arena->Stats();
+  EXPECT_EQ(st.peak_live_bytes, st.live_bytes);
+  EXPECT_EQ(st.peak_requested_bytes, st.requested_bytes);
+  EXPECT_EQ(st.peak_committed_bytes, st.committed_bytes);
+  auto phase = arena->Allocate(12288, Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(phase.ok());
+  ASSERT_TRUE(arena->Free(*phase).ok());
+  EXPECT_EQ(arena->Stats().peak_live_bytes, st.live_bytes + 12288);
+  ASSERT_TRUE(arena->Free(*keep).ok());
+}
+
 TEST_F(HostArenaTest, RetainedBytesStayUnderTheAbsoluteCap) {
   HostArenaOptions o = PageableOptions(&ledger_);
   o.retain_limit_bytes = 8 * kMiB;

@@ -160,6 +160,9 @@ class HostArena final : public Tier {
   Status Free(void* ptr);
   // Gives every empty region back to the OS. Returns the bytes released.
   uint64_t Trim();
+  // Starts the peaks over (peak_live_bytes, peak_requested_bytes, peak_committed_bytes) from the
+  // current values, as torch's reset_peak_stats does: to measure the peak of one phase.
+  void ResetPeakStats();
 
   // Installs `handler` for `owner` (replacing any other). ClearSpillHandler(owner) removes it only
   // if it is still `owner`'s, and returns after every call of it in flight has returned, so the
