@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/engine/cuda_kernels.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/planner.h"
 #include "spillway/cli/leak_suite.h"
@@ -66,13 +67,43 @@ int main(int argc, char** argv) {
               "peaks, a verdict and the settings that would make it fit");
   std::string params_text, host_text, nvme_text = "0", config_path;
   uint32_t world = 1, nodes = 1;
-  plan->add_option("--params", params_text, "model parameters, e.g. 34e9")->required();
+  plan->add_option("--params", params_text, "model parameters, e.g. 34e9 (not with --trainer)");
   plan->add_option("--world-size", world, "ranks (GPUs) in total")->check(CLI::PositiveNumber);
   plan->add_option("--nodes", nodes, "machines")->check(CLI::PositiveNumber);
   plan->add_option("--host-ram", host_text, "host memory per node, e.g. 1TiB")->required();
   plan->add_option("--nvme", nvme_text, "NVMe bytes per node, e.g. 4TiB (default 0)");
-  plan->add_option("--config", config_path, "DeepSpeed JSON config (default: stage 3, no offload)")
+  plan->add_option("--config", config_path,
+                   "DeepSpeed JSON config (default: stage 3, no offload; with --trainer, spillway "
+                   "train's default)")
       ->check(CLI::ExistingFile);
+  std::string accelerator = "cuda", gpu_mem_text;
+  double gpu_reserve = 0.25;
+  plan->add_option("--accelerator", accelerator,
+                   "what DeepSpeed's pin_memory pins with: cuda (a shared mapping a fork does not "
+                   "copy) or cpu (DeepSpeed's CPU accelerator pins nothing)")
+      ->check(CLI::IsMember({"cuda", "cpu"}))
+      ->capture_default_str();
+  plan->add_option("--gpu-mem", gpu_mem_text,
+                   "memory of one GPU, e.g. 80GB (default: the visible GPU's, else 80GB; 0: do not "
+                   "check the GPU)");
+  plan->add_option("--gpu-reserve", gpu_reserve,
+                   "share of each GPU kept for activations, the CUDA context and fragmentation")
+      ->capture_default_str();
+  bool plan_trainer = false;
+  plan->add_flag("--trainer", plan_trainer,
+                 "plan spillway train's reference trainer (its model from --layers, --d-model, "
+                 "--heads, --seq-len) instead of a DeepSpeed run; the world size is WORLD_SIZE's");
+#if SPILLWAY_WITH_TORCH
+  spillway::cli::TrainJobOptions plan_job;
+  plan->add_option("--layers", plan_job.model.n_layer, "with --trainer: transformer blocks")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  plan->add_option("--d-model", plan_job.model.d_model, "with --trainer: model width")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  plan->add_option("--heads", plan_job.model.n_head, "with --trainer: attention heads")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  plan->add_option("--seq-len", plan_job.model.seq_len, "with --trainer: tokens per sequence")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+#endif
 
   CLI::App* train = app.add_subcommand(
       "train", "The main job: train a small GPT-style character model with ZeRO-3 offload, a data "
@@ -174,10 +205,34 @@ int main(int argc, char** argv) {
   }
   if (plan->parsed()) {
     PlanInput in;
-    char* end = nullptr;
-    in.params = std::strtod(params_text.c_str(), &end);
-    if (end == params_text.c_str() || *end != '\0' || !(in.params > 0)) {
-      return Fail("--params '" + params_text + "' is not a positive number of parameters (e.g. 34e9)");
+    if (plan_trainer) {
+#if SPILLWAY_WITH_TORCH
+      if (!params_text.empty()) return Fail("--params does not go with --trainer: the model's flags give it");
+      plan_job.config_path = config_path;
+      auto job = spillway::cli::TrainJobPlanInput(plan_job);
+      if (!job.ok()) return FailStatus(job.status());
+      in = *job;
+      world = in.world_size;
+#else
+      return Fail("--trainer needs a build with libtorch (SPILLWAY_WITH_TORCH=ON)");
+#endif
+    } else {
+      if (params_text.empty()) return Fail("--params is required (e.g. 34e9), or --trainer");
+      char* end = nullptr;
+      in.params = std::strtod(params_text.c_str(), &end);
+      if (end == params_text.c_str() || *end != '\0' || !(in.params > 0)) {
+        return Fail("--params '" + params_text + "' is not a positive number of parameters (e.g. 34e9)");
+      }
+      in.world_size = world;
+      if (!config_path.empty()) {
+        auto c = Config::Load(config_path);
+        if (!c.ok()) return Fail(c.status().ToString());
+        in.config = *c;
+      } else {
+        auto c = Config::Parse(R"({"zero_optimization": {"stage": 3}})");
+        if (!c.ok()) return Fail(c.status().ToString());
+        in.config = *c;
+      }
     }
     auto host = ParseByteSize(host_text);
     if (!host.ok()) return Fail("--host-ram " + host.status().message());
@@ -187,21 +242,23 @@ int main(int argc, char** argv) {
       if (!nvme.ok()) return Fail("--nvme " + nvme.status().message());
       in.nvme_bytes = *nvme;
     }
-    in.world_size = world;
     in.nodes = nodes;
-    if (!config_path.empty()) {
-      auto c = Config::Load(config_path);
-      if (!c.ok()) return Fail(c.status().ToString());
-      in.config = *c;
-    } else {
-      auto c = Config::Parse(R"({"zero_optimization": {"stage": 3}})");
-      if (!c.ok()) return Fail(c.status().ToString());
-      in.config = *c;
+    in.accelerator = accelerator == "cpu" ? Accelerator::kCpu : Accelerator::kCuda;
+    in.gpu_reserve_fraction = gpu_reserve;
+    if (gpu_mem_text.empty()) {
+      auto visible = spillway::engine::cuda::DeviceMemoryBytes();
+      in.gpu_mem_bytes = visible.ok() ? *visible : 80'000'000'000ull;
+      gpu_mem_text = visible.ok() ? "the visible GPU's" : "80 GB, no GPU visible";
+    } else if (gpu_mem_text != "0") {
+      auto gpu = ParseByteSize(gpu_mem_text);
+      if (!gpu.ok()) return Fail("--gpu-mem " + gpu.status().message());
+      in.gpu_mem_bytes = *gpu;
     }
     auto r = MakePlan(in);
     if (!r.ok()) return Fail(r.status().ToString());
-    std::printf("spillway plan: %.3g parameters, %u ranks on %u node(s)\n\n%s", in.params, world,
-                nodes, r->ToString().c_str());
+    std::printf("spillway plan: %s%.3g parameters, %u ranks on %u node(s), GPU memory %s\n\n%s",
+                plan_trainer ? "spillway train's trainer, " : "", in.params, world, nodes,
+                gpu_mem_text == "0" ? "not checked" : gpu_mem_text.c_str(), r->ToString().c_str());
     return r->fits ? 0 : 1;
   }
   return 2;

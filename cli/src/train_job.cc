@@ -210,6 +210,33 @@ std::string FormatEpochReport(const EpochSummary& s) {
   return out;
 }
 
+Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
+  offload::PlanInput in;
+  in.runtime = offload::Runtime::kTrainer;
+  if (o.config_path.empty()) {
+    std::string text = kDefaultTrainConfig;
+    text.replace(text.find("@SWAP_DIR@"), 10, nlohmann::json(o.swap_dir.empty() ? "/var/tmp" : o.swap_dir).dump());
+    auto c = offload::Config::Parse(text);
+    if (!c.ok()) return c.status();
+    in.config = *c;
+  } else {
+    auto c = offload::Config::Load(o.config_path);
+    if (!c.ok()) return c.status();
+    in.config = *c;
+  }
+  engine::GptConfig model = o.model;
+  model.vocab = CharCorpus::kVocab;
+  in.params = 0;
+  for (int64_t u = 0; u < engine::gpt::Units(model); ++u) {
+    in.trainer_units.push_back(static_cast<uint64_t>(engine::gpt::UnitNumel(model, u)));
+    in.params += static_cast<double>(in.trainer_units.back());
+  }
+  auto dist = engine::DistEnvFromEnvironment();
+  if (!dist.ok()) return dist.status();
+  in.world_size = static_cast<uint32_t>(dist->world_size);
+  return in;
+}
+
 Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (o.epochs < 1 || o.steps_per_epoch < 1) {
     return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (", o.steps_per_epoch,
@@ -322,11 +349,14 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     co.fault_hook = o.checkpoint_fault_hook;
     auto before = Tree();
     if (!before.ok()) return before.status();
+    const uint64_t live_before = host->Stats().live_bytes;
+    host->ResetPeakStats();
     PeakSampler sampler(getpid());
     const auto t0 = Clock::now();
     auto info = (*trainer)->Save(o.save_dir, co);
     const double seconds = Seconds(t0, Clock::now());
     auto peak = sampler.Stop();
+    const uint64_t host_extra = host->Stats().peak_live_bytes - live_before;
     if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
     int64_t extra = 0;  // the save is done; a failed /proc read only loses the measurement
     if (peak.ok()) {
@@ -334,10 +364,11 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     } else {
       Log(LogLevel::kWarning, StrCat("checkpoint saved; its memory peak is unknown: ", peak.status().message()));
     }
-    TrainJobResult::Checkpoint c{info->path, info->step, seconds, extra};
+    TrainJobResult::Checkpoint c{info->path, info->step, seconds, extra, host_extra};
     if (o.progress) {
-      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s, tree anonymous PSS peak %s during the save)\n",
-                   c.path.c_str(), c.step, c.seconds, SignedMib(c.peak_extra_pss_bytes).c_str());
+      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s; peak during the save: tree anonymous PSS %s, host arena %s)\n",
+                   c.path.c_str(), c.step, c.seconds, SignedMib(c.peak_extra_pss_bytes).c_str(),
+                   SignedMib(static_cast<int64_t>(c.peak_extra_host_bytes)).c_str());
     }
     result.checkpoints.push_back(std::move(c));
     return Status::Ok();

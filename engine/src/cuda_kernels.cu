@@ -227,6 +227,14 @@ Status Available() {
   return Status::Ok();
 }
 
+Result<uint64_t> DeviceMemoryBytes() {
+  SPILLWAY_RETURN_IF_ERROR(Available());
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t err = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (err != cudaSuccess) return CudaError(err, "cudaMemGetInfo");
+  return static_cast<uint64_t>(total_bytes);
+}
+
 Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void* stream_ptr) {
   SPILLWAY_RETURN_IF_ERROR(Available());
   auto stream = static_cast<cudaStream_t>(stream_ptr);

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "spillway/allocator/uring_engine.h"
+
 namespace spillway::offload {
 namespace {
 
@@ -12,12 +14,103 @@ uint64_t Bytes(double x) { return static_cast<uint64_t>(std::llround(x)); }
 
 Place HostPlace(bool pinned) { return pinned ? Place::kHostPinned : Place::kHostPageable; }
 
+// Decimal units, GB for anything of a gigabyte or more (a training node's scale), MB or kB below.
 std::string Gb(double bytes) {
   std::ostringstream o;
   o.setf(std::ios::fixed);
   o.precision(1);
-  o << bytes / 1e9 << " GB";
+  const double a = std::fabs(bytes);
+  if (a >= 1e9 || a == 0) {
+    o << bytes / 1e9 << " GB";
+  } else if (a >= 1e6) {
+    o << bytes / 1e6 << " MB";
+  } else {
+    o << bytes / 1e3 << " kB";
+  }
   return o.str();
+}
+
+// DeepSpeed 0.19.8's ZeRO-3 buffers per rank (p elements), where it puts them: docs/offload.md,
+// Note [Planner], cites the source line of each.
+void DeepSpeedLines(const PlanInput& in, double p, std::vector<PlanLine>* lines) {
+  const Config& c = in.config;
+  const OffloadDevice pd = c.offload_param.device, od = c.offload_optimizer.device;
+  const bool cuda = in.accelerator == Accelerator::kCuda;
+  // torch-pinned (cudaHostAlloc) when asked for and CUDA pins; private pageable otherwise.
+  auto pinned = [&](bool asked) { return asked && cuda ? Place::kHostPinned : Place::kHostPageable; };
+  auto add = [&](std::string what, Place place, double bytes, allocator::Kind kind) {
+    lines->push_back({std::move(what), place, Bytes(bytes), kind, place != Place::kHostPinned});
+  };
+  using allocator::Kind;
+  // 16-bit parameters: with offload_param "cpu" they live in one flat buffer per group that
+  // DeepSpeed always pins; on "nvme", that buffer keeps max_in_cpu of them.
+  if (pd == OffloadDevice::kNone) add("16-bit parameters", Place::kGpu, 2 * p, Kind::kParam);
+  if (pd == OffloadDevice::kCpu) add("16-bit parameters (flat buffer per group)", pinned(true), 2 * p, Kind::kParam);
+  if (pd == OffloadDevice::kNvme) {
+    add("16-bit parameters", Place::kNvme, 2 * p, Kind::kParam);
+    add("params kept in CPU (min(max_in_cpu, partition) x 2 B)", pinned(true),
+        std::min(static_cast<double>(c.offload_param.max_in_cpu), p) * 2, Kind::kParam);
+    // The aio op's locked tensors: mlock'd private memory, which a fork copies.
+    lines->push_back({"param swap buffers (buffer_count x buffer_size x 2 B)", Place::kHostPinned,
+                      Bytes(static_cast<double>(c.offload_param.buffer_count) *
+                            static_cast<double>(c.offload_param.buffer_size) * 2),
+                      Kind::kSwapBuffer, true});
+  }
+  // Gradients: 16-bit on the GPU without optimizer offload. With it, a 16-bit flat partition
+  // (grad_partitions_flat_buffer, in the model's dtype unless data_types.grad_accum_dtype says
+  // otherwise) and an fp32 gradient per sub-group ("cpu"), or one sub-group's ("nvme").
+  const double sub_group = std::min(static_cast<double>(c.sub_group_size), p);
+  if (od == OffloadDevice::kNone) {
+    add("16-bit gradients", Place::kGpu, 2 * p, Kind::kGrad);
+  } else {
+    add("16-bit gradient partitions", pinned(c.offload_optimizer.pin_memory), 2 * p, Kind::kGrad);
+    if (od == OffloadDevice::kCpu) {
+      add("fp32 gradients (one per sub-group)", pinned(c.offload_optimizer.pin_memory), 4 * p, Kind::kGrad);
+    } else {
+      add("fp32 gradient buffer (largest sub-group)", Place::kHostPageable, 4 * sub_group, Kind::kGrad);
+    }
+  }
+  // fp32 master and Adam moments: plain CPU tensors even with pin_memory (stage3.py
+  // _create_fp32_partitions, cpu_adam's zeros_like), or swapped on NVMe.
+  const Place opt_place = od == OffloadDevice::kNone ? Place::kGpu
+                          : od == OffloadDevice::kCpu ? Place::kHostPageable
+                                                      : Place::kNvme;
+  add("fp32 master weights", opt_place, 4 * p, Kind::kMasterWeight);
+  add("Adam exp_avg", opt_place, 4 * p, Kind::kOptimizerState);
+  add("Adam exp_avg_sq", opt_place, 4 * p, Kind::kOptimizerState);
+  if (od == OffloadDevice::kNvme) {
+    lines->push_back({"optimizer swap buffers (buffer_count x sub-group x 4 B)", Place::kHostPinned,
+                      Bytes(static_cast<double>(c.offload_optimizer.buffer_count) * sub_group * 4),
+                      Kind::kSwapBuffer, true});
+  }
+}
+
+// The reference trainer's partitions per rank (engine/trainer.h, Note [Trainer]): every state is
+// fp32 and partitioned per unit; the optimizer always steps on the host, so nothing stays on the
+// GPU between steps. An NVMe-homed parameter or gradient, once used, stays cached in host memory
+// while the budget has room (a clean copy, spilled first); the optimizer's state streams from NVMe
+// through step-lifetime buffers, so none of it is resident between steps.
+void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* lines) {
+  const Config& c = in.config;
+  const bool param_nvme = c.offload_param.device == OffloadDevice::kNvme;
+  const bool opt_nvme = c.offload_optimizer.device == OffloadDevice::kNvme;
+  const Place param_host = HostPlace(c.offload_param.pin_memory);
+  const Place opt_host = HostPlace(c.offload_optimizer.pin_memory);
+  const double s = static_cast<double>(shard);
+  auto add = [&](std::string what, Place place, double bytes, allocator::Kind kind) {
+    lines->push_back({std::move(what), place, Bytes(bytes), kind, true});
+  };
+  using allocator::Kind;
+  add("fp32 parameters", param_nvme ? Place::kNvme : param_host, 4 * s, Kind::kParam);
+  if (param_nvme) add("host copies of the parameters (cached)", param_host, 4 * s, Kind::kParam);
+  add("fp32 gradients", opt_nvme ? Place::kNvme : opt_host, 4 * s, Kind::kGrad);
+  if (opt_nvme) add("host copies of the gradients (cached)", opt_host, 4 * s, Kind::kGrad);
+  const Place opt = opt_nvme ? Place::kNvme : opt_host;
+  add("fp32 master weights", opt, 4 * s, Kind::kMasterWeight);
+  add("Adam exp_avg and exp_avg_sq", opt, 8 * s, Kind::kOptimizerState);
+  const double bounce = static_cast<double>(allocator::UringEngineOptions{}.bounce_buffers);
+  add("I/O engine bounce pool (8 x block_size)", Place::kHostPinned,
+      bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
 }
 
 // The plan without suggestions (they re-plan with changed settings).
@@ -31,49 +124,52 @@ Result<PlanReport> Compute(const PlanInput& in) {
   if (c.any_nvme() && in.nvme_bytes == 0) {
     return Status::InvalidArgument("the config offloads to nvme but --nvme is 0; give the NVMe bytes per node");
   }
+  if (!(in.gpu_reserve_fraction >= 0 && in.gpu_reserve_fraction < 1)) {
+    return Status::InvalidArgument(StrCat("--gpu-reserve ", in.gpu_reserve_fraction, " must be in [0, 1)"));
+  }
   PlanReport r;
-  const double p = in.params / in.world_size;  // elements per rank
-  const OffloadDevice pd = c.offload_param.device, od = c.offload_optimizer.device;
-  auto add = [&](const std::string& what, Place place, double bytes) {
-    r.lines.push_back({what, place, Bytes(bytes)});
-  };
-  // 16-bit parameters.
-  const Place param_place = pd == OffloadDevice::kNone ? Place::kGpu
-                            : pd == OffloadDevice::kCpu ? HostPlace(c.offload_param.pin_memory)
-                                                        : Place::kNvme;
-  add("16-bit parameters", param_place, 2 * p);
-  if (pd == OffloadDevice::kNvme) {
-    add("param swap buffers (buffer_count x buffer_size x 2 B)", Place::kHostPinned,
-        static_cast<double>(c.offload_param.buffer_count) * static_cast<double>(c.offload_param.buffer_size) * 2);
-    add("params kept in CPU (min(max_in_cpu, partition) x 2 B)", Place::kHostPageable,
-        std::min(static_cast<double>(c.offload_param.max_in_cpu), p) * 2);
-  }
-  // Gradients: 16-bit on the GPU without optimizer offload; an fp32 partition on the host with it.
-  if (od == OffloadDevice::kNone) {
-    add("16-bit gradients", Place::kGpu, 2 * p);
-  } else {
-    add("fp32 gradients (host partition)", HostPlace(c.offload_optimizer.pin_memory), 4 * p);
-  }
-  const Place opt_place = od == OffloadDevice::kNone ? Place::kGpu
-                          : od == OffloadDevice::kCpu ? HostPlace(c.offload_optimizer.pin_memory)
-                                                      : Place::kNvme;
-  add("fp32 master weights", opt_place, 4 * p);
-  add("Adam exp_avg", opt_place, 4 * p);
-  add("Adam exp_avg_sq", opt_place, 4 * p);
-  if (od == OffloadDevice::kNvme) {
-    const double sub_group = std::min(static_cast<double>(c.sub_group_size), p);
-    add("optimizer swap buffers (buffer_count x sub-group x 4 B)", Place::kHostPinned,
-        static_cast<double>(c.offload_optimizer.buffer_count) * sub_group * 4);
-  }
+  r.runtime = in.runtime;
   const double ranks_per_node = static_cast<double>(in.world_size / in.nodes);
-  for (const PlanLine& l : r.lines) r.per_rank[static_cast<int>(l.place)] += l.bytes_per_rank;
+  if (in.runtime == Runtime::kTrainer) {
+    if (in.trainer_units.empty()) return Status::InvalidArgument("a trainer plan needs the model's units");
+    uint64_t numel = 0, shard = 0, largest = 0;
+    for (uint64_t u : in.trainer_units) {
+      const uint64_t per_rank = (u + in.world_size - 1) / in.world_size;
+      numel += u;
+      shard += per_rank;
+      largest = std::max(largest, per_rank);
+    }
+    if (std::fabs(static_cast<double>(numel) - in.params) > 0.5) {
+      return Status::InvalidArgument(StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
+    }
+    TrainerLines(in, shard, &r.lines);
+    r.checkpoint_gather_bytes = Bytes(4 * in.params);
+    // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the
+    // optimizer's state when it streams from NVMe.
+    r.checkpoint_streamed_bytes = c.offload_optimizer.device == OffloadDevice::kNvme
+                                      ? Bytes(4 * static_cast<double>(largest) * ranks_per_node)
+                                      : 0;
+  } else {
+    DeepSpeedLines(in, in.params / in.world_size, &r.lines);
+    r.checkpoint_gather_bytes = Bytes(2 * in.params);
+    r.checkpoint_streamed_bytes = Bytes(static_cast<double>(c.aio.block_size) *
+                                        static_cast<double>(c.aio.queue_depth) * ranks_per_node);
+  }
+  uint64_t copied_per_rank = 0;
+  for (const PlanLine& l : r.lines) {
+    r.per_rank[static_cast<int>(l.place)] += l.bytes_per_rank;
+    const size_t k = static_cast<size_t>(l.kind);
+    if (l.place == Place::kHostPinned || l.place == Place::kHostPageable) {
+      r.host_by_kind_per_rank[k] += l.bytes_per_rank;
+      if (l.fork_copies) copied_per_rank += l.bytes_per_rank;
+    } else if (l.place == Place::kNvme) {
+      r.nvme_by_kind_per_rank[k] += l.bytes_per_rank;
+    }
+  }
   for (int k = 0; k < 4; ++k) r.per_node[k] = Bytes(static_cast<double>(r.per_rank[k]) * ranks_per_node);
   r.host_steady_per_node = r.per_node[1] + r.per_node[2];
   r.nvme_per_node = r.per_node[3];
-  r.checkpoint_gather_bytes = Bytes(2 * in.params);
-  r.checkpoint_streamed_bytes = Bytes(static_cast<double>(c.aio.block_size) *
-                                      static_cast<double>(c.aio.queue_depth) * ranks_per_node);
-  r.fork_extra_naive_per_node = r.host_steady_per_node;
+  r.fork_extra_naive_per_node = Bytes(static_cast<double>(copied_per_rank) * ranks_per_node);
   r.fork_extra_spillway_per_node =
       c.spillway.fork_safety == allocator::ForkSafety::kInherit ? r.host_steady_per_node : 0;
   r.host_peak_naive_per_node =
@@ -82,8 +178,16 @@ Result<PlanReport> Compute(const PlanInput& in) {
       r.host_steady_per_node + r.checkpoint_streamed_bytes + r.fork_extra_spillway_per_node;
   r.host_headroom = static_cast<int64_t>(in.host_ram_bytes) - static_cast<int64_t>(r.host_peak_spillway_per_node);
   r.nvme_headroom = static_cast<int64_t>(in.nvme_bytes) - static_cast<int64_t>(r.nvme_per_node);
-  r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0;
-  r.naive_fits = r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0;
+  r.gpu_per_rank = r.per_rank[static_cast<int>(Place::kGpu)];
+  bool gpu_fits = true;
+  if (in.gpu_mem_bytes > 0) {
+    r.gpu_reserve_bytes = Bytes(static_cast<double>(in.gpu_mem_bytes) * in.gpu_reserve_fraction);
+    r.gpu_headroom = static_cast<int64_t>(in.gpu_mem_bytes) - static_cast<int64_t>(r.gpu_reserve_bytes) -
+                     static_cast<int64_t>(r.gpu_per_rank);
+    gpu_fits = r.gpu_headroom >= 0;
+  }
+  r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0 && gpu_fits;
+  r.naive_fits = r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 && gpu_fits;
   return r;
 }
 
@@ -108,6 +212,13 @@ Result<PlanReport> MakePlan(const PlanInput& input) {
     void (*apply)(Config&);
   };
   const Try tries[] = {
+      {"zero_optimization.offload_optimizer.device = \"cpu\"",
+       [](Config& c) { c.offload_optimizer.device = OffloadDevice::kCpu; }},
+      {"offload_optimizer and offload_param both on \"cpu\"",
+       [](Config& c) {
+         c.offload_optimizer.device = OffloadDevice::kCpu;
+         c.offload_param.device = OffloadDevice::kCpu;
+       }},
       {"zero_optimization.offload_optimizer.device = \"nvme\"",
        [](Config& c) { c.offload_optimizer.device = OffloadDevice::kNvme; }},
       {"zero_optimization.offload_param.device = \"nvme\"",
@@ -153,14 +264,29 @@ std::string PlanReport::ToString() const {
   o << "\nper node: gpu " << Gb(static_cast<double>(per_node[0])) << ", host pinned "
     << Gb(static_cast<double>(per_node[1])) << ", host pageable " << Gb(static_cast<double>(per_node[2]))
     << ", nvme " << Gb(static_cast<double>(per_node[3])) << "\n";
-  o << "end-of-epoch checkpoint: DeepSpeed gathers " << Gb(static_cast<double>(checkpoint_gather_bytes))
-    << " into node 0's host memory; Spillway streams through " << Gb(static_cast<double>(checkpoint_streamed_bytes)) << "\n";
+  const bool trainer = runtime == Runtime::kTrainer;
+  if (trainer) {
+    o << "end-of-epoch checkpoint: gathering the model to host would hold "
+      << Gb(static_cast<double>(checkpoint_gather_bytes)) << " on node 0; Trainer::Save holds "
+      << Gb(static_cast<double>(checkpoint_streamed_bytes)) << " per node beyond the steady state\n";
+  } else {
+    o << "end-of-epoch checkpoint: DeepSpeed gathers " << Gb(static_cast<double>(checkpoint_gather_bytes))
+      << " into node 0's host memory; Spillway streams through " << Gb(static_cast<double>(checkpoint_streamed_bytes)) << "\n";
+  }
   o << "fork of the trainer, first optimizer step after it: +" << Gb(static_cast<double>(fork_extra_naive_per_node))
     << " per node without fork-safe arenas, +" << Gb(static_cast<double>(fork_extra_spillway_per_node)) << " with Spillway\n";
-  o << "host peak per node: DeepSpeed defaults " << Gb(static_cast<double>(host_peak_naive_per_node))
+  o << "host peak per node: " << (trainer ? "without Spillway's arena " : "DeepSpeed defaults ")
+    << Gb(static_cast<double>(host_peak_naive_per_node))
     << (naive_fits ? " (fits)" : " (does not fit)") << ", Spillway " << Gb(static_cast<double>(host_peak_spillway_per_node)) << "\n";
+  if (gpu_reserve_bytes > 0) {
+    o << "gpu: model states " << Gb(static_cast<double>(gpu_per_rank)) << " per GPU + reserve "
+      << Gb(static_cast<double>(gpu_reserve_bytes)) << " (activations, context; --gpu-reserve)"
+      << (gpu_headroom >= 0 ? ": fits" : ": does not fit") << "\n";
+  }
   o << "verdict: " << (fits ? "fits" : "does not fit") << " (host headroom "
-    << Gb(static_cast<double>(host_headroom)) << ", nvme headroom " << Gb(static_cast<double>(nvme_headroom)) << ")\n";
+    << Gb(static_cast<double>(host_headroom)) << ", nvme headroom " << Gb(static_cast<double>(nvme_headroom));
+  if (gpu_reserve_bytes > 0) o << ", gpu headroom " << Gb(static_cast<double>(gpu_headroom));
+  o << ")\n";
   for (const std::string& s : suggestions) o << "  would fit with " << s << "\n";
   return o.str();
 }

@@ -14,6 +14,7 @@
 #include "spillway/allocator/status.h"
 #include "spillway/cli/proc_memory.h"
 #include "spillway/engine/trainer.h"
+#include "spillway/offload/planner.h"
 
 namespace spillway::cli {
 
@@ -98,6 +99,9 @@ struct TrainJobResult {
     double seconds = 0.0;
     // The tree's anonymous PSS during the save (sampled every 2 ms) over its level just before.
     int64_t peak_extra_pss_bytes = 0;
+    // The host arena's live bytes at their peak during the save over their level just before
+    // (HostArena::ResetPeakStats): what `spillway plan --trainer` predicts as the save's.
+    uint64_t peak_extra_host_bytes = 0;
   };
   std::vector<Checkpoint> checkpoints;  // saved by this run, in order
   std::string sample;
@@ -109,6 +113,11 @@ struct TrainJobResult {
 // Runs the whole job. Every failure (bad config, missing data, a dead worker, an I/O error) is a
 // status that says what to change; the swap directory the job created is removed either way.
 Result<TrainJobResult> RunTrainJob(const TrainJobOptions& options);
+
+// What `spillway plan --trainer` plans for this job: its model's units (the corpus's vocabulary)
+// and its config (kDefaultTrainConfig when it names none; no swap directory is created). The
+// host RAM, NVMe and GPU fields are left for the caller.
+Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& options);
 
 // The report printed at an epoch boundary.
 std::string FormatEpochReport(const EpochSummary& s);

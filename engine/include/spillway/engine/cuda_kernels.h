@@ -27,6 +27,10 @@ struct NormResult {
 // driver, no device).
 Status Available();
 
+// Total memory of the current CUDA device (cudaMemGetInfo), for `spillway plan --gpu-mem`'s default;
+// UNAVAILABLE as Available() says.
+Result<uint64_t> DeviceMemoryBytes();
+
 // One pass over every tensor on `stream` (a cudaStream_t; null = the legacy default stream).
 // Deterministic: every addition happens in an order fixed by the device's SM count, so one GPU
 // gives the same bits every time (a GPU with another SM count associates the sum differently).

@@ -1,18 +1,31 @@
-// Capacity planner: where a ZeRO-3 run's states live per rank and per node under a DeepSpeed
-// config, the pinned buffer pools, the peak at an end-of-epoch checkpoint, and the extra memory a
-// fork of the trainer costs on its first optimizer step (copy-on-write) with and without
-// fork-safe arenas; then a verdict and the settings that would make it fit. The model behind each
-// number is in docs/offload.md, Note [Planner]. Pure arithmetic: no allocation, no I/O.
+// Capacity planner: where a ZeRO-3 run's states live per rank and per node, the pinned buffer
+// pools, the peak at an end-of-epoch checkpoint, the extra memory a fork of the trainer costs on
+// its first optimizer step (copy-on-write) with and without fork-safe arenas, and the GPU's share;
+// then a verdict and the settings that would make it fit. Two runtimes: a DeepSpeed run under its
+// config (the buffers DeepSpeed 0.19.8 allocates, where it puts them), and `spillway train`'s
+// reference trainer (the partitions its store holds). The model behind each number is in
+// docs/offload.md, Note [Planner]; tests/cli/plan_vs_run_test.cc holds the trainer's against
+// measured runs. Pure arithmetic: no allocation, no I/O.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "spillway/allocator/owner.h"
 #include "spillway/allocator/status.h"
 #include "spillway/offload/config.h"
 
 namespace spillway::offload {
+
+// What pins DeepSpeed's `pin_memory` buffers: torch's CUDA host allocator (cudaHostAlloc, a
+// shared mapping that a fork does not copy), or nothing on DeepSpeed's CPU accelerator.
+enum class Accelerator : uint8_t { kCuda = 0, kCpu };
+
+enum class Runtime : uint8_t {
+  kDeepSpeed = 0,   // a DeepSpeed ZeRO-3 run under `config`
+  kTrainer,         // `spillway train`'s reference trainer (engine/trainer.h) under `config`
+};
 
 struct PlanInput {
   double params = 0;            // model parameters (34e9 for Yi-34B)
@@ -21,6 +34,16 @@ struct PlanInput {
   uint64_t host_ram_bytes = 0;  // per node
   uint64_t nvme_bytes = 0;      // per node (0: no NVMe)
   Config config;
+  Runtime runtime = Runtime::kDeepSpeed;
+  Accelerator accelerator = Accelerator::kCuda;
+  // kTrainer: each unit's element count (embedding, blocks, head); `params` is their sum. Each
+  // unit is partitioned on its own (ceil(numel / world_size) elements per rank).
+  std::vector<uint64_t> trainer_units;
+  // Memory of one GPU (0: the GPU is not checked). The model states the config leaves on the GPU
+  // plus `gpu_reserve_fraction` of it (activations, the CUDA context, the caching allocator's
+  // fragmentation; a stated estimate, not a model of the network) must fit.
+  uint64_t gpu_mem_bytes = 0;
+  double gpu_reserve_fraction = 0.25;
 };
 
 enum class Place : uint8_t { kGpu = 0, kHostPinned, kHostPageable, kNvme };
@@ -30,28 +53,44 @@ struct PlanLine {
   std::string what;        // "fp32 master weights", "param swap buffers", ...
   Place place = Place::kGpu;
   uint64_t bytes_per_rank = 0;
+  allocator::Kind kind = allocator::Kind::kParam;  // the ledger's kind for these bytes
+  // Copied by the first write after a fork without a fork-safe arena: private anonymous memory
+  // (pageable, or locked with mlock), not a cudaHostAlloc shared mapping.
+  bool fork_copies = true;
 };
 
 struct PlanReport {
+  Runtime runtime = Runtime::kDeepSpeed;
   std::vector<PlanLine> lines;
   uint64_t per_rank[4] = {};  // by Place
   uint64_t per_node[4] = {};  // by Place (ranks per node x per rank)
+  allocator::KindBytes host_by_kind_per_rank{};  // host places only, by the ledger's kind
+  allocator::KindBytes nvme_by_kind_per_rank{};
   uint64_t host_steady_per_node = 0;
-  // End-of-epoch checkpoint on node 0: DeepSpeed gathers the full 16-bit model into rank 0's host
-  // memory (stage3_gather_16bit_weights_on_model_save); Spillway streams partitions through
-  // bounded I/O buffers (block_size x queue_depth per rank).
+  // End-of-epoch checkpoint on node 0. DeepSpeed: stage3_gather_16bit_weights_on_model_save
+  // gathers the full 16-bit model into rank 0's host memory; the reference trainer's gather-to-
+  // host control holds its full fp32 model. Spillway streamed: for DeepSpeed, the I/O window
+  // (block_size x queue_depth per rank); for the trainer, what Trainer::Save holds beyond the
+  // steady state, per rank: one host slot for the largest partition it must bring in from NVMe
+  // (the streamed optimizer's state), 0 when every saved partition is host-resident.
   uint64_t checkpoint_gather_bytes = 0;
   uint64_t checkpoint_streamed_bytes = 0;
   // The first optimizer step after a fork (a DataLoader re-forking its workers) writes every host
-  // page of state once: copy-on-write duplicates it unless the arena is MADV_DONTFORK.
+  // page of state once: copy-on-write duplicates the private ones unless the arena is
+  // MADV_DONTFORK. Naive: the lines with fork_copies; Spillway: none, or all host bytes with
+  // spillway.fork_safety "inherit".
   uint64_t fork_extra_naive_per_node = 0;
   uint64_t fork_extra_spillway_per_node = 0;
   uint64_t host_peak_naive_per_node = 0;     // steady + checkpoint gather + fork copy
   uint64_t host_peak_spillway_per_node = 0;  // steady + streamed checkpoint + fork copy (0)
   uint64_t nvme_per_node = 0;
-  bool fits = false;            // Spillway's peak fits host RAM and the NVMe need fits the disk
+  uint64_t gpu_per_rank = 0;         // model states on each GPU
+  uint64_t gpu_reserve_bytes = 0;    // gpu_mem x gpu_reserve_fraction (0: not checked)
+  bool fits = false;            // Spillway's peak fits host RAM, the NVMe need fits the disk and
+                                // each GPU's states fit beside the reserve
   int64_t host_headroom = 0;    // host_ram - Spillway peak (negative: short by that much)
   int64_t nvme_headroom = 0;
+  int64_t gpu_headroom = 0;     // gpu_mem - reserve - states (0 when not checked)
   bool naive_fits = false;      // the same run with DeepSpeed's default behaviour
   std::vector<std::string> suggestions;  // settings that make it fit, when it does not
 
@@ -59,7 +98,8 @@ struct PlanReport {
 };
 
 // INVALID_ARGUMENT for impossible inputs (no params, world not divisible by nodes, no host RAM,
-// NVMe placement without NVMe bytes) naming the flag to change.
+// NVMe placement without NVMe bytes, a trainer plan without units or whose units do not sum to
+// params, a reserve outside [0, 1)) naming the flag to change.
 Result<PlanReport> MakePlan(const PlanInput& input);
 
 }  // namespace spillway::offload
