@@ -372,7 +372,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
           TierName(device ? Tier::kHost : Tier::kDevice),
           " by ", other_tier_pins, " handles; a partition is used in one tier at a time"));
     }
-    if (!p.uses.empty()) {  // advance the schedule cursor to this use
+    if (!p.uses.empty() && off_schedule_ == 0) {  // advance the schedule cursor to this use
       uint64_t best = p.uses.front(), best_d = UINT64_MAX;
       for (uint64_t u : p.uses) {
         const uint64_t d = UseDistance(u);
@@ -799,6 +799,18 @@ void PartitionStore::PrefetchLoop() {
 void PartitionStore::DrainPrefetch() {
   std::unique_lock<std::mutex> lock(mu_);
   prefetch_cv_.wait(lock, [this] { return prefetch_queue_.empty() && !prefetch_running_; });
+}
+
+PartitionStore::OffSchedule::OffSchedule(PartitionStore& store) : store_(store) {
+  std::unique_lock<std::mutex> lock(store_.mu_);
+  store_.off_schedule_++;
+  store_.prefetch_queue_.clear();
+  store_.prefetch_cv_.wait(lock, [this] { return !store_.prefetch_running_; });
+}
+
+PartitionStore::OffSchedule::~OffSchedule() {
+  std::lock_guard<std::mutex> lock(store_.mu_);
+  store_.off_schedule_--;
 }
 
 Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {

@@ -34,7 +34,8 @@ constexpr int kAccum = 2;
 struct TrainRun {
   explicit TrainRun(const std::string& offload, GptConfig model = SmallGpt(),
                allocator::IoFaults* faults = nullptr)
-      : model_(model), rig(ParseOrDie(Json(offload.c_str(), offload.c_str())), 256 * kMiB, true, faults) {
+      // The product's prefetch window (spillway.prefetch_partitions' default).
+      : model_(model), rig(ParseOrDie(Json(offload.c_str(), offload.c_str())), 256 * kMiB, true, faults, 2) {
     TrainerOptions o;
     o.model = model;
     o.adam = Adam();

@@ -153,6 +153,31 @@ TEST(PartitionStoreTest, PrefetchBringsInTheNextPartitionsOfTheScheduleAhead) {
   EXPECT_EQ(static_cast<unsigned char*>(*b->Data())[2 * kMiB - 1], 2);
 }
 
+TEST(PartitionStoreTest, AnAcquireOffTheScheduleNeitherPrefetchesNorMovesTheCursor) {
+  StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), 256 * kMiB, true, nullptr,
+               /*prefetch_window=*/2);
+  std::vector<PartitionId> ids;
+  for (uint32_t g = 0; g < 5; ++g) {
+    ids.push_back(*rig.store->Register({0, g, StateKind::kParam}, 2 * kMiB));
+    ASSERT_TRUE(rig.store->Evict(ids.back()).ok());
+  }
+  ASSERT_TRUE(rig.store->SetSchedule(ids).ok());
+  {
+    PartitionStore::OffSchedule off(*rig.store);
+    auto c = rig.store->Acquire(ids[2], Access::kRead);  // a checkpoint's read, say
+    ASSERT_TRUE(c.ok());
+  }
+  rig.store->DrainPrefetch();
+  EXPECT_FALSE(rig.store->resident(ids[3]));
+  EXPECT_FALSE(rig.store->resident(ids[4]));
+  EXPECT_EQ(rig.store->Stats().prefetches, 0u);
+  // Back on the schedule, an Acquire prefetches from its own position as before.
+  { ASSERT_TRUE(rig.store->Acquire(ids[0], Access::kRead).ok()); }
+  rig.store->DrainPrefetch();
+  EXPECT_TRUE(rig.store->resident(ids[1]));
+  EXPECT_EQ(rig.store->Stats().prefetches, 1u);  // ids[2] was still resident
+}
+
 TEST(PartitionStoreTest, PrefetchingUnderAQuarterBudgetStillMatchesAnUnboundedRun) {
   const Config cfg = ParseOrDie(OffloadJson("cpu", "cpu"));
   StoreRig unbounded(cfg, 1024 * kMiB);

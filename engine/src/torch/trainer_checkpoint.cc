@@ -259,6 +259,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
 
   // 2. Every rank streams its partitions into its own file, then lists their checksums beside it.
   st = CatchTorch("checkpoint save", [&]() -> Status {
+    // The save's order is not the step's: no prefetching on its account.
+    offload::PartitionStore::OffSchedule off_schedule(*store_);
     const torch::Tensor rng = RngState();
     auto writer = checkpoint::FileWriter::Create((fs::path(tmp) / RankFile(rank, world)).string(),
                                                  CheckpointSpecs(static_cast<uint64_t>(rng.numel())),
@@ -482,14 +484,18 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     return Status::Ok();
   };
   st = CatchTorch("checkpoint load", [&]() -> Status {
+    offload::PartitionStore::OffSchedule off_schedule(*store_);
     size_t i = 0;
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
+        // As in Save: one homed on NVMe and not in host memory goes back to NVMe once loaded.
+        const bool passing = store_->home(id) == offload::Tier::kNvme && !store_->resident(id);
         auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
         if (!v.ok()) return v.status();
         Status read = read_checked(i++, v->data);
         SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
         SPILLWAY_RETURN_IF_ERROR(read);
+        if (passing) SPILLWAY_RETURN_IF_ERROR(store_->Evict(id));
       }
     }
     torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);

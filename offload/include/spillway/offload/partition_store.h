@@ -155,6 +155,20 @@ class PartitionStore {
   Status Prefetch(const std::vector<PartitionId>& ids);
   // Blocks until the prefetch thread has nothing queued (for tests and step boundaries).
   void DrainPrefetch();
+  // Held by accesses outside the step's order (a checkpoint's save or load): while one lives, an
+  // Acquire neither moves the schedule's cursor nor prefetches, so the partitions the schedule
+  // says come next are not swapped in (and left resident) on account of the save. The constructor
+  // drops the queued prefetches and waits for the one in flight. Movable only by scope; thread-safe.
+  class OffSchedule {
+   public:
+    explicit OffSchedule(PartitionStore& store);
+    ~OffSchedule();
+    OffSchedule(const OffSchedule&) = delete;
+    OffSchedule& operator=(const OffSchedule&) = delete;
+
+   private:
+    PartitionStore& store_;
+  };
   // Writes every dirty host copy that has an NVMe home or extent; host copies stay resident.
   Status Flush();
   // Writes (if needed) and drops the host copy of one partition not in use.
@@ -239,6 +253,7 @@ class PartitionStore {
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
   std::vector<PartitionId> schedule_;        // guarded by mu_: SetSchedule's order
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
+  uint32_t off_schedule_ = 0;                // guarded by mu_: live OffSchedule scopes
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
   StoreStats stats_;                         // guarded by mu_
