@@ -113,6 +113,26 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
       bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
 }
 
+uint64_t PageRound(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+// The reference trainer's host arena after a step, packed the way HostArena packs (Note
+// [Regions] in docs/allocator.md): `resident` are the allocations alive between steps, `transient`
+// the step's largest set alive at once, which the retained cache keeps mapped up to its cap.
+uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<uint64_t>& resident,
+                        uint64_t transient) {
+  const uint64_t dedicated_from = o.region_bytes / std::max<uint64_t>(o.dedicated_divisor, 1);
+  uint64_t dedicated = 0, shared = 0, live = 0;
+  for (uint64_t b : resident) {
+    const uint64_t r = PageRound(b);
+    live += r;
+    (r >= dedicated_from ? dedicated : shared) += r;
+  }
+  const uint64_t regions = (shared + o.region_bytes - 1) / o.region_bytes;
+  const double cap = std::min(static_cast<double>(o.retain_limit_bytes),
+                              std::max(static_cast<double>(o.region_bytes), o.retain_fraction * static_cast<double>(live)));
+  return dedicated + regions * o.region_bytes + std::min(transient, Bytes(cap));
+}
+
 // The plan without suggestions (they re-plan with changed settings).
 Result<PlanReport> Compute(const PlanInput& in) {
   if (!(in.params > 0)) return Status::InvalidArgument("--params must be a positive number of parameters");
@@ -129,6 +149,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
   }
   PlanReport r;
   r.runtime = in.runtime;
+  uint64_t committed_per_rank = 0;  // 0: as the steady state
   const double ranks_per_node = static_cast<double>(in.world_size / in.nodes);
   if (in.runtime == Runtime::kTrainer) {
     if (in.trainer_units.empty()) return Status::InvalidArgument("a trainer plan needs the model's units");
@@ -143,6 +164,20 @@ Result<PlanReport> Compute(const PlanInput& in) {
       return Status::InvalidArgument(StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
     }
     TrainerLines(in, shard, &r.lines);
+    // What stays in the arena between steps: per unit, the parameter and gradient partitions (host
+    // homed, or NVMe-homed copies cached), the optimizer's three unless they stream from NVMe;
+    // the engine's bounce pool. The step's transients: one unit gathered whole, and, streaming,
+    // the optimizer's three partitions of the group in use and of the prefetched ones.
+    const bool opt_nvme = c.offload_optimizer.device == OffloadDevice::kNvme;
+    std::vector<uint64_t> resident;
+    for (uint64_t u : in.trainer_units) {
+      const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
+      for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
+    }
+    for (uint32_t i = 0; i < allocator::UringEngineOptions{}.bounce_buffers; ++i) resident.push_back(c.aio.block_size);
+    const uint64_t gather = PageRound(4 * largest * in.world_size);
+    const uint64_t streamed = opt_nvme ? (1 + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
+    committed_per_rank = ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));
     r.checkpoint_gather_bytes = Bytes(4 * in.params);
     // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the
     // optimizer's state when it streams from NVMe.
@@ -170,12 +205,15 @@ Result<PlanReport> Compute(const PlanInput& in) {
   r.host_steady_per_node = r.per_node[1] + r.per_node[2];
   r.nvme_per_node = r.per_node[3];
   r.fork_extra_naive_per_node = Bytes(static_cast<double>(copied_per_rank) * ranks_per_node);
+  r.host_committed_per_node = committed_per_rank == 0
+                                  ? r.host_steady_per_node
+                                  : Bytes(static_cast<double>(committed_per_rank) * ranks_per_node);
   r.fork_extra_spillway_per_node =
-      c.spillway.fork_safety == allocator::ForkSafety::kInherit ? r.host_steady_per_node : 0;
+      c.spillway.fork_safety == allocator::ForkSafety::kInherit ? r.host_committed_per_node : 0;
   r.host_peak_naive_per_node =
       r.host_steady_per_node + r.checkpoint_gather_bytes + r.fork_extra_naive_per_node;
   r.host_peak_spillway_per_node =
-      r.host_steady_per_node + r.checkpoint_streamed_bytes + r.fork_extra_spillway_per_node;
+      r.host_committed_per_node + r.checkpoint_streamed_bytes + r.fork_extra_spillway_per_node;
   r.host_headroom = static_cast<int64_t>(in.host_ram_bytes) - static_cast<int64_t>(r.host_peak_spillway_per_node);
   r.nvme_headroom = static_cast<int64_t>(in.nvme_bytes) - static_cast<int64_t>(r.nvme_per_node);
   r.gpu_per_rank = r.per_rank[static_cast<int>(Place::kGpu)];
@@ -266,6 +304,8 @@ std::string PlanReport::ToString() const {
     << ", nvme " << Gb(static_cast<double>(per_node[3])) << "\n";
   const bool trainer = runtime == Runtime::kTrainer;
   if (trainer) {
+    o << "host arena after a step: " << Gb(static_cast<double>(host_committed_per_node))
+      << " per node held from the OS (regions, the step's transients it keeps)\n";
     o << "end-of-epoch checkpoint: gathering the model to host would hold "
       << Gb(static_cast<double>(checkpoint_gather_bytes)) << " on node 0; Trainer::Save holds "
       << Gb(static_cast<double>(checkpoint_streamed_bytes)) << " per node beyond the steady state\n";

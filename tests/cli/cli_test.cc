@@ -41,7 +41,7 @@ TEST(CliTest, PlanYi34BOnOneNodeFitsWithSpillway) {
                    " --host-ram 1TiB --nvme 4TiB");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("verdict: fits"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("DeepSpeed defaults 1292.0 GB (does not fit)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("DeepSpeed defaults 1156.0 GB (does not fit)"), std::string::npos) << r.out;
 }
 
 TEST(CliTest, PlanThatDoesNotFitExitsOneAndSaysWhatWould) {
@@ -52,10 +52,47 @@ TEST(CliTest, PlanThatDoesNotFitExitsOneAndSaysWhatWould) {
   EXPECT_NE(r.out.find("would fit with sub_group_size = 1e8"), std::string::npos) << r.out;
 }
 
+TEST(CliTest, PlanRefusesAModelItsGpusCannotHoldAndNamesTheOffloadThatFits) {
+  // 34e9 parameters on 8 GPUs without offload: 16 B per parameter, 68 GB per GPU, against 80 GB
+  // less the 25% reserve.
+  Outcome r = Spillway("plan --params 34e9 --world-size 8 --host-ram 2TiB --gpu-mem 80GB");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("gpu: model states 68.0 GB per GPU + reserve 20.0 GB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("would fit with zero_optimization.offload_optimizer.device = \"cpu\""), std::string::npos)
+      << r.out;
+  r = Spillway("plan --params 34e9 --world-size 8 --host-ram 2TiB --gpu-mem 0");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("GPU memory not checked"), std::string::npos) << r.out;
+}
+
+#if SPILLWAY_WITH_TORCH
+TEST(CliTest, PlanTheTrainerFromItsModelFlags) {
+  // 2 blocks of width 64 with the corpus's vocabulary: the units' sum, all on the host (pinned, the
+  // default config's pin_memory), the parameters on NVMe too.
+  Outcome r = Spillway("plan --trainer --layers 2 --d-model 64 --heads 4 --seq-len 32 --host-ram 8GiB --nvme 8GiB");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("spillway train's trainer"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host copies of the parameters (cached)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Trainer::Save holds"), std::string::npos) << r.out;
+  r = Spillway("plan --trainer --params 5 --host-ram 8GiB --nvme 8GiB");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--params does not go with --trainer"), std::string::npos) << r.out;
+}
+#endif
+
 TEST(CliTest, BadFlagsMissingFilesAndBadValuesAreClearErrors) {
   Outcome r = Spillway("plan --params 7e9");
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("--host-ram is required"), std::string::npos) << r.out;
+  r = Spillway("plan --host-ram 1TiB");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--params is required"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --host-ram 1TiB --gpu-mem lots");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--gpu-mem"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --host-ram 1TiB --gpu-reserve 1.5");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--gpu-reserve 1.5 must be in [0, 1)"), std::string::npos) << r.out;
   r = Spillway("plan --params 7e9 --host-ram 1TiB --config /nonexistent/ds.json");
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("/nonexistent/ds.json"), std::string::npos) << r.out;

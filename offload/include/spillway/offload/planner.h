@@ -67,6 +67,14 @@ struct PlanReport {
   allocator::KindBytes host_by_kind_per_rank{};  // host places only, by the ledger's kind
   allocator::KindBytes nvme_by_kind_per_rank{};
   uint64_t host_steady_per_node = 0;
+  // kTrainer: what Spillway's host arena holds from the OS after a step (its regions are mapped
+  // and pinned whole): the steady bytes packed as the arena packs them (partitions of at least
+  // region_bytes / dedicated_divisor in regions of their own, page-rounded; smaller ones sharing
+  // region_bytes regions) plus the step's transients that its retained cache keeps. A fork copies
+  // every one of these pages when the arena is inherited: io_uring has them registered (pinned
+  // for DMA), and the kernel copies such pages at the fork itself. Equal to host_steady_per_node
+  // for a DeepSpeed plan (its packing is not modelled).
+  uint64_t host_committed_per_node = 0;
   // End-of-epoch checkpoint on node 0. DeepSpeed: stage3_gather_16bit_weights_on_model_save
   // gathers the full 16-bit model into rank 0's host memory; the reference trainer's gather-to-
   // host control holds its full fp32 model. Spillway streamed: for DeepSpeed, the I/O window
@@ -77,12 +85,12 @@ struct PlanReport {
   uint64_t checkpoint_streamed_bytes = 0;
   // The first optimizer step after a fork (a DataLoader re-forking its workers) writes every host
   // page of state once: copy-on-write duplicates the private ones unless the arena is
-  // MADV_DONTFORK. Naive: the lines with fork_copies; Spillway: none, or all host bytes with
-  // spillway.fork_safety "inherit".
+  // MADV_DONTFORK. Naive: the lines with fork_copies; Spillway: none, or, with
+  // spillway.fork_safety "inherit", every committed byte of the arena (host_committed_per_node).
   uint64_t fork_extra_naive_per_node = 0;
   uint64_t fork_extra_spillway_per_node = 0;
   uint64_t host_peak_naive_per_node = 0;     // steady + checkpoint gather + fork copy
-  uint64_t host_peak_spillway_per_node = 0;  // steady + streamed checkpoint + fork copy (0)
+  uint64_t host_peak_spillway_per_node = 0;  // committed + streamed checkpoint + fork copy (0)
   uint64_t nvme_per_node = 0;
   uint64_t gpu_per_rank = 0;         // model states on each GPU
   uint64_t gpu_reserve_bytes = 0;    // gpu_mem x gpu_reserve_fraction (0: not checked)
