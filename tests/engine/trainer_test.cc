@@ -315,10 +315,25 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   auto t = std::move(Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), nullptr, 0).value());
   auto r = t->Step({torch::zeros({4, 17}, torch::kFloat32)});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("int64 tokens"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("tensor 'micro_batches[0] (token ids)': it is float32 but must be int64"),
+            std::string::npos) << r.status().message();
   r = t->Step({torch::full({4, 17}, 99, torch::kInt64)});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("[0, vocab=32)"), std::string::npos);
+  // The guard checks every micro-batch before any runs: a bad second one stops the step before the
+  // first one's forward.
+  int forwards = 0;
+  t->SetFaultHookForTesting([&](int64_t) { ++forwards; });
+  r = t->Step({torch::zeros({4, 17}, torch::kInt64), torch::zeros({4, 17}, torch::kInt32)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("micro_batches[1] (token ids)"), std::string::npos) << r.status().message();
+  EXPECT_EQ(forwards, 0);
+  r = t->Step({torch::zeros({4, 17}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kMeta))});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("is on meta; token batches go on the cpu or on the compute device (cpu)"),
+            std::string::npos) << r.status().message();
+  EXPECT_EQ(forwards, 0);
+  t->SetFaultHookForTesting(nullptr);
   r = t->Step({torch::zeros({4, 40}, torch::kInt64)});  // longer than seq_len
   ASSERT_FALSE(r.ok());
   r = t->Step({torch::zeros({0, 17}, torch::kInt64)});  // no rows

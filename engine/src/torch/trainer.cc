@@ -8,6 +8,7 @@
 #include "catch_torch.h"
 #include "host_view.h"
 #include "spillway/allocator/log.h"
+#include "spillway/offload/device_guard.h"
 
 namespace spillway::engine {
 
@@ -312,18 +313,7 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
 
 
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
-  const GptConfig& c = options_.model;
-  if (tokens.scalar_type() != torch::kInt64 || tokens.dim() != 2 || tokens.size(0) < 1 ||
-      tokens.size(1) < 2 || tokens.size(1) - 1 > c.seq_len || !tokens.device().is_cpu() ||
-      tokens.layout() != torch::kStrided) {
-    return Status::InvalidArgument(StrCat("a micro-batch must be dense CPU int64 tokens [B, T + 1] with ",
-                                          "B >= 1 and 1 <= T <= seq_len=", c.seq_len, "; got ",
-                                          tokens.sizes(), " ", tokens.dtype(), " ", tokens.layout(),
-                                          " on ", tokens.device()));
-  }
-  if (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c.vocab) {
-    return Status::InvalidArgument(StrCat("token ids must be in [0, vocab=", c.vocab, ")"));
-  }
+  const GptConfig& c = options_.model;  // CheckMicroBatches has checked `tokens`
   const int64_t t = tokens.size(1) - 1;
   const torch::Tensor on_device = tokens.to(options_.compute);
   const torch::Tensor input = on_device.narrow(1, 0, t);
@@ -490,10 +480,58 @@ Status Trainer::ZeroGrads() {
   return Status::Ok();
 }
 
-Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_batches) {
+// Note [Guard] in docs/engine.md: every micro-batch, before any of them runs.
+Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batches) const {
   if (micro_batches.empty()) {
     return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
+  const GptConfig& c = options_.model;
+  const auto guard_device = [](const torch::Device& d) {
+    return d.is_cuda() ? offload::DeviceId{offload::DeviceType::kCuda, d.has_index() ? d.index() : 0}
+                       : offload::DeviceId{offload::DeviceType::kCpu, 0};
+  };
+  const offload::DeviceId compute = guard_device(options_.compute);
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const torch::Tensor& tokens = micro_batches[i];
+    const std::string name = StrCat("micro_batches[", i, "] (token ids)");
+    if (!tokens.defined()) return Status::InvalidArgument(StrCat(name, " is an undefined tensor"));
+    if (!tokens.device().is_cpu() && !tokens.device().is_cuda()) {
+      return Status::InvalidArgument(StrCat(name, " is on ", tokens.device().str(), "; token batches go on the cpu or on the compute device (",
+                                            options_.compute.str(), ")"));
+    }
+    if (tokens.layout() != torch::kStrided) {
+      return Status::InvalidArgument(StrCat(name, " is ", tokens.layout(), "; token batches are dense tensors (.to_dense())"));
+    }
+    // The device guard: on the host (the loader's memory) or on the compute device, int64.
+    offload::TensorDesc desc{name, guard_device(tokens.device()),
+                             tokens.scalar_type() == torch::kInt64 ? offload::DType::kInt64 : offload::DType::kFloat32,
+                             static_cast<uint64_t>(tokens.numel()), true};
+    offload::Placement want;
+    want.device = desc.device.type == offload::DeviceType::kCpu ? desc.device : compute;
+    want.dtype = offload::DType::kInt64;
+    want.numel = desc.numel;
+    want.decided_by = StrCat("the trainer's compute device (TrainerOptions::compute = ", options_.compute.str(),
+                             "; token batches may also come from host memory) and its int64 token ids");
+    if (tokens.scalar_type() != torch::kInt64 || !(desc.device == want.device)) {
+      Status st = offload::CheckPlacement(desc, want);
+      if (tokens.scalar_type() != torch::kInt64) {
+        st = Status::InvalidArgument(StrCat(st.message(), " (it is ", tokens.dtype(), ")"));
+      }
+      return st;
+    }
+    if (tokens.dim() != 2 || tokens.size(0) < 1 || tokens.size(1) < 2 || tokens.size(1) - 1 > c.seq_len) {
+      return Status::InvalidArgument(StrCat(name, " must be [B, T + 1] with B >= 1 and 1 <= T <= seq_len=",
+                                            c.seq_len, "; got ", tokens.sizes()));
+    }
+    if (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c.vocab) {
+      return Status::InvalidArgument(StrCat(name, ": token ids must be in [0, vocab=", c.vocab, ")"));
+    }
+  }
+  return Status::Ok();
+}
+
+Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_batches) {
+  SPILLWAY_RETURN_IF_ERROR(CatchTorch("checking the micro-batches", [&] { return CheckMicroBatches(micro_batches); }));
   if (!out_of_step_.ok()) return out_of_step_;
   if (options_.schedule && micro_batches.size() != scheduled_micro_batches_) {
     SPILLWAY_RETURN_IF_ERROR(store_->SetSchedule(Schedule(micro_batches.size())));

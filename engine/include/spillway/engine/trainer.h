@@ -115,8 +115,9 @@ class Trainer {
                                                  allocator::ScopeId scope);
   ~Trainer();
 
-  // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len;
-  // gradients are averaged over all of them and over ranks). A micro-batch that fails abandons the
+  // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len, on
+  // the cpu or the compute device; gradients are averaged over all of them and over ranks). Every
+  // micro-batch is checked by the device guard before any runs. A micro-batch that fails abandons the
   // step: nothing is applied, its gradients are zeroed, and the ledger step is closed. A failed
   // optimizer step ends the same way, and its error says which units already took the step.
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
@@ -162,6 +163,9 @@ class Trainer {
   Result<torch::Tensor> GatherToCompute(int64_t unit);  // on options_.compute
   bool DeviceCollectives() const;
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
+  // The device guard on every micro-batch before any runs: on the cpu or the compute device,
+  // int64, dense, [B, T + 1], ids below vocab. INVALID_ARGUMENT naming the batch and the fix.
+  Status CheckMicroBatches(const std::vector<torch::Tensor>& micro_batches) const;
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   // `applied`: how many units (in order) took the step, also when it fails.
   Result<StepReport> OptimizerStep(StreamStats* stream, size_t* applied);

@@ -16,7 +16,7 @@
 namespace spillway::offload {
 
 enum class DeviceType : uint8_t { kCpu = 0, kCuda };
-enum class DType : uint8_t { kFloat32 = 0, kFloat16, kBFloat16, kUInt8 };
+enum class DType : uint8_t { kFloat32 = 0, kFloat16, kBFloat16, kUInt8, kInt64 };
 const char* DTypeName(DType dtype);
 uint64_t DTypeBytes(DType dtype);
 
