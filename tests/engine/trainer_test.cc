@@ -265,12 +265,13 @@ class TwinTrainers : public ::testing::Test {
   std::unique_ptr<Trainer> clean, failed;
 };
 
-TEST_F(TwinTrainers, AFailedMicroBatchAbandonsTheStepAndTheNextStepIsUnaffected) {
-  // The second micro-batch is bad: the first one's gradients must not leak into the next step.
+TEST_F(TwinTrainers, ABadMicroBatchIsRefusedBeforeAnyRunsAndTheNextStepIsUnaffected) {
+  // The second micro-batch is bad: the guard refuses the step before the first one runs (a failure
+  // inside a micro-batch after another accumulated gradients is the next test's).
   auto r = failed->Step({Batch(c, 0, 0), torch::full({4, c.seq_len + 1}, c.vocab, torch::kInt64)});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos)
-      << r.status().message();
+  EXPECT_NE(r.status().message().find("micro_batches[1] (token ids): token ids must be in [0, vocab=32)"),
+            std::string::npos) << r.status().message();
   ExpectSameNextStep();
 }
 
