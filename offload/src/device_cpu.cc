@@ -1,5 +1,9 @@
 // The CPU device backend: device memory is a separate aligned host buffer; a stream is a worker
 // thread that runs its copies in order; an event completes when the worker reaches it.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -7,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "spillway/allocator/log.h"
 #include "spillway/offload/device.h"
@@ -90,16 +95,37 @@ class CpuStream final : public Stream {
 class CpuDevice final : public Device {
  public:
   DeviceId id() const override { return {DeviceType::kCpu, 0}; }
+  // Device memory is mapped for each allocation and unmapped when freed, never heap: it is not the
+  // process's host memory, so it neither lingers in malloc's heap nor goes to a forked child (a
+  // GPU's memory does not either: MADV_DONTFORK).
   Result<void*> Allocate(uint64_t bytes) override {
-    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-    if (p == nullptr) {
-      return Status::Make(StatusCode::kOutOfMemory,
-                          StrCat("CPU device: allocating ", FormatBytes(bytes), " failed"));
+    const uint64_t len = std::max<uint64_t>((bytes + 4095) / 4096 * 4096, 4096);
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return Status::FromErrno(StatusCode::kOutOfMemory, errno,
+                               StrCat("CPU device: mapping ", FormatBytes(bytes), " failed"));
     }
+    if (madvise(p, len, MADV_DONTFORK) != 0) {
+      const int err = errno;
+      munmap(p, len);
+      return Status::FromErrno(StatusCode::kInternal, err, "CPU device: madvise(MADV_DONTFORK)");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    lengths_[p] = len;
     return p;
   }
   Status Free(void* ptr) override {
-    std::free(ptr);
+    uint64_t len = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = lengths_.find(ptr);
+      if (it == lengths_.end()) {
+        return Status::InvalidArgument(StrCat("CPU device: Free(", ptr, ") of memory it did not allocate (or freed twice)"));
+      }
+      len = it->second;
+      lengths_.erase(it);
+    }
+    if (munmap(ptr, len) != 0) return Status::FromErrno(StatusCode::kInternal, errno, "CPU device: munmap");
     return Status::Ok();
   }
   Result<std::unique_ptr<Stream>> NewStream() override {
@@ -113,6 +139,10 @@ class CpuDevice final : public Device {
     std::memcpy(device, host, bytes);
     return Status::Ok();
   }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<void*, uint64_t> lengths_;  // guarded by mu_: mapping lengths by address
 };
 
 }  // namespace
