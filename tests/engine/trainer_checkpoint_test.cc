@@ -141,7 +141,7 @@ TEST_P(CheckpointResumeTest, ASaveLeavesTheHostArenaAsItFoundIt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, CheckpointResumeTest, ::testing::Values("none", "cpu", "nvme"),
-                         [](const auto& info) { return std::string(info.param); });
+                         [](const auto& p) { return std::string(p.param); });
 
 TEST(CheckpointTest, TheFormatIsSafetensorsWithAManifestAndOldCheckpointsGo) {
   const std::string dir = FreshDir("format");
