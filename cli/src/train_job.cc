@@ -271,6 +271,9 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   to.compute = *compute;
   to.ApplyTraining(tc);
   to.optimizer_threads = o.threads;
+  auto pipeline = (*tiers)->OpenDevicePipeline(*config, engine::ToDeviceId(*compute));
+  if (!pipeline.ok()) return pipeline.status();
+  to.pipeline = *pipeline;
   auto trainer = engine::Trainer::Create(to, coll->get(), store, host, &ledger,
                                          allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();

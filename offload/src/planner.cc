@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "spillway/allocator/uring_engine.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
 namespace {
@@ -111,6 +112,11 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
   const double bounce = static_cast<double>(allocator::UringEngineOptions{}.bounce_buffers);
   add("I/O engine bounce pool (8 x block_size)", Place::kHostPinned,
       bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
+  if (param_nvme) {
+    add("transfer pipeline's staging ring (4 x block_size)", Place::kHostPinned,
+        static_cast<double>(PipelineOptions{}.staging_buffers) * static_cast<double>(c.aio.block_size),
+        Kind::kSwapBuffer);
+  }
 }
 
 uint64_t PageRound(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
@@ -174,7 +180,9 @@ Result<PlanReport> Compute(const PlanInput& in) {
       const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
       for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
     }
-    for (uint32_t i = 0; i < allocator::UringEngineOptions{}.bounce_buffers; ++i) resident.push_back(c.aio.block_size);
+    uint32_t staging = allocator::UringEngineOptions{}.bounce_buffers;
+    if (c.offload_param.device == OffloadDevice::kNvme) staging += PipelineOptions{}.staging_buffers;
+    for (uint32_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);
     const uint64_t streamed = opt_nvme ? (1 + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
     committed_per_rank = ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));

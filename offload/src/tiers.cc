@@ -51,4 +51,22 @@ Result<std::unique_ptr<Tiers>> Tiers::Create(const Config& config, allocator::Sc
   return t;
 }
 
+Result<TransferPipeline*> Tiers::OpenDevicePipeline(const Config& config, DeviceId compute) {
+  if (config.offload_param.device != OffloadDevice::kNvme) return static_cast<TransferPipeline*>(nullptr);
+  if (pipeline != nullptr) return Status::FailedPrecondition("Tiers::OpenDevicePipeline: already open");
+  if (nvme == nullptr || store == nullptr) {
+    return Status::FailedPrecondition("Tiers::OpenDevicePipeline: parameters on NVMe need the NVMe arena and the store");
+  }
+  auto d = compute.type == DeviceType::kCuda ? Device::OpenCuda(compute.index) : Device::OpenCpu();
+  if (!d.ok()) return d.status().WithContext(StrCat("the compute device ", compute.ToString()));
+  PipelineOptions po;
+  po.chunk_bytes = config.aio.block_size;
+  auto p = TransferPipeline::Create(host.get(), nvme.get(), d->get(), po);
+  if (!p.ok()) return p.status().WithContext(StrCat("the transfer pipeline to ", compute.ToString()));
+  device = std::move(*d);
+  pipeline = std::move(*p);
+  store->AttachDevice(pipeline.get());
+  return pipeline.get();
+}
+
 }  // namespace spillway::offload

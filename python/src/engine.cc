@@ -82,6 +82,9 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   to.model = q.model;
   to.compute = *compute;
   to.ApplyTraining(tc);
+  auto pipeline = (*tiers)->OpenDevicePipeline(*config, engine::ToDeviceId(*compute));
+  if (!pipeline.ok()) return pipeline.status();
+  to.pipeline = *pipeline;
   auto trainer = engine::Trainer::Create(to, coll, store, host, &ledger, allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 

@@ -141,12 +141,13 @@ TEST(PlannerTest, TheTrainersPlanPartitionsEachUnitAndStreamsItsSaveOneSlotAtATi
   using allocator::Kind;
   const auto& host = r->host_by_kind_per_rank;
   const auto& nvme = r->nvme_by_kind_per_rank;
-  // Host: cached params and grads 20 B each, the bounce pool 8 x 1 MiB; the optimizer's state
+  // Host: cached params and grads 20 B each, the bounce pool 8 x 1 MiB and the transfer pipeline's
+  // staging ring 4 x 1 MiB (params on NVMe reach the device through it); the optimizer's state
   // streams. NVMe: every state, 4 x 5 B each, the moments twice.
   EXPECT_EQ(host[static_cast<size_t>(Kind::kParam)], 20u);
   EXPECT_EQ(host[static_cast<size_t>(Kind::kGrad)], 20u);
   EXPECT_EQ(host[static_cast<size_t>(Kind::kMasterWeight)], 0u);
-  EXPECT_EQ(host[static_cast<size_t>(Kind::kSwapBuffer)], 8u << 20);
+  EXPECT_EQ(host[static_cast<size_t>(Kind::kSwapBuffer)], 12u << 20);  // + the pipeline's 4 x 1 MiB
   EXPECT_EQ(nvme[static_cast<size_t>(Kind::kOptimizerState)], 40u);
   EXPECT_EQ(r->nvme_per_node, 4u * (20 + 20 + 20 + 40));
   // The save brings in one optimizer partition at a time: the largest, 3 elements x 4 B, per rank.

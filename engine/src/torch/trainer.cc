@@ -2,6 +2,10 @@
 #include "spillway/engine/trainer.h"
 
 #include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 
@@ -169,6 +173,11 @@ Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
 
 Trainer::~Trainer() = default;
 
+offload::DeviceId ToDeviceId(const torch::Device& d) {
+  return d.is_cuda() ? offload::DeviceId{offload::DeviceType::kCuda, d.has_index() ? d.index() : 0}
+                     : offload::DeviceId{offload::DeviceType::kCpu, 0};
+}
+
 Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
                                                  Collectives* collectives,
                                                  offload::PartitionStore* store,
@@ -194,6 +203,17 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
   }
   if (!options.compute.is_cpu() && !options.compute.is_cuda()) {
     return Status::InvalidArgument(StrCat("compute device ", options.compute.str(), " is not supported; use cpu or cuda"));
+  }
+  if (options.pipeline != nullptr) {
+    // The device guard: the device views the pipeline fills must be on the compute device.
+    const offload::DeviceId want = ToDeviceId(options.compute);
+    const offload::DeviceId have = options.pipeline->device()->id();
+    if (!(have == want)) {
+      return Status::InvalidArgument(StrCat("TrainerOptions::pipeline moves partitions to ", have.ToString(),
+                                            " but the trainer computes on ", want.ToString(),
+                                            "; open the pipeline on the compute device (Tiers::OpenDevicePipeline)"));
+    }
+    store->AttachDevice(options.pipeline);
   }
   HostOptimizerOptions oo;
   oo.adam = options.adam;
@@ -269,7 +289,100 @@ bool Trainer::DeviceCollectives() const {
   return options_.compute.is_cuda() && coll_->HasBackendFor(options_.compute.type());
 }
 
-Result<torch::Tensor> Trainer::GatherToCompute(int64_t u) {
+bool Trainer::OnPipeline(int64_t u) const {
+  return options_.pipeline != nullptr && store_->home(units_[u].param) == offload::Tier::kNvme &&
+         (coll_->world_size() == 1 || options_.compute.is_cpu() || DeviceCollectives());
+}
+
+Result<torch::Tensor> Trainer::DeviceShard(int64_t u) {
+  const Unit& unit = units_[u];
+  auto h = store_->Acquire(unit.param, offload::Access::kRead, offload::Tier::kDevice);
+  if (!h.ok()) return h.status();
+  auto data = h->Data();
+  if (!data.ok()) return data.status();
+  auto handle = std::make_shared<offload::Handle>(std::move(*h));
+  offload::PartitionStore* store = store_;
+  torch::Tensor t;
+  SPILLWAY_RETURN_IF_ERROR(CatchTorch("wrapping a device view", [&]() -> Status {
+    t = torch::from_blob(
+        *data, {unit.shard},
+        [handle, store](void*) {
+          Status st = store->Release(*handle);
+          if (!st.ok()) Log(LogLevel::kError, StrCat("releasing a parameter's device view: ", st.ToString()));
+        },
+        torch::TensorOptions().dtype(torch::kFloat32).device(options_.compute));
+    return Status::Ok();
+  }));
+  return t;
+}
+
+// A thread of its own for the transfers ahead (not one per transfer: thread stacks that glibc
+// caches and reuses are heap a fork copies). Tasks run in submission order.
+class Trainer::AheadThread {
+ public:
+  AheadThread() : thread_([this] { Loop(); }) {}
+  ~AheadThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();  // tasks still queued run first: every future handed out is fulfilled
+  }
+  std::future<Result<torch::Tensor>> Submit(std::function<Result<torch::Tensor>()> fn) {
+    std::packaged_task<Result<torch::Tensor>()> task(std::move(fn));
+    auto f = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_all();
+    return f;
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stop_, and nothing left
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();  // an exception reaches the future
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<Result<torch::Tensor>()>> tasks_;  // guarded by mu_
+  bool stop_ = false;                                                 // guarded by mu_
+  std::thread thread_;
+};
+
+std::future<Result<torch::Tensor>> Trainer::ShardAhead(int64_t u) {
+  if (u < 0 || u >= static_cast<int64_t>(units_.size()) || !OnPipeline(u)) return {};
+  if (ahead_ == nullptr) ahead_ = std::make_unique<AheadThread>();
+  return ahead_->Submit([this, u] { return DeviceShard(u); });
+}
+
+Result<torch::Tensor> Trainer::GatherToCompute(int64_t u, std::future<Result<torch::Tensor>>* ahead) {
+  if (OnPipeline(u)) {
+    // Note [Pipeline]: this rank's shard came NVMe (or its host copy) -> pinned staging -> device
+    // while the previous unit computed; only the all-gather is left.
+    Result<torch::Tensor> shard = ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u);
+    if (!shard.ok()) return shard.status();
+    const Unit& unit = units_[u];
+    if (coll_->world_size() == 1) return shard->narrow(0, 0, unit.numel);  // the view lives as long
+    // A process group may hold its input a while after the collective returns (gloo releases it on
+    // its own thread), and the view must be gone before the optimizer takes the partition on the
+    // host: the all-gather reads a copy, and the view goes now.
+    torch::Tensor input = shard->clone();
+    *shard = torch::Tensor();
+    torch::Tensor full = torch::empty({unit.shard * coll_->world_size()}, input.options());
+    SPILLWAY_RETURN_IF_ERROR(coll_->AllGather(input, full));
+    return full.narrow(0, 0, unit.numel);
+  }
   if (DeviceCollectives()) {
     // Note [Device collectives]: only this rank's shard crosses PCIe; the all-gather runs on the
     // device (NCCL), into a buffer of the caching allocator.
@@ -323,18 +436,22 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   {
     torch::NoGradGuard no_grad;
     torch::Tensor x = input;
+    std::future<Result<torch::Tensor>> ahead = ShardAhead(0);
     for (int64_t u = 0; u < units; ++u) {
-      auto full = GatherToCompute(u);
+      auto full = GatherToCompute(u, &ahead);
       if (!full.ok()) return full.status();
+      ahead = ShardAhead(u + 1);  // moves while this unit computes
       checkpoints.push_back(x);
       if (fault_hook_) fault_hook_(u);
       x = gpt::Forward(c, u, *full, x);
     }  // each gathered unit is released as `full` goes out of scope
   }
   torch::Tensor grad_out;
+  std::future<Result<torch::Tensor>> ahead = ShardAhead(units - 1);
   for (int64_t u = units - 1; u >= 0; --u) {
-    auto gathered = GatherToCompute(u);
+    auto gathered = GatherToCompute(u, &ahead);
     if (!gathered.ok()) return gathered.status();
+    ahead = ShardAhead(u - 1);
     torch::Tensor full = gathered->detach().requires_grad_(true);
     torch::Tensor xin = checkpoints[u];
     if (u > 0) xin = xin.detach().requires_grad_(true);
@@ -486,11 +603,7 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
     return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
   const GptConfig& c = options_.model;
-  const auto guard_device = [](const torch::Device& d) {
-    return d.is_cuda() ? offload::DeviceId{offload::DeviceType::kCuda, d.has_index() ? d.index() : 0}
-                       : offload::DeviceId{offload::DeviceType::kCpu, 0};
-  };
-  const offload::DeviceId compute = guard_device(options_.compute);
+  const offload::DeviceId compute = ToDeviceId(options_.compute);
   for (size_t i = 0; i < micro_batches.size(); ++i) {
     const torch::Tensor& tokens = micro_batches[i];
     const std::string name = StrCat("micro_batches[", i, "] (token ids)");
@@ -503,7 +616,7 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
       return Status::InvalidArgument(StrCat(name, " is ", tokens.layout(), "; token batches are dense tensors (.to_dense())"));
     }
     // The device guard: on the host (the loader's memory) or on the compute device, int64.
-    offload::TensorDesc desc{name, guard_device(tokens.device()),
+    offload::TensorDesc desc{name, ToDeviceId(tokens.device()),
                              tokens.scalar_type() == torch::kInt64 ? offload::DType::kInt64 : offload::DType::kFloat32,
                              static_cast<uint64_t>(tokens.numel()), true};
     offload::Placement want;

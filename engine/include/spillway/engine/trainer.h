@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,7 +25,9 @@
 #include "spillway/engine/collectives.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/engine/streamed_step.h"
+#include "spillway/offload/device_guard.h"
 #include "spillway/offload/partition_store.h"
+#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::engine {
 
@@ -57,6 +60,10 @@ torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
 // use: never a silent fall back to the CPU.
 Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_rank = 0);
 
+// The device guard's name for a torch device (cpu, or cuda:N; a cuda device without an index is
+// cuda:0). Other device types map to cpu: callers refuse them first.
+offload::DeviceId ToDeviceId(const torch::Device& device);
+
 struct TrainerOptions {
   GptConfig model;
   // The optimizer step always runs on the host (it is the offloaded optimizer); parameters are
@@ -66,6 +73,11 @@ struct TrainerOptions {
   AdamWConfig adam;
   uint32_t optimizer_threads = 0;
   double max_grad_norm = 0.0;  // 0: no clipping
+  // The path from NVMe to `compute` (offload::Tiers::OpenDevicePipeline makes it): parameters
+  // homed on NVMe reach the compute device through it, the next unit's while this one computes
+  // (Note [Pipeline] in docs/engine.md). Its device must be `compute`. Null: every parameter is
+  // gathered in host memory and copied to `compute` from there.
+  offload::TransferPipeline* pipeline = nullptr;
   // Hands the store each step's access order (Note [Schedule] in docs/engine.md), so that it
   // spills the partition used furthest ahead and swaps the next ones in ahead of use. Off: the
   // store has no schedule (every next use looks equally far; the bench's baseline).
@@ -160,7 +172,18 @@ class Trainer {
           std::unique_ptr<HostOptimizer> optimizer);
   Status Init();
   Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
-  Result<torch::Tensor> GatherToCompute(int64_t unit);  // on options_.compute
+  // On options_.compute. `ahead`, when valid, is this unit's DeviceShard started earlier.
+  Result<torch::Tensor> GatherToCompute(int64_t unit, std::future<Result<torch::Tensor>>* ahead = nullptr);
+  // Whether unit `u`'s parameters come through the pipeline (homed on NVMe, a pipeline given, and
+  // a gather that can run where the shard lands).
+  bool OnPipeline(int64_t u) const;
+  // This rank's shard of unit `u` as a device view on options_.compute, through the pipeline; the
+  // view is released when the tensor dies.
+  Result<torch::Tensor> DeviceShard(int64_t u);
+  // DeviceShard(u) started on the helper thread, so the transfer overlaps the caller's compute;
+  // invalid when `u` is out of range or not OnPipeline.
+  std::future<Result<torch::Tensor>> ShardAhead(int64_t u);
+  class AheadThread;  // one persistent helper thread running ShardAhead's transfers in order
   bool DeviceCollectives() const;
   Status ReduceGrad(int64_t unit, const torch::Tensor& grad);
   // The device guard on every micro-batch before any runs: on the cpu or the compute device,
@@ -184,6 +207,7 @@ class Trainer {
   const allocator::ScopeId scope_;
   std::unique_ptr<HostOptimizer> optimizer_;
   std::vector<Unit> units_;
+  std::unique_ptr<AheadThread> ahead_;  // with a pipeline only
   std::function<void(int64_t)> fault_hook_;
   Status out_of_step_;    // a failed optimizer step with world size > 1: every later Step refuses
   int64_t steps_ = 0;     // applied

@@ -1,0 +1,166 @@
+// compare_pipeline: the reference trainer's step with its parameters on NVMe, reaching the compute
+// device through the TransferPipeline (the next unit's transfer overlapping this unit's compute),
+// against the same step with the parameters in host memory, on the CPU backend. Contenders, one
+// trainer each on tiers of its own, the same model and batches:
+//   host        offload_param cpu (the baseline), twice: host and host' are the A/A pair
+//   pipe-cached offload_param nvme + pipeline, a budget that keeps the parameters' host copies
+//               (each view is a host -> "device" copy)
+//   pipe-nvme   offload_param nvme + pipeline, a budget too small for them (views come from NVMe)
+//   no-pipe     offload_param nvme without a pipeline (gathered in host memory; the store prefetches)
+// Rounds run one step of each, in a rotating order; medians over rounds, and the ratio
+// host / contender (1.0: the offload costs nothing; >= 0.9: the transfer is hidden). Also the time
+// of one unit's transfer alone (its device view, from NVMe) and one unit's compute (the host step
+// time over units and micro-batches). Last line: one JSON object.
+//
+//   compare_pipeline [--d-model N] [--layers N] [--rounds N] [--dir DIR]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "spillway/engine/trainer.h"
+#include "spillway/offload/config.h"
+#include "spillway/offload/tiers.h"
+
+namespace {
+
+using namespace spillway;
+using Clock = std::chrono::steady_clock;
+constexpr double kMiB = 1 << 20;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "compare_pipeline: %s\n", what.c_str());
+  std::exit(1);
+}
+template <typename T>
+T Must(Result<T> r) {
+  if (!r.ok()) Die(r.status().ToString());
+  return std::move(r.value());
+}
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Contender {
+  std::string name;
+  std::unique_ptr<offload::Tiers> tiers;
+  std::unique_ptr<engine::Collectives> coll;
+  std::unique_ptr<engine::Trainer> trainer;
+  std::vector<double> seconds;
+};
+
+Contender Make(const std::string& name, const engine::GptConfig& model, const std::string& dir,
+               const std::string& param, const std::string& budget, bool pipeline) {
+  Contender c;
+  c.name = name;
+  const std::string swap = dir + "/" + name;
+  std::filesystem::create_directories(swap);
+  const offload::Config config = Must(offload::Config::Parse(
+      R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+          "offload_param": {"device": ")" + param + R"(", "nvme_path": ")" + swap + R"("}},
+          "aio": {"block_size": 1048576, "queue_depth": 8},
+          "spillway": {"host_budget_bytes": ")" + budget + R"(", "nvme_budget_bytes": "4GiB"}})"));
+  c.tiers = Must(offload::Tiers::Create(config));
+  engine::TrainerOptions o;
+  o.model = model;
+  o.optimizer_threads = 1;
+  if (pipeline) o.pipeline = Must(c.tiers->OpenDevicePipeline(config, {offload::DeviceType::kCpu, 0}));
+  c.coll = Must(engine::Collectives::Create(engine::DistEnv{}));
+  c.trainer = Must(engine::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
+                                           &c.tiers->ledger, allocator::kProcessScope));
+  if (!c.tiers->ledger.BeginEpoch(0).ok()) Die("BeginEpoch");
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  engine::GptConfig model;
+  model.vocab = 96;
+  model.d_model = 384;
+  model.n_layer = 4;
+  model.n_head = 6;
+  model.seq_len = 128;
+  int rounds = 7;
+  std::string dir = "/var/tmp/spillway-compare-pipeline";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--d-model") model.d_model = std::stoll(argv[i + 1]);
+    else if (a == "--layers") model.n_layer = std::stoll(argv[i + 1]);
+    else if (a == "--rounds") rounds = std::stoi(argv[i + 1]);
+    else if (a == "--dir") dir = argv[i + 1];
+    else Die("unknown flag " + a + " (--d-model N --layers N --rounds N --dir DIR)");
+  }
+  torch::set_num_threads(1);  // one compute thread: the transfer's helper thread has a core of its own
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  uint64_t params = 0, largest = 0;
+  for (int64_t u = 0; u < engine::gpt::Units(model); ++u) {
+    params += static_cast<uint64_t>(engine::gpt::UnitNumel(model, u));
+    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(engine::gpt::UnitNumel(model, u)));
+  }
+  // Five fp32 states: a budget of 3 x the parameters holds the rest but not the parameters' copies.
+  const std::string small = std::to_string(params * 4 * 4 + (16u << 20));
+  std::vector<Contender> cs;
+  cs.push_back(Make("host", model, dir, "cpu", "4GiB", false));
+  cs.push_back(Make("pipe-cached", model, dir, "nvme", "4GiB", true));
+  cs.push_back(Make("pipe-nvme", model, dir, "nvme", small, true));
+  cs.push_back(Make("no-pipe", model, dir, "nvme", "4GiB", false));
+  cs.push_back(Make("host'", model, dir, "cpu", "4GiB", false));
+  constexpr int kMicro = 2;
+  const auto batch = [&](int step, int k) {
+    torch::manual_seed(1000 * step + k);
+    return torch::randint(0, model.vocab, {8, model.seq_len + 1}, torch::kInt64);
+  };
+  for (int r = -1; r < rounds; ++r) {  // round -1 warms up
+    for (size_t j = 0; j < cs.size(); ++j) {
+      Contender& c = cs[(j + static_cast<size_t>(std::max(r, 0))) % cs.size()];
+      std::vector<torch::Tensor> mbs;
+      for (int k = 0; k < kMicro; ++k) mbs.push_back(batch(r + 1, k));
+      const auto t0 = Clock::now();
+      Must(c.trainer->Step(mbs));
+      if (r >= 0) c.seconds.push_back(Seconds(t0));
+    }
+  }
+  // One unit's transfer alone: the largest unit's parameters, out of host memory, into a device view.
+  Contender& nv = cs[2];
+  std::vector<double> transfer;
+  for (int i = 0; i < 5; ++i) {
+    // The largest unit is a block (unit 1); its parameter partition was registered first of its five.
+    const offload::PartitionId id = 5;
+    if (!nv.tiers->store->Evict(id).ok()) Die("evict");
+    const auto t0 = Clock::now();
+    auto h = Must(nv.tiers->store->Acquire(id, offload::Access::kRead, offload::Tier::kDevice));
+    transfer.push_back(Seconds(t0));
+    if (!nv.tiers->store->Release(h).ok()) Die("release");
+  }
+  const double host = Median(cs[0].seconds);
+  const double per_unit_compute = host / static_cast<double>(engine::gpt::Units(model) * kMicro * 2);
+  std::printf("compare_pipeline: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, %d rounds\n",
+              static_cast<unsigned long long>(params), static_cast<long long>(engine::gpt::Units(model)), kMicro,
+              static_cast<long long>(model.seq_len), rounds);
+  std::printf("%-12s %12s %12s %22s\n", "contender", "median s", "spread", "host / contender");
+  nlohmann::json j;
+  for (const Contender& c : cs) {
+    std::vector<double> s = c.seconds;
+    std::sort(s.begin(), s.end());
+    const double med = Median(s);
+    std::printf("%-12s %12.4f %5.4f-%6.4f %22.3f\n", c.name.c_str(), med, s.front(), s.back(), host / med);
+    j[c.name] = {{"median_s", med}, {"min_s", s.front()}, {"max_s", s.back()}, {"ratio", host / med}};
+  }
+  std::printf("one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
+              "compute %.4f s (forward or backward's recompute + backward, its share of the host step)\n",
+              static_cast<double>(largest) * 4 / kMiB, Median(transfer), per_unit_compute);
+  j["unit_transfer_s"] = Median(transfer);
+  j["unit_compute_s"] = per_unit_compute;
+  std::filesystem::remove_all(dir);
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
