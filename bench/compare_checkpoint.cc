@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
@@ -26,26 +27,13 @@
 namespace {
 
 using namespace spillway;
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
+using bench::Die;
+using bench::Median;
+using bench::Must;
+using bench::Seconds;
 namespace fs = std::filesystem;
 constexpr double kMiB = 1 << 20;
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "compare_checkpoint: %s\n", what.c_str());
-  std::exit(1);
-}
-template <typename T>
-T Must(Result<T> r) {
-  if (!r.ok()) Die(r.status().ToString());
-  return std::move(r.value());
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 uint64_t DirBytes(const std::string& dir) {
   uint64_t n = 0;

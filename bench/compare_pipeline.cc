@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
@@ -30,23 +31,12 @@
 namespace {
 
 using namespace spillway;
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
+using bench::Die;
+using bench::Median;
+using bench::Must;
+using bench::Seconds;
 constexpr double kMiB = 1 << 20;
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "compare_pipeline: %s\n", what.c_str());
-  std::exit(1);
-}
-template <typename T>
-T Must(Result<T> r) {
-  if (!r.ok()) Die(r.status().ToString());
-  return std::move(r.value());
-}
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Contender {
   std::string name;
@@ -106,7 +96,8 @@ int main(int argc, char** argv) {
     params += static_cast<uint64_t>(engine::gpt::UnitNumel(model, u));
     largest = std::max<uint64_t>(largest, static_cast<uint64_t>(engine::gpt::UnitNumel(model, u)));
   }
-  // Five fp32 states: a budget of 3 x the parameters holds the rest but not the parameters' copies.
+  // Five fp32 states of 4 B per parameter: a budget of four of them (plus 16 MiB for the bounce
+  // pool, the staging ring and a gather) holds the rest but not the parameters' host copies.
   const std::string small = std::to_string(params * 4 * 4 + (16u << 20));
   std::vector<Contender> cs;
   cs.push_back(Make("host", model, dir, "cpu", "4GiB", false));
@@ -133,8 +124,10 @@ int main(int argc, char** argv) {
   Contender& nv = cs[2];
   std::vector<double> transfer;
   for (int i = 0; i < 5; ++i) {
-    // The largest unit is a block (unit 1); its parameter partition was registered first of its five.
+    // The largest unit is a block (unit 1). The trainer registers five partitions per unit in
+    // order, parameter first (Trainer::Init), so unit 1's parameter partition is id 5.
     const offload::PartitionId id = 5;
+    if (nv.tiers->store->bytes(id) != largest * 4) Die("partition 5 is not unit 1's parameters");
     if (!nv.tiers->store->Evict(id).ok()) Die("evict");
     const auto t0 = Clock::now();
     auto h = Must(nv.tiers->store->Acquire(id, offload::Access::kRead, offload::Tier::kDevice));
@@ -158,6 +151,13 @@ int main(int argc, char** argv) {
   std::printf("one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
               "compute %.4f s (forward or backward's recompute + backward, its share of the host step)\n",
               static_cast<double>(largest) * 4 / kMiB, Median(transfer), per_unit_compute);
+  for (size_t k : {size_t{1}, size_t{2}}) {
+    const auto& ps = cs[k].tiers->pipeline->stats();
+    std::printf("%s: %.1f MiB into device views from NVMe, %.1f MiB from host copies\n", cs[k].name.c_str(),
+                ps.nvme_to_device_bytes.load() / kMiB, ps.host_to_device_bytes.load() / kMiB);
+    j[cs[k].name]["nvme_to_device_mib"] = ps.nvme_to_device_bytes.load() / kMiB;
+    j[cs[k].name]["host_to_device_mib"] = ps.host_to_device_bytes.load() / kMiB;
+  }
   j["unit_transfer_s"] = Median(transfer);
   j["unit_compute_s"] = per_unit_compute;
   std::filesystem::remove_all(dir);

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
@@ -21,26 +22,10 @@
 namespace {
 
 using namespace spillway;
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
+using bench::Median;
+using bench::Must;
 constexpr uint64_t kMiB = 1ull << 20;
-
-[[noreturn]] void Die(const Status& st) {
-  std::fprintf(stderr, "compare_streaming: %s\n", st.ToString().c_str());
-  std::exit(1);
-}
-template <typename T>
-T Must(Result<T> r) {
-  if (!r.ok()) Die(r.status());
-  return std::move(r.value());
-}
-void Must(const Status& st) {
-  if (!st.ok()) Die(st);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 }  // namespace
 

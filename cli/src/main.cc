@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   bool plan_trainer = false;
   plan->add_flag("--trainer", plan_trainer,
                  "plan spillway train's reference trainer (its model from --layers, --d-model, "
-                 "--heads, --seq-len) instead of a DeepSpeed run; the world size is WORLD_SIZE's");
+                 "--heads, --seq-len) instead of a DeepSpeed run; the world size is --world-size's, "
+                 "else WORLD_SIZE's");
 #if SPILLWAY_WITH_TORCH
   spillway::cli::TrainJobOptions plan_job;
   plan->add_option("--layers", plan_job.model.n_layer, "with --trainer: transformer blocks")
@@ -212,6 +213,7 @@ int main(int argc, char** argv) {
       auto job = spillway::cli::TrainJobPlanInput(plan_job);
       if (!job.ok()) return FailStatus(job.status());
       in = *job;
+      if (plan->count("--world-size") > 0) in.world_size = world;  // else WORLD_SIZE's, as train's
       world = in.world_size;
 #else
       return Fail("--trainer needs a build with libtorch (SPILLWAY_WITH_TORCH=ON)");
@@ -249,9 +251,9 @@ int main(int argc, char** argv) {
       auto visible = spillway::engine::cuda::DeviceMemoryBytes();
       in.gpu_mem_bytes = visible.ok() ? *visible : 80'000'000'000ull;
       gpu_mem_text = visible.ok() ? "the visible GPU's" : "80 GB, no GPU visible";
-    } else if (gpu_mem_text != "0") {
+    } else if (gpu_mem_text != "0") {  // "0": the GPU is not checked
       auto gpu = ParseByteSize(gpu_mem_text);
-      if (!gpu.ok()) return Fail("--gpu-mem " + gpu.status().message());
+      if (!gpu.ok()) return Fail("--gpu-mem " + gpu.status().message() + ", or 0 not to check the GPU");
       in.gpu_mem_bytes = *gpu;
     }
     auto r = MakePlan(in);

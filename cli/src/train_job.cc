@@ -352,14 +352,15 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     co.fault_hook = o.checkpoint_fault_hook;
     auto before = Tree();
     if (!before.ok()) return before.status();
-    const uint64_t live_before = host->Stats().live_bytes;
     host->ResetPeakStats();
+    const uint64_t live_before = host->Stats().live_bytes;  // after the reset: peak >= it
     PeakSampler sampler(getpid());
     const auto t0 = Clock::now();
     auto info = (*trainer)->Save(o.save_dir, co);
     const double seconds = Seconds(t0, Clock::now());
     auto peak = sampler.Stop();
-    const uint64_t host_extra = host->Stats().peak_live_bytes - live_before;
+    const uint64_t peak_live = host->Stats().peak_live_bytes;
+    const uint64_t host_extra = peak_live > live_before ? peak_live - live_before : 0;
     if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
     int64_t extra = 0;  // the save is done; a failed /proc read only loses the measurement
     if (peak.ok()) {

@@ -1,5 +1,6 @@
-// The CPU device backend: device memory is a separate aligned host buffer; a stream is a worker
-// thread that runs its copies in order; an event completes when the worker reaches it.
+// The CPU device backend: device memory is a mapping of its own per allocation (MADV_DONTFORK);
+// a stream is a worker thread that runs its copies in order; an event completes when the worker
+// reaches it.
 #include <sys/mman.h>
 
 #include <algorithm>

@@ -372,7 +372,9 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
           TierName(device ? Tier::kHost : Tier::kDevice),
           " by ", other_tier_pins, " handles; a partition is used in one tier at a time"));
     }
-    if (!p.uses.empty() && off_schedule_ == 0) {  // advance the schedule cursor to this use
+    // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
+    // helper thread) does not: the host-tier schedule is the store's own order.
+    if (!p.uses.empty() && off_schedule_ == 0 && !device) {
       uint64_t best = p.uses.front(), best_d = UINT64_MAX;
       for (uint64_t u : p.uses) {
         const uint64_t d = UseDistance(u);
@@ -482,7 +484,10 @@ Status PartitionStore::WriteBackDevice(PartitionId id) {
   }
   Status st;
   bool to_nvme = false;
-  std::unique_lock<std::mutex> pipe_lock(pipe_mu_);  // one thread drives the pipeline at a time
+  // One thread drives the pipeline at a time; a clean view (a read) has nothing to copy, so its
+  // release does not wait for another thread's transfer.
+  std::unique_lock<std::mutex> pipe_lock(pipe_mu_, std::defer_lock);
+  if (dirty) pipe_lock.lock();
   if (dirty && host != nullptr) {
     st = pipe->device()->CopyToHost(host, dev, bytes);
   } else if (dirty) {
@@ -503,13 +508,16 @@ Status PartitionStore::WriteBackDevice(PartitionId id) {
     st = pipe->DeviceToNvme(dev, off, bytes);
     to_nvme = true;
   }
-  pipe_lock.unlock();
+  if (pipe_lock.owns_lock()) pipe_lock.unlock();
   if (!st.ok()) {
     // The device view is the only good copy: keep it, so a later release can retry.
     return st.WithContext(StrCat("writing back the device view of ", Describe(id),
                                  "; the device copy is kept"));
   }
-  (void)pipe->device()->Free(dev);
+  if (Status f = pipe->device()->Free(dev); !f.ok()) {
+    // The bytes are safe (written back or clean); only the device memory is lost to this process.
+    Log(LogLevel::kError, StrCat("freeing the device view of ", Describe(id), ": ", f.ToString()));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   Part& p = parts_[id];
   if (dirty && !to_nvme) p.dirty = true;  // the host copy is now newer than NVMe

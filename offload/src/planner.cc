@@ -141,7 +141,13 @@ uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<
 
 // The plan without suggestions (they re-plan with changed settings).
 Result<PlanReport> Compute(const PlanInput& in) {
-  if (!(in.params > 0)) return Status::InvalidArgument("--params must be a positive number of parameters");
+  if (!(in.params > 0) || in.params > 1e15) {
+    return Status::InvalidArgument("--params must be a positive number of parameters, at most 1e15");
+  }
+  constexpr uint64_t kMaxBytes = 1ull << 60;  // an exbibyte: far past any machine, inside int64
+  if (in.host_ram_bytes > kMaxBytes || in.nvme_bytes > kMaxBytes || in.gpu_mem_bytes > kMaxBytes) {
+    return Status::InvalidArgument("--host-ram, --nvme and --gpu-mem must each be at most 1 EiB");
+  }
   if (in.world_size == 0 || in.nodes == 0 || in.world_size % in.nodes != 0) {
     return Status::InvalidArgument(StrCat("--world-size ", in.world_size, " must be a positive multiple of --nodes ", in.nodes));
   }
@@ -326,7 +332,10 @@ std::string PlanReport::ToString() const {
   o << "host peak per node: " << (trainer ? "without Spillway's arena " : "DeepSpeed defaults ")
     << Gb(static_cast<double>(host_peak_naive_per_node))
     << (naive_fits ? " (fits)" : " (does not fit)") << ", Spillway " << Gb(static_cast<double>(host_peak_spillway_per_node)) << "\n";
-  if (gpu_reserve_bytes > 0) {
+  if (gpu_reserve_bytes > 0 && trainer) {
+    o << "gpu: the trainer keeps no model states on the GPU between steps (its gathered unit and "
+         "activations are not modelled); reserve " << Gb(static_cast<double>(gpu_reserve_bytes)) << "\n";
+  } else if (gpu_reserve_bytes > 0) {
     o << "gpu: model states " << Gb(static_cast<double>(gpu_per_rank)) << " per GPU + reserve "
       << Gb(static_cast<double>(gpu_reserve_bytes)) << " (activations, context; --gpu-reserve)"
       << (gpu_headroom >= 0 ? ": fits" : ": does not fit") << "\n";

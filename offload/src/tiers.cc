@@ -58,6 +58,13 @@ Result<TransferPipeline*> Tiers::OpenDevicePipeline(const Config& config, Device
     return Status::FailedPrecondition("Tiers::OpenDevicePipeline: parameters on NVMe need the NVMe arena and the store");
   }
   auto d = compute.type == DeviceType::kCuda ? Device::OpenCuda(compute.index) : Device::OpenCpu();
+  if (!d.ok() && compute.type == DeviceType::kCuda && d.status().code() == StatusCode::kUnavailable) {
+    // libtorch computes on the GPU but Spillway's device seam cannot reach it (a build without
+    // CUDA): the parameters are gathered in host memory and copied by libtorch, and the log says so.
+    Log(LogLevel::kWarning, StrCat("parameters on NVMe reach ", compute.ToString(), " through host memory, not the transfer pipeline: ",
+                                   d.status().message()));
+    return static_cast<TransferPipeline*>(nullptr);
+  }
   if (!d.ok()) return d.status().WithContext(StrCat("the compute device ", compute.ToString()));
   PipelineOptions po;
   po.chunk_bytes = config.aio.block_size;

@@ -346,10 +346,12 @@ class Trainer::AheadThread {
     for (;;) {
       cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
       if (tasks_.empty()) return;  // stop_, and nothing left
-      auto task = std::move(tasks_.front());
-      tasks_.pop_front();
-      lock.unlock();
-      task();  // an exception reaches the future
+      {
+        auto task = std::move(tasks_.front());
+        tasks_.pop_front();
+        lock.unlock();
+        task();  // an exception reaches the future
+      }  // the task goes before the lock is taken again
       lock.lock();
     }
   }
@@ -360,6 +362,23 @@ class Trainer::AheadThread {
   std::thread thread_;
 };
 
+namespace {
+// Takes a transfer started ahead before its scope is left on any path (an error, an exception), so
+// no device view outlives the step: the optimizer then takes the same partitions on the host.
+struct TakeAhead {
+  std::future<Result<torch::Tensor>>& f;
+  ~TakeAhead() {
+    if (!f.valid()) return;
+    try {
+      Result<torch::Tensor> unused = f.get();  // the view dies here, on this thread
+      if (!unused.ok()) Log(LogLevel::kWarning, StrCat("a transfer ahead of an abandoned unit: ", unused.status().ToString()));
+    } catch (const std::exception& e) {
+      Log(LogLevel::kWarning, StrCat("a transfer ahead of an abandoned unit threw: ", e.what()));
+    }
+  }
+};
+}  // namespace
+
 std::future<Result<torch::Tensor>> Trainer::ShardAhead(int64_t u) {
   if (u < 0 || u >= static_cast<int64_t>(units_.size()) || !OnPipeline(u)) return {};
   if (ahead_ == nullptr) ahead_ = std::make_unique<AheadThread>();
@@ -368,7 +387,7 @@ std::future<Result<torch::Tensor>> Trainer::ShardAhead(int64_t u) {
 
 Result<torch::Tensor> Trainer::GatherToCompute(int64_t u, std::future<Result<torch::Tensor>>* ahead) {
   if (OnPipeline(u)) {
-    // Note [Pipeline]: this rank's shard came NVMe (or its host copy) -> pinned staging -> device
+    // Note [Trainer pipeline] in docs/engine.md: this rank's shard came NVMe (or its host copy) -> pinned staging -> device
     // while the previous unit computed; only the all-gather is left.
     Result<torch::Tensor> shard = ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u);
     if (!shard.ok()) return shard.status();
@@ -437,6 +456,7 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
     torch::NoGradGuard no_grad;
     torch::Tensor x = input;
     std::future<Result<torch::Tensor>> ahead = ShardAhead(0);
+    TakeAhead take_forward{ahead};
     for (int64_t u = 0; u < units; ++u) {
       auto full = GatherToCompute(u, &ahead);
       if (!full.ok()) return full.status();
@@ -448,6 +468,7 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   }
   torch::Tensor grad_out;
   std::future<Result<torch::Tensor>> ahead = ShardAhead(units - 1);
+  TakeAhead take_backward{ahead};
   for (int64_t u = units - 1; u >= 0; --u) {
     auto gathered = GatherToCompute(u, &ahead);
     if (!gathered.ok()) return gathered.status();
@@ -615,23 +636,19 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
     if (tokens.layout() != torch::kStrided) {
       return Status::InvalidArgument(StrCat(name, " is ", tokens.layout(), "; token batches are dense tensors (.to_dense())"));
     }
-    // The device guard: on the host (the loader's memory) or on the compute device, int64.
-    offload::TensorDesc desc{name, ToDeviceId(tokens.device()),
-                             tokens.scalar_type() == torch::kInt64 ? offload::DType::kInt64 : offload::DType::kFloat32,
-                             static_cast<uint64_t>(tokens.numel()), true};
+    if (tokens.scalar_type() != torch::kInt64) {
+      return Status::InvalidArgument(StrCat(name, " is ", tokens.dtype(), "; token ids are int64 (.long())"));
+    }
+    // The device guard: on the host (the loader's memory) or on the compute device.
+    const offload::TensorDesc desc{name, ToDeviceId(tokens.device()), offload::DType::kInt64,
+                                   static_cast<uint64_t>(tokens.numel()), true};
     offload::Placement want;
     want.device = desc.device.type == offload::DeviceType::kCpu ? desc.device : compute;
     want.dtype = offload::DType::kInt64;
     want.numel = desc.numel;
     want.decided_by = StrCat("the trainer's compute device (TrainerOptions::compute = ", options_.compute.str(),
-                             "; token batches may also come from host memory) and its int64 token ids");
-    if (tokens.scalar_type() != torch::kInt64 || !(desc.device == want.device)) {
-      Status st = offload::CheckPlacement(desc, want);
-      if (tokens.scalar_type() != torch::kInt64) {
-        st = Status::InvalidArgument(StrCat(st.message(), " (it is ", tokens.dtype(), ")"));
-      }
-      return st;
-    }
+                             "; token batches may also come from host memory)");
+    SPILLWAY_RETURN_IF_ERROR(offload::CheckPlacement(desc, want));
     if (tokens.dim() != 2 || tokens.size(0) < 1 || tokens.size(1) < 2 || tokens.size(1) - 1 > c.seq_len) {
       return Status::InvalidArgument(StrCat(name, " must be [B, T + 1] with B >= 1 and 1 <= T <= seq_len=",
                                             c.seq_len, "; got ", tokens.sizes()));

@@ -75,7 +75,7 @@ struct TrainerOptions {
   double max_grad_norm = 0.0;  // 0: no clipping
   // The path from NVMe to `compute` (offload::Tiers::OpenDevicePipeline makes it): parameters
   // homed on NVMe reach the compute device through it, the next unit's while this one computes
-  // (Note [Pipeline] in docs/engine.md). Its device must be `compute`. Null: every parameter is
+  // (Note [Trainer pipeline] in docs/engine.md). Its device must be `compute`. Null: every parameter is
   // gathered in host memory and copied to `compute` from there.
   offload::TransferPipeline* pipeline = nullptr;
   // Hands the store each step's access order (Note [Schedule] in docs/engine.md), so that it

@@ -77,10 +77,12 @@ struct PlanReport {
   uint64_t host_committed_per_node = 0;
   // End-of-epoch checkpoint on node 0. DeepSpeed: stage3_gather_16bit_weights_on_model_save
   // gathers the full 16-bit model into rank 0's host memory; the reference trainer's gather-to-
-  // host control holds its full fp32 model. Spillway streamed: for DeepSpeed, the I/O window
-  // (block_size x queue_depth per rank); for the trainer, what Trainer::Save holds beyond the
-  // steady state, per rank: one host slot for the largest partition it must bring in from NVMe
-  // (the streamed optimizer's state), 0 when every saved partition is host-resident.
+  // host control holds its full fp32 model. Spillway streamed, per node (ranks per node x per
+  // rank): for DeepSpeed, the I/O window (block_size x queue_depth per rank); for the trainer,
+  // what Trainer::Save holds beyond the steady state: one host slot per rank for the largest
+  // partition it must bring in from NVMe (the streamed optimizer's state), 0 when every saved
+  // partition is host-resident (the cached parameter copies count as resident: a budget too small
+  // for them is not modelled).
   uint64_t checkpoint_gather_bytes = 0;
   uint64_t checkpoint_streamed_bytes = 0;
   // The first optimizer step after a fork (a DataLoader re-forking its workers) writes every host

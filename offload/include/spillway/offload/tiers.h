@@ -38,7 +38,9 @@ struct Tiers {
   // The path from NVMe to the compute device (Note [Pipeline] in docs/offload.md): when the config
   // homes parameters on NVMe, opens `compute` (cpu: the CPU backend; cuda:N) and a TransferPipeline
   // staging through the host arena (aio.block_size chunks, a ring of 4), and attaches it to the
-  // store. Returns it, or null when parameters are not on NVMe. Call once, before training.
+  // store. Returns it, or null when parameters are not on NVMe, or (with a warning) when the
+  // compute device is a GPU this build of Spillway cannot reach (no CUDA). Call once, before
+  // training.
   Result<TransferPipeline*> OpenDevicePipeline(const Config& config, DeviceId compute);
 };
 
