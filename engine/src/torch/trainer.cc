@@ -582,11 +582,16 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
 
 std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const {
   std::vector<offload::PartitionId> order;
+  const int64_t n = static_cast<int64_t>(units_.size());
+  // A parameter that reaches the compute device through the pipeline (Note [Trainer pipeline]) is
+  // not a host-tier use in forward and backward: the host prefetch would only add a copy.
   for (size_t m = 0; m < micro_batches; ++m) {
-    for (const Unit& unit : units_) order.push_back(unit.param);  // forward
-    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {    // backward: recompute, reduce
-      order.push_back(it->param);
-      order.push_back(it->grad);
+    for (int64_t u = 0; u < n; ++u) {  // forward
+      if (!OnPipeline(u)) order.push_back(units_[u].param);
+    }
+    for (int64_t u = n - 1; u >= 0; --u) {  // backward: recompute, reduce
+      if (!OnPipeline(u)) order.push_back(units_[u].param);
+      order.push_back(units_[u].grad);
     }
   }
   if (store_->home(units_[0].master) == offload::Tier::kNvme) {  // OptimizerStep's streamed path
