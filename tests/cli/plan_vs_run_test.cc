@@ -166,9 +166,10 @@ TEST_P(PlanVsRunTest, ThePlanIsWithinTenPercentOfTheRun) {
 
   // The fork's copy of the arena: the second epoch's first step after its fork (the first epoch's
   // also pays for first touches), inherit over dontfork, each a process of its own.
-  // A fork's cost also holds what the loader's worker and the trainer's heap write, which moves by
-  // tens of MiB from process to process with the optimizer on NVMe: five processes of each,
-  // interleaved, and the difference of the medians.
+  // A fork's cost also holds what the loader's worker and the trainer's heap write, which adds
+  // from 0 to tens of MiB from process to process with the optimizer on NVMe (extra copied pages:
+  // it only ever adds). Five processes of each, interleaved, and the difference of the minima,
+  // the least disturbed of each.
   std::vector<double> dontfork, inherit;
   for (int i = 0; i < 5; ++i) {
     dontfork.push_back(ForkCostOfAProcess(offload, "dontfork"));
@@ -177,7 +178,7 @@ TEST_P(PlanVsRunTest, ThePlanIsWithinTenPercentOfTheRun) {
   }
   std::sort(dontfork.begin(), dontfork.end());
   std::sort(inherit.begin(), inherit.end());
-  const double copy = inherit[2] - dontfork[2];
+  const double copy = inherit[0] - dontfork[0];
   EXPECT_EQ(plan.fork_extra_spillway_per_node, 0u);
   const std::string dir = Dir(offload + "_inherit_plan");
   const offload::PlanReport inherit_plan = Plan(Options(offload, "inherit", dir));
