@@ -70,6 +70,13 @@ struct TempDir {
   }
 };
 
+// kDefaultTrainConfig with its swap directory filled in.
+Result<offload::Config> DefaultConfig(const std::string& swap) {
+  std::string text = kDefaultTrainConfig;
+  text.replace(text.find("@SWAP_DIR@"), 10, nlohmann::json(swap).dump());
+  return offload::Config::Parse(text);
+}
+
 Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
   std::string swap = o.swap_dir;
   if (o.config_path.empty()) {
@@ -83,9 +90,7 @@ Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
       }
       swap = temp->path = tmpl;
     }
-    std::string text = kDefaultTrainConfig;
-    text.replace(text.find("@SWAP_DIR@"), 10, nlohmann::json(swap).dump());
-    return offload::Config::Parse(text);
+    return DefaultConfig(swap);
   }
   auto c = offload::Config::Load(o.config_path);
   if (!c.ok()) return c.status();
@@ -214,9 +219,7 @@ Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
   offload::PlanInput in;
   in.runtime = offload::Runtime::kTrainer;
   if (o.config_path.empty()) {
-    std::string text = kDefaultTrainConfig;
-    text.replace(text.find("@SWAP_DIR@"), 10, nlohmann::json(o.swap_dir.empty() ? "/var/tmp" : o.swap_dir).dump());
-    auto c = offload::Config::Parse(text);
+    auto c = DefaultConfig(o.swap_dir.empty() ? "/var/tmp" : o.swap_dir);
     if (!c.ok()) return c.status();
     in.config = *c;
   } else {

@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -38,13 +39,25 @@ constexpr const char* kLatest = "latest";
 constexpr const char* kRngTensor = "rng.torch_cpu";
 constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads through this much
 
-// Drops the host copy of an NVMe-homed partition a save or load brought in. The bytes are safe
-// either way (on NVMe, or in the host copy the store keeps), so a failure only leaves the copy
-// cached, within the budget and spillable: a warning, not a failed save or load.
-void DropPassing(offload::PartitionStore& store, offload::PartitionId id, const char* what) {
-  if (Status st = store.Evict(id); !st.ok()) {
-    Log(LogLevel::kWarning, StrCat("checkpoint ", what, ": partition ", id, " stays cached in host memory (", st.ToString(), ")"));
+// `use` on a host view of one partition, for a save (kRead) or a load (kReadWrite). A partition
+// homed on NVMe and not in host memory (the streamed optimizer's state) is brought in for this use
+// only and dropped after it, so a save or load leaves the host bytes as it found them. The bytes
+// are safe either way (on NVMe, or in the host copy the store keeps), so a failed drop only leaves
+// the copy cached, within the budget and spillable: a warning, not a failed save or load.
+Status UsePartition(offload::PartitionStore& store, offload::PartitionId id, offload::Access access,
+                    const char* what, const std::function<Status(void*)>& use) {
+  const bool passing = store.home(id) == offload::Tier::kNvme && !store.resident(id);
+  auto v = AcquireView(store, id, access);
+  if (!v.ok()) return v.status();
+  Status st = use(v->data);
+  SPILLWAY_RETURN_IF_ERROR(store.Release(v->handle));
+  SPILLWAY_RETURN_IF_ERROR(st);
+  if (passing) {
+    if (Status e = store.Evict(id); !e.ok()) {
+      Log(LogLevel::kWarning, StrCat("checkpoint ", what, ": partition ", id, " stays cached in host memory (", e.ToString(), ")"));
+    }
   }
+  return Status::Ok();
 }
 
 // The partitions a checkpoint holds per unit, in file order, and their tensor names' suffixes:
@@ -277,15 +290,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     if (!writer.ok()) return writer.status();
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
-        // One homed on NVMe and not in host memory (the streamed optimizer's state) is brought in
-        // for its own write and dropped after it: a save leaves the host bytes as it found them.
-        const bool passing = store_->home(id) == offload::Tier::kNvme && !store_->resident(id);
-        auto v = AcquireView(*store_, id, offload::Access::kRead);
-        if (!v.ok()) return v.status();
-        Status w = (*writer)->Write(v->data);
-        SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
-        SPILLWAY_RETURN_IF_ERROR(w);
-        if (passing) DropPassing(*store_, id, "save");
+        SPILLWAY_RETURN_IF_ERROR(UsePartition(*store_, id, offload::Access::kRead, "save",
+                                              [&](void* data) { return (*writer)->Write(data); }));
       }
     }
     SPILLWAY_RETURN_IF_ERROR((*writer)->Write(rng.data_ptr()));
@@ -497,14 +503,8 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     size_t i = 0;
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
-        // As in Save: one homed on NVMe and not in host memory goes back to NVMe once loaded.
-        const bool passing = store_->home(id) == offload::Tier::kNvme && !store_->resident(id);
-        auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
-        if (!v.ok()) return v.status();
-        Status read = read_checked(i++, v->data);
-        SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
-        SPILLWAY_RETURN_IF_ERROR(read);
-        if (passing) DropPassing(*store_, id, "load");
+        SPILLWAY_RETURN_IF_ERROR(UsePartition(*store_, id, offload::Access::kReadWrite, "load",
+                                              [&](void* data) { return read_checked(i++, data); }));
       }
     }
     torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);
