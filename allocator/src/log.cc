@@ -1,4 +1,5 @@
-// Leveled stderr logging. One write(2) per line so lines from threads do not interleave.
+// Leveled logging: stderr, one write(2) per line so lines from threads do not interleave, or the
+// sink that SetLogSink installed.
 #include "spillway/allocator/log.h"
 
 #include <unistd.h>
@@ -11,13 +12,33 @@
 namespace spillway {
 namespace {
 
-// Quiet by default: errors and warnings print, informational lines only when asked for.
+void WriteStderr(std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(STDERR_FILENO, text.data(), text.size());
+    if (n <= 0) return;  // stderr is gone or full: a log line has nowhere else to go
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+void WriteLine(LogLevel level, std::string_view message) {
+  std::string line = "spillway ";
+  line += LogLevelName(level);
+  line += ": ";
+  line += message;
+  line += '\n';
+  WriteStderr(line);
+}
+
+// Quiet by default: errors and warnings print, informational lines only when asked for. A value
+// that names no level is said, not ignored.
 LogLevel ThresholdFromEnv() {
   const char* env = std::getenv("SPILLWAY_LOG");
-  if (env == nullptr) return LogLevel::kWarning;
-  if (std::strcmp(env, "error") == 0) return LogLevel::kError;
-  if (std::strcmp(env, "info") == 0) return LogLevel::kInfo;
-  if (std::strcmp(env, "debug") == 0) return LogLevel::kDebug;
+  if (env == nullptr || *env == '\0') return LogLevel::kWarning;
+  for (LogLevel l : {LogLevel::kError, LogLevel::kWarning, LogLevel::kInfo, LogLevel::kDebug}) {
+    if (std::strcmp(env, LogLevelName(l)) == 0) return l;
+  }
+  WriteLine(LogLevel::kWarning, std::string("SPILLWAY_LOG='") + env +
+                                    "' names no level; use error, warning, info or debug. Logging at warning");
   return LogLevel::kWarning;
 }
 
@@ -26,7 +47,14 @@ std::atomic<int>& Threshold() {
   return threshold;
 }
 
+std::atomic<LogSink> g_sink{nullptr};
+
 }  // namespace
+
+const char* LogLevelName(LogLevel level) {
+  static const char* const kNames[] = {"error", "warning", "info", "debug"};
+  return kNames[static_cast<int>(level)];
+}
 
 bool LogEnabled(LogLevel level) {
   return static_cast<int>(level) <= Threshold().load(std::memory_order_relaxed);
@@ -34,16 +62,15 @@ bool LogEnabled(LogLevel level) {
 
 void SetLogLevel(LogLevel level) { Threshold().store(static_cast<int>(level), std::memory_order_relaxed); }
 
+void SetLogSink(LogSink sink) { g_sink.store(sink, std::memory_order_release); }
+
 void Log(LogLevel level, std::string_view message) {
   if (!LogEnabled(level)) return;
-  static const char* kNames[] = {"error", "warning", "info", "debug"};
-  std::string line = "spillway ";
-  line += kNames[static_cast<int>(level)];
-  line += ": ";
-  line += message;
-  line += '\n';
-  ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
-  (void)ignored;
+  if (LogSink sink = g_sink.load(std::memory_order_acquire)) {
+    sink(level, message);
+    return;
+  }
+  WriteLine(level, message);
 }
 
 }  // namespace spillway

@@ -55,9 +55,17 @@ from ._spillway import (  # noqa: F401,E402
     default_arena,
     default_host_budget,
     memory_limit_bytes,
-    set_log_level,
 )
 from . import _spillway  # noqa: E402
+from . import _log  # noqa: E402
+
+_log._setup()  # C++ log lines go to logging.getLogger("spillway") from here on
+
+
+def set_log_level(level):
+    """What Spillway's C++ core logs from now on ("error", "warning", "info" or "debug"; default:
+    SPILLWAY_LOG, else "warning"), and the level of the "spillway" logger that receives it."""
+    _log.set_level(level)
 
 __all__ = [
     "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",

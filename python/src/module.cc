@@ -17,6 +17,7 @@
 #include "spillway/metrics/exporter.h"
 #include "aio_handle.h"
 #include "errors.h"
+#include "log_bridge.h"
 #include "py_arena.h"
 #include "torch_allocators.h"
 
@@ -170,7 +171,8 @@ PYBIND11_MODULE(_spillway, m) {
       Raise(Status::InvalidArgument(StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
     }
     SetLogLevel(it->second);
-  }, "What Spillway's C++ core prints on stderr from now on (default: SPILLWAY_LOG, else warning).");
+  }, "What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).");
+  python::BindLogBridge(m);
   m.def("memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
         "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
   m.def("default_host_budget", [] { return allocator::DefaultHostBudget(); },

@@ -42,3 +42,53 @@ def test_bad_input_an_unknown_level_is_refused_by_name():
     import spillway
     with pytest.raises(spillway.InvalidArgument, match="use error, warning, info or debug"):
         spillway.set_log_level("loud")
+
+
+LOGGING = """
+import logging, os, sys, spillway
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="REC %(name)s %(levelname)s %(message)s")
+    spillway.set_log_level("info")
+spillway._spillway._log_test_line("warning", "from a C++ thread", True)
+spillway._spillway._log_test_line("info", "informational", False)
+if sys.argv[2] == "fork":
+    pid = os.fork()
+    if pid == 0:
+        spillway._spillway._log_test_line("warning", f"in the child {os.getpid()}", True)
+        spillway._log.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def run_logging(*args):
+    e = {k: v for k, v in os.environ.items() if k != "SPILLWAY_LOG"}
+    return subprocess.run([sys.executable, "-c", LOGGING, *args], capture_output=True, text=True, env=e, timeout=300)
+
+
+def test_without_logging_configured_warnings_print_on_stderr_and_info_lines_do_not():
+    p = run_logging("plain", "no-fork")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "spillway warning: from a C++ thread\n"
+
+
+def test_lines_from_any_thread_reach_pythons_logging_as_records_of_the_spillway_logger():
+    p = run_logging("configured", "no-fork")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    assert "REC spillway WARNING from a C++ thread\n" in p.stdout
+    assert "REC spillway INFO informational\n" in p.stdout
+
+
+def test_a_forked_child_logs_through_its_own_pump():
+    p = run_logging("configured", "fork")
+    assert p.returncode == 0, p.stderr
+    assert "REC spillway WARNING in the child" in p.stdout, p.stdout + p.stderr
+    assert p.stdout.count("from a C++ thread") == 1  # the parent's line, not repeated by the child
+
+
+def test_bad_input_an_unknown_SPILLWAY_LOG_is_said_at_import():
+    e = {**os.environ, "SPILLWAY_LOG": "loud"}
+    p = subprocess.run([sys.executable, "-c", "import spillway"], capture_output=True, text=True, env=e, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "SPILLWAY_LOG='loud' names no level; use error, warning, info or debug" in p.stderr

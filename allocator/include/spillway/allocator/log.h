@@ -1,5 +1,6 @@
-// Minimal leveled logging to stderr. SPILLWAY_LOG=error|warning|info|debug (default warning:
-// informational lines print only when asked for).
+// Minimal leveled logging. SPILLWAY_LOG=error|warning|info|debug (default warning: informational
+// lines print only when asked for). Lines go to stderr, one write(2) each, unless a sink is set:
+// the Python module sets one that hands them to Python's `logging` (python/src/log_bridge.cc).
 #pragma once
 
 #include <string_view>
@@ -12,5 +13,13 @@ bool LogEnabled(LogLevel level);
 void Log(LogLevel level, std::string_view message);
 // Overrides SPILLWAY_LOG for the rest of the process (spillway.set_log_level in Python).
 void SetLogLevel(LogLevel level);
+// "error", "warning", "info" or "debug".
+const char* LogLevelName(LogLevel level);
+
+// Where enabled lines go instead of stderr; nullptr (the default) restores stderr. A sink runs on
+// the thread that logs, possibly with Spillway's locks held, so it must not block, call into
+// Spillway or take a lock a Spillway caller may hold: queue the line and return.
+using LogSink = void (*)(LogLevel level, std::string_view message);
+void SetLogSink(LogSink sink);
 
 }  // namespace spillway
