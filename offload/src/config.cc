@@ -179,6 +179,13 @@ class Reader {
         if (Count(v, p, 0, &c.prefetch_partitions) && c.prefetch_partitions > 1024) {
           Fail(p, StrCat("is ", c.prefetch_partitions, "; at most 1024 partitions ahead"));
         }
+      } else if (k == "eviction") {
+        std::string s;
+        if (String(v, p, &s)) {
+          if (s == "opt") c.eviction = Eviction::kOpt;
+          else if (s == "lru") c.eviction = Eviction::kLru;
+          else Fail(p, StrCat("is \"", s, "\"; expected \"opt\" (the schedule's next use) or \"lru\""));
+        }
       } else if (k == "peak_slack") {
         if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
           Fail(p, StrCat("is ", Describe(v), "; expected a fraction in [0, 1]"));
@@ -188,7 +195,7 @@ class Reader {
       } else {
         Fail(p, "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
                 "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
-                "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions");
+                "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions, eviction");
       }
     }
   }

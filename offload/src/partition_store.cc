@@ -387,6 +387,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       QueuePrefetchLocked();
     }
     p.pins++;
+    p.last_use = ++use_clock_;
     if (device) {
       p.device_pins++;
       if (p.device == nullptr) {
@@ -574,7 +575,8 @@ Status PartitionStore::SwapIn(PartitionId id) {
 
 // Victims: a partition at least as large as the request first (freeing it makes room by itself:
 // its extent fits, or its region empties and is unmapped), then OPT's order (the next use
-// furthest away). Among the large enough, OPT's order too. Freeing smaller ones scattered through
+// furthest away; with spillway.eviction "lru", the use longest ago). Among the large enough, that
+// order too. Freeing smaller ones scattered through
 // shared regions may make room nowhere, however many bytes they add up to.
 uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request) {
   if (nvme_ == nullptr) return 0;
@@ -597,7 +599,8 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
       const Part& p = parts_[i];
       if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
       const bool fits = (p.bytes + page - 1) / page * page >= request.request_bytes;
-      const uint64_t d = NextUseDistance(p);
+      // Larger goes first: the next use's distance (OPT), or the time since the last use (LRU).
+      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use : NextUseDistance(p);
       if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
         best = d;
         victim = i;

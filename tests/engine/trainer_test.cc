@@ -406,7 +406,7 @@ TEST(TrainerTest, AFailedOptimizerStepEndsTheStepAndTheNextStepRuns) {
 // `spillway train` builds: partitions spill to the spill arena Tiers makes for a config that homes
 // nothing on NVMe, and training is bit for bit the unbounded run's. With the trainer's schedule
 // the store moves no more NVMe bytes than without one (every next use equally far: it spills the
-// lowest-numbered partition); OPT is optimal for misses. Prefetching is off for the byte count (a
+// lowest-numbered partition) and than with LRU eviction; OPT is optimal for misses. Prefetching is off for the byte count (a
 // background prefetch can race a spill) and on for the equality check.
 struct BudgetRun {
   std::vector<double> losses;
@@ -414,12 +414,13 @@ struct BudgetRun {
   uint64_t io_bytes = 0, spills = 0;
 };
 
-BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool schedule, int prefetch) {
+BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool schedule, int prefetch,
+                           const char* eviction = "opt") {
   const std::string json = StrCat(
       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
           "offload_optimizer": {"device": "cpu"}}, "aio": {"block_size": 262144},
           "spillway": {"host_budget_bytes": ")", budget, R"(", "nvme_budget_bytes": "256MiB",
-          "prefetch_partitions": )", prefetch, R"(, "spill_path": ")", allocator::testing::NvmeTestDir(), R"("}})");
+          "prefetch_partitions": )", prefetch, R"(, "eviction": ")", eviction, R"(", "spill_path": ")", allocator::testing::NvmeTestDir(), R"("}})");
   auto tiers = offload::Tiers::Create(ParseOrDie(json));
   EXPECT_TRUE(tiers.ok()) << tiers.status().ToString();
   BudgetRun out;
@@ -460,19 +461,22 @@ TEST(TrainerTest, CpuOffloadUnderAQuarterBudgetSpillsAndTrainsTheSame) {
   const BudgetRun opt = TrainUnderBudget(c, "8MiB", true, 0);
   const BudgetRun lowest_id = TrainUnderBudget(c, "8MiB", false, 0);
   const BudgetRun prefetched = TrainUnderBudget(c, "8MiB", true, 2);
+  const BudgetRun lru = TrainUnderBudget(c, "8MiB", true, 0, "lru");
   EXPECT_EQ(unbounded.spills, 0u);
-  for (const BudgetRun* r : {&opt, &lowest_id, &prefetched}) {
+  for (const BudgetRun* r : {&opt, &lowest_id, &prefetched, &lru}) {
     EXPECT_GT(r->spills, 0u);
     EXPECT_EQ(r->losses, unbounded.losses);
     ASSERT_EQ(r->weights.size(), unbounded.weights.size());
     for (size_t u = 0; u < r->weights.size(); ++u) EXPECT_TRUE(torch::equal(r->weights[u], unbounded.weights[u]));
   }
-  std::printf("NVMe bytes per step under a quarter budget: schedule (OPT) %.2f MiB, no schedule "
-              "(lowest id) %.2f MiB, schedule + prefetch 2 %.2f MiB; spills %llu / %llu / %llu\n",
-              opt.io_bytes / 4.0 / kMiB, lowest_id.io_bytes / 4.0 / kMiB, prefetched.io_bytes / 4.0 / kMiB,
-              static_cast<unsigned long long>(opt.spills), static_cast<unsigned long long>(lowest_id.spills),
+  std::printf("NVMe bytes per step under a quarter budget: schedule (OPT) %.2f MiB, LRU %.2f MiB, "
+              "no schedule (lowest id) %.2f MiB, schedule + prefetch 2 %.2f MiB; spills %llu / %llu / %llu / %llu\n",
+              opt.io_bytes / 4.0 / kMiB, lru.io_bytes / 4.0 / kMiB, lowest_id.io_bytes / 4.0 / kMiB,
+              prefetched.io_bytes / 4.0 / kMiB, static_cast<unsigned long long>(opt.spills),
+              static_cast<unsigned long long>(lru.spills), static_cast<unsigned long long>(lowest_id.spills),
               static_cast<unsigned long long>(prefetched.spills));
   EXPECT_LE(opt.io_bytes, lowest_id.io_bytes);
+  EXPECT_LE(opt.io_bytes, lru.io_bytes);
 }
 
 }  // namespace

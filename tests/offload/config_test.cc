@@ -127,6 +127,10 @@ TEST(ConfigTest, PrefetchAndSpillSettings) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->PrefetchWindow(), 6u) << "the HF Trainer's \"auto\" keeps prefetching on";
   EXPECT_TRUE(c->ignored_keys.empty());
+  EXPECT_EQ(c->spillway.eviction, Eviction::kOpt);
+  c = Config::Parse(R"({"spillway": {"eviction": "lru"}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->spillway.eviction, Eviction::kLru);
 }
 
 struct BadCase {
@@ -194,6 +198,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"NegativeClip", R"({"gradient_clipping": -1})", "expected a finite number >= 0"},
         BadCase{"TooMuchPrefetch", R"({"spillway": {"prefetch_partitions": 5000}})",
                 "'spillway.prefetch_partitions': is 5000; at most 1024"},
+        BadCase{"UnknownEviction", R"({"spillway": {"eviction": "fifo"}})",
+                "'spillway.eviction': is \"fifo\"; expected \"opt\""},
         BadCase{"SpillPathNotAString", R"({"spillway": {"spill_path": 3}})",
                 "'spillway.spill_path': is 3; expected a string"},
         BadCase{"ZeroAccumulation", R"({"gradient_accumulation_steps": 0})",

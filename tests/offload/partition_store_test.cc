@@ -330,6 +330,31 @@ TEST(PartitionStoreTest, OptSpillsThePartitionNeededFurthestInTheFuture) {
   EXPECT_FALSE(rig.store->resident(id[2]));
 }
 
+// spillway.eviction "lru": the same uses as above spill A, acquired longest ago, although it is the
+// next one the schedule needs.
+TEST(PartitionStoreTest, LruEvictionSpillsThePartitionUsedLongestAgo) {
+  Config config = ParseOrDie(OffloadJson("cpu", "cpu"));
+  config.spillway.eviction = Eviction::kLru;
+  StoreRig rig(config, kBounce + 12 * kMiB);  // room for 3
+  std::vector<PartitionId> id;
+  for (uint32_t g = 0; g < 4; ++g) {
+    auto r = rig.store->Register({0, g, StateKind::kExpAvg}, 4 * kMiB);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    id.push_back(*r);
+  }
+  ASSERT_TRUE(rig.store->SetSchedule(id).ok());
+  for (int i = 0; i < 3; ++i) {
+    auto h = rig.store->Acquire(id[i]);
+    ASSERT_TRUE(h.ok()) << i << ": " << h.status().ToString();
+  }
+  ASSERT_FALSE(rig.store->resident(id[3]));
+  auto hd = rig.store->Acquire(id[3]);
+  ASSERT_TRUE(hd.ok()) << hd.status().ToString();
+  EXPECT_FALSE(rig.store->resident(id[0]));
+  EXPECT_TRUE(rig.store->resident(id[1]));
+  EXPECT_TRUE(rig.store->resident(id[2]));
+}
+
 // The arena tells the spill handler the size of the request that failed. Freeing small partitions
 // scattered through a shared region makes room in no single place, so the store prefers one
 // victim at least as large as the request over OPT's order among smaller ones.

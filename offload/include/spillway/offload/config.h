@@ -61,6 +61,11 @@ struct TrainingConfig {
   double weight_decay = 0.0;                 // optimizer.params.weight_decay
 };
 
+// Which resident partition the store spills first over the host budget. kOpt: the one whose next use
+// under the trainer's schedule is furthest away (Belady's OPT; without a schedule every partition
+// ties and the lowest-numbered goes). kLru: the one acquired longest ago, for comparison with OPT.
+enum class Eviction : uint8_t { kOpt, kLru };
+
 struct SpillwayConfig {  // spillway (ours)
   uint64_t host_budget_bytes = 0;   // 0: 3/4 of physical memory
   uint64_t nvme_budget_bytes = 0;   // 0: 90% of the free space at nvme_path, found at start
@@ -79,6 +84,7 @@ struct SpillwayConfig {  // spillway (ours)
   // Partitions of the step's schedule the store swaps in ahead of use (a background thread).
   // zero_optimization.stage3_prefetch_bucket_size = 0 turns it off, as it turns off DeepSpeed's.
   uint64_t prefetch_partitions = 2;
+  Eviction eviction = Eviction::kOpt;
 };
 
 // "68719476736", "64GiB", "512 MiB", "1.5TB", "34e9": a positive byte count. Units: B, KiB, MiB,

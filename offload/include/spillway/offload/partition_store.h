@@ -199,6 +199,7 @@ class PartitionStore {
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
     bool device_dirty = false;
     std::vector<uint64_t> uses;    // positions in the schedule
+    uint64_t last_use = 0;         // use_clock_ at its last Acquire (Eviction::kLru)
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
 
@@ -253,6 +254,7 @@ class PartitionStore {
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
   std::vector<PartitionId> schedule_;        // guarded by mu_: SetSchedule's order
   uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
+  uint64_t use_clock_ = 0;                   // guarded by mu_: Acquires so far
   uint32_t off_schedule_ = 0;                // guarded by mu_: live OffSchedule scopes
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;              // guarded by mu_
