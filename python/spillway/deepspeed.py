@@ -62,8 +62,22 @@ class AuditWarning(UserWarning):
     """Some of DeepSpeed's offloaded host state is not in Spillway's arenas."""
 
 
+def _aio_handle(*args, arena=None, **kwargs):
+    """DeepSpeed's `aio_handle(block_size, queue_depth, single_submit, overlap_events,
+    intra_op_parallelism)`: Spillway's, with its locked buffers (new_cpu_locked_tensor, DeepSpeed's
+    NVMe swap buffers) in the pinned arena spillway.install() made, so they count against its budget,
+    in its ledger and in what spillway.metrics.serve() watches. Without install(), the default arena."""
+    if arena is None:
+        import spillway  # noqa: PLC0415
+
+        runtime = spillway.installed()
+        if runtime is not None:
+            arena = runtime.pinned
+    return _spillway.aio_handle(*args, arena=arena, **kwargs)
+
+
 def _op():
-    return types.SimpleNamespace(aio_handle=_spillway.aio_handle, __name__="spillway_async_io")
+    return types.SimpleNamespace(aio_handle=_aio_handle, __name__="spillway_async_io")
 
 
 def _deepspeed_version():
@@ -171,7 +185,9 @@ def _wrap_initialize(original):
 
 def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True, guard=True):
     """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
-    is built. `allocators=False` replaces only the aio op (the old behaviour). `step=False` keeps
+    is built. `allocators=False` leaves torch's allocators alone (no spillway.install(); the aio op's
+    buffers then come from the default arena); the aio op, the step and the guard are still installed
+    unless `step=False` / `guard=False`. `step=False` keeps
     DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic). `guard=False` leaves the
     optimizer step and deepspeed.initialize unchecked.
 

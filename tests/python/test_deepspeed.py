@@ -38,15 +38,29 @@ def test_install_routes_the_aio_op_and_uninstall_restores_it():
     try:
         assert spillway.deepspeed.installed()
         op = AsyncIOBuilder().load(verbose=False)
-        assert op.aio_handle is spillway.aio_handle
+        assert isinstance(op.aio_handle(1 << 20, 8, False, True, 1), spillway.aio_handle)
         assert AsyncIOBuilder().is_compatible()
         with pytest.raises(spillway.FailedPrecondition, match="already called"):
             spillway.deepspeed.install()  # twice is refused, and changes nothing
-        assert AsyncIOBuilder().load(verbose=False).aio_handle is spillway.aio_handle
+        assert AsyncIOBuilder().load(verbose=False).aio_handle is spillway.deepspeed._aio_handle
     finally:
         spillway.deepspeed.uninstall()
     assert not spillway.deepspeed.installed()
     assert AsyncIOBuilder.load is original
+
+
+def test_deepspeeds_swap_buffers_come_from_the_installed_pinned_arena(installed):
+    """DeepSpeed makes its handles without an arena: their locked buffers must land in the arena
+    spillway.install() made (its budget, its ledger, what serve() watches), not in a third one."""
+    h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
+    assert isinstance(h, spillway.aio_handle)
+    pinned = spillway.installed().pinned
+    before = pinned.stats()["live_by_kind"]["swap_buffer"]
+    b = h.new_cpu_locked_tensor(1 << 16, torch.zeros(1, dtype=torch.float32))
+    assert pinned.stats()["live_by_kind"]["swap_buffer"] - before == 4 << 16
+    assert h.free_cpu_locked_tensor(b)
+    del b  # the handle let go of it; the last reference frees it
+    assert pinned.stats()["live_by_kind"]["swap_buffer"] == before
 
 
 def test_swap_out_and_in_tensors_with_deepspeeds_utils(installed, tmp_path):
