@@ -228,8 +228,10 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
   return out;
 }
 
-// 8. step-exception. Detector: ledger live host bytes. The second step of every epoch has a
-// micro-batch that makes the embedding layer throw in the middle of the step.
+// 8. step-exception. Detector: ledger live host bytes. The second step of every epoch throws in the
+// middle: after the first micro-batch's forward and backward, in the second one's forward at unit
+// 1 (a libtorch error there, injected through the trainer's fault seam; bad token ids would be
+// refused before the step starts, Note [Guard]).
 Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
   constexpr int kEpochs = 4, kSteps = 3;
   ScenarioOutcome out;
@@ -243,6 +245,7 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
   GptConfig c = Tiny(2);
   c.vocab = 256;  // an embedding of 68 KiB: what one failure strands is well above a page
   const torch::Tensor bad = torch::full({4, c.seq_len + 1}, c.vocab + 5, torch::kInt64);
+  const int64_t units = gpt::Units(c);
   uint64_t failures = 0;
   {
     auto rig = MakeRig(suite, {});
@@ -250,15 +253,22 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
     Rig& r = **rig;
     auto e = MakeEngine(r, coll->get(), *config, c, allocator::kProcessScope, true);
     if (!e.ok()) return e.status();
+    bool armed = false;
+    int64_t forwards = 0;  // units whose forward started in this step
+    e->trainer->SetFaultHookForTesting([&](int64_t u) {
+      if (armed && ++forwards > units && u == 1) throw std::runtime_error("step-exception: injected in the forward");
+    });
     int64_t step = 0;
     out.spillway.Add(0, 0, true, HostLive(r));
     for (int ep = 1; ep <= kEpochs; ++ep) {
       SPILLWAY_RETURN_IF_ERROR(r.ledger.BeginEpoch(ep));
       for (int s = 0; s < kSteps; ++s) {
-        std::vector<torch::Tensor> mbs = {Batch(c, ep * 10 + s), s == 1 ? bad : Batch(c, ep * 10 + s + 5)};
+        std::vector<torch::Tensor> mbs = {Batch(c, ep * 10 + s), Batch(c, ep * 10 + s + 5)};
+        armed = s == 1;
+        forwards = 0;
         auto res = e->trainer->Step(mbs);
         if (!res.ok()) ++failures;
-        else if (s == 1) return Status::Internal("step-exception: the bad micro-batch did not fail");
+        else if (s == 1) return Status::Internal("step-exception: the step with the injected failure did not fail");
         out.spillway.Add(++step, ep, false, HostLive(r));
       }
       allocator::BoundaryReport rep;
