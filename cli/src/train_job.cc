@@ -305,6 +305,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     exporter->Watch(&ledger);
     exporter->Watch(store);
     exporter->Watch(&(*trainer)->optimizer());
+    if (*pipeline != nullptr) exporter->Watch(*pipeline);
     result.metrics_address = exporter->address();
   }
 

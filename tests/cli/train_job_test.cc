@@ -100,6 +100,8 @@ TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
   EXPECT_NE(scraped.find("spillway_optimizer_steps_total"), std::string::npos) << scraped;
   EXPECT_NE(scraped.find("spillway_epoch 2"), std::string::npos) << scraped;
   EXPECT_NE(scraped.find("tier=\"nvme\""), std::string::npos) << scraped;
+  // The parameters reach the compute device through the transfer pipeline, which the job exports.
+  EXPECT_NE(scraped.find("spillway_transfer_bytes_total{direction=\"nvme_to_device\"}"), std::string::npos) << scraped;
   EXPECT_EQ(r->sample.size(), std::string("This License ").size() + 20);
 }
 
