@@ -472,10 +472,11 @@ class CpuRouter final : public c10::Allocator {
 // The allocating thread's current stream on the CUDA device (through torch's device guard, so no
 // CUDA call of Spillway's own); a CPU stream where torch has no CUDA (the tests' pools).
 c10::Stream CurrentStream() {
-  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
-    return c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
-  }
+  const c10::Stream host(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return host;  // a CPU build of torch
   const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  // A CUDA build of torch on a machine without a usable GPU: getDevice() would throw (no driver).
+  if (impl->deviceCount() == 0) return host;
   return impl->getStream(impl->getDevice());
 }
 
