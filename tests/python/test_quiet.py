@@ -80,11 +80,20 @@ def test_lines_from_any_thread_reach_pythons_logging_as_records_of_the_spillway_
     assert "REC spillway INFO informational\n" in p.stdout
 
 
-def test_a_forked_child_logs_through_its_own_pump():
+def test_a_forked_child_logs_through_logging_too():
     p = run_logging("configured", "fork")
     assert p.returncode == 0, p.stderr
     assert "REC spillway WARNING in the child" in p.stdout, p.stdout + p.stderr
     assert p.stdout.count("from a C++ thread") == 1  # the parent's line, not repeated by the child
+
+
+def test_import_starts_no_thread_so_fork_stays_single_threaded():
+    code = "import os, threading, spillway; print(threading.active_count(), len(os.listdir('/proc/self/task')))"
+    base = subprocess.run([sys.executable, "-c", code.replace(", spillway", ", torch")], capture_output=True,
+                          text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and base.returncode == 0, p.stderr + base.stderr
+    assert p.stdout.split() == base.stdout.split(), f"threads with spillway {p.stdout}, with torch alone {base.stdout}"
 
 
 def test_bad_input_an_unknown_SPILLWAY_LOG_is_said_at_import():
