@@ -75,11 +75,11 @@ def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
           f"rank 0's peak during the save: DeepSpeed +{r['ds_peak'] / MIB:.1f} MiB, "
           f"Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
     assert r["ds_peak"] >= 0.9 * r["model_bytes"]  # the control: DeepSpeed gathers the whole model
-    # Spillway: the aio bounce pool (8 x 1 MiB blocks), the parameter being written, and what glibc
-    # keeps of the gathered parameters before it. After the first 2 MiB chunk is freed, glibc's
-    # dynamic mmap threshold rises and later ones come from the heap, whose free chunks go back to
-    # the OS only past the trim threshold: a few parameters' worth (15.3 and 20.5 MiB measured).
-    assert r["spillway_peak"] <= 8 * MIB + 8 * r["largest_param_bytes"] + 4 * MIB
+    # Spillway: at most the aio bounce pool (8 x 1 MiB blocks) and two gathered parameters (the one
+    # written and the next), which come from the host arena's "checkpoint" kind and reuse its pages.
+    # When they came from glibc's heap, it kept a varying number of freed gathers resident: 15.3 and
+    # 20.5 MiB measured on torch 2.13, 30.7 MiB on torch 2.11 (scripts/check-torch); now +0.2 MiB.
+    assert r["spillway_peak"] <= 8 * MIB + 2 * r["largest_param_bytes"] + 4 * MIB
     assert r["spillway_peak"] < 0.6 * r["ds_peak"]
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
     ours = safetensors_stream.load(tmp_path / "sp")
