@@ -160,10 +160,6 @@ PartitionStore::~PartitionStore() {
     Log(LogLevel::kWarning, StrCat("PartitionStore destroyed with ", live_handles_.size(),
                                    " live handles; their memory is freed now"));
   }
-  if (pipeline_ != nullptr) {
-    for (auto& [bytes, buffer] : device_cache_) (void)pipeline_->device()->Free(buffer);
-  }
-  device_cache_.clear();
   for (Part& p : parts_) {
     if (p.device != nullptr && pipeline_ != nullptr) (void)pipeline_->device()->Free(p.device);
     if (p.host != nullptr) (void)host_->Free(p.host);
@@ -282,19 +278,8 @@ uint64_t PartitionStore::NextUseDistance(const Part& p) const {
 }
 
 void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
-  std::vector<std::pair<uint64_t, void*>> cached;  // buffers of the previous device, if any
-  TransferPipeline* previous;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    previous = pipeline_;
-    pipeline_ = pipeline;
-    cached.swap(device_cache_);
-  }
-  for (auto& [bytes, buffer] : cached) {
-    if (Status f = previous->device()->Free(buffer); !f.ok()) {
-      Log(LogLevel::kError, StrCat("freeing a cached device buffer of ", FormatBytes(bytes), ": ", f.ToString()));
-    }
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pipeline_ = pipeline;
 }
 
 void PartitionStore::set_memory_wait(std::chrono::milliseconds wait) {
@@ -457,7 +442,7 @@ Status PartitionStore::FillDevice(PartitionId id) {
     off = parts_[id].nvme_off;
     valid = parts_[id].nvme_valid;
   }
-  auto dev = TakeDeviceBuffer(pipe, bytes);
+  auto dev = pipe->device()->Allocate(bytes);
   if (!dev.ok()) return dev.status();
   Status st;
   std::unique_lock<std::mutex> pipe_lock(pipe_mu_);  // one thread drives the pipeline at a time
@@ -471,7 +456,7 @@ Status PartitionStore::FillDevice(PartitionId id) {
   }
   pipe_lock.unlock();
   if (!st.ok()) {
-    GiveDeviceBuffer(pipe, *dev, bytes);
+    (void)pipe->device()->Free(*dev);
     return st;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -479,38 +464,6 @@ Status PartitionStore::FillDevice(PartitionId id) {
   parts_[id].device_dirty = false;
   stats_.device_fills++;
   return Status::Ok();
-}
-
-Result<void*> PartitionStore::TakeDeviceBuffer(TransferPipeline* pipe, uint64_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = device_cache_.size(); i-- > 0;) {  // newest first
-      if (device_cache_[i].first == bytes) {
-        void* buffer = device_cache_[i].second;
-        device_cache_.erase(device_cache_.begin() + static_cast<std::ptrdiff_t>(i));
-        return buffer;
-      }
-    }
-    stats_.device_allocations++;
-  }
-  return pipe->device()->Allocate(bytes);  // a device call: outside mu_
-}
-
-void PartitionStore::GiveDeviceBuffer(TransferPipeline* pipe, void* buffer, uint64_t bytes) {
-  std::pair<uint64_t, void*> evicted{0, nullptr};
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    device_cache_.emplace_back(bytes, buffer);
-    if (device_cache_.size() > kDeviceBufferCache) {
-      evicted = device_cache_.front();  // the oldest
-      device_cache_.erase(device_cache_.begin());
-    }
-  }
-  if (evicted.second == nullptr) return;
-  if (Status f = pipe->device()->Free(evicted.second); !f.ok()) {
-    // Only the device memory is lost to this process; no partition's bytes were in it.
-    Log(LogLevel::kError, StrCat("freeing a cached device buffer of ", FormatBytes(evicted.first), ": ", f.ToString()));
-  }
 }
 
 Status PartitionStore::WriteBackDevice(PartitionId id) {
@@ -562,7 +515,10 @@ Status PartitionStore::WriteBackDevice(PartitionId id) {
     return st.WithContext(StrCat("writing back the device view of ", Describe(id),
                                  "; the device copy is kept"));
   }
-  GiveDeviceBuffer(pipe, dev, bytes);  // the bytes are safe: written back, or clean
+  if (Status f = pipe->device()->Free(dev); !f.ok()) {
+    // The bytes are safe (written back or clean); only the device memory is lost to this process.
+    Log(LogLevel::kError, StrCat("freeing the device view of ", Describe(id), ": ", f.ToString()));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   Part& p = parts_[id];
   if (dirty && !to_nvme) p.dirty = true;  // the host copy is now newer than NVMe

@@ -275,52 +275,6 @@ TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) 
   EXPECT_EQ(d.pipe->stats().device_to_nvme_bytes.load(), bytes);
 }
 
-// A view's device buffer goes back to a small exact-size cache on release, so a step that takes a
-// view per unit per pass allocates device memory once per size, not once per view (a cudaFree
-// synchronizes the whole device). The cache holds at most 4 buffers: the oldest beyond it is freed.
-TEST(PartitionStoreTest, DeviceBuffersAreReusedPerSizeAndTheCacheIsBounded) {
-  DeviceRig d(ParseOrDie(OffloadJson("cpu", "cpu")));
-  PartitionStore& store = *d.rig.store;
-  std::vector<PartitionId> ids;
-  std::vector<std::vector<char>> data;
-  for (uint32_t g = 0; g < 6; ++g) {
-    const uint64_t bytes = (g % 2 == 0 ? 64 : 96) * 1024 + g * 4096;  // 6 different sizes
-    ids.push_back(*store.Register({0, g, StateKind::kParam}, bytes));
-    data.emplace_back(bytes);
-    FillRandom(data.back().data(), bytes, g + 1);
-    auto h = store.Acquire(ids.back(), Access::kReadWrite);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    std::memcpy(*h->Data(), data.back().data(), bytes);
-  }
-  // One size, ten views in turn: one allocation, and every view holds its partition's bytes.
-  for (int i = 0; i < 10; ++i) {
-    auto dv = store.Acquire(ids[0], Access::kRead, Tier::kDevice);
-    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
-    EXPECT_EQ(d.ReadDevice(*dv), data[0]);
-  }
-  EXPECT_EQ(store.Stats().device_allocations, 1u);
-  // Six sizes held at once, then released: four stay cached, the two oldest are freed.
-  {
-    std::vector<Handle> views;
-    for (PartitionId id : ids) views.push_back(std::move(*store.Acquire(id, Access::kRead, Tier::kDevice)));
-    for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(d.ReadDevice(views[i]), data[i]) << i;
-    for (Handle& v : views) ASSERT_TRUE(store.Release(v).ok());  // in order 0..5
-  }
-  EXPECT_EQ(store.Stats().device_allocations, 6u);  // ids[0]'s buffer was the cached one
-  // Released in order 0..5: the cache holds 2..5 (those four views allocate nothing), 0 and 1 were
-  // freed (theirs allocate again).
-  for (size_t i : {2, 3, 4, 5}) {
-    auto dv = store.Acquire(ids[i], Access::kRead, Tier::kDevice);
-    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
-  }
-  EXPECT_EQ(store.Stats().device_allocations, 6u);
-  for (size_t i : {0, 1}) {
-    auto dv = store.Acquire(ids[i], Access::kRead, Tier::kDevice);
-    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
-  }
-  EXPECT_EQ(store.Stats().device_allocations, 8u);
-}
-
 TEST(PartitionStoreTest, APartitionIsUsedInOneTierAtATime) {
   DeviceRig d(ParseOrDie(OffloadJson("cpu", "cpu")));
   PartitionStore& store = *d.rig.store;

@@ -92,7 +92,6 @@ struct StoreStats {
   uint64_t refused_releases = 0;   // double releases and released-handle uses
   uint64_t device_fills = 0;       // device views filled (from host or straight from NVMe)
   uint64_t device_writebacks = 0;  // dirty device views written back on their last release
-  uint64_t device_allocations = 0;  // device buffers allocated for views (the rest reused a cached one)
   uint64_t prefetches = 0;         // swap-ins done ahead of use by the prefetch thread
   uint64_t prefetch_failures = 0;  // ahead-of-use swap-ins that failed (the Acquire retries)
   uint64_t memory_waits = 0;       // spills that waited for memory other threads were giving back
@@ -237,10 +236,6 @@ class PartitionStore {
   // Returns the write-back status when this was the last device handle of a dirty view.
   Status ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device, bool* ok);
   Status FillDevice(PartitionId id);       // without mu_; `id` is busy
-  // Without mu_: a device buffer of exactly `bytes`, cached or new; and giving one back (kept in
-  // the cache, or freed when the cache is full).
-  Result<void*> TakeDeviceBuffer(TransferPipeline* pipe, uint64_t bytes);
-  void GiveDeviceBuffer(TransferPipeline* pipe, void* buffer, uint64_t bytes);
   Status WriteBackDevice(PartitionId id);  // without mu_; `id` is busy
   // mu_ held: schedule distance from the cursor to the next use of `id`.
   // mu_ held, schedule non-empty: schedule positions from the cursor to `use` (1 = the next one).
@@ -265,10 +260,6 @@ class PartitionStore {
   uint64_t next_handle_id_ = 1;              // guarded by mu_
   StoreStats stats_;                         // guarded by mu_
   TransferPipeline* pipeline_ = nullptr;     // guarded by mu_; set once by AttachDevice
-  // Device buffers of released views, kept for the next view of the same size (exact size only),
-  // newest last; at most kDeviceBufferCache of them (Note [Device buffer cache] in docs/offload.md).
-  static constexpr size_t kDeviceBufferCache = 4;
-  std::vector<std::pair<uint64_t, void*>> device_cache_;  // guarded by mu_: (bytes, buffer)
   const uint32_t prefetch_window_;
   std::vector<PartitionId> prefetch_queue_;  // guarded by mu_
   bool prefetch_running_ = false;            // guarded by mu_: the thread is swapping one in
