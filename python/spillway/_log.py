@@ -22,13 +22,15 @@ logger = logging.getLogger("spillway")
 _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
 
-def _emit(level, message):
-    """One line from C++. Never raises."""
+def _emit(level, message, on_stderr=False):
+    """One line from C++; `on_stderr`: the C++ side already wrote it there (error lines, at once,
+    in case the process dies before Python runs again). Raises only what is not an Exception
+    (KeyboardInterrupt reaches the main thread)."""
     try:
         lvl = _LEVELS.get(level, logging.WARNING)
         if logger.hasHandlers():
             logger.log(lvl, message)
-        elif logger.isEnabledFor(lvl) and sys.stderr is not None:
+        elif not on_stderr and logger.isEnabledFor(lvl) and sys.stderr is not None:
             sys.stderr.write(f"spillway {level}: {message}\n")
             sys.stderr.flush()
     except Exception:  # a broken handler or stream: the line has nowhere left to go

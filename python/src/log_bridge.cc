@@ -7,12 +7,15 @@
 // Deliver between two bytecodes, with the GIL and none of Spillway's locks held, and hands each line
 // to spillway/_log.py's emit. No thread of its own: a process that imports spillway stays
 // single-threaded for fork(). Lines logged while the main thread is inside a long call that released
-// the GIL (spillway.engine.train_gpt) arrive when it returns to Python. At exit, and in a forked
-// child until its Python side routes it again, lines go to stderr as without the bridge.
+// the GIL (spillway.engine.train_gpt) arrive when it returns to Python. Error lines are written to
+// stderr at once as well (a process may abort or crash before Python runs again); emit is told, so
+// an unconfigured logger does not print them twice. At exit, and in a forked child until its Python
+// side routes it again, lines go to stderr as without the bridge.
 #include "log_bridge.h"
 
 #include <Python.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <deque>
@@ -32,11 +35,18 @@ namespace {
 // count is logged as a warning with the next delivery.
 constexpr size_t kMaxQueued = 4096;
 
+struct Line {
+  LogLevel level;
+  std::string text;
+  bool on_stderr;  // already written there (error lines)
+};
+
 struct Queue {
   std::mutex mu;
-  std::deque<std::pair<LogLevel, std::string>> lines;  // guarded by mu
-  uint64_t dropped = 0;                                 // guarded by mu
-  bool scheduled = false;  // guarded by mu: a Deliver is pending with the interpreter
+  std::deque<Line> lines;   // guarded by mu
+  uint64_t dropped = 0;     // guarded by mu
+  bool scheduled = false;   // guarded by mu: a Deliver is pending with the interpreter
+  bool closed = true;       // guarded by mu: no emit (not routed yet, or routed back at exit)
 };
 
 Queue& TheQueue() {
@@ -47,11 +57,25 @@ Queue& TheQueue() {
 // emit(level_name, message), set by _log_route(True, emit); touched only with the GIL held.
 PyObject* g_emit = nullptr;
 
-// With the GIL held: hands everything queued to emit. Never raises: a failing handler's error is
-// reported as unraisable, the way Python reports errors nobody can catch.
-void Deliver() {
+void WriteStderr(LogLevel level, std::string_view text) {
+  std::string line = std::string("spillway ") + LogLevelName(level) + ": ";
+  line.append(text.data(), text.size());
+  line += '\n';
+  std::string_view rest = line;
+  while (!rest.empty()) {
+    const ssize_t n = ::write(STDERR_FILENO, rest.data(), rest.size());
+    if (n <= 0) return;  // stderr is gone: a log line has nowhere else to go
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+// With the GIL held: hands everything queued to emit(level, message, on_stderr). A handler's
+// Exception is reported as unraisable, the way Python reports errors nobody can catch. A
+// BaseException that is not an Exception (KeyboardInterrupt, SystemExit) is left set, the lines not
+// yet handed over go back to the queue, and it returns false: the caller propagates it.
+bool Deliver() {
   Queue& q = TheQueue();
-  std::deque<std::pair<LogLevel, std::string>> lines;
+  std::deque<Line> lines;
   uint64_t dropped = 0;
   {
     std::lock_guard<std::mutex> lock(q.mu);
@@ -60,50 +84,67 @@ void Deliver() {
     q.scheduled = false;
   }
   if (dropped != 0) {
-    lines.emplace_back(LogLevel::kWarning, std::to_string(dropped) + " log lines were dropped: more than " +
-                                               std::to_string(kMaxQueued) +
-                                               " were queued before Python's logging took them");
+    lines.push_back(Line{LogLevel::kWarning,
+                         std::to_string(dropped) + " log lines were dropped: more than " +
+                             std::to_string(kMaxQueued) + " were queued before Python's logging took them",
+                         false});
   }
-  if (g_emit == nullptr) {  // routed back to stderr since they were queued
-    for (auto& [level, text] : lines) Log(level, text);
-    return;
-  }
-  for (auto& [level, text] : lines) {
-    PyObject* name = PyUnicode_FromString(LogLevelName(level));
+  // A strong reference of our own: a handler may release the GIL, and another thread may route
+  // the log back to stderr (and drop g_emit) meanwhile.
+  PyObject* emit = g_emit;
+  Py_XINCREF(emit);
+  while (!lines.empty()) {
+    const Line line = std::move(lines.front());
+    lines.pop_front();
+    if (emit == nullptr) {  // routed back to stderr since it was queued
+      if (!line.on_stderr) WriteStderr(line.level, line.text);
+      continue;
+    }
+    PyObject* name = PyUnicode_FromString(LogLevelName(line.level));
     // A message is bytes from C++ (a path may not be UTF-8): undecodable bytes are replaced.
-    PyObject* msg = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
-    PyObject* r = name != nullptr && msg != nullptr ? PyObject_CallFunctionObjArgs(g_emit, name, msg, nullptr) : nullptr;
-    if (r == nullptr) PyErr_WriteUnraisable(g_emit);
-    Py_XDECREF(r);
+    PyObject* msg = PyUnicode_DecodeUTF8(line.text.data(), static_cast<Py_ssize_t>(line.text.size()), "replace");
+    PyObject* r = name != nullptr && msg != nullptr
+                      ? PyObject_CallFunctionObjArgs(emit, name, msg, line.on_stderr ? Py_True : Py_False, nullptr)
+                      : nullptr;
     Py_XDECREF(msg);
     Py_XDECREF(name);
+    if (r != nullptr) {
+      Py_DECREF(r);
+      continue;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+      std::lock_guard<std::mutex> lock(q.mu);
+      q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()), std::make_move_iterator(lines.end()));
+      Py_DECREF(emit);
+      return false;
+    }
+    PyErr_WriteUnraisable(emit);
   }
+  Py_XDECREF(emit);
+  return true;
 }
 
-int DeliverPending(void*) {
-  Deliver();
-  return 0;
-}
+int DeliverPending(void*) { return Deliver() ? 0 : -1; }  // -1: the exception is raised in the main thread
 
 void Sink(LogLevel level, std::string_view message) {
   Queue& q = TheQueue();
-  bool schedule = false;
-  {
-    std::lock_guard<std::mutex> lock(q.mu);
-    if (q.lines.size() >= kMaxQueued) {
-      ++q.dropped;
-      return;
-    }
-    q.lines.emplace_back(level, std::string(message));
-    schedule = !q.scheduled;
-    q.scheduled = true;
+  const bool on_stderr = level == LogLevel::kError;
+  if (on_stderr) WriteStderr(level, message);
+  std::lock_guard<std::mutex> lock(q.mu);
+  if (q.closed) {  // routed back to stderr after this thread read the sink
+    if (!on_stderr) WriteStderr(level, message);
+    return;
   }
-  // Outside q.mu: the interpreter takes its own pending-calls lock. Its queue is small and shared;
-  // when it is full, the next line asks again.
-  if (schedule && Py_AddPendingCall(&DeliverPending, nullptr) != 0) {
-    std::lock_guard<std::mutex> lock(q.mu);
-    q.scheduled = false;
+  if (q.lines.size() >= kMaxQueued) {
+    ++q.dropped;
+    return;
   }
+  q.lines.push_back(Line{level, std::string(message), on_stderr});
+  // Under q.mu, so that closing (which takes q.mu) cannot pass between the check above and this:
+  // after _log_route(None) returns, nothing asks the interpreter for anything. The interpreter's
+  // pending-calls lock is a leaf like q.mu. Its queue is small and shared; when it is full, the next
+  // line asks again.
+  if (!q.scheduled) q.scheduled = Py_AddPendingCall(&DeliverPending, nullptr) == 0;
 }
 
 // A fork while another thread holds q.mu would leave the child's mutex locked forever. The forking
@@ -116,6 +157,7 @@ void AfterForkInChild() {
   q.lines.clear();
   q.dropped = 0;
   q.scheduled = false;
+  q.closed = true;
   q.mu.unlock();
   SetLogSink(nullptr);
 }
@@ -131,28 +173,44 @@ void BindLogBridge(py::module_& m) {
   m.def("_log_route", [](py::object emit) {
     if (emit.is_none()) {
       SetLogSink(nullptr);
-      Deliver();  // what was queued, through the emit still set
+      {
+        std::lock_guard<std::mutex> lock(TheQueue().mu);
+        TheQueue().closed = true;
+      }
+      const bool ok = Deliver();  // what was queued, through the emit still set
       Py_CLEAR(g_emit);
+      if (!ok) throw py::error_already_set();
       return;
     }
     PyObject* old = g_emit;
     g_emit = emit.release().ptr();
     Py_XDECREF(old);
+    {
+      std::lock_guard<std::mutex> lock(TheQueue().mu);
+      TheQueue().closed = false;
+    }
     SetLogSink(&Sink);
-  }, "Sends C++ log lines to emit(level, message) on the main thread (None: back to stderr, after "
-     "handing over what is queued).");
-  m.def("_log_flush", [] { Deliver(); }, "Hands what is queued to emit now, on this thread.");
+  }, "Sends C++ log lines to emit(level, message, on_stderr) on the main thread (None: back to "
+     "stderr, after handing over what is queued).");
+  m.def("_log_flush", [] {
+    if (!Deliver()) throw py::error_already_set();
+  }, "Hands what is queued to emit now, on this thread.");
   // A test seam: logs `message` at `level` through the C++ core, from a new C++ thread (as the ring
   // thread or the prefetcher would) or from the caller's.
-  m.def("_log_test_line", [](const std::string& level, const std::string& message, bool from_thread) {
+  // With `lines` > 1, logs "message 0" ... "message N-1" in one call (no delivery can come between).
+  m.def("_log_test_line", [](const std::string& level, const std::string& message, bool from_thread, int lines) {
     LogLevel l = LogLevel::kWarning;
     for (LogLevel c : {LogLevel::kError, LogLevel::kWarning, LogLevel::kInfo, LogLevel::kDebug}) {
       if (level == LogLevelName(c)) l = c;
     }
-    if (!from_thread) return Log(l, message);
+    auto log = [&] {
+      if (lines <= 1) return Log(l, message);
+      for (int i = 0; i < lines; ++i) Log(l, message + " " + std::to_string(i));
+    };
+    if (!from_thread) return log();
     py::gil_scoped_release nogil;
-    std::thread([&] { Log(l, message); }).join();
-  });
+    std::thread(log).join();
+  }, py::arg("level"), py::arg("message"), py::arg("from_thread"), py::arg("lines") = 1);
 }
 
 }  // namespace spillway::python

@@ -101,3 +101,38 @@ def test_bad_input_an_unknown_SPILLWAY_LOG_is_said_at_import():
     p = subprocess.run([sys.executable, "-c", "import spillway"], capture_output=True, text=True, env=e, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "SPILLWAY_LOG='loud' names no level; use error, warning, info or debug" in p.stderr
+
+
+def test_an_error_line_reaches_stderr_at_once_even_if_the_process_aborts_and_prints_once():
+    code = ("import os, sys, spillway; spillway._spillway._log_test_line('error', 'before the abort', True); "
+            "sys.stderr.flush(); os.abort() if sys.argv[1] == 'abort' else None")
+    e = {k: v for k, v in os.environ.items() if k != "SPILLWAY_LOG"}
+    died = subprocess.run([sys.executable, "-c", code, "abort"], capture_output=True, text=True, env=e, timeout=300)
+    assert died.returncode != 0
+    assert "spillway error: before the abort\n" in died.stderr
+    lived = subprocess.run([sys.executable, "-c", code, "live"], capture_output=True, text=True, env=e, timeout=300)
+    assert lived.returncode == 0, lived.stderr
+    assert lived.stderr == "spillway error: before the abort\n"
+
+
+def test_a_keyboard_interrupt_in_a_log_handler_reaches_the_caller_and_loses_no_line():
+    code = """
+import logging, spillway
+class Interrupting(logging.Handler):
+    armed = True
+    def emit(self, record):
+        if Interrupting.armed:
+            Interrupting.armed = False
+            raise KeyboardInterrupt
+        print("REC", record.getMessage())
+logging.getLogger("spillway").addHandler(Interrupting())
+try:  # the interrupt comes from the delivery: between two bytecodes, or in flush()
+    spillway._spillway._log_test_line("warning", "line", True, 3)  # "line 0", "line 1", "line 2"
+    spillway._log.flush()
+except KeyboardInterrupt:
+    print("interrupted")
+spillway._log.flush()
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "interrupted\nREC line 1\nREC line 2\n", p.stdout + p.stderr
