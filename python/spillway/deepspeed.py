@@ -23,6 +23,7 @@ What it does (docs/deepspeed.md):
 rest of the process (memory they handed out must keep freeing through them).
 """
 import functools
+import math
 import types
 import warnings
 
@@ -567,11 +568,28 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         # arena: exact size, and its pages are reused by the next one, where glibc's heap kept a
         # varying number of freed 2 MiB gathers resident (peaks of 15 to 31 MiB over an 8-step
         # 25M-parameter model, depending on the torch release).
+        # Every rank must gather every parameter, so all of them agree first: the arena serves the
+        # gathers only if each rank's budget has room for two of the largest (the gather and a
+        # host copy of it); else torch's allocator does, on every rank. One rank refusing a gather
+        # with OverBudget would leave the others waiting in the all-gather.
         import contextlib  # noqa: PLC0415
         import spillway  # noqa: PLC0415
+        from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+        runtime = spillway.installed()
+        room = 0
+        if runtime is not None:
+            s = runtime.host.stats()
+            room = s["budget_bytes"] - s["committed_bytes"]  # the budget caps bytes held from the OS
+        largest = max((math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout),
+                      default=0)
+        fits = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0], dtype=torch.int32,
+                            device=get_accelerator().current_device_name())
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        in_arena = bool(fits.item())
 
         def gathering():
-            return spillway.tag("checkpoint") if spillway.installed() is not None else contextlib.nullcontext()
+            return spillway.tag("checkpoint") if in_arena else contextlib.nullcontext()
 
         for key, kind, t in entries:
             if kind == "param" and hasattr(t, "ds_id"):

@@ -86,6 +86,27 @@ def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
 
 
+def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp_path):
+    # Rank 0's host arena is filled to within 1 MiB of its budget; the largest parameter is 2 MiB.
+    # Had rank 0 alone refused the arena's gather (OverBudget), rank 1 would wait in the all-gather
+    # until the timeout. Both ranks agree first and gather with torch's allocator; the save is whole.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
+                               "8", "512", str(16 * MIB)],
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "DS_SAVE_FILL_RANK0": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
+    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
+    ours = safetensors_stream.load(tmp_path / "sp")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
+
+
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size"):
         safetensors_stream.Plan([("a", (2,), torch.float32)], 0)

@@ -68,6 +68,19 @@ def peak(fn):
     return status("VmHWM") - before, result
 
 
+# DS_SAVE_FILL_RANK0=1: rank 0's host arena is filled until a 512 KiB allocation no longer fits
+# (the free space inside its regions too), so it has no room for the arena's gathers and every rank
+# must fall back to torch's allocator together.
+if os.environ.get("DS_SAVE_FILL_RANK0") == "1" and int(os.environ.get("RANK", "0")) == 0:
+    s = spillway.installed().host.stats()
+    filler = []
+    with spillway.tag("transient"):
+        filler.append(torch.empty(max(s["budget_bytes"] - s["committed_bytes"] - (8 << 20), 0) // 4))
+        try:
+            while True:
+                filler.append(torch.empty((512 << 10) // 4))
+        except torch.OutOfMemoryError:  # spillway.OverBudget is one too
+            pass
 ds_peak, _ = peak(lambda: engine.save_16bit_model(ds_dir))
 sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
 model.config.save_pretrained(sp_dir)
