@@ -493,8 +493,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     if (o.progress) std::fprintf(out, "sample (greedy): %s\n", result.sample.c_str());
   }
   if (exporter) {
-    for (const void* c : std::initializer_list<const void*>{host, io, nvme, &ledger,
-                                                            store, &(*trainer)->optimizer()}) {
+    for (const void* c : std::initializer_list<const void*>{host, io, nvme, &ledger, store,
+                                                            &(*trainer)->optimizer(), *pipeline}) {
       if (c != nullptr) exporter->Unwatch(c);
     }
   }

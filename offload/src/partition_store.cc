@@ -799,6 +799,7 @@ void PartitionStore::PrefetchLoop() {
     ClearBusyLocked(id);
     prefetch_running_ = false;
     if (st.ok()) {
+      parts_[id].last_use = ++use_clock_;  // brought in for a use: LRU must not spill it first
       stats_.prefetches++;
     } else {
       stats_.prefetch_failures++;  // the Acquire that needs it will retry and report the error

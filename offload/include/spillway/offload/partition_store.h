@@ -199,7 +199,7 @@ class PartitionStore {
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
     bool device_dirty = false;
     std::vector<uint64_t> uses;    // positions in the schedule
-    uint64_t last_use = 0;         // use_clock_ at its last Acquire (Eviction::kLru)
+    uint64_t last_use = 0;         // use_clock_ at its last Acquire or prefetch (Eviction::kLru)
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
 
