@@ -55,9 +55,10 @@ def test_it_loads_with_from_pretrained(small):
         assert torch.equal(state[name], t), name
 
 
-def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
-    # World size 2 on Gloo (at world size 1 a gathered parameter is its own partition: nothing to
-    # allocate). 8 layers of width 512: 25M parameters, 49 MiB in bf16; the largest is 2 MiB.
+def save_on_two_ranks(tmp_path, **env):
+    """The worker on a Gloo group of 2 (at world size 1 a gathered parameter is its own partition:
+    nothing to allocate): 8 layers of width 512, 25M parameters, 49 MiB in bf16, the largest 2 MiB.
+    Returns rank 0's measurements after checking that both savers wrote the same tensors."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,11 +67,18 @@ def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
                                "8", "512", str(16 * MIB)],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)},
+                                   "MASTER_PORT": str(port), **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     logs = [p.communicate(timeout=1200) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
-    r = json.loads(out.read_text())
+    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
+    ours = safetensors_stream.load(tmp_path / "sp")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
+    return json.loads(out.read_text())
+
+
+def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
+    r = save_on_two_ranks(tmp_path)
     print(f"model {r['model_bytes'] / MIB:.1f} MiB, largest parameter {r['largest_param_bytes'] / MIB:.1f} MiB; "
           f"rank 0's peak during the save: DeepSpeed +{r['ds_peak'] / MIB:.1f} MiB, "
           f"Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
@@ -81,30 +89,13 @@ def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
     # 20.5 MiB measured on torch 2.13, 30.7 MiB on torch 2.11 (scripts/check-torch); now +0.2 MiB.
     assert r["spillway_peak"] <= 8 * MIB + 2 * r["largest_param_bytes"] + 4 * MIB
     assert r["spillway_peak"] < 0.6 * r["ds_peak"]
-    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
-    ours = safetensors_stream.load(tmp_path / "sp")
-    assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
 
 
 def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp_path):
-    # Rank 0's host arena is filled to within 1 MiB of its budget; the largest parameter is 2 MiB.
+    # Rank 0's host arena is filled until 512 KiB no longer fits; the largest parameter is 2 MiB.
     # Had rank 0 alone refused the arena's gather (OverBudget), rank 1 would wait in the all-gather
     # until the timeout. Both ranks agree first and gather with torch's allocator; the save is whole.
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "out.json"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
-                               "8", "512", str(16 * MIB)],
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port), "DS_SAVE_FILL_RANK0": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
-    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
-    ours = safetensors_stream.load(tmp_path / "sp")
-    assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
+    save_on_two_ranks(tmp_path, DS_SAVE_FILL_RANK0="1")
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
