@@ -24,6 +24,7 @@ rest of the process (memory they handed out must keep freeing through them).
 """
 import functools
 import math
+import os
 import types
 import warnings
 
@@ -580,9 +581,11 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         room = 0
         if runtime is not None:
             s = runtime.host.stats()
-            room = s["budget_bytes"] - s["committed_bytes"]  # the budget caps bytes held from the OS
-        largest = max((math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype in layout),
-                      default=0)
+            # The budget caps bytes held from the OS; empty retained regions are given back on demand.
+            room = s["budget_bytes"] - s["committed_bytes"] + s["retained_bytes"]
+        page = os.sysconf("SC_PAGE_SIZE")  # the arena's granule: each allocation rounds up to it
+        largest = max((-(-math.prod(shape) * torch.empty(0, dtype=dtype).element_size() // page) * page
+                       for _, shape, dtype in layout), default=0)
         fits = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0], dtype=torch.int32,
                             device=get_accelerator().current_device_name())
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)

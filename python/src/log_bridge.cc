@@ -69,6 +69,8 @@ void WriteStderr(LogLevel level, std::string_view text) {
   }
 }
 
+int DeliverPending(void*);
+
 // With the GIL held: hands everything queued to emit(level, message, on_stderr). A handler's
 // Exception is reported as unraisable, the way Python reports errors nobody can catch. A
 // BaseException that is not an Exception (KeyboardInterrupt, SystemExit) is left set, the lines not
@@ -113,8 +115,25 @@ bool Deliver() {
       continue;
     }
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-      std::lock_guard<std::mutex> lock(q.mu);
-      q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()), std::make_move_iterator(lines.end()));
+      // The rest goes back to the queue, and a delivery is asked for again (the interpreter does not
+      // retry a pending call that failed); once closed, nobody would read the queue: to stderr.
+      bool schedule = false;
+      {
+        std::lock_guard<std::mutex> lock(q.mu);
+        if (q.closed) {
+          for (const Line& rest : lines) {
+            if (!rest.on_stderr) WriteStderr(rest.level, rest.text);
+          }
+        } else {
+          q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()), std::make_move_iterator(lines.end()));
+          schedule = !q.scheduled;
+          q.scheduled = true;
+        }
+      }
+      if (schedule && Py_AddPendingCall(&DeliverPending, nullptr) != 0) {
+        std::lock_guard<std::mutex> lock(q.mu);
+        q.scheduled = false;
+      }
       Py_DECREF(emit);
       return false;
     }
@@ -130,7 +149,7 @@ void Sink(LogLevel level, std::string_view message) {
   Queue& q = TheQueue();
   const bool on_stderr = level == LogLevel::kError;
   if (on_stderr) WriteStderr(level, message);
-  std::lock_guard<std::mutex> lock(q.mu);
+  std::unique_lock<std::mutex> lock(q.mu);
   if (q.closed) {  // routed back to stderr after this thread read the sink
     if (!on_stderr) WriteStderr(level, message);
     return;
@@ -140,11 +159,23 @@ void Sink(LogLevel level, std::string_view message) {
     return;
   }
   q.lines.push_back(Line{level, std::string(message), on_stderr});
-  // Under q.mu, so that closing (which takes q.mu) cannot pass between the check above and this:
-  // after _log_route(None) returns, nothing asks the interpreter for anything. The interpreter's
-  // pending-calls lock is a leaf like q.mu. Its queue is small and shared; when it is full, the next
-  // line asks again.
-  if (!q.scheduled) q.scheduled = Py_AddPendingCall(&DeliverPending, nullptr) == 0;
+  if (q.scheduled) return;
+  // Its queue is small and shared; when it is full, the next line asks again. A thread without the
+  // GIL asks under q.mu, so that closing (which takes q.mu, with the GIL) cannot pass between the
+  // check above and this: after _log_route(None) returns, no such thread asks the interpreter for
+  // anything. A thread with the GIL cannot race the close, and must not ask under q.mu: from
+  // Python 3.13 the interpreter's lock may release the GIL while it waits, and another thread could
+  // then take the GIL and wait for q.mu.
+  if (!PyGILState_Check()) {
+    q.scheduled = Py_AddPendingCall(&DeliverPending, nullptr) == 0;
+    return;
+  }
+  q.scheduled = true;
+  lock.unlock();
+  if (Py_AddPendingCall(&DeliverPending, nullptr) != 0) {
+    lock.lock();
+    q.scheduled = false;
+  }
 }
 
 // A fork while another thread holds q.mu would leave the child's mutex locked forever. The forking
@@ -171,6 +202,9 @@ void BindLogBridge(py::module_& m) {
   static std::once_flag atfork;
   std::call_once(atfork, [] { pthread_atfork(BeforeFork, AfterForkInParent, AfterForkInChild); });
   m.def("_log_route", [](py::object emit) {
+    // One queue per process: only the main interpreter routes it (a sub-interpreter importing
+    // spillway leaves its lines on stderr).
+    if (PyInterpreterState_Get() != PyInterpreterState_Main()) return;
     if (emit.is_none()) {
       SetLogSink(nullptr);
       {
