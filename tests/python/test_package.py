@@ -60,6 +60,10 @@ def test_the_extensions_cxx_runtime_calls_bind_to_libstdcxx_not_to_torchs_copies
     # std:: names, and the abbreviations std::string (Ss), allocator (Sa), istream/ostream/iostream
     # (Si, So, Sd), in functions, vtables, VTTs, typeinfo and typeinfo names.
     runtime = re.compile(r"symbol `_Z(N|NK|T[TVIS])?S[tabsiod]")
+    # Empty tag objects carry no state, so which library's copy a reference binds to does not matter
+    # (a Release build's reference to std::piecewise_construct bound to libtorch_python's copy).
+    stateless = ("`_ZSt19piecewise_construct'", "`_ZSt7nothrow'", "`_ZSt13allocator_arg'")
     to_torch = [line.split(" to ", 1)[1] for line in ours
-                if runtime.search(line) and "/torch/lib/" in line.split(" to ", 1)[1]]
+                if runtime.search(line) and "/torch/lib/" in line.split(" to ", 1)[1]
+                and not line.rstrip().endswith(stateless)]
     assert not to_torch, f"{len(to_torch)} C++ runtime symbols of the extension bind to torch's libraries: {to_torch[:5]}"
