@@ -6,38 +6,18 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 namespace spillway {
 namespace {
-
-void WriteStderr(std::string_view text) {
-  while (!text.empty()) {
-    const ssize_t n = ::write(STDERR_FILENO, text.data(), text.size());
-    if (n <= 0) return;  // stderr is gone or full: a log line has nowhere else to go
-    text.remove_prefix(static_cast<size_t>(n));
-  }
-}
-
-void WriteLine(LogLevel level, std::string_view message) {
-  std::string line = "spillway ";
-  line += LogLevelName(level);
-  line += ": ";
-  line += message;
-  line += '\n';
-  WriteStderr(line);
-}
 
 // Quiet by default: errors and warnings print, informational lines only when asked for. A value
 // that names no level is said, not ignored.
 LogLevel ThresholdFromEnv() {
   const char* env = std::getenv("SPILLWAY_LOG");
   if (env == nullptr || *env == '\0') return LogLevel::kWarning;
-  for (LogLevel l : {LogLevel::kError, LogLevel::kWarning, LogLevel::kInfo, LogLevel::kDebug}) {
-    if (std::strcmp(env, LogLevelName(l)) == 0) return l;
-  }
-  WriteLine(LogLevel::kWarning, std::string("SPILLWAY_LOG='") + env +
+  if (std::optional<LogLevel> l = ParseLogLevel(env)) return *l;
+  LogToStderr(LogLevel::kWarning, std::string("SPILLWAY_LOG='") + env +
                                     "' names no level; use error, warning, info or debug. Logging at warning");
   return LogLevel::kWarning;
 }
@@ -50,6 +30,27 @@ std::atomic<int>& Threshold() {
 std::atomic<LogSink> g_sink{nullptr};
 
 }  // namespace
+
+void LogToStderr(LogLevel level, std::string_view message) {
+  std::string line = "spillway ";
+  line += LogLevelName(level);
+  line += ": ";
+  line += message;
+  line += '\n';
+  std::string_view rest = line;
+  while (!rest.empty()) {
+    const ssize_t n = ::write(STDERR_FILENO, rest.data(), rest.size());
+    if (n <= 0) return;  // stderr is gone or full: a log line has nowhere else to go
+    rest.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+std::optional<LogLevel> ParseLogLevel(std::string_view name) {
+  for (LogLevel l : {LogLevel::kError, LogLevel::kWarning, LogLevel::kInfo, LogLevel::kDebug}) {
+    if (name == LogLevelName(l)) return l;
+  }
+  return std::nullopt;
+}
 
 const char* LogLevelName(LogLevel level) {
   static const char* const kNames[] = {"error", "warning", "info", "debug"};
@@ -70,7 +71,7 @@ void Log(LogLevel level, std::string_view message) {
     sink(level, message);
     return;
   }
-  WriteLine(level, message);
+  LogToStderr(level, message);
 }
 
 }  // namespace spillway

@@ -15,7 +15,6 @@
 
 #include <Python.h>
 #include <pthread.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <deque>
@@ -57,18 +56,6 @@ Queue& TheQueue() {
 // emit(level_name, message), set by _log_route(True, emit); touched only with the GIL held.
 PyObject* g_emit = nullptr;
 
-void WriteStderr(LogLevel level, std::string_view text) {
-  std::string line = std::string("spillway ") + LogLevelName(level) + ": ";
-  line.append(text.data(), text.size());
-  line += '\n';
-  std::string_view rest = line;
-  while (!rest.empty()) {
-    const ssize_t n = ::write(STDERR_FILENO, rest.data(), rest.size());
-    if (n <= 0) return;  // stderr is gone: a log line has nowhere else to go
-    rest.remove_prefix(static_cast<size_t>(n));
-  }
-}
-
 int DeliverPending(void*);
 
 // With the GIL held: hands everything queued to emit(level, message, on_stderr). A handler's
@@ -99,7 +86,7 @@ bool Deliver() {
     const Line line = std::move(lines.front());
     lines.pop_front();
     if (emit == nullptr) {  // routed back to stderr since it was queued
-      if (!line.on_stderr) WriteStderr(line.level, line.text);
+      if (!line.on_stderr) LogToStderr(line.level, line.text);
       continue;
     }
     PyObject* name = PyUnicode_FromString(LogLevelName(line.level));
@@ -122,7 +109,7 @@ bool Deliver() {
         std::lock_guard<std::mutex> lock(q.mu);
         if (q.closed) {
           for (const Line& rest : lines) {
-            if (!rest.on_stderr) WriteStderr(rest.level, rest.text);
+            if (!rest.on_stderr) LogToStderr(rest.level, rest.text);
           }
         } else {
           q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()), std::make_move_iterator(lines.end()));
@@ -148,10 +135,10 @@ int DeliverPending(void*) { return Deliver() ? 0 : -1; }  // -1: the exception i
 void Sink(LogLevel level, std::string_view message) {
   Queue& q = TheQueue();
   const bool on_stderr = level == LogLevel::kError;
-  if (on_stderr) WriteStderr(level, message);
+  if (on_stderr) LogToStderr(level, message);
   std::unique_lock<std::mutex> lock(q.mu);
   if (q.closed) {  // routed back to stderr after this thread read the sink
-    if (!on_stderr) WriteStderr(level, message);
+    if (!on_stderr) LogToStderr(level, message);
     return;
   }
   if (q.lines.size() >= kMaxQueued) {
@@ -233,10 +220,7 @@ void BindLogBridge(py::module_& m) {
   // thread or the prefetcher would) or from the caller's.
   // With `lines` > 1, logs "message 0" ... "message N-1" in one call (no delivery can come between).
   m.def("_log_test_line", [](const std::string& level, const std::string& message, bool from_thread, int lines) {
-    LogLevel l = LogLevel::kWarning;
-    for (LogLevel c : {LogLevel::kError, LogLevel::kWarning, LogLevel::kInfo, LogLevel::kDebug}) {
-      if (level == LogLevelName(c)) l = c;
-    }
+    const LogLevel l = ParseLogLevel(level).value_or(LogLevel::kWarning);
     auto log = [&] {
       if (lines <= 1) return Log(l, message);
       for (int i = 0; i < lines; ++i) Log(l, message + " " + std::to_string(i));

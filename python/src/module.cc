@@ -163,14 +163,9 @@ PYBIND11_MODULE(_spillway, m) {
       });
   m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
   m.def("set_log_level", [](const std::string& level) {
-    static const std::map<std::string, LogLevel> kLevels = {
-        {"error", LogLevel::kError}, {"warning", LogLevel::kWarning}, {"info", LogLevel::kInfo},
-        {"debug", LogLevel::kDebug}};
-    auto it = kLevels.find(level);
-    if (it == kLevels.end()) {
-      Raise(Status::InvalidArgument(StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
-    }
-    SetLogLevel(it->second);
+    const std::optional<LogLevel> l = ParseLogLevel(level);
+    if (!l) Raise(Status::InvalidArgument(StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
+    SetLogLevel(*l);
   }, "What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).");
   python::BindLogBridge(m);
   m.def("memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },

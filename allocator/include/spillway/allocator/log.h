@@ -3,6 +3,7 @@
 // the Python module sets one that hands them to Python's `logging` (python/src/log_bridge.cc).
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 namespace spillway {
@@ -15,6 +16,11 @@ void Log(LogLevel level, std::string_view message);
 void SetLogLevel(LogLevel level);
 // "error", "warning", "info" or "debug".
 const char* LogLevelName(LogLevel level);
+// The level a name names (LogLevelName's inverse), or nullopt.
+std::optional<LogLevel> ParseLogLevel(std::string_view name);
+// Writes "spillway <level>: <message>" on stderr in one write(2), bypassing any sink and the level
+// (for a sink that must put a line on stderr itself).
+void LogToStderr(LogLevel level, std::string_view message);
 
 // Where enabled lines go instead of stderr; nullptr (the default) restores stderr. A sink runs on
 // the thread that logs, possibly with Spillway's locks held, so it must not block, call into
