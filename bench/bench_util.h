@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::bench {
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
@@ -33,7 +34,6 @@ using bench::Median;
 using bench::Must;
 using bench::Seconds;
 namespace fs = std::filesystem;
-constexpr double kMiB = 1 << 20;
 
 uint64_t DirBytes(const std::string& dir) {
   uint64_t n = 0;
@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   }
   fs::remove_all(ours);
   fs::remove(theirs);
-  const double mib = static_cast<double>(bytes) / kMiB;
+  const double mib = static_cast<double>(bytes) / static_cast<double>(kMiB);
   const double a = Median(save_a), a2 = Median(save_a2), t = Median(save_torch), f = Median(fio);
   const double la = Median(load_a), lt = Median(load_torch);
   std::vector<double> aa;

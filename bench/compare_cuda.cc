@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "kernels_scalar_ops.h"  // the host optimizer's conversions: the reference
 #include "spillway/engine/cuda_kernels.h"
@@ -31,7 +32,6 @@ namespace {
 
 using namespace spillway;
 using Clock = std::chrono::steady_clock;
-constexpr uint64_t kMiB = 1ull << 20;
 
 [[noreturn]] void Die(const std::string& what) {
   std::fprintf(stderr, "compare_cuda: %s\n", what.c_str());

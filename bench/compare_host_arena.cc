@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/pow2_caching_policy.h"
 
@@ -32,13 +33,13 @@ extern "C" void __libc_free(void*);
 
 namespace {
 
+using spillway::kMiB;
 using spillway::allocator::HostArena;
 using spillway::allocator::HostArenaOptions;
 using spillway::allocator::Kind;
 using spillway::allocator::Lifetime;
 using spillway::allocator::OwnerTag;
 
-constexpr uint64_t kMiB = 1ull << 20;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 struct Op {

@@ -23,14 +23,15 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace {
 
 using namespace spillway::allocator;
+using spillway::kMiB;
 using Clock = std::chrono::steady_clock;
-constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kTotal = 1024 * kMiB;
 
 struct Transfer {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
@@ -36,7 +37,6 @@ using bench::Die;
 using bench::Median;
 using bench::Must;
 using bench::Seconds;
-constexpr double kMiB = 1 << 20;
 
 struct Contender {
   std::string name;
@@ -150,13 +150,13 @@ int main(int argc, char** argv) {
   }
   std::printf("one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
               "compute %.4f s (forward or backward's recompute + backward, its share of the host step)\n",
-              static_cast<double>(largest) * 4 / kMiB, Median(transfer), per_unit_compute);
+              static_cast<double>(largest) * 4 / static_cast<double>(kMiB), Median(transfer), per_unit_compute);
   for (size_t k : {size_t{1}, size_t{2}}) {
     const auto& ps = cs[k].tiers->pipeline->stats();
     std::printf("%s: %.1f MiB into device views from NVMe, %.1f MiB from host copies\n", cs[k].name.c_str(),
-                ps.nvme_to_device_bytes.load() / kMiB, ps.host_to_device_bytes.load() / kMiB);
-    j[cs[k].name]["nvme_to_device_mib"] = ps.nvme_to_device_bytes.load() / kMiB;
-    j[cs[k].name]["host_to_device_mib"] = ps.host_to_device_bytes.load() / kMiB;
+                ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB), ps.host_to_device_bytes.load() / static_cast<double>(kMiB));
+    j[cs[k].name]["nvme_to_device_mib"] = ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB);
+    j[cs[k].name]["host_to_device_mib"] = ps.host_to_device_bytes.load() / static_cast<double>(kMiB);
   }
   j["unit_transfer_s"] = Median(transfer);
   j["unit_compute_s"] = per_unit_compute;

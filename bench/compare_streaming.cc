@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
@@ -25,7 +26,6 @@ using namespace spillway;
 using bench::Clock;
 using bench::Median;
 using bench::Must;
-constexpr uint64_t kMiB = 1ull << 20;
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 #include "cuda_host.h"
 
 #if SPILLWAY_WITH_CUDA
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/cuda_status.h"
 #endif
 

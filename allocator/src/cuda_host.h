@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <string>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator::cuda {
 

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 
+#include "spillway/base/check.h"
+
 namespace spillway::allocator {
 
 Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);
   if (size == 0) return Status::InvalidArgument("ExtentMap::AddSpan: a span of 0 bytes");
   if (base + size < base) return Status::InvalidArgument("ExtentMap::AddSpan: span wraps around");
   auto next = spans_.lower_bound(base);
@@ -30,6 +33,7 @@ Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
 }
 
 Status ExtentMap::GrowSpan(uint64_t base, uint64_t extra) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);
   auto it = spans_.find(base);
   if (it == spans_.end()) return Status::Internal(StrCat("ExtentMap::GrowSpan: no span at ", base));
   Span& span = it->second;
@@ -60,6 +64,7 @@ Status ExtentMap::GrowSpan(uint64_t base, uint64_t extra) {
 }
 
 Status ExtentMap::RemoveSpan(uint64_t base) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);
   auto it = spans_.find(base);
   if (it == spans_.end()) {
     return Status::Internal(StrCat("ExtentMap::RemoveSpan: no span starts at ", base));
@@ -81,6 +86,7 @@ Status ExtentMap::RemoveSpan(uint64_t base) {
 }
 
 std::optional<uint64_t> ExtentMap::Allocate(uint64_t size, uint64_t max_extent) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);
   if (size == 0) return std::nullopt;
   auto fit = free_by_size_.lower_bound({size, 0});
   if (fit == free_by_size_.end() || fit->first > max_extent) return std::nullopt;
@@ -103,9 +109,19 @@ std::optional<uint64_t> ExtentMap::Allocate(uint64_t size, uint64_t max_extent) 
 }
 
 void ExtentMap::Free(uint64_t base, uint64_t size) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);
   Span* span = SpanOf(base);
+  // Freeing an extent that is not allocated would hand the same bytes out twice: always checked.
+  SPILLWAY_CHECK(span != nullptr && size <= span->size && base - span->base <= span->size - size)
+      << "ExtentMap::Free(" << base << ", " << size << "): not inside one span";
   auto next = free_by_addr_.lower_bound(base);
   auto prev = next == free_by_addr_.begin() ? free_by_addr_.end() : std::prev(next);
+  SPILLWAY_CHECK(next == free_by_addr_.end() || next->first >= base + size)
+      << "ExtentMap::Free(" << base << ", " << size << "): overlaps the free extent at "
+      << next->first;
+  SPILLWAY_CHECK(prev == free_by_addr_.end() || prev->first + prev->second.size <= base)
+      << "ExtentMap::Free(" << base << ", " << size << "): overlaps the free extent at "
+      << prev->first;
   const bool merge_prev = prev != free_by_addr_.end() && prev->second.span_base == span->base &&
                           prev->first + prev->second.size == base;
   const bool merge_next = next != free_by_addr_.end() && next->second.span_base == span->base &&
@@ -205,6 +221,56 @@ void ExtentMap::NoteUsed(Span& span, int64_t delta_bytes, int64_t delta_count) {
     empty_count_++;
     empty_bytes_ += span.size;
   }
+}
+
+Status ExtentMap::Validate() const {
+  if (free_by_size_.size() != free_by_addr_.size()) {
+    return Status::Internal("Validate: size and address indexes differ in length");
+  }
+  std::map<uint64_t, uint64_t> free_in_span;  // span base -> free bytes
+  uint64_t free_sum = 0;
+  uint64_t prev_end = 0, prev_span = UINT64_MAX;
+  for (const auto& [b, f] : free_by_addr_) {
+    if (f.size == 0) return Status::Internal(StrCat("Validate: empty free extent at ", b));
+    if (!free_by_size_.count({f.size, b})) {
+      return Status::Internal(StrCat("Validate: free extent at ", b, " missing from size index"));
+    }
+    const Span* s = FindSpan(b);
+    if (s == nullptr || s->base != f.span_base || b + f.size > s->base + s->size) {
+      return Status::Internal(StrCat("Validate: free extent at ", b, " is not inside its span"));
+    }
+    if (f.span_base == prev_span && b <= prev_end) {
+      return Status::Internal(StrCat("Validate: free extent at ", b,
+                                     b == prev_end ? " touches the one before it (not coalesced)"
+                                                   : " overlaps the one before it"));
+    }
+    prev_end = b + f.size;
+    prev_span = f.span_base;
+    free_in_span[f.span_base] += f.size;
+    free_sum += f.size;
+  }
+  if (free_sum != free_bytes_) return Status::Internal("Validate: free_bytes_ is stale");
+  uint64_t spans_sum = 0, empty_sum = 0, empty_n = 0;
+  for (const auto& [base, span] : spans_) {
+    spans_sum += span.size;
+    const uint64_t free = free_in_span.count(base) ? free_in_span[base] : 0;
+    if (free + span.used_bytes != span.size) {
+      return Status::Internal(StrCat("Validate: span ", base, " of ", span.size, " bytes has ",
+                                     free, " free and ", span.used_bytes, " used"));
+    }
+    if ((span.used_count == 0) != (span.used_bytes == 0)) {
+      return Status::Internal(StrCat("Validate: span ", base, " counts ", span.used_count,
+                                     " extents in ", span.used_bytes, " used bytes"));
+    }
+    if (span.used_count == 0) {
+      empty_sum += span.size;
+      empty_n++;
+    }
+  }
+  if (spans_sum != span_bytes_ || empty_sum != empty_bytes_ || empty_n != empty_count_) {
+    return Status::Internal("Validate: span_bytes_ or empty_bytes_ is stale");
+  }
+  return Status::Ok();
 }
 
 Status ExtentMap::Validate(const std::vector<std::pair<uint64_t, uint64_t>>& allocated) const {

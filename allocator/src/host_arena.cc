@@ -1,6 +1,8 @@
 // HostArena: exact-size extents over pinned, fork-safe regions, with a budget, a bounded retained
 // cache, owner tags and boundary escape checks. The lock covers bookkeeping only: regions are mapped,
 // pinned, unpinned and unmapped outside it (Note [Lock discipline] in docs/allocator.md).
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/allocator/host_arena.h"
 
 #include <execinfo.h>
@@ -13,7 +15,7 @@
 #include "cuda_host.h"
 #include "live_table.h"
 #include "os_memory.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::allocator {
 namespace {
@@ -24,7 +26,6 @@ constexpr std::array<const char*, 3> kForkNames = {"dontfork", "wipeonfork", "in
 // allocation round again; with several threads spilling at once that happens more than a few times.
 constexpr int kMaxSpillRounds = 64;
 
-uint64_t RoundUp(uint64_t v, uint64_t granule) { return (v + granule - 1) / granule * granule; }
 
 std::string Hex(uint64_t v) {
   char buf[24];
@@ -282,6 +283,7 @@ class HostArena::SpillCallGuard {
 };
 
 Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "Allocate"));
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
@@ -385,7 +387,8 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     if (map_bytes == 0 && released) continue;  // the unmapped regions may have made room
     if (map_bytes != 0) {
       auto region = MapRegion(map_bytes);
-      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<Region> unused;  // released after the lock below: see the scope check
+      std::unique_lock<std::mutex> lock(mu_);
       pending_map_bytes_ -= map_bytes;
       if (!region.ok()) {
         return region.status().WithContext(
@@ -401,12 +404,22 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       if (pin_mode_ == PinMode::kMlock) stats_.mlocked_bytes += map_bytes;
       stats_.region_map_count++;
       NoteCommitted();
-      // Another thread may have taken the new region's space; then go round again.
-      if (!ledger_->scope_live(owned.scope)) continue;
-      if (auto addr = extents_.Allocate(rounded, max_extent)) {
-        live_->Insert(*addr, rounded, bytes, owned, &frames);
-        return reinterpret_cast<void*>(*addr);
+      void* got = nullptr;
+      // The scope may have been released while the region was mapped (the next round refuses),
+      // or other threads may have taken the new region's space first (go round again).
+      if (ledger_->scope_live(owned.scope)) {
+        if (auto addr = extents_.Allocate(rounded, max_extent)) {
+          live_->Insert(*addr, rounded, bytes, owned, &frames);
+          got = reinterpret_cast<void*>(*addr);
+        }
       }
+      // The new region can be left empty: the scope was released, or memory that another thread
+      // freed while this one mapped fits the request better (best fit). Keep the retain limit
+      // (the debug walker found retained > RetainLimit() here under HostArenaStressTest).
+      DetachEmptyRegions(RetainLimit(), &unused);
+      lock.unlock();
+      ReleaseRegions(unused);
+      if (got != nullptr) return got;
       continue;
     }
     // Over budget: ask the spill handler (without any lock) to free room, a few rounds at most.
@@ -431,6 +444,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
 }
 
 Status HostArena::Free(void* ptr) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "Free"));
   const auto addr = reinterpret_cast<uint64_t>(ptr);
   std::vector<Region> to_release;
@@ -465,6 +479,7 @@ std::string HostArena::DescribeLive() const {
 }
 
 uint64_t HostArena::Trim() {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   if (!process_.InOwner()) return 0;  // a forked child unmaps nothing of the parent's
   std::vector<Region> to_release;
   uint64_t bytes = 0;
@@ -524,6 +539,7 @@ HostArenaStats HostArena::Stats() const {
 
 Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                   TierReport* out) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "CollectBoundary"));
   std::vector<Region> to_release;
   LiveTable::Traces traces;
@@ -542,6 +558,7 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
 }
 
 void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   if (!process_.InOwner()) return;  // a forked child frees nothing of the parent's
   std::vector<Region> to_release;
   out->tier = options_.name;
@@ -557,6 +574,9 @@ void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
 }
 
 Status HostArena::Validate() const {
+  // A forked child has the parent's tables but not its threads: a lock one of them held at the
+  // fork stays held here. It walks nothing (and may mutate nothing: every entry point refuses).
+  if (!process_.InOwner()) return Status::Ok();
   std::lock_guard<std::mutex> lock(mu_);
   SPILLWAY_RETURN_IF_ERROR(live_->Validate());
   const auto allocated = live_->Extents();

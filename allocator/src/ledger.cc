@@ -191,7 +191,7 @@ Result<ScopeId> Ledger::CreateScope(std::string_view name) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "CreateScope"));
   std::lock_guard<std::mutex> lock(mu_);
   if (scope_names_.size() >= kMaxScopes) {
-    return Status::Make(StatusCode::kOutOfMemory,
+    return Status::ResourceExhausted(
                         StrCat("CreateScope('", name, "'): all ", kMaxScopes,
                                " scope ids are used; scopes are never reused, so reuse a scope "
                                "for objects that are rebuilt"));

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "spillway/base/bytes.h"
+
 namespace spillway::allocator {
 namespace {
 

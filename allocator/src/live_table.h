@@ -12,7 +12,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

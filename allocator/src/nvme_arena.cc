@@ -1,5 +1,7 @@
 // NvmeArena: one anonymous, preallocated O_DIRECT swap file, carved into exact extents; owners,
 // boundaries and budget as in the host arena; a CRC32C per extent. Note [Swap file] in docs/nvme.md.
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/allocator/nvme_arena.h"
 
 #include <fcntl.h>
@@ -16,7 +18,7 @@
 
 #include "spillway/allocator/crc32c.h"
 #include "live_table.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::allocator {
 namespace {
@@ -28,7 +30,6 @@ std::string StaleWrite(uint64_t offset) {
                 "still the good one); one write at a time per extent, and free it only after");
 }
 
-uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string FreeSpace(const std::string& dir) {
   struct statvfs vfs{};
@@ -155,6 +156,7 @@ NvmeArena::~NvmeArena() {
 }
 
 Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Allocate"));
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
@@ -255,6 +257,7 @@ uint64_t NvmeArena::NewGenerationLocked(uint64_t offset) {
 }
 
 Status NvmeArena::Free(uint64_t offset) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Free"));
   std::lock_guard<std::mutex> lock(mu_);
   if (live_->Find(offset) == nullptr) {
@@ -286,6 +289,7 @@ Status NvmeArena::CheckExtentLocked(uint64_t offset, uint64_t bytes, const char*
 }
 
 Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Write"));
   if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
   std::string what;
@@ -394,6 +398,7 @@ Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void
 }
 
 Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "BeginWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
@@ -414,6 +419,7 @@ Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, con
 
 Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,
                               uint64_t generation) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CommitWrite"));
   std::lock_guard<std::mutex> lock(mu_);
   std::string what;
@@ -438,6 +444,7 @@ NvmeArenaStats NvmeArena::Stats() const {
 }
 
 Status NvmeArena::Validate() const {
+  if (!process_.InOwner()) return Status::Ok();  // as HostArena::Validate: a child walks nothing
   std::lock_guard<std::mutex> lock(mu_);
   SPILLWAY_RETURN_IF_ERROR(live_->Validate());
   const auto allocated = live_->Extents();
@@ -456,11 +463,21 @@ Status NvmeArena::Validate() const {
   if (checks_.size() != allocated.size()) {
     return Status::Internal("Validate: checksum table and live table differ");
   }
+  for (const auto& [off, c] : checks_) {
+    if (live_->Find(off) == nullptr) {
+      return Status::Internal(StrCat("Validate: a checksum for offset ", off, ", which is not live"));
+    }
+    if (c.generation > next_generation_) {
+      return Status::Internal(StrCat("Validate: offset ", off, " has generation ", c.generation,
+                                     " from the future (next is ", next_generation_, ")"));
+    }
+  }
   return Status::Ok();
 }
 
 Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                   TierReport* out) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CollectBoundary"));
   LiveTable::Traces traces;
   out->tier = options_.name;
@@ -479,6 +496,7 @@ Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
 }
 
 void NvmeArena::ReleaseScope(ScopeId scope, TierReport* out) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   out->tier = options_.name;
   if (!process_.InOwner()) return;  // a forked child frees nothing of the parent's
   std::lock_guard<std::mutex> lock(mu_);

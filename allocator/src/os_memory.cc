@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+#include "spillway/base/bytes.h"
+
 namespace spillway::allocator::os {
 namespace {
 

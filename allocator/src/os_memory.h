@@ -5,7 +5,7 @@
 #include <cstddef>
 
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator::os {
 

@@ -4,7 +4,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::allocator {
 

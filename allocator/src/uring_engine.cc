@@ -1,5 +1,6 @@
 // UringEngine: the shared request/chunk/ticket core, the io_uring ring thread, and the pread/pwrite
 // pool that takes over when io_uring is not allowed. Note [Ticket lifecycle] in docs/nvme.md.
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/uring_engine.h"
 
 #include <liburing.h>
@@ -11,7 +12,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::allocator {
 namespace {
@@ -23,7 +24,6 @@ double NowSeconds() {
       .count();
 }
 
-uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 int TakeOne(std::atomic<int>* counter) {
   int v = counter->load(std::memory_order_relaxed);
@@ -456,7 +456,7 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (file_slots_reserved_ >= kFileSlots) {
-      return Status::Make(StatusCode::kOutOfMemory,
+      return Status::ResourceExhausted(
                           StrCat("RegisterFile('", name, "'): all ", kFileSlots,
                                  " file slots are in use; unregister files you no longer need"));
     }
@@ -464,7 +464,7 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
     if (backend_ == IoBackend::kUring) {
       auto free = std::find(file_slot_taken_.begin(), file_slot_taken_.end(), false);
       if (free == file_slot_taken_.end()) {  // retired slots count against the limit for good
-        return Status::Make(StatusCode::kOutOfMemory,
+        return Status::ResourceExhausted(
                             StrCat("RegisterFile('", name, "'): no fixed file slot is free (",
                                    kFileSlots, ", some retired after failed clears)"));
       }

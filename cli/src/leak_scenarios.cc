@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "leak_scenarios.h"
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/pow2_caching_policy.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/cli/proc_memory.h"
@@ -26,7 +27,6 @@ namespace spillway::cli::leak {
 using allocator::Kind;
 using allocator::Lifetime;
 using allocator::OwnerTag;
-constexpr uint64_t kMiB = 1ull << 20;
 
 std::string ScratchDir(const LeakSuiteOptions& suite) {
   return suite.scratch_dir.empty() ? suite.out_dir : suite.scratch_dir;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "leak_scenarios.h"
+#include "spillway/base/bytes.h"
 #include "spillway/engine/collectives.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"
@@ -20,7 +21,6 @@ namespace gpt = engine::gpt;
 
 namespace {
 
-constexpr uint64_t kMiB = 1ull << 20;
 
 GptConfig Tiny(int64_t layers = 1, int64_t d = 32) {
   GptConfig c;

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/cli/char_corpus.h"

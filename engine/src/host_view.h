@@ -2,7 +2,7 @@
 // every engine caller needs, with both results checked in one place.
 #pragma once
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/partition_store.h"
 
 namespace spillway::engine {

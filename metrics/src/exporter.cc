@@ -1,4 +1,5 @@
 // Exporter: prometheus-cpp's CivetWeb exposer serving the Collector.
+#include "spillway/base/bytes.h"
 #include "spillway/metrics/exporter.h"
 
 #include <prometheus/exposer.h>

@@ -1,5 +1,6 @@
 // Config parsing on nlohmann::json. Every key Spillway reads is checked for type and range here,
 // once; the rest of the code trusts a Config.
+#include "spillway/base/bytes.h"
 #include "spillway/offload/config.h"
 
 #include <cstdlib>
@@ -13,7 +14,7 @@
 #include <set>
 #include <sstream>
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::offload {
 namespace {

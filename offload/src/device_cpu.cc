@@ -14,7 +14,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/bytes.h"
+#include "spillway/base/log.h"
 #include "spillway/offload/device.h"
 
 namespace spillway::offload {

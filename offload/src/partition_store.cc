@@ -1,12 +1,14 @@
 // PartitionStore: home tiers, handles, swap-in, and OPT spill under the host budget.
 // Note [Spill] in docs/offload.md.
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/offload/partition_store.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
@@ -188,6 +190,7 @@ std::string PartitionStore::Describe(PartitionId id) const {
 }
 
 Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   if (bytes == 0) return Status::InvalidArgument("PartitionStore::Register: a partition of 0 bytes");
   if (static_cast<int>(key.kind) > static_cast<int>(StateKind::kExpAvgSq)) {
     return Status::InvalidArgument("PartitionStore::Register: state kind out of range");
@@ -252,6 +255,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
 }
 
 Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   std::lock_guard<std::mutex> lock(mu_);
   for (PartitionId id : order) {
     if (id >= parts_.size() || parts_[id].bytes == 0) {
@@ -344,6 +348,7 @@ std::string PartitionStore::SpillShortfallNote() const {
 }
 
 Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   bool need_swap_in = false;
   bool need_fill = false;
   uint64_t handle_id;
@@ -708,6 +713,7 @@ Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
 
 Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device,
                                      bool* ok) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   bool write_back = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -826,6 +832,7 @@ PartitionStore::OffSchedule::~OffSchedule() {
 }
 
 Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   for (PartitionId id : ids) {
     auto h = Acquire(id, Access::kRead);
     if (!h.ok()) return h.status();
@@ -834,6 +841,7 @@ Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
 }
 
 Status PartitionStore::Flush() {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   std::vector<PartitionId> todo;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -879,6 +887,7 @@ Status PartitionStore::Flush() {
 }
 
 Status PartitionStore::Evict(PartitionId id) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   if (nvme_ == nullptr) {
     return Status::FailedPrecondition("Evict: no NVMe arena to evict to; offload to nvme first");
   }
@@ -901,6 +910,68 @@ Status PartitionStore::Evict(PartitionId id) {
   std::lock_guard<std::mutex> lock(mu_);
   ClearBusyLocked(id);
   return st;
+}
+
+Status PartitionStore::Validate() const {
+  if (!process_.InOwner()) return Status::Ok();  // a forked child walks nothing (Note [Fork])
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint32_t> handles(parts_.size(), 0);
+  for (const auto& [hid, info] : live_handles_) {
+    if (info.id >= parts_.size()) {
+      return Status::Internal(StrCat("Validate: handle ", hid, " names partition ", info.id,
+                                     " of ", parts_.size()));
+    }
+    handles[info.id]++;
+  }
+  if (stats_.live_handles != live_handles_.size()) {
+    return Status::Internal(StrCat("Validate: stats count ", stats_.live_handles,
+                                   " live handles, the table holds ", live_handles_.size()));
+  }
+  uint64_t registered = 0, uses = 0;
+  for (PartitionId id = 0; id < parts_.size(); ++id) {
+    const Part& p = parts_[id];
+    auto fail = [&](const char* what) {
+      return Status::Internal(StrCat("Validate: partition ", id, " (", StateKindName(p.key.kind),
+                                     " rank ", p.key.rank, " group ", p.key.group, "): ", what,
+                                     " [pins ", p.pins, ", device_pins ", p.device_pins,
+                                     ", write_pins ", p.write_pins, ", handles ", handles[id],
+                                     ", busy ", p.busy, ", host ", p.host != nullptr,
+                                     ", extent ", p.nvme_off != kNoExtent, ", device ",
+                                     p.device != nullptr, "]"));
+    };
+    if (handles[id] > p.pins) return fail("more live handles than pins");
+    if (p.write_pins + p.device_pins > p.pins) return fail("write and device pins exceed pins");
+    if (p.busy != (p.busy_by != std::thread::id())) return fail("busy and its owner disagree");
+    if (p.nvme_valid && p.nvme_off == kNoExtent) return fail("valid on NVMe without an extent");
+    if (p.dirty && p.host == nullptr) return fail("dirty without a host copy");
+    if (p.tombstone) {
+      if (p.host != nullptr || p.nvme_off != kNoExtent || p.device != nullptr || p.pins != 0 ||
+          p.bytes != 0) {
+        return fail("a tombstone holds something");
+      }
+      continue;
+    }
+    registered++;
+    for (uint64_t u : p.uses) {
+      if (u >= schedule_.size() || schedule_[u] != id) return fail("a use off its schedule slot");
+    }
+    uses += p.uses.size();
+    if (p.busy) continue;  // its mover owns the rest until it clears busy
+    if (p.pins > p.device_pins && p.host == nullptr) return fail("a host handle without a host copy");
+    if ((p.device != nullptr) != (p.device_pins > 0)) return fail("device view and device pins disagree");
+    if (p.device_dirty && p.device == nullptr) return fail("device-dirty without a device view");
+    if (p.host == nullptr && p.nvme_off == kNoExtent) return fail("its bytes are nowhere");
+    if (handles[id] != p.pins && p.device_pins == 0) return fail("pins without live handles");
+  }
+  if (uses != schedule_.size()) {
+    return Status::Internal(StrCat("Validate: the schedule has ", schedule_.size(),
+                                   " positions, the partitions claim ", uses));
+  }
+  if (stats_.partitions > registered) {
+    return Status::Internal(StrCat("Validate: stats count ", stats_.partitions,
+                                   " partitions, ", registered, " are registered"));
+  }
+  return Status::Ok();
 }
 
 uint64_t PartitionStore::bytes(PartitionId id) const {

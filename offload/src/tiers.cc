@@ -1,7 +1,7 @@
 // See tiers.h.
 #include "spillway/offload/tiers.h"
 
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 namespace spillway::offload {
 

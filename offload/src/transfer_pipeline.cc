@@ -1,4 +1,5 @@
 // TransferPipeline: chunked, overlapped NVMe <-> staging <-> device transfers with checksums.
+#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 #include <algorithm>

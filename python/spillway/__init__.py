@@ -42,6 +42,7 @@ from ._spillway import (  # noqa: F401,E402
     ChecksumMismatch,
     Error,
     Escaped,
+    ExternalError,
     FailedPrecondition,
     HostArena as _HostArena,
     InternalError,
@@ -50,6 +51,7 @@ from ._spillway import (  # noqa: F401,E402
     NoSpace,
     OutOfMemory,
     OverBudget,
+    ResourceExhausted,
     Unavailable,
     aio_handle,
     default_arena,
@@ -70,7 +72,7 @@ def set_log_level(level):
 __all__ = [
     "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
-    "Unavailable", "Escaped", "InternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
+    "Unavailable", "Escaped", "InternalError", "ResourceExhausted", "ExternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
 ]
 
 

@@ -21,7 +21,7 @@
 
 #include "errors.h"
 #include "py_arena.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace py = pybind11;

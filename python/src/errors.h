@@ -7,7 +7,7 @@
 #include <map>
 #include <utility>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::python {
 

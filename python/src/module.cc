@@ -13,7 +13,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/metrics/exporter.h"
 #include "aio_handle.h"
 #include "errors.h"
@@ -114,6 +114,8 @@ PYBIND11_MODULE(_spillway, m) {
   make("Unavailable", StatusCode::kUnavailable, nullptr);
   make("Escaped", StatusCode::kEscaped, nullptr);
   make("InternalError", StatusCode::kInternal, nullptr);
+  make("ResourceExhausted", StatusCode::kResourceExhausted, nullptr);
+  make("ExternalError", StatusCode::kExternal, nullptr);
 
   py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
       .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name,

@@ -121,5 +121,18 @@ TEST(ExtentMapTest, SeededRandomWalkKeepsEveryInvariant) {
   EXPECT_TRUE(em.Validate({}).ok());
 }
 
+// Freeing bytes that are already free would hand them out twice: a fatal check in every build,
+// not undefined behaviour in the trees.
+TEST(ExtentMapDeathTest, FreeingAFreeOrForeignRangeIsFatal) {
+  ExtentMap em;
+  ASSERT_TRUE(em.AddSpan(4096, 100).ok());
+  const uint64_t a = *em.Allocate(10);
+  const uint64_t b = *em.Allocate(10);
+  em.Free(a, 10);
+  EXPECT_DEATH(em.Free(a, 10), "CHECK failed: .*ExtentMap::Free\\(4096, 10\\): overlaps the free extent");
+  EXPECT_DEATH(em.Free(b, 95), "ExtentMap::Free\\(4106, 95\\): not inside one span");
+  EXPECT_DEATH(em.Free(0, 10), "not inside one span");
+}
+
 }  // namespace
 }  // namespace spillway::allocator

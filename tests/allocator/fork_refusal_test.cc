@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "nvme_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/process.h"
 
 namespace spillway::allocator {
 namespace {
 
-using testing::kMiB;
 using testing::Tag;
 
 class ForkRefusalTest : public ::testing::TestWithParam<bool> {};

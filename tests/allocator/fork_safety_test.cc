@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
 namespace {
 
-using testing::kMiB;
 using testing::Tag;
 
 constexpr uint64_t kStateBytes = 128 * kMiB;

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "test_util.h"
 
@@ -11,7 +12,6 @@ namespace spillway::allocator {
 namespace {
 
 using testing::Has;
-using testing::kMiB;
 using testing::MakeArena;
 using testing::PageableOptions;
 using testing::Tag;

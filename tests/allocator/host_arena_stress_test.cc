@@ -10,13 +10,13 @@
 #include <thread>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
 namespace {
 
-using testing::kMiB;
 
 int OpsPerRound() {
   const char* env = std::getenv("SPILLWAY_STRESS_OPS");

@@ -1,4 +1,5 @@
 // HostArena: exact sizes, the retained bound, Trim, pin modes, budget and spill, boundaries, scopes.
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 
 #include <gtest/gtest.h>
@@ -20,7 +21,6 @@ namespace spillway::allocator {
 namespace {
 
 using testing::Has;
-using testing::kMiB;
 using testing::MakeArena;
 using testing::PageableOptions;
 using testing::Tag;

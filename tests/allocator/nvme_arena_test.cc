@@ -2,6 +2,7 @@
 // boundaries across tiers, and the faults that matter: EIO, ENOSPC, a file size limit, a missing or
 // read-only directory, and a corrupted byte on disk. In every case: a clear status, the host data
 // intact, and the arena usable afterwards.
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/nvme_arena.h"
 
@@ -21,7 +22,6 @@ namespace {
 using testing::FillRandom;
 using testing::Has;
 using testing::IoRig;
-using testing::kMiB;
 using testing::Tag;
 
 class NvmeArenaTest : public ::testing::TestWithParam<bool> {  // param: thread pool backend

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
 #include "test_util.h"

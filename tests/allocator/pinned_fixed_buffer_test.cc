@@ -13,13 +13,13 @@
 #include <string>
 
 #include "nvme_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace spillway::allocator {
 namespace {
 
-using testing::kMiB;
 
 // The kernel's "Locked:" bytes of the mapping that contains `p` (/proc/self/smaps).
 uint64_t LockedBytesOfMappingAt(const void* p) {

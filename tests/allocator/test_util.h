@@ -8,11 +8,11 @@
 #include <fstream>
 #include <string>
 
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 
 namespace spillway::allocator::testing {
 
-inline constexpr uint64_t kMiB = 1ull << 20;
 
 // ASan and TSan intercept mlock as a no-op and reroute fork and signals; tests that observe the
 // kernel's view of those skip under them (the plain build runs them).

@@ -1,5 +1,6 @@
 // UringEngine on real files, on both backends: round trips through fixed buffers and the bounce
 // pool, many requests in flight, alignment rules, and every fault the seam can inject.
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/uring_engine.h"
 
 #include <gtest/gtest.h>
@@ -21,7 +22,6 @@ namespace {
 using testing::FillRandom;
 using testing::Has;
 using testing::IoRig;
-using testing::kMiB;
 
 class UringEngineTest : public ::testing::TestWithParam<bool> {  // param: thread pool
  protected:

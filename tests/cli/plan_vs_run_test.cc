@@ -17,14 +17,14 @@
 
 #include <unistd.h>
 
+#include "spillway/base/bytes.h"
 #include "spillway/cli/train_job.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/planner.h"
 
 namespace spillway::cli {
 namespace {
 
-constexpr double kMiB = 1 << 20;
 
 struct PlannedRun {
   offload::PlanReport plan;
@@ -72,7 +72,7 @@ double ForkCostOfAProcess(const std::string& offload, const std::string& fork_sa
   const std::string key = "the fork cost ";
   const size_t at = out.rfind(key);  // the last epoch's
   EXPECT_NE(at, std::string::npos) << out;
-  return at == std::string::npos ? 0.0 : std::strtod(out.c_str() + at + key.size(), nullptr) * kMiB;
+  return at == std::string::npos ? 0.0 : std::strtod(out.c_str() + at + key.size(), nullptr) * static_cast<double>(kMiB);
 }
 
 // The job's options for `offload` (none, cpu, nvme) and `fork_safety`, its config written in `dir`.
@@ -127,8 +127,8 @@ const allocator::TierReport* Tier(const EpochSummary& e, const std::string& name
 }
 
 void ExpectWithinTenPercent(double planned, double measured, const std::string& what) {
-  std::printf("  %-34s plan %9.2f MiB  run %9.2f MiB  (%+.1f%%)\n", what.c_str(), planned / kMiB,
-              measured / kMiB, planned == 0 ? 0.0 : 100.0 * (measured - planned) / planned);
+  std::printf("  %-34s plan %9.2f MiB  run %9.2f MiB  (%+.1f%%)\n", what.c_str(), planned / static_cast<double>(kMiB),
+              measured / static_cast<double>(kMiB), planned == 0 ? 0.0 : 100.0 * (measured - planned) / planned);
   if (planned == 0) {
     EXPECT_EQ(measured, 0) << what;
   } else {
@@ -180,14 +180,14 @@ TEST_P(PlanVsRunTest, ThePlanIsWithinTenPercentOfTheRun) {
   const double dontfork = ForkCostOfAProcess(offload, "dontfork");
   const double inherit = ForkCostOfAProcess(offload, "inherit");
   std::printf("  fork cost: dontfork %+.2f MiB, inherit %+.2f MiB; inherit - dontfork %.2f MiB against "
-              "the plan's %.2f MiB\n", dontfork / kMiB, inherit / kMiB, (inherit - dontfork) / kMiB,
-              inherit_plan.fork_extra_spillway_per_node / kMiB);
+              "the plan's %.2f MiB\n", dontfork / static_cast<double>(kMiB), inherit / static_cast<double>(kMiB), (inherit - dontfork) / static_cast<double>(kMiB),
+              inherit_plan.fork_extra_spillway_per_node / static_cast<double>(kMiB));
   EXPECT_GT(inherit, dontfork);
 
   // The save.
   ASSERT_EQ(safe.result.checkpoints.size(), 1u);
   const auto& save = safe.result.checkpoints[0];
-  std::printf("  save: tree anonymous PSS %+.2f MiB\n", save.peak_extra_pss_bytes / kMiB);
+  std::printf("  save: tree anonymous PSS %+.2f MiB\n", save.peak_extra_pss_bytes / static_cast<double>(kMiB));
   ExpectWithinTenPercent(static_cast<double>(plan.checkpoint_streamed_bytes),
                          static_cast<double>(save.peak_extra_host_bytes), "save, host arena peak");
 }

@@ -1,6 +1,7 @@
 // The streamed step on a real partition store (io_uring, O_DIRECT swap file, CRC32C): the same
 // bits as the in-memory step, under a host budget smaller than the optimizer state, and with
 // read and write faults that lose nothing.
+#include "spillway/base/bytes.h"
 #include "spillway/engine/streamed_step.h"
 
 #include <gtest/gtest.h>
@@ -24,7 +25,6 @@ using offload::testing::ParseOrDie;
 using offload::testing::StoreRig;
 using testing::GroupBuffers;
 
-constexpr uint64_t kMiB = 1ull << 20;
 constexpr int kGroups = 6;
 constexpr uint64_t kNumel = (1ull << 18) + 37;  // ~1 MiB per state, not a multiple of the block
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 #include "trainer_test_util.h"
 
@@ -25,7 +26,6 @@ using offload::testing::StoreRig;
 using testing::Adam;
 using testing::Batch;
 using testing::Json;
-using testing::kMiB;
 using testing::SmallGpt;
 
 constexpr int kAccum = 2;

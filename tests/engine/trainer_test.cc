@@ -5,6 +5,7 @@
 // trainer differs from the reference by summation order (recompute, reduce-scatter), by the host
 // optimizer's multiplication by 1/sqrt(bc2) where torch divides, and by the clip factor's float
 // rounding; the printed drift is far below it.
+#include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 
 #include <gtest/gtest.h>
@@ -27,7 +28,6 @@ using offload::testing::StoreRig;
 using testing::Adam;
 using testing::Batch;
 using testing::Json;
-using testing::kMiB;
 using testing::SmallGpt;
 
 constexpr int kSteps = 8;
@@ -284,7 +284,8 @@ TEST_F(TwinTrainers, ALibtorchExceptionBecomesAStatusAndTheStepIsAbandoned) {
   });
   auto r = failed->Step({Batch(c, 0, 0), Batch(c, 0, 1)});
   ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+  // libtorch's error, not a Spillway bug: kExternal, never kInternal.
+  EXPECT_EQ(r.status().code(), StatusCode::kExternal);
   EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find("injected kernel failure"), std::string::npos) << r.status().message();
   calls = 0;

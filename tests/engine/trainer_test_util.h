@@ -11,7 +11,6 @@
 
 namespace spillway::engine::testing {
 
-constexpr uint64_t kMiB = 1ull << 20;
 
 inline GptConfig SmallGpt() {
   GptConfig c;

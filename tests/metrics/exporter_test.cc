@@ -1,5 +1,6 @@
 // The exporter under a real Prometheus server, concurrent scrapers, bad HTTP input, promtool, and
 // a port that is already taken.
+#include "spillway/base/bytes.h"
 #include "spillway/metrics/exporter.h"
 
 #include <gtest/gtest.h>
@@ -21,7 +22,6 @@ namespace {
 
 using allocator::Kind;
 using allocator::Lifetime;
-using allocator::testing::kMiB;
 using allocator::testing::Tag;
 
 // The value of one sample line `name{labels} value` in an exposition, or -1.

@@ -1,5 +1,6 @@
 // PartitionStore on the real arenas and engine: tier round trips, spill under a quarter budget
 // with results identical to an unbounded run, the OPT choice, handles, faults, 4-thread stress.
+#include "spillway/base/bytes.h"
 #include "spillway/offload/partition_store.h"
 
 #include <gtest/gtest.h>
@@ -20,7 +21,6 @@ namespace spillway::offload {
 namespace {
 
 using allocator::testing::FillRandom;
-using allocator::testing::kMiB;
 
 using allocator::testing::Has;
 using testing::OffloadJson;

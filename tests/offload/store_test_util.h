@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../allocator/nvme_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/uring_engine.h"
@@ -15,7 +16,6 @@
 
 namespace spillway::offload::testing {
 
-using allocator::testing::kMiB;
 
 inline Config ParseOrDie(const std::string& json) {
   auto c = Config::Parse(json);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "store_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/offload/device.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
@@ -24,7 +25,6 @@
 namespace spillway::offload {
 namespace {
 
-using allocator::testing::kMiB;
 using testing::OffloadJson;
 using testing::ParseOrDie;
 using testing::StoreRig;

@@ -1,5 +1,6 @@
 // TransferPipeline on the CPU device backend (the same schedule the CUDA backend runs): round
 // trips with odd sizes, the serial baseline, a corrupted chunk, read and write faults.
+#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +16,6 @@ namespace spillway::offload {
 namespace {
 
 using allocator::testing::FillRandom;
-using allocator::testing::kMiB;
 
 using allocator::testing::Has;
 

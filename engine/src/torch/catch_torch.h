@@ -5,7 +5,7 @@
 
 #include <exception>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::engine {
 
@@ -22,10 +22,10 @@ inline Status CatchTorch(const char* what, Fn fn) {
                                "; use smaller micro-batches (more gradient accumulation steps) or "
                                "a smaller model per device"));
   } catch (const c10::Error& e) {
-    return Status::Make(StatusCode::kInternal,
+    return Status::Make(StatusCode::kExternal,
                         StrCat(what, ": libtorch raised: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    return Status::Make(StatusCode::kInternal, StrCat(what, ": ", e.what()));
+    return Status::Make(StatusCode::kExternal, StrCat(what, ": ", e.what()));
   }
 }
 

@@ -7,8 +7,8 @@
 
 #include <string>
 
-#include "spillway/allocator/log.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/log.h"
+#include "spillway/base/status.h"
 
 namespace spillway::engine::torch_compat {
 

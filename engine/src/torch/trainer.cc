@@ -11,7 +11,7 @@
 
 #include "catch_torch.h"
 #include "host_view.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/offload/device_guard.h"
 
 namespace spillway::engine {

@@ -21,7 +21,7 @@
 
 #include "catch_torch.h"
 #include "host_view.h"
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 #include "spillway/engine/trainer.h"
 
 namespace spillway::engine {

@@ -13,7 +13,7 @@
 
 #include <string_view>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::cuda {
 

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 
@@ -68,6 +68,11 @@ class ExtentMap {
   // Walks every structure and checks the invariants above against the caller's list of allocated
   // extents (base, size). Costs O(n log n); for tests and debug builds.
   Status Validate(const std::vector<std::pair<uint64_t, uint64_t>>& allocated) const;
+  // The invariants that need no list of allocated extents: the two free indexes agree, every free
+  // extent lies inside its span and is coalesced with its free neighbours, and each span's free and
+  // used bytes add up to its size. O(n log n). With SPILLWAY_DEBUG_CHECKS it runs after every
+  // mutating call (Note [Check levels] in docs/base.md).
+  Status Validate() const;
 
  private:
   struct Free_ {

@@ -21,7 +21,7 @@
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

@@ -14,7 +14,7 @@
 
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

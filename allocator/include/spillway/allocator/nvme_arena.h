@@ -16,7 +16,7 @@
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace spillway::allocator {

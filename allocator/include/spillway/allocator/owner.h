@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

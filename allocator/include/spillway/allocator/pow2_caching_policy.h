@@ -15,7 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator::baseline {
 

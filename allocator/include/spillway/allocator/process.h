@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <mutex>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

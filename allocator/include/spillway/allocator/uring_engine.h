@@ -21,7 +21,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/process.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::allocator {
 

@@ -23,7 +23,7 @@
 #include <memory>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/cli/char_corpus.h"
 
 namespace spillway::cli {

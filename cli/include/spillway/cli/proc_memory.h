@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::cli {
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "spillway/allocator/ledger.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/cli/proc_memory.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/planner.h"

@@ -17,7 +17,7 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace spillway::engine::checkpoint {

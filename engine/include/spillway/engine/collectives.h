@@ -23,7 +23,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace at {
 class Tensor;

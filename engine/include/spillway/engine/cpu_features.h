@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 
 namespace spillway::engine {
 

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/engine/dtype.h"
 
 namespace spillway::engine::cuda {

@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/engine/cpu_features.h"
 #include "spillway/engine/dtype.h"
 

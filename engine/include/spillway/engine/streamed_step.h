@@ -11,7 +11,7 @@
 #include <span>
 #include <string>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/partition_store.h"
 

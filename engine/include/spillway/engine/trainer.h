@@ -19,7 +19,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/engine/checkpoint_file.h"
 #include "spillway/engine/collectives.h"

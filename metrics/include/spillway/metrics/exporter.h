@@ -12,7 +12,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/partition_store.h"

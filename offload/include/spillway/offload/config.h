@@ -11,7 +11,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/owner.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 
 namespace spillway::offload {

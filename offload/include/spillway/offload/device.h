@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/device_guard.h"
 
 namespace spillway::offload {

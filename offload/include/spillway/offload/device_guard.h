@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
 

@@ -20,7 +20,7 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/config.h"
 
 namespace spillway::offload {
@@ -110,6 +110,19 @@ struct StoreHooks {
 // clears it; everyone else waits on busy_cv_ before taking it. Note [Memory held by others] in
 // docs/offload.md: when the budget is full and every resident partition is in use or in
 // transition by other threads, a spill waits (at most memory_wait()) for them to give it back.
+//
+// Invariants (Validate), for every partition p, under mu_:
+//   handles(p) <= p.pins, equal unless a device handle's release is writing back
+//   p.write_pins + p.device_pins <= p.pins            (write_pins counts host handles only)
+//   p.busy == (p.busy_by != thread::id())
+//   p.tombstone  =>  nothing held: no host copy, no extent, no device view, no pins
+//   p.nvme_valid =>  p has an extent;   p.dirty => p has a host copy
+//   and, when p is not busy (no thread is moving it):
+//     host handles (pins - device_pins) > 0  =>  p has a host copy
+//     p has a device view  <=>  p.device_pins > 0;   p.device_dirty => p has a device view
+//     p has no host copy  =>  p has an extent (its bytes are on NVMe, or it was never written)
+//   the schedule: schedule_[u] == p for every u in p.uses, and each position belongs to one p
+//   stats_.live_handles == |live_handles_|;  stats_.partitions <= |registered, not tombstones|
 class PartitionStore {
  public:
   // `nvme` may be null (no spill possible: the budget error then says how to allow it).
@@ -179,6 +192,9 @@ class PartitionStore {
   uint64_t bytes(PartitionId id) const;
   Tier home(PartitionId id) const;
   StoreStats Stats() const;
+  // Walks the partition table and checks the invariants above. O(partitions + schedule + handles).
+  // With SPILLWAY_DEBUG_CHECKS it runs after every public mutating call.
+  Status Validate() const;
 
  private:
   friend class Handle;

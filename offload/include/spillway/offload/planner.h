@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "spillway/allocator/owner.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/offload/config.h"
 
 namespace spillway::offload {

@@ -8,7 +8,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/status.h"
+#include "spillway/base/status.h"
 #include "spillway/allocator/uring_engine.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/device.h"

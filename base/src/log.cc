@@ -1,6 +1,6 @@
 // Leveled logging: stderr, one write(2) per line so lines from threads do not interleave, or the
 // sink that SetLogSink installed.
-#include "spillway/allocator/log.h"
+#include "spillway/base/log.h"
 
 #include <unistd.h>
 

@@ -1,9 +1,9 @@
-// Status formatting and the byte formatter used in every message a user reads.
-#include "spillway/allocator/status.h"
+// Status: code names, construction, formatting, and the abort of Result::value() on an error.
+#include "spillway/base/status.h"
 
-#include <cinttypes>
-#include <cstdio>
 #include <cstring>
+
+#include "spillway/base/check.h"
 
 namespace spillway {
 
@@ -20,6 +20,8 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kUnavailable: return "UNAVAILABLE";
     case StatusCode::kEscaped: return "ESCAPED";
     case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case StatusCode::kExternal: return "EXTERNAL";
   }
   return "UNKNOWN";
 }
@@ -54,21 +56,8 @@ Status Status::WithContext(std::string_view context) const {
   return Make(code(), StrCat(context, ": ", message()), sys_error());
 }
 
-std::string FormatBytes(uint64_t bytes) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (v >= 1024.0 && unit < 5) {
-    v /= 1024.0;
-    ++unit;
-  }
-  char buf[64];
-  if (unit == 0) {
-    std::snprintf(buf, sizeof(buf), "%" PRIu64 " B", bytes);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.2f %s (%" PRIu64 " bytes)", v, kUnits[unit], bytes);
-  }
-  return buf;
+void DieOnValueOfError(const Status& status) {
+  internal::Fatal(StrCat("Result::value() on an error (check ok() first): ", status.ToString()));
 }
 
 }  // namespace spillway

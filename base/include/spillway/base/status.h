@@ -1,6 +1,14 @@
 // Status and Result<T>: how every fallible Spillway call reports failure.
 // A failed status carries a code, the errno / cqe result / CUDA error behind it, and a message that
 // says what was wrong and what to change. An OK status allocates nothing.
+//
+// The message convention, for every status Spillway makes:
+//   "<Call>(<the argument that matters>): <what was wrong, with the numbers>; <what to change>"
+// e.g. "RegisterFile('opt.swp'): all 64 file slots are in use; unregister files you no longer
+// need". The first part names the call and the object so that a line in a log can be traced; the
+// last part names the setting, argument or action that fixes it, so that nobody has to read the
+// source. Byte counts go through FormatBytes (base/bytes.h). Context added on the way up
+// (WithContext) is prefixed: "while swapping out param 12: <message>".
 #pragma once
 
 #include <cstdint>
@@ -25,6 +33,8 @@ enum class StatusCode : uint8_t {
   kUnavailable,         // a facility is missing at run time (no CUDA device, no io_uring)
   kEscaped,             // a boundary found escaped allocations under the `fail` policy
   kInternal,            // an invariant broke: a bug in Spillway
+  kResourceExhausted,   // a fixed table is full (file slots, scope ids): release some, or raise it
+  kExternal,            // a library Spillway calls (libtorch) raised an error it does not classify
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -47,6 +57,9 @@ class [[nodiscard]] Status {
   static Status Internal(std::string message) {
     return Make(StatusCode::kInternal, std::move(message));
   }
+  static Status ResourceExhausted(std::string message) {
+    return Make(StatusCode::kResourceExhausted, std::move(message));
+  }
   // errno-carrying failures: the message gets ": <strerror> (errno N)" appended.
   static Status FromErrno(StatusCode code, int err, std::string message);
 
@@ -61,6 +74,11 @@ class [[nodiscard]] Status {
   // Prefixes context ("while swapping out param 12: ...") and keeps code and errno.
   Status WithContext(std::string_view context) const;
 
+  // The one named way to drop a status on purpose: where the failure is already reported another
+  // way, or nothing can be done about it (a best-effort cleanup on an error path). Say why at the
+  // call site. A bare `(void)` cast hides the choice; this names it.
+  void IgnoreError() const {}
+
  private:
   struct State {
     StatusCode code;
@@ -69,6 +87,9 @@ class [[nodiscard]] Status {
   };
   std::shared_ptr<const State> state_;  // null == OK; shared so copies are cheap
 };
+
+// Prints "spillway fatal: Result::value() on an error: <status>" and aborts.
+[[noreturn]] void DieOnValueOfError(const Status& status);
 
 // A value or the Status that explains why there is none.
 template <typename T>
@@ -81,16 +102,27 @@ class [[nodiscard]] Result {
 
   bool ok() const { return status_.ok(); }
   const Status& status() const { return status_; }
-  T& value() & { return *value_; }
-  const T& value() const& { return *value_; }
-  T&& value() && { return std::move(*value_); }
-  T* operator->() { return &*value_; }
-  const T* operator->() const { return &*value_; }
-  T& operator*() & { return *value_; }
-  const T& operator*() const& { return *value_; }
-  T&& operator*() && { return std::move(*value_); }
+  // The value. On an error these do not return: they print the status and abort (always on, in
+  // every build), so a caller that forgot to check ok() learns why instead of reading garbage.
+  T& value() & { return *Checked(); }
+  const T& value() const& { return *Checked(); }
+  T&& value() && { return std::move(*Checked()); }
+  T* operator->() { return &*Checked(); }
+  const T* operator->() const { return &*Checked(); }
+  T& operator*() & { return *Checked(); }
+  const T& operator*() const& { return *Checked(); }
+  T&& operator*() && { return std::move(*Checked()); }
 
  private:
+  std::optional<T>& Checked() {
+    if (!status_.ok()) [[unlikely]] DieOnValueOfError(status_);
+    return value_;
+  }
+  const std::optional<T>& Checked() const {
+    if (!status_.ok()) [[unlikely]] DieOnValueOfError(status_);
+    return value_;
+  }
+
   Status status_;
   std::optional<T> value_;
 };
@@ -102,9 +134,6 @@ std::string StrCat(const Args&... args) {
   (out << ... << args);
   return out.str();
 }
-
-// "1.50 GiB (1610612736 bytes)" for messages a person reads.
-std::string FormatBytes(uint64_t bytes);
 
 }  // namespace spillway
 
@@ -118,3 +147,14 @@ std::string FormatBytes(uint64_t bytes);
     ::spillway::Status _st = (expr);     \
     if (!_st.ok()) return _st;           \
   } while (0)
+
+#define SPILLWAY_CONCAT_INNER(a, b) a##b
+#define SPILLWAY_CONCAT(a, b) SPILLWAY_CONCAT_INNER(a, b)
+// SPILLWAY_ASSIGN_OR_RETURN(auto fd, OpenFile(path)); returns the Result's status from the
+// enclosing function on an error, else declares (or assigns) `lhs` from its value.
+#define SPILLWAY_ASSIGN_OR_RETURN(lhs, expr) \
+  SPILLWAY_ASSIGN_OR_RETURN_IMPL(SPILLWAY_CONCAT(_spillway_result_, __LINE__), lhs, expr)
+#define SPILLWAY_ASSIGN_OR_RETURN_IMPL(result, lhs, expr) \
+  auto result = (expr);                                   \
+  if (!result.ok()) return result.status();               \
+  lhs = std::move(result).value()
