@@ -26,7 +26,7 @@ struct TensorDesc {
   int dtype;
 };
 
-// Every failure consumes the thread's last error (Note [CUDA error state], docs/gpu.md).
+// Every failure consumes the thread's last error (Note [CUDA error state], docs/engine.md).
 Status CudaError(cudaError_t err, const char* what) {
   return spillway::cuda::ToStatus(err, what, StatusCode::kUnavailable);
 }

@@ -1,4 +1,4 @@
-// Note [CUDA error state] (docs/gpu.md): a Spillway call that fails on a CUDA error leaves the
+// Note [CUDA error state] (docs/engine.md): a Spillway call that fails on a CUDA error leaves the
 // calling thread's last-error slot empty, so torch's next launch check does not report Spillway's
 // error as its own, and it leaves the caller's current device as it found it. Every test needs a
 // GPU: without a driver the runtime returns its initialization error from every call,

@@ -1,6 +1,6 @@
 // CUDA runtime results as Status, and the current device restored: for Spillway's own CUDA
 // translation units only (it includes <cuda_runtime_api.h>). See Note [CUDA error state] in
-// docs/gpu.md.
+// docs/engine.md.
 //
 // Why both exist. A failed runtime call also stores its code in the calling thread's last-error
 // slot. torch checks every kernel launch with cudaGetLastError(), so an error Spillway returned
