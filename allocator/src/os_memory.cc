@@ -75,7 +75,7 @@ uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& 
     }
     // The limit in force is the smallest one on the way from the cgroup up to the root.
     while (true) {
-      limit = std::min(limit, ReadLimitFile(dir + path + "/" + file));
+      limit = std::min(limit, ReadLimitFile(StrCat(dir, path, "/", file)));
       if (path.empty() || path == "/") break;
       const size_t slash = path.rfind('/');
       path = slash == 0 || slash == std::string::npos ? std::string("/") : path.substr(0, slash);

@@ -83,8 +83,8 @@ struct UringEngine::Impl {
       }
       e->fixed_buffers_ = false;
       e->stats_.registration = StrCat("plain files, no fixed buffers (sparse registration: ",
-                                      strerror(why), ")");
-      Log(LogLevel::kWarning, StrCat("io_uring without sparse registration (", strerror(why),
+                                      ErrnoText(why), ")");
+      Log(LogLevel::kWarning, StrCat("io_uring without sparse registration (", ErrnoText(why),
                                      "; Linux < 5.19?): files are registered plainly and reads "
                                      "and writes use no fixed buffers"));
     } else {
@@ -194,7 +194,7 @@ struct UringEngine::Impl {
       if (rc < 0) {
         // The ring cannot report completions either. Fail the requests so no Wait blocks for
         // ever, and leak their chunks and bounce buffers: the kernel may still touch that memory.
-        Log(LogLevel::kError, StrCat("io_uring_wait_cqe after a ring failure: ", strerror(-rc),
+        Log(LogLevel::kError, StrCat("io_uring_wait_cqe after a ring failure: ", ErrnoText(-rc),
                                      "; the requests the kernel still holds fail now"));
         e->AbandonInFlight(failure);
         return;
@@ -314,7 +314,7 @@ Result<std::unique_ptr<UringEngine>> UringEngine::Create(UringEngineOptions opti
                                "forbidden io_uring");
     }
     engine->backend_ = IoBackend::kThreadPool;
-    engine->stats_.fallback_reason = StrCat("io_uring unavailable: ", strerror(err));
+    engine->stats_.fallback_reason = StrCat("io_uring unavailable: ", ErrnoText(err));
   }
   engine->stats_.backend = engine->backend_;
   if (engine->backend_ == IoBackend::kThreadPool) {
@@ -395,7 +395,7 @@ void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
       int rc = io_uring_register_buffers_update_tag(&impl_->ring, slots[i], &iov, nullptr, 1);
       if (rc < 0) {
         Log(LogLevel::kWarning, StrCat("io_uring buffer registration of ", FormatBytes(iov.iov_len),
-                                       " failed (", strerror(-rc),
+                                       " failed (", ErrnoText(-rc),
                                        "); chunks in it use unfixed reads and writes. Raise "
                                        "RLIMIT_MEMLOCK to register it"));
         std::lock_guard<std::mutex> lock(mu_);
@@ -430,7 +430,7 @@ void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
     iovec empty{nullptr, 0};  // clears the slot; the kernel keeps pages of in-flight I/O alive
     int rc = io_uring_register_buffers_update_tag(&impl_->ring, slot, &empty, nullptr, 1);
     if (rc < 0) {
-      Log(LogLevel::kError, StrCat("io_uring buffer unregistration: ", strerror(-rc)));
+      Log(LogLevel::kError, StrCat("io_uring buffer unregistration: ", ErrnoText(-rc)));
       continue;  // leak the slot rather than reuse one the kernel may still map
     }
     cleared.push_back(slot);
@@ -762,7 +762,7 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure)
 }
 
 Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) {
-  const Status failure = Status::FromErrno(
+  Status failure = Status::FromErrno(
       StatusCode::kIoError, err,
       "io_uring_submit_and_wait failed and the I/O engine's ring stopped: this request did not "
       "complete (parts of it may have been written or read: treat its destination, file range "

@@ -14,7 +14,7 @@ namespace {
 // Quiet by default: errors and warnings print, informational lines only when asked for. A value
 // that names no level is said, not ignored.
 LogLevel ThresholdFromEnv() {
-  const char* env = std::getenv("SPILLWAY_LOG");
+  const char* env = std::getenv("SPILLWAY_LOG");  // NOLINT(concurrency-mt-unsafe): once, no setenv
   if (env == nullptr || *env == '\0') return LogLevel::kWarning;
   if (std::optional<LogLevel> l = ParseLogLevel(env)) return *l;
   LogToStderr(LogLevel::kWarning, std::string("SPILLWAY_LOG='") + env +

@@ -33,11 +33,14 @@ Status Status::Make(StatusCode code, std::string message, int sys_error) {
   return s;
 }
 
-Status Status::FromErrno(StatusCode code, int err, std::string message) {
+std::string ErrnoText(int err) {
   char buf[128];
   // GNU strerror_r returns the string it chose, which may not be buf.
-  const char* text = strerror_r(err, buf, sizeof(buf));
-  message += StrCat(": ", text, " (errno ", err, ")");
+  return strerror_r(err, buf, sizeof(buf));
+}
+
+Status Status::FromErrno(StatusCode code, int err, std::string message) {
+  message += StrCat(": ", ErrnoText(err), " (errno ", err, ")");
   return Make(code, std::move(message), err);
 }
 

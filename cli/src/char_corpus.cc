@@ -23,12 +23,12 @@ char CharCorpus::Decode(int64_t id) {
 Result<CharCorpus> CharCorpus::Load(const std::string& path, uint64_t min_tokens) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return Status::InvalidArgument(StrCat("--data ", path, ": cannot open (", std::strerror(errno),
+    return Status::InvalidArgument(StrCat("--data ", path, ": cannot open (", ErrnoText(errno),
                                           "); pass a readable text file"));
   }
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) {
-    return Status::InvalidArgument(StrCat("--data ", path, ": read failed (", std::strerror(errno), ")"));
+    return Status::InvalidArgument(StrCat("--data ", path, ": read failed (", ErrnoText(errno), ")"));
   }
   if (text.size() < min_tokens) {
     return Status::InvalidArgument(StrCat("--data ", path, " holds ", text.size(),

@@ -154,10 +154,10 @@ Status ForkingLoader::Next(int64_t* rows) {
     const int ready = poll(&pfd, 1, options_.timeout_seconds * 1000);
     if (ready < 0 && errno == EINTR) continue;
     if (ready == 0) return WorkerFailed(w, StrCat("sent nothing for ", options_.timeout_seconds, " s").c_str());
-    if (ready < 0) return WorkerFailed(w, StrCat("poll failed: ", std::strerror(errno)).c_str());
+    if (ready < 0) return WorkerFailed(w, StrCat("poll failed: ", ErrnoText(errno)).c_str());
     const ssize_t n = read(fds_[w], p, left);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return WorkerFailed(w, StrCat("read failed: ", std::strerror(errno)).c_str());
+    if (n < 0) return WorkerFailed(w, StrCat("read failed: ", ErrnoText(errno)).c_str());
     if (n == 0) return WorkerFailed(w, "closed its pipe early");
     p += n;
     left -= static_cast<size_t>(n);
@@ -167,7 +167,7 @@ Status ForkingLoader::Next(int64_t* rows) {
   // One credit back: the worker may make its next batch. A worker that has finished ignores it.
   const char credit = 'c';
   if (send(fds_[w], &credit, 1, MSG_NOSIGNAL) != 1 && errno != EPIPE && errno != ECONNRESET) {
-    return WorkerFailed(w, StrCat("cannot take a credit: ", std::strerror(errno)).c_str());
+    return WorkerFailed(w, StrCat("cannot take a credit: ", ErrnoText(errno)).c_str());
   }
   return Status::Ok();
 }

@@ -54,7 +54,7 @@ Result<TreeMemory> ProcessTreeMemory(pid_t pid) {
   TreeMemory m;
   Rollup r;
   if (!ReadRollup(pid, &r)) {
-    return Status::InvalidArgument(StrCat("cannot read /proc/", pid, "/smaps_rollup (", std::strerror(errno),
+    return Status::InvalidArgument(StrCat("cannot read /proc/", pid, "/smaps_rollup (", ErrnoText(errno),
                                           "): the process does not exist or this kernel lacks "
                                           "smaps_rollup (Linux >= 4.14)"));
   }

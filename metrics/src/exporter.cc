@@ -12,7 +12,7 @@
 
 namespace spillway::metrics {
 
-Result<std::unique_ptr<Exporter>> Exporter::Start(ExporterOptions options) {
+Result<std::unique_ptr<Exporter>> Exporter::Start(const ExporterOptions& options) {
   std::unique_ptr<Exporter> e(new Exporter());
   e->collector_ = std::make_shared<Collector>();
   e->collector_->SetConstLabels(options.const_labels);

@@ -94,7 +94,7 @@ class Reader {
   void OffloadParam(const json& o, const std::string& path) {
     if (!Object(o, path)) return;
     for (const auto& [k, v] : o.items()) {
-      const std::string p = path + "." + k;
+      const std::string p = StrCat(path, ".", k);
       auto& c = c_->offload_param;
       if (k == "device") Device(v, p, &c.device);
       else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
@@ -108,7 +108,7 @@ class Reader {
   void OffloadOptimizer(const json& o, const std::string& path) {
     if (!Object(o, path)) return;
     for (const auto& [k, v] : o.items()) {
-      const std::string p = path + "." + k;
+      const std::string p = StrCat(path, ".", k);
       auto& c = c_->offload_optimizer;
       if (k == "device") Device(v, p, &c.device);
       else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
@@ -156,7 +156,7 @@ class Reader {
           for (const auto& [tier, pv] : v.items()) {
             if (tier == "host") Policy(pv, p + ".host", &c.host_escape_policy);
             else if (tier == "nvme") Policy(pv, p + ".nvme", &c.nvme_escape_policy);
-            else Fail(p + "." + tier, "is not a tier; allowed keys: host, nvme");
+            else Fail(StrCat(p, ".", tier), "is not a tier; allowed keys: host, nvme");
           }
         } else if (Policy(v, p, &c.host_escape_policy)) {
           c.nvme_escape_policy = c.host_escape_policy;
@@ -225,7 +225,7 @@ class Reader {
       } else if (k == "params") {
         if (!Object(v, p)) continue;
         for (const auto& [pk, pv] : v.items()) {
-          const std::string pp = p + "." + pk;
+          const std::string pp = StrCat(p, ".", pk);
           if (pk == "lr") {
             if (NonNegative(pv, pp, &t.lr) && t.lr == 0.0) Fail(pp, "is 0; expected lr > 0");
           } else if (pk == "eps") {
@@ -458,7 +458,7 @@ allocator::NvmeArenaOptions Config::SpillArenaOptions() const {
   Config c = *this;
   std::string dir = spillway.spill_path;
   if (dir.empty()) {
-    const char* tmp = std::getenv("TMPDIR");
+    const char* tmp = std::getenv("TMPDIR");  // NOLINT(concurrency-mt-unsafe): read-only, no setenv
     dir = tmp != nullptr && *tmp != '\0' ? tmp : "/var/tmp";
   }
   c.offload_optimizer.device = OffloadDevice::kNvme;

@@ -162,7 +162,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
   PlanReport r;
   r.runtime = in.runtime;
   uint64_t committed_per_rank = 0;  // 0: as the steady state
-  const double ranks_per_node = static_cast<double>(in.world_size / in.nodes);
+  const double ranks_per_node = static_cast<double>(in.world_size) / in.nodes;  // divisible: checked above
   if (in.runtime == Runtime::kTrainer) {
     if (in.trainer_units.empty()) return Status::InvalidArgument("a trainer plan needs the model's units");
     uint64_t numel = 0, shard = 0, largest = 0;
@@ -190,7 +190,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
     if (c.offload_param.device == OffloadDevice::kNvme) staging += PipelineOptions{}.staging_buffers;
     for (uint32_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);
-    const uint64_t streamed = opt_nvme ? (1 + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
+    const uint64_t streamed = opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
     committed_per_rank = ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));
     r.checkpoint_gather_bytes = Bytes(4 * in.params);
     // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the

@@ -437,7 +437,7 @@ class AioHandle {
       }
       return OpenNamed(engine, filename, write, false, now);
     }
-    if (fd < 0) return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", std::strerror(errno)), errno);
+    if (fd < 0) return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", ErrnoText(errno)), errno);
     if (::fstat(fd, now) != 0) {
       const int err = errno;
       ::close(fd);

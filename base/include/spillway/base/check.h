@@ -1,4 +1,4 @@
-// Assertions at three cost levels (docs/contributing.md, "Checks"):
+// Assertions at three cost levels (docs/base.md, Note [Check levels]):
 //
 //   SPILLWAY_CHECK(cond) << "context";   always on, in every build. For conditions that, if false,
 //                                        would let a byte land in the wrong place: an offset past an
@@ -78,11 +78,13 @@ class ValidateOnExit {
 
 }  // namespace spillway::internal
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `<< context` after it must reach the CheckFailure
 #define SPILLWAY_CHECK(cond)                          \
   (__builtin_expect(static_cast<bool>(cond), 1))      \
       ? (void)0                                       \
       : ::spillway::internal::Voidify() &             \
             ::spillway::internal::CheckFailure(__FILE__, __LINE__, #cond)
+// NOLINTEND(bugprone-macro-parentheses)
 
 #ifdef NDEBUG
 // `while (false)` keeps the operands type-checked and unevaluated.
@@ -95,6 +97,7 @@ class ValidateOnExit {
 #if defined(SPILLWAY_DEBUG_CHECKS) && SPILLWAY_DEBUG_CHECKS
 #define SPILLWAY_DEBUG_CHECKS_ON 1
 #define SPILLWAY_VALIDATE(obj) ::spillway::internal::ValidateOrDie((obj), __FILE__, __LINE__)
+// NOLINTNEXTLINE(bugprone-macro-parentheses): a declaration cannot be parenthesised
 #define SPILLWAY_VALIDATE_ON_EXIT(obj)                        \
   const ::spillway::internal::ValidateOnExit SPILLWAY_CONCAT( \
       _spillway_validate_on_exit_, __LINE__)((obj), __FILE__, __LINE__)

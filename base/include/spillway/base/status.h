@@ -88,6 +88,9 @@ class [[nodiscard]] Status {
   std::shared_ptr<const State> state_;  // null == OK; shared so copies are cheap
 };
 
+// strerror's text for an errno value, from strerror_r: safe on any thread (strerror is not).
+std::string ErrnoText(int err);
+
 // Prints "spillway fatal: Result::value() on an error: <status>" and aborts.
 [[noreturn]] void DieOnValueOfError(const Status& status);
 
@@ -154,7 +157,9 @@ std::string StrCat(const Args&... args) {
 // enclosing function on an error, else declares (or assigns) `lhs` from its value.
 #define SPILLWAY_ASSIGN_OR_RETURN(lhs, expr) \
   SPILLWAY_ASSIGN_OR_RETURN_IMPL(SPILLWAY_CONCAT(_spillway_result_, __LINE__), lhs, expr)
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` may be a declaration, `result` a name
 #define SPILLWAY_ASSIGN_OR_RETURN_IMPL(result, lhs, expr) \
   auto result = (expr);                                   \
   if (!result.ok()) return result.status();               \
   lhs = std::move(result).value()
+// NOLINTEND(bugprone-macro-parentheses)

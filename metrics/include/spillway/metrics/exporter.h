@@ -40,7 +40,7 @@ class Exporter {
  public:
   // Binds the address and starts serving. A port already in use is an UNAVAILABLE status naming
   // the address and the setting to change, never a crash.
-  static Result<std::unique_ptr<Exporter>> Start(ExporterOptions options);
+  static Result<std::unique_ptr<Exporter>> Start(const ExporterOptions& options);
   ~Exporter();
   Exporter(const Exporter&) = delete;
   Exporter& operator=(const Exporter&) = delete;
