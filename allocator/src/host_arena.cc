@@ -250,6 +250,7 @@ void HostArena::DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* o
     pending_unmap_bytes_ += region.bytes;
     out->push_back(region);
   }
+  NoteCommitted();  // regions, reserved and pinned bytes follow committed_bytes down too
 }
 
 uint64_t HostArena::RetainLimit() const {

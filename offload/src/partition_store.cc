@@ -145,6 +145,7 @@ PartitionStore::~PartitionStore() {
   alive_->store(false, std::memory_order_release);
   if (!process_.InOwner()) {
     // A forked child has no prefetch thread to join, and the parent's memory is not its to free.
+    // NOLINTNEXTLINE(bugprone-unhandled-exception-at-new): a child that cannot allocate here ends
     if (prefetcher_.joinable()) new std::thread(std::move(prefetcher_));  // leaked on purpose
     return;
   }
@@ -258,7 +259,10 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   std::lock_guard<std::mutex> lock(mu_);
   for (PartitionId id : order) {
-    if (id >= parts_.size() || parts_[id].bytes == 0) {
+    // bytes == 0: a tombstone; busy with no pins: its Register is still placing it.
+    if (id >= parts_.size() || parts_[id].bytes == 0 ||
+        (parts_[id].busy && parts_[id].pins == 0 && parts_[id].host == nullptr &&
+         parts_[id].nvme_off == kNoExtent)) {
       return Status::InvalidArgument(StrCat("SetSchedule: partition ", id, " is not registered"));
     }
   }
@@ -371,6 +375,14 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     Part& p = parts_[id];
     const std::thread::id me = std::this_thread::get_id();
     const uint32_t other_tier_pins = device ? p.pins - p.device_pins : p.device_pins;
+    if (!device && p.device != nullptr && p.device_pins == 0) {
+      // Only a kept view is here with no device handle: its write-back failed, and it holds the
+      // only good copy. A host copy made now would read what NVMe or the host had before it.
+      return Status::FailedPrecondition(StrCat(
+          "Acquire of ", Describe(id), " on host: its device view holds the newest bytes and "
+          "writing them back failed; acquire it on the device tier and release it to retry the "
+          "write-back"));
+    }
     if (other_tier_pins > 0) {
       return Status::FailedPrecondition(StrCat(
           "Acquire of ", Describe(id), " on ", TierName(tier), ": it is in use on ",
@@ -958,7 +970,11 @@ Status PartitionStore::Validate() const {
     uses += p.uses.size();
     if (p.busy) continue;  // its mover owns the rest until it clears busy
     if (p.pins > p.device_pins && p.host == nullptr) return fail("a host handle without a host copy");
-    if ((p.device != nullptr) != (p.device_pins > 0)) return fail("device view and device pins disagree");
+    if (p.device_pins > 0 && p.device == nullptr) return fail("device pins without a device view");
+    // A view with no device pins is one kept after its write-back failed: the only good copy.
+    if (p.device != nullptr && p.device_pins == 0 && !p.device_dirty) {
+      return fail("an unpinned device view that is not dirty (it should have been freed)");
+    }
     if (p.device_dirty && p.device == nullptr) return fail("device-dirty without a device view");
     if (p.host == nullptr && p.nvme_off == kNoExtent) return fail("its bytes are nowhere");
     if (handles[id] != p.pins && p.device_pins == 0) return fail("pins without live handles");

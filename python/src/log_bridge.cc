@@ -1,4 +1,4 @@
-// The bridge from Spillway's C++ log (allocator/include/spillway/base/log.h) to Python's
+// The bridge from Spillway's C++ log (base/include/spillway/base/log.h) to Python's
 // `logging`. Lines come from any thread, often with a Spillway lock held (an arena's, the store's,
 // the ring thread's), so the sink never takes the GIL: taking it there could deadlock against a
 // Python thread that holds the GIL and waits for that lock. It appends the line to a bounded queue

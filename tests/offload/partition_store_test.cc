@@ -191,8 +191,9 @@ TEST(PartitionStoreTest, PrefetchingUnderAQuarterBudgetStillMatchesAnUnboundedRu
 
 // Device views on the CPU backend (the same schedule the CUDA backend runs).
 struct DeviceRig {
-  explicit DeviceRig(const Config& cfg, uint32_t prefetch_window = 0, Device* dev = nullptr)
-      : rig(cfg, 256 * kMiB, true, nullptr, prefetch_window) {
+  explicit DeviceRig(const Config& cfg, uint32_t prefetch_window = 0, Device* dev = nullptr,
+                     allocator::IoFaults* faults = nullptr)
+      : rig(cfg, 256 * kMiB, true, faults, prefetch_window) {
     if (dev == nullptr) {
       owned = std::move(Device::OpenCpu().value());
       dev = owned.get();
@@ -486,6 +487,52 @@ TEST(PartitionStoreTest, AReadFaultSurfacesThroughAcquireAndTheDataIsStillThere)
   auto good = rig.store->Acquire(*id);
   ASSERT_TRUE(good.ok()) << good.status().ToString();
   EXPECT_EQ(std::memcmp(*good->Data(), data.data(), data.size()), 0);
+}
+
+// A dirty device view whose write-back failed is the only good copy: the store keeps it, and a host
+// Acquire must not swap in the stale NVMe bytes meanwhile (it did: found by review of the
+// PartitionStore::Validate invariants). A device Acquire and Release retries the write-back.
+TEST(PartitionStoreTest, AKeptDeviceViewIsNotShadowedByAStaleHostCopy) {
+  allocator::IoFaults faults;
+  DeviceRig d(ParseOrDie(OffloadJson("nvme", "cpu")), 0, nullptr, &faults);
+  PartitionStore& store = *d.rig.store;
+  const uint64_t bytes = 2 * kMiB;
+  std::vector<char> v1(bytes), v2(bytes);
+  FillRandom(v1.data(), bytes, 1);
+  FillRandom(v2.data(), bytes, 2);
+  auto param = *store.Register({0, 0, StateKind::kParam}, bytes);
+  {
+    auto h = store.Acquire(param);
+    std::memcpy(*h->Data(), v1.data(), bytes);
+  }
+  ASSERT_TRUE(store.Evict(param).ok());
+  {
+    auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
+    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
+    ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
+    faults.write_errno = EIO;
+    Status st = store.Release(*dv);
+    EXPECT_EQ(st.code(), StatusCode::kIoError) << st.ToString();
+    EXPECT_NE(st.message().find("the device copy is kept"), std::string::npos) << st.ToString();
+  }
+  faults.write_errno = 0;
+  {
+    auto h = store.Acquire(param, Access::kRead);
+    ASSERT_FALSE(h.ok()) << "a host copy of the stale NVMe bytes was made";
+    EXPECT_EQ(h.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(h.status().message().find("acquire it on the device tier"), std::string::npos)
+        << h.status().ToString();
+  }
+  EXPECT_TRUE(store.Validate().ok()) << store.Validate().ToString();
+  {
+    auto dv = store.Acquire(param, Access::kRead, Tier::kDevice);
+    ASSERT_TRUE(dv.ok()) << dv.status().ToString();
+    EXPECT_EQ(d.ReadDevice(*dv), v2);
+    ASSERT_TRUE(store.Release(*dv).ok());  // the retried write-back
+  }
+  auto h = store.Acquire(param, Access::kRead);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(std::memcmp(*h->Data(), v2.data(), bytes), 0);
 }
 
 TEST(PartitionStoreTest, AWriteFaultDuringSpillKeepsTheHostCopy) {

@@ -119,7 +119,9 @@ struct StoreHooks {
 //   p.nvme_valid =>  p has an extent;   p.dirty => p has a host copy
 //   and, when p is not busy (no thread is moving it):
 //     host handles (pins - device_pins) > 0  =>  p has a host copy
-//     p has a device view  <=>  p.device_pins > 0;   p.device_dirty => p has a device view
+//     p.device_pins > 0 => p has a device view;   p.device_dirty => p has a device view
+//     a device view with no device pins is dirty: kept after its write-back failed, the only
+//     good copy (a host Acquire is refused until a device Acquire + Release writes it back)
 //     p has no host copy  =>  p has an extent (its bytes are on NVMe, or it was never written)
 //   the schedule: schedule_[u] == p for every u in p.uses, and each position belongs to one p
 //   stats_.live_handles == |live_handles_|;  stats_.partitions <= |registered, not tombstones|
