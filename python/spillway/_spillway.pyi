@@ -9,6 +9,7 @@ import collections.abc
 from spillway import ChecksumMismatch
 from spillway import Error
 from spillway import Escaped
+from spillway import ExternalError
 from spillway import FailedPrecondition
 from spillway import InternalError
 from spillway import InvalidArgument
@@ -16,10 +17,11 @@ from spillway import IoError
 from spillway import NoSpace
 from spillway import OutOfMemory
 from spillway import OverBudget
+from spillway import ResourceExhausted
 from spillway import Unavailable
 import torch
 import typing
-__all__: list[str] = ['AdamKernel', 'ChecksumMismatch', 'Error', 'Escaped', 'Exporter', 'FailedPrecondition', 'HostArena', 'InternalError', 'InvalidArgument', 'IoError', 'NoSpace', 'OutOfMemory', 'OverBudget', 'Unavailable', 'aio_handle', 'default_arena', 'default_host_budget', 'memory_limit_bytes', 'set_log_level']
+__all__: list[str] = ['AdamKernel', 'ChecksumMismatch', 'Error', 'Escaped', 'Exporter', 'ExternalError', 'FailedPrecondition', 'HostArena', 'InternalError', 'InvalidArgument', 'IoError', 'NoSpace', 'OutOfMemory', 'OverBudget', 'ResourceExhausted', 'Unavailable', 'aio_handle', 'default_arena', 'default_host_budget', 'memory_limit_bytes', 'set_log_level']
 class HostArena:
     def __init__(self, budget_bytes: typing.SupportsInt | typing.SupportsIndex = 0, pinned: bool = True, policy: str = 'report', name: str = 'python', share_ledger_with: HostArena = None) -> None:
         ...
@@ -149,6 +151,16 @@ def _install(arg0: HostArena, arg1: HostArena, arg2: typing.SupportsInt | typing
     ...
 def _installed() -> bool:
     ...
+def _log_flush() -> None:
+    """
+    Hands what is queued to emit now, on this thread.
+    """
+def _log_route(arg0: typing.Any) -> None:
+    """
+    Sends C++ log lines to emit(level, message, on_stderr) on the main thread (None: back to stderr, after handing over what is queued).
+    """
+def _log_test_line(level: str, message: str, from_thread: bool, lines: typing.SupportsInt | typing.SupportsIndex = 1) -> None:
+    ...
 def _pinned_stats() -> dict:
     ...
 def _poll_deferred() -> int:
@@ -179,6 +191,6 @@ def memory_limit_bytes() -> int:
     """
 def set_log_level(arg0: str) -> None:
     """
-    What Spillway's C++ core prints on stderr from now on (default: SPILLWAY_LOG, else warning).
+    What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).
     """
 _torch_version_built: str = '2.13.0'
