@@ -1,8 +1,6 @@
 // HostArena: exact-size extents over pinned, fork-safe regions, with a budget, a bounded retained
 // cache, owner tags and boundary escape checks. The lock covers bookkeeping only: regions are mapped,
 // pinned, unpinned and unmapped outside it (Note [Lock discipline] in docs/allocator.md).
-#include "spillway/base/bytes.h"
-#include "spillway/base/check.h"
 #include "spillway/allocator/host_arena.h"
 
 #include <execinfo.h>
@@ -15,6 +13,8 @@
 #include "cuda_host.h"
 #include "live_table.h"
 #include "os_memory.h"
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/base/log.h"
 
 namespace spillway::allocator {
@@ -25,7 +25,6 @@ constexpr std::array<const char*, 3> kForkNames = {"dontfork", "wipeonfork", "in
 // Spill-handler calls per allocation. A call that frees memory another thread then takes sends the
 // allocation round again; with several threads spilling at once that happens more than a few times.
 constexpr int kMaxSpillRounds = 64;
-
 
 std::string Hex(uint64_t v) {
   char buf[24];

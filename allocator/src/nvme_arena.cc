@@ -1,7 +1,5 @@
 // NvmeArena: one anonymous, preallocated O_DIRECT swap file, carved into exact extents; owners,
 // boundaries and budget as in the host arena; a CRC32C per extent. Note [Swap file] in docs/nvme.md.
-#include "spillway/base/bytes.h"
-#include "spillway/base/check.h"
 #include "spillway/allocator/nvme_arena.h"
 
 #include <fcntl.h>
@@ -16,8 +14,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "spillway/allocator/crc32c.h"
 #include "live_table.h"
+#include "spillway/allocator/crc32c.h"
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/base/log.h"
 
 namespace spillway::allocator {
@@ -29,7 +29,6 @@ std::string StaleWrite(uint64_t offset) {
                 "this write ran, so its data is not recorded as the extent's (the caller's copy is "
                 "still the good one); one write at a time per extent, and free it only after");
 }
-
 
 std::string FreeSpace(const std::string& dir) {
   struct statvfs vfs{};

@@ -1,6 +1,5 @@
 // UringEngine: the shared request/chunk/ticket core, the io_uring ring thread, and the pread/pwrite
 // pool that takes over when io_uring is not allowed. Note [Ticket lifecycle] in docs/nvme.md.
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/uring_engine.h"
 
 #include <liburing.h>
@@ -12,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "spillway/base/bytes.h"
 #include "spillway/base/log.h"
 
 namespace spillway::allocator {
@@ -23,7 +23,6 @@ double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
 
 int TakeOne(std::atomic<int>* counter) {
   int v = counter->load(std::memory_order_relaxed);

@@ -1,5 +1,4 @@
 // Exporter: prometheus-cpp's CivetWeb exposer serving the Collector.
-#include "spillway/base/bytes.h"
 #include "spillway/metrics/exporter.h"
 
 #include <prometheus/exposer.h>
@@ -9,6 +8,7 @@
 
 #include "collector.h"
 #include "thread_stack_floor.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::metrics {
 

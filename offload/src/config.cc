@@ -1,6 +1,5 @@
 // Config parsing on nlohmann::json. Every key Spillway reads is checked for type and range here,
 // once; the rest of the code trusts a Config.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/config.h"
 
 #include <cstdlib>
@@ -14,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "spillway/base/bytes.h"
 #include "spillway/base/log.h"
 
 namespace spillway::offload {

@@ -1,11 +1,11 @@
 // The CUDA device backend: cudaMalloc, a non-blocking copy stream, events. Every call makes its
 // device current for the call and gives the caller's back, and no failed call leaves its error for
 // torch to find (Note [CUDA error state], docs/engine.md). An UNAVAILABLE stub without CUDA.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/device.h"
 
 #if SPILLWAY_WITH_CUDA
 #include "spillway/allocator/cuda_status.h"
+#include "spillway/base/bytes.h"
 #endif
 
 namespace spillway::offload {

@@ -1,13 +1,13 @@
 // PartitionStore: home tiers, handles, swap-in, and OPT spill under the host budget.
 // Note [Spill] in docs/offload.md.
-#include "spillway/base/bytes.h"
-#include "spillway/base/check.h"
 #include "spillway/offload/partition_store.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "spillway/base/bytes.h"
+#include "spillway/base/check.h"
 #include "spillway/base/log.h"
 #include "spillway/offload/transfer_pipeline.h"
 
@@ -259,10 +259,7 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   std::lock_guard<std::mutex> lock(mu_);
   for (PartitionId id : order) {
-    // bytes == 0: a tombstone; busy with no pins: its Register is still placing it.
-    if (id >= parts_.size() || parts_[id].bytes == 0 ||
-        (parts_[id].busy && parts_[id].pins == 0 && parts_[id].host == nullptr &&
-         parts_[id].nvme_off == kNoExtent)) {
+    if (id >= parts_.size() || !Placed(parts_[id])) {  // a tombstone, or its Register is running
       return Status::InvalidArgument(StrCat("SetSchedule: partition ", id, " is not registered"));
     }
   }
@@ -976,7 +973,7 @@ Status PartitionStore::Validate() const {
       return fail("an unpinned device view that is not dirty (it should have been freed)");
     }
     if (p.device_dirty && p.device == nullptr) return fail("device-dirty without a device view");
-    if (p.host == nullptr && p.nvme_off == kNoExtent) return fail("its bytes are nowhere");
+    if (!Placed(p)) return fail("its bytes are nowhere");
     if (handles[id] != p.pins && p.device_pins == 0) return fail("pins without live handles");
   }
   if (uses != schedule_.size()) {

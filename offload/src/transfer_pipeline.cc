@@ -1,11 +1,11 @@
 // TransferPipeline: chunked, overlapped NVMe <-> staging <-> device transfers with checksums.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 #include <algorithm>
 #include <optional>
 
 #include "spillway/allocator/crc32c.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::offload {
 

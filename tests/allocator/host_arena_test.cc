@@ -1,5 +1,4 @@
 // HostArena: exact sizes, the retained bound, Trim, pin modes, budget and spill, boundaries, scopes.
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +14,7 @@
 #include <thread>
 
 #include "test_util.h"
+#include "spillway/base/bytes.h"
 #include <unistd.h>
 
 namespace spillway::allocator {

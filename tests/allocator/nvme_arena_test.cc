@@ -2,7 +2,6 @@
 // boundaries across tiers, and the faults that matter: EIO, ENOSPC, a file size limit, a missing or
 // read-only directory, and a corrupted byte on disk. In every case: a clear status, the host data
 // intact, and the arena usable afterwards.
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/nvme_arena.h"
 
@@ -15,6 +14,7 @@
 #include <cstring>
 
 #include "nvme_test_util.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::allocator {
 namespace {

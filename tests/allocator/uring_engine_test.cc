@@ -1,6 +1,5 @@
 // UringEngine on real files, on both backends: round trips through fixed buffers and the bounce
 // pool, many requests in flight, alignment rules, and every fault the seam can inject.
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/uring_engine.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +14,7 @@
 #include <thread>
 
 #include "nvme_test_util.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::allocator {
 namespace {

@@ -1,7 +1,6 @@
 // The streamed step on a real partition store (io_uring, O_DIRECT swap file, CRC32C): the same
 // bits as the in-memory step, under a host budget smaller than the optimizer state, and with
 // read and write faults that lose nothing.
-#include "spillway/base/bytes.h"
 #include "spillway/engine/streamed_step.h"
 
 #include <gtest/gtest.h>
@@ -13,6 +12,7 @@
 
 #include "../offload/store_test_util.h"
 #include "optimizer_test_util.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::engine {
 namespace {

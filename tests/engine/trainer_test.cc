@@ -5,7 +5,6 @@
 // trainer differs from the reference by summation order (recompute, reduce-scatter), by the host
 // optimizer's multiplication by 1/sqrt(bc2) where torch divides, and by the clip factor's float
 // rounding; the printed drift is far below it.
-#include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 
 #include <gtest/gtest.h>
@@ -17,8 +16,9 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
-#include "spillway/offload/tiers.h"
 #include "trainer_test_util.h"
+#include "spillway/base/bytes.h"
+#include "spillway/offload/tiers.h"
 
 namespace spillway::engine {
 namespace {
@@ -62,7 +62,6 @@ struct Reference {
     }
   }
 };
-
 
 // Trains kSteps with offload `device` ("none", "cpu", "nvme") and the math on `compute`, against
 // the reference on the same compute device.
@@ -127,7 +126,6 @@ TEST_P(TrainerCudaTest, MatchesPlainLibtorchTrainingOnTheGpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device visible to libtorch (this libtorch: CPU build or no GPU)";
   ExpectMatchesPlainLibtorch(GetParam(), torch::Device(torch::kCUDA, 0));
 }
-
 
 INSTANTIATE_TEST_SUITE_P(Offload, TrainerOffloadTest, ::testing::Values("none", "cpu", "nvme"),
                          [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });

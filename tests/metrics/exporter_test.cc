@@ -1,6 +1,5 @@
 // The exporter under a real Prometheus server, concurrent scrapers, bad HTTP input, promtool, and
 // a port that is already taken.
-#include "spillway/base/bytes.h"
 #include "spillway/metrics/exporter.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +15,7 @@
 
 #include "../allocator/test_util.h"
 #include "http_util.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::metrics {
 namespace {

@@ -1,6 +1,5 @@
 // PartitionStore on the real arenas and engine: tier round trips, spill under a quarter budget
 // with results identical to an unbounded run, the OPT choice, handles, faults, 4-thread stress.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/partition_store.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +14,7 @@
 #include "../allocator/nvme_test_util.h"
 #include "pausing_device.h"
 #include "store_test_util.h"
+#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
@@ -225,6 +225,18 @@ bool Eventually(F done) {
   return done();
 }
 
+// Registers an NVMe-homed param holding `data` and evicts it: not resident, its bytes on NVMe.
+PartitionId RegisterEvicted(PartitionStore& store, const std::vector<char>& data) {
+  auto id = store.Register({0, 0, StateKind::kParam}, data.size());
+  EXPECT_TRUE(id.ok()) << id.status().ToString();
+  {
+    auto h = store.Acquire(*id);
+    std::memcpy(*h->Data(), data.data(), data.size());
+  }
+  EXPECT_TRUE(store.Evict(*id).ok());
+  return *id;
+}
+
 TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) {
   DeviceRig d(ParseOrDie(OffloadJson("nvme", "cpu")));
   PartitionStore& store = *d.rig.store;
@@ -251,12 +263,7 @@ TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) 
   }
   // An NVMe-homed param that is not resident: filled straight from NVMe, written back to NVMe,
   // and no host copy is made on the way.
-  auto param = *store.Register({0, 0, StateKind::kParam}, bytes);
-  {
-    auto h = store.Acquire(param);
-    std::memcpy(*h->Data(), v1.data(), bytes);
-  }
-  ASSERT_TRUE(store.Evict(param).ok());
+  const PartitionId param = RegisterEvicted(store, v1);
   {
     auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();
@@ -500,12 +507,7 @@ TEST(PartitionStoreTest, AKeptDeviceViewIsNotShadowedByAStaleHostCopy) {
   std::vector<char> v1(bytes), v2(bytes);
   FillRandom(v1.data(), bytes, 1);
   FillRandom(v2.data(), bytes, 2);
-  auto param = *store.Register({0, 0, StateKind::kParam}, bytes);
-  {
-    auto h = store.Acquire(param);
-    std::memcpy(*h->Data(), v1.data(), bytes);
-  }
-  ASSERT_TRUE(store.Evict(param).ok());
+  const PartitionId param = RegisterEvicted(store, v1);
   {
     auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();

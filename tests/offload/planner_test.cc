@@ -2,12 +2,13 @@
 // 8-GPU node: the run fits in steady state, does not fit with DeepSpeed's end-of-epoch gather plus
 // the copy-on-write of a DataLoader fork, and fits with Spillway's streamed save and fork-safe arena.
 // The trainer's plan against measured runs is tests/cli/plan_vs_run_test.cc.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/planner.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdio>
+
+#include "spillway/base/bytes.h"
 
 namespace spillway::offload {
 namespace {

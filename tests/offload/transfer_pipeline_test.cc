@@ -1,6 +1,5 @@
 // TransferPipeline on the CPU device backend (the same schedule the CUDA backend runs): round
 // trips with odd sizes, the serial baseline, a corrupted chunk, read and write faults.
-#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +10,7 @@
 #include "../allocator/nvme_test_util.h"
 #include "pausing_device.h"
 #include "spillway/allocator/crc32c.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::offload {
 namespace {

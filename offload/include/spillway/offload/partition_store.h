@@ -220,6 +220,9 @@ class PartitionStore {
     uint64_t last_use = 0;         // use_clock_ at its last Acquire or prefetch (Eviction::kLru)
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
+  // Its bytes are somewhere: a host copy or an extent. False for a tombstone and for a partition
+  // whose Register is still placing it; true from then on (a spill makes the extent first).
+  static bool Placed(const Part& p) { return p.host != nullptr || p.nvme_off != kNoExtent; }
 
   PartitionStore(const Config& config, allocator::HostArena* host, allocator::NvmeArena* nvme,
                  allocator::ScopeId scope, uint32_t prefetch_window);
