@@ -1,5 +1,5 @@
 // compare_nvme: moves the same data between host memory and a file on the NVMe path with
-//   spillway   Spillway's UringEngine: io_uring, arena regions as fixed buffers, fixed file
+//   spillway   Spillway's IoEngine: io_uring, arena regions as fixed buffers, fixed file
 //   libaio     a libaio engine (what DeepSpeed's aio op is built on) at the same block size and depth
 //   pool       Spillway's pread/pwrite thread pool (the fallback backend)
 //   fio        fio --ioengine=io_uring --direct=1 at the same block size, depth and size (yardstick)
@@ -25,7 +25,7 @@
 
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace {
 
@@ -101,7 +101,7 @@ double LibaioRun(int fd, const std::vector<Transfer>& xfers, bool write, uint64_
   return s;
 }
 
-double SpillwayRun(UringEngine& engine, int file, const std::vector<Transfer>& xfers, bool write) {
+double SpillwayRun(IoEngine& engine, int file, const std::vector<Transfer>& xfers, bool write) {
   auto t0 = Clock::now();
   for (const Transfer& x : xfers) {
     auto t = write ? engine.Write(file, x.offset, x.buf, x.bytes)
@@ -187,14 +187,14 @@ int main(int argc, char** argv) {
   std::map<std::string, std::map<std::string, std::vector<double>>> secs;
   const std::vector<std::string> engines = {"spillway", "libaio", "pool", "fio"};
   for (const Config& c : configs) {
-    UringEngineOptions eo;
+    IoEngineOptions eo;
     eo.arena = arena->get();
     eo.block_size = c.block;
     eo.queue_depth = c.depth;
-    auto uring = UringEngine::Create(eo);
+    auto uring = IoEngine::Create(eo);
     eo.force_thread_pool = true;
     eo.pool_threads = std::min(c.depth, 8u);
-    auto pool = UringEngine::Create(eo);
+    auto pool = IoEngine::Create(eo);
     if (!uring.ok() || !pool.ok()) Die("engine: " + uring.status().ToString());
     if ((*uring)->backend() != IoBackend::kUring) Die("io_uring is not available here");
     auto ufile = (*uring)->RegisterFile(fd, path, 4096);

@@ -17,7 +17,7 @@
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace {
@@ -52,11 +52,11 @@ int main(int argc, char** argv) {
   ho.ledger = &ledger;
   ho.budget_bytes = (layers + 8) * bytes + 256 * kMiB;
   auto host = Must(allocator::HostArena::Create(ho));
-  allocator::UringEngineOptions eo;
+  allocator::IoEngineOptions eo;
   eo.arena = host.get();
   eo.block_size = 4 * kMiB;
   eo.queue_depth = 16;
-  auto engine = Must(allocator::UringEngine::Create(eo));
+  auto engine = Must(allocator::IoEngine::Create(eo));
   allocator::NvmeArenaOptions no;
   no.directory = dir;
   no.budget_bytes = (layers + 1) * bytes;

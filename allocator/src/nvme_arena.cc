@@ -95,7 +95,7 @@ uint32_t DirectIoAlignment(int fd) {
 }  // namespace
 
 Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options,
-                                                     UringEngine* engine) {
+                                                     IoEngine* engine) {
   if (engine == nullptr) return Status::InvalidArgument("NvmeArena: an I/O engine is required");
   if (options.budget_bytes == 0) {
     return Status::InvalidArgument(StrCat("nvme arena '", options.name,
@@ -128,7 +128,7 @@ Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options,
   return arena;
 }
 
-NvmeArena::NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd,
+NvmeArena::NvmeArena(NvmeArenaOptions options, IoEngine* engine, Ledger* ledger, int fd,
                      int file_id, uint32_t alignment, bool direct)
     : options_(std::move(options)),
       engine_(engine),

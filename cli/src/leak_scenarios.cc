@@ -47,11 +47,11 @@ Result<std::unique_ptr<Rig>> MakeRig(const LeakSuiteOptions& suite, const RigOpt
   auto host = allocator::HostArena::Create(ho);
   if (!host.ok()) return host.status();
   rig->host = std::move(*host);
-  allocator::UringEngineOptions eo;
+  allocator::IoEngineOptions eo;
   eo.arena = rig->host.get();
   eo.bounce_buffers = o.bounce_buffers;
   eo.block_size = o.block_size;
-  auto io = allocator::UringEngine::Create(eo);
+  auto io = allocator::IoEngine::Create(eo);
   if (!io.ok()) return io.status();
   rig->io = std::move(*io);
   if (o.with_nvme) {

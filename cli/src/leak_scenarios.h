@@ -8,7 +8,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/cli/leak_suite.h"
 
 namespace spillway::cli::leak {
@@ -16,7 +16,7 @@ namespace spillway::cli::leak {
 struct Rig {
   allocator::Ledger ledger;
   std::unique_ptr<allocator::HostArena> host;
-  std::unique_ptr<allocator::UringEngine> io;
+  std::unique_ptr<allocator::IoEngine> io;
   std::unique_ptr<allocator::NvmeArena> nvme;
   ~Rig() {
     nvme.reset();

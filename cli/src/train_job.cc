@@ -14,7 +14,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/base/log.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/cli/char_corpus.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/metrics/exporter.h"
@@ -263,7 +263,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (!tiers.ok()) return tiers.status();
   allocator::Ledger& ledger = (*tiers)->ledger;
   allocator::HostArena* host = (*tiers)->host.get();
-  allocator::UringEngine* io = (*tiers)->io.get();
+  allocator::IoEngine* io = (*tiers)->io.get();
   allocator::NvmeArena* nvme = (*tiers)->nvme.get();
   offload::PartitionStore* store = (*tiers)->store.get();
   auto coll = engine::Collectives::Create(*dist);

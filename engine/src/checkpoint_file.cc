@@ -30,7 +30,7 @@ Status Errno(int err, std::string what) {
 }
 
 // Closes `fd` after unregistering it; the first failure wins.
-Status Release(allocator::UringEngine* io, int* file_id, int* fd, const std::string& path) {
+Status Release(allocator::IoEngine* io, int* file_id, int* fd, const std::string& path) {
   Status st;
   if (*file_id >= 0) {
     st = io->UnregisterFile(*file_id);
@@ -63,7 +63,7 @@ uint64_t DTypeBytes(std::string_view d) {
 // ---- FileWriter ----
 
 FileWriter::FileWriter(std::string path, std::vector<TensorRecord> records, uint64_t data_start,
-                       allocator::UringEngine* io, FaultHook hook)
+                       allocator::IoEngine* io, FaultHook hook)
     : path_(std::move(path)), records_(std::move(records)), data_start_(data_start), io_(io),
       hook_(std::move(hook)) {}
 
@@ -73,7 +73,7 @@ Status FileWriter::Close() { return Release(io_, &file_id_, &fd_, path_); }
 
 Result<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path,
                                                        std::vector<TensorSpec> specs,
-                                                       allocator::UringEngine* io, FaultHook hook) {
+                                                       allocator::IoEngine* io, FaultHook hook) {
   if (io == nullptr) return Status::InvalidArgument("a checkpoint file needs the io_uring engine");
   nlohmann::json header = nlohmann::json::object();
   std::vector<TensorRecord> records;
@@ -172,7 +172,7 @@ Result<std::vector<TensorRecord>> FileWriter::Finish() {
 FileReader::~FileReader() { (void)Release(io_, &file_id_, &fd_, path_); }
 
 Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
-                                                     allocator::UringEngine* io) {
+                                                     allocator::IoEngine* io) {
   if (io == nullptr) return Status::InvalidArgument("a checkpoint file needs the io_uring engine");
   std::unique_ptr<FileReader> r(new FileReader(path, io));
   r->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

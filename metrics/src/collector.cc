@@ -132,7 +132,7 @@ void Collector::Watch(const allocator::NvmeArena* a) {
   std::lock_guard<std::mutex> lock(mu_);
   nvmes_.push_back(a);
 }
-void Collector::Watch(const allocator::UringEngine* e) {
+void Collector::Watch(const allocator::IoEngine* e) {
   std::lock_guard<std::mutex> lock(mu_);
   engines_.push_back(e);
 }
@@ -243,8 +243,8 @@ std::vector<MetricFamily> Collector::Collect() const {
               {{"arena", name}}, static_cast<double>(s.no_space_count));
     AddOwnerFamilies(f, "nvme", name, s);
   }
-  for (const allocator::UringEngine* e : engines_) {
-    const allocator::IoStats s = e->Stats();
+  for (const allocator::IoEngine* e : engines_) {
+    const allocator::IoEngineStats s = e->Stats();
     const char* backend = allocator::IoBackendName(s.backend);
     for (const char* op : {"read", "write"}) {
       const bool read = op[0] == 'r';

@@ -12,7 +12,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/transfer_pipeline.h"
@@ -28,7 +28,7 @@ class Collector final : public prometheus::Collectable {
 
   void Watch(const allocator::HostArena* a);
   void Watch(const allocator::NvmeArena* a);
-  void Watch(const allocator::UringEngine* e);
+  void Watch(const allocator::IoEngine* e);
   void Watch(const allocator::Ledger* l);
   void Watch(const offload::PartitionStore* s);
   void Watch(const offload::TransferPipeline* p);
@@ -42,7 +42,7 @@ class Collector final : public prometheus::Collectable {
   std::vector<std::pair<std::string, std::string>> const_labels_;  // guarded by mu_
   std::vector<const allocator::HostArena*> hosts_;   // guarded by mu_
   std::vector<const allocator::NvmeArena*> nvmes_;   // guarded by mu_
-  std::vector<const allocator::UringEngine*> engines_;  // guarded by mu_
+  std::vector<const allocator::IoEngine*> engines_;  // guarded by mu_
   std::vector<const allocator::Ledger*> ledgers_;    // guarded by mu_
   std::vector<const offload::PartitionStore*> stores_;       // guarded by mu_
   std::vector<const offload::TransferPipeline*> pipelines_;  // guarded by mu_

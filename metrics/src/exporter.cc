@@ -59,7 +59,7 @@ Exporter::~Exporter() { exposer_.reset(); }  // stop serving before the collecto
 
 void Exporter::Watch(const allocator::HostArena* a) { collector_->Watch(a); }
 void Exporter::Watch(const allocator::NvmeArena* a) { collector_->Watch(a); }
-void Exporter::Watch(const allocator::UringEngine* e) { collector_->Watch(e); }
+void Exporter::Watch(const allocator::IoEngine* e) { collector_->Watch(e); }
 void Exporter::Watch(const allocator::Ledger* l) { collector_->Watch(l); }
 void Exporter::Watch(const offload::PartitionStore* s) { collector_->Watch(s); }
 void Exporter::Watch(const offload::TransferPipeline* p) { collector_->Watch(p); }

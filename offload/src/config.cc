@@ -427,8 +427,8 @@ allocator::HostArenaOptions Config::HostArenaOptions() const {
   return o;
 }
 
-allocator::UringEngineOptions Config::EngineOptions(allocator::HostArena* arena) const {
-  allocator::UringEngineOptions o;
+allocator::IoEngineOptions Config::EngineOptions(allocator::HostArena* arena) const {
+  allocator::IoEngineOptions o;
   o.arena = arena;
   o.block_size = aio.block_size;
   o.queue_depth = static_cast<uint32_t>(aio.queue_depth);

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
@@ -109,7 +109,7 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
   const Place opt = opt_nvme ? Place::kNvme : opt_host;
   add("fp32 master weights", opt, 4 * s, Kind::kMasterWeight);
   add("Adam exp_avg and exp_avg_sq", opt, 8 * s, Kind::kOptimizerState);
-  const double bounce = static_cast<double>(allocator::UringEngineOptions{}.bounce_buffers);
+  const double bounce = static_cast<double>(allocator::IoEngineOptions{}.bounce_buffers);
   add("I/O engine bounce pool (8 x block_size)", Place::kHostPinned,
       bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
   if (param_nvme) {
@@ -186,7 +186,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
       const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
       for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
     }
-    uint32_t staging = allocator::UringEngineOptions{}.bounce_buffers;
+    uint32_t staging = allocator::IoEngineOptions{}.bounce_buffers;
     if (c.offload_param.device == OffloadDevice::kNvme) staging += PipelineOptions{}.staging_buffers;
     for (uint32_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);

@@ -12,7 +12,7 @@ Result<std::unique_ptr<Tiers>> Tiers::Create(const Config& config, allocator::Sc
   auto host = allocator::HostArena::Create(ho);
   if (!host.ok()) return host.status().WithContext("host arena");
   t->host = std::move(*host);
-  auto io = allocator::UringEngine::Create(config.EngineOptions(t->host.get()));
+  auto io = allocator::IoEngine::Create(config.EngineOptions(t->host.get()));
   if (!io.ok()) return io.status().WithContext("I/O engine");
   t->io = std::move(*io);
   // A config that homes something on NVMe has its arena there. One with host-homed offload

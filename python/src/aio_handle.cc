@@ -22,7 +22,7 @@
 #include "errors.h"
 #include "py_arena.h"
 #include "spillway/base/log.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace py = pybind11;
 
@@ -54,7 +54,7 @@ struct OpenFile {
   uint64_t last_use = 0;
   int users = 0;         // calls between lookup and submit, plus ops in flight
   bool in_table = true;
-  std::shared_ptr<allocator::UringEngine> engine;  // it is registered here (outlives close())
+  std::shared_ptr<allocator::IoEngine> engine;  // it is registered here (outlives close())
 };
 using FilePtr = std::shared_ptr<OpenFile>;
 
@@ -91,7 +91,7 @@ class AioHandle {
       Raise(Status::InvalidArgument(StrCat("aio_handle(backend='", backend,
                                            "'): one of 'auto', 'uring', 'thread_pool'")));
     }
-    allocator::UringEngineOptions eo;
+    allocator::IoEngineOptions eo;
     eo.arena = arena_->get();
     // DeepSpeed's op takes any block size (it is how it cuts an op into iocbs); the engine's chunks
     // are whole pages, so a smaller or odd one is rounded up to the next 4 KiB for the engine, and
@@ -99,7 +99,7 @@ class AioHandle {
     eo.block_size = (block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
     eo.queue_depth = static_cast<uint32_t>(queue_depth);
     eo.force_thread_pool = backend == "thread_pool";
-    engine_ = std::shared_ptr<allocator::UringEngine>(Check(allocator::UringEngine::Create(eo)).release());
+    engine_ = std::shared_ptr<allocator::IoEngine>(Check(allocator::IoEngine::Create(eo)).release());
     if (backend == "uring" && engine_->Stats().backend != allocator::IoBackend::kUring) {
       Raise(Status::Make(StatusCode::kUnavailable,
                          StrCat("aio_handle(backend='uring'): io_uring is not available here (",
@@ -111,7 +111,7 @@ class AioHandle {
       // A forked child: the ring, its threads and the files are the parent's. Destroying them here
       // would join threads the child does not have and free buffers into the parent's arena, so
       // they are left to the child's exit.
-      new std::shared_ptr<allocator::UringEngine>(std::move(engine_));
+      new std::shared_ptr<allocator::IoEngine>(std::move(engine_));
       new std::map<std::string, FilePtr>(std::move(files_));
       new std::vector<Pending>(std::move(pending_));
       new std::vector<Pending>(std::move(done_early_));
@@ -165,7 +165,7 @@ class AioHandle {
     {
       py::gil_scoped_release nogil;
       std::vector<Pending> ops;
-      std::shared_ptr<allocator::UringEngine> engine;
+      std::shared_ptr<allocator::IoEngine> engine;
       uint64_t horizon = 0;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -289,7 +289,7 @@ class AioHandle {
       return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=", intra_op_,
                          " (DeepSpeed's rule); pad the tensor or use 1"));
     }
-    std::shared_ptr<allocator::UringEngine> engine;
+    std::shared_ptr<allocator::IoEngine> engine;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (engine_ != nullptr && !closing_) {
@@ -352,7 +352,7 @@ class AioHandle {
 
   // Waits for `ops` without the lock; then retires them (seq done, file unpinned). Returns the first
   // error as "<op> <file>: <status>", or "".
-  std::string Finish(allocator::UringEngine* engine, std::vector<Pending>* ops) {
+  std::string Finish(allocator::IoEngine* engine, std::vector<Pending>* ops) {
     std::string first_error;
     for (Pending& p : *ops) {
       const Status st = p.done ? p.status : engine->Wait(p.ticket);
@@ -372,7 +372,7 @@ class AioHandle {
   // The caller's descriptor, dup'd at the time of the call: the op writes the file the number named
   // then, whatever the caller does with the number afterwards. Closed when the op finished.
   // `now`, when given, receives the file's fstat (reads need its size).
-  Result<FilePtr> DupFd(const std::shared_ptr<allocator::UringEngine>& engine, int fd, struct stat* now) {
+  Result<FilePtr> DupFd(const std::shared_ptr<allocator::IoEngine>& engine, int fd, struct stat* now) {
     const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) {
       return Status::FromErrno(StatusCode::kInvalidArgument, errno, StrCat("fd ", fd, " is not an open descriptor"));
@@ -388,7 +388,7 @@ class AioHandle {
   }
 
   // Registers `fd` (ours: closed on failure) and returns it pinned for the caller.
-  static Result<FilePtr> Register(const std::shared_ptr<allocator::UringEngine>& engine, int fd, std::string name,
+  static Result<FilePtr> Register(const std::shared_ptr<allocator::IoEngine>& engine, int fd, std::string name,
                                   uint32_t alignment) {
     auto id = engine->RegisterFile(fd, std::move(name), alignment);
     if (!id.ok()) {
@@ -407,7 +407,7 @@ class AioHandle {
   // (st_dev/st_ino: a rename, an unlink or a re-creation since it was opened makes a new one);
   // else a new descriptor, entered in the table. Pinned for the caller (Unpin when done). `now`
   // receives the file's stat as of this call.
-  Result<FilePtr> OpenNamed(const std::shared_ptr<allocator::UringEngine>& engine, const std::string& filename,
+  Result<FilePtr> OpenNamed(const std::shared_ptr<allocator::IoEngine>& engine, const std::string& filename,
                             bool write, bool direct, struct stat* now) {
     const std::string key = StrCat(write ? "w" : "r", direct ? "d:" : ":", filename);
     FilePtr cached;
@@ -539,7 +539,7 @@ class AioHandle {
 
   // Unregisters and closes a file nobody uses any more (without the lock). A failed unregister
   // retires the engine's slot, which holds the open file itself, so closing our descriptor is safe
-  // (logged; UringEngineRingTest.AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed).
+  // (logged; IoEngineRingTest.AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed).
   void Release(const FilePtr& f) {
     const Status st = f->engine->UnregisterFile(f->id);
     if (!st.ok()) {
@@ -552,7 +552,7 @@ class AioHandle {
   void CloseNoGil() {
     std::vector<Pending> ops;
     std::vector<FilePtr> files;
-    std::shared_ptr<allocator::UringEngine> engine;
+    std::shared_ptr<allocator::IoEngine> engine;
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (closing_) {  // another thread is closing: return when it is done
@@ -592,7 +592,7 @@ class AioHandle {
 
   std::mutex mu_;
   std::condition_variable done_;                         // an op finished (outstanding_ shrank)
-  std::shared_ptr<allocator::UringEngine> engine_;       // guarded by mu_; null once closed
+  std::shared_ptr<allocator::IoEngine> engine_;       // guarded by mu_; null once closed
   std::map<std::string, FilePtr> files_;                 // guarded by mu_
   std::vector<Pending> pending_;                         // guarded by mu_: submitted, not taken by a wait
   std::vector<Pending> done_early_;                      // guarded by mu_: completed by an eviction

@@ -16,7 +16,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/engine/collectives.h"
 #include "spillway/engine/trainer.h"
 #include "spillway/offload/config.h"

@@ -1,4 +1,4 @@
-// In a real fork()ed child, every entry point of HostArena, UringEngine and NvmeArena refuses with
+// In a real fork()ed child, every entry point of HostArena, IoEngine and NvmeArena refuses with
 // FAILED_PRECONDITION naming the fork (the child has none of their threads, no MADV_DONTFORK
 // memory, and shares the parent's io_uring rings); nothing hangs; destroying them in the child
 // touches nothing of the parent's; and the parent's arenas, ring and swap file work as before.
@@ -60,13 +60,13 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
     expect(io.arena->Allocate(4096, Tag(Kind::kGrad, Lifetime::kStep)).status(), "HostArena::Allocate");
     expect(io.arena->Free(buf), "HostArena::Free");
     expect(io.arena->AllocationSize(buf).status(), "HostArena::AllocationSize");
-    expect(io.engine->RegisterFile(0, "stdin", 512).status(), "UringEngine::RegisterFile");
-    expect(io.engine->Write(0, 0, buf, 4096).status(), "UringEngine::Write");
-    expect(io.engine->Read(0, 0, buf, 4096).status(), "UringEngine::Read");
-    expect(io.engine->WriteSync(0, 0, buf, 4096), "UringEngine::WriteSync");
-    expect(io.engine->ReadSync(0, 0, buf, 4096), "UringEngine::ReadSync");
-    expect(io.engine->WaitAll(), "UringEngine::WaitAll");
-    expect(io.engine->UnregisterFile(0), "UringEngine::UnregisterFile");
+    expect(io.engine->RegisterFile(0, "stdin", 512).status(), "IoEngine::RegisterFile");
+    expect(io.engine->Write(0, 0, buf, 4096).status(), "IoEngine::Write");
+    expect(io.engine->Read(0, 0, buf, 4096).status(), "IoEngine::Read");
+    expect(io.engine->WriteSync(0, 0, buf, 4096), "IoEngine::WriteSync");
+    expect(io.engine->ReadSync(0, 0, buf, 4096), "IoEngine::ReadSync");
+    expect(io.engine->WaitAll(), "IoEngine::WaitAll");
+    expect(io.engine->UnregisterFile(0), "IoEngine::UnregisterFile");
     expect(nvme->Allocate(bytes, Tag(Kind::kParam, Lifetime::kPersistent)).status(), "NvmeArena::Allocate");
     expect(nvme->Write(off, buf, bytes), "NvmeArena::Write");
     expect(nvme->Read(off, buf, bytes), "NvmeArena::Read");

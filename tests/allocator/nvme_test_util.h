@@ -15,7 +15,7 @@
 
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "test_util.h"
 
 namespace spillway::allocator::testing {
@@ -66,13 +66,13 @@ struct IoRig {
     HostArenaOptions o = PageableOptions(&ledger);
     o.budget_bytes = 1024 * kMiB;
     arena = MakeArena(o);
-    UringEngineOptions e;
+    IoEngineOptions e;
     e.arena = arena.get();
     e.force_thread_pool = thread_pool;
     e.faults = faults;
     e.queue_depth = depth;
     e.block_size = block;
-    auto r = UringEngine::Create(e);
+    auto r = IoEngine::Create(e);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (r.ok()) engine = std::move(r.value());
   }
@@ -87,7 +87,7 @@ struct IoRig {
   }
   Ledger ledger;
   std::unique_ptr<HostArena> arena;
-  std::unique_ptr<UringEngine> engine;
+  std::unique_ptr<IoEngine> engine;
 };
 
 }  // namespace spillway::allocator::testing

@@ -15,7 +15,7 @@
 #include "nvme_test_util.h"
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace spillway::allocator {
 namespace {
@@ -52,9 +52,9 @@ void ExpectPinnedAndFixed(PinMode mode) {
     GTEST_SKIP() << "this pin mode is not available here: " << arena.status().message();
   }
   ASSERT_TRUE(arena.ok()) << arena.status().ToString();
-  UringEngineOptions eo;
+  IoEngineOptions eo;
   eo.arena = arena->get();
-  auto engine = UringEngine::Create(eo);
+  auto engine = IoEngine::Create(eo);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   if ((*engine)->backend() != IoBackend::kUring) {
     GTEST_SKIP() << "io_uring is not allowed here (" << (*engine)->Stats().fallback_reason
@@ -86,7 +86,7 @@ void ExpectPinnedAndFixed(PinMode mode) {
   std::string want(bytes, '\0');
   testing::FillRandom(want.data(), bytes, 7);
   EXPECT_EQ(std::memcmp(want.data(), *buf, bytes), 0);
-  const IoStats st = (*engine)->Stats();
+  const IoEngineStats st = (*engine)->Stats();
   EXPECT_EQ(st.fixed_buffer_chunks, 8u) << "4 write and 4 read chunks of 1 MiB, each read/write_fixed";
   EXPECT_EQ(st.bounce_chunks, 0u);
   ASSERT_TRUE((*engine)->UnregisterFile(*file).ok());

@@ -436,13 +436,13 @@ BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool s
   EXPECT_TRUE(trainer.ok()) << trainer.status().ToString();
   if (!trainer.ok()) return out;
   EXPECT_TRUE((*tiers)->ledger.BeginEpoch(0).ok());
-  const allocator::IoStats before = (*tiers)->io->Stats();
+  const allocator::IoEngineStats before = (*tiers)->io->Stats();
   for (int s = 0; s < 4; ++s) {
     auto r = (*trainer)->Step({Batch(c, s, 0), Batch(c, s, 1)});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (r.ok()) out.losses.push_back(r->loss);
   }
-  const allocator::IoStats after = (*tiers)->io->Stats();
+  const allocator::IoEngineStats after = (*tiers)->io->Stats();
   out.io_bytes = after.read_bytes + after.write_bytes - before.read_bytes - before.write_bytes;
   out.spills = (*tiers)->store->Stats().spills;
   for (int64_t u = 0; u < gpt::Units(c); ++u) out.weights.push_back((*trainer)->GatherUnit(u).value());

@@ -231,9 +231,9 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
   // A full exposition: host and NVMe arenas, an engine that moved bytes, the ledger.
   allocator::Ledger ledger;
   auto host = allocator::testing::MakeArena(allocator::testing::PageableOptions(&ledger));
-  allocator::UringEngineOptions eo;
+  allocator::IoEngineOptions eo;
   eo.arena = host.get();
-  auto engine = allocator::UringEngine::Create(eo);
+  auto engine = allocator::IoEngine::Create(eo);
   ASSERT_TRUE(engine.ok());
   allocator::NvmeArenaOptions no;
   no.directory = ".";
@@ -293,9 +293,9 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   allocator::Ledger ledger;
   auto ho = allocator::testing::PageableOptions(&ledger);
   auto host = allocator::testing::MakeArena(ho);
-  allocator::UringEngineOptions eo;
+  allocator::IoEngineOptions eo;
   eo.arena = host.get();
-  auto engine = std::move(allocator::UringEngine::Create(eo).value());
+  auto engine = std::move(allocator::IoEngine::Create(eo).value());
   allocator::NvmeArenaOptions no;
   no.directory = ".";
   no.budget_bytes = 64 * kMiB;

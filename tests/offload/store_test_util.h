@@ -10,7 +10,7 @@
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
 
@@ -38,10 +38,10 @@ struct StoreRig {
     ho.budget_bytes = host_budget;
     ho.retain_limit_bytes = 4 * kMiB;
     host = allocator::testing::MakeArena(ho);
-    allocator::UringEngineOptions eo;
+    allocator::IoEngineOptions eo;
     eo.arena = host.get();
     eo.faults = faults;
-    engine = std::move(allocator::UringEngine::Create(eo).value());
+    engine = std::move(allocator::IoEngine::Create(eo).value());
     if (with_nvme) {
       allocator::NvmeArenaOptions no;
       no.directory = allocator::testing::NvmeTestDir();
@@ -62,7 +62,7 @@ struct StoreRig {
   }
   allocator::Ledger ledger;
   std::unique_ptr<allocator::HostArena> host;
-  std::unique_ptr<allocator::UringEngine> engine;
+  std::unique_ptr<allocator::IoEngine> engine;
   std::unique_ptr<allocator::NvmeArena> nvme;
   std::unique_ptr<PartitionStore> store;
 };

@@ -1,6 +1,6 @@
 // A randomized, seeded, time-bounded stress of the data path: 4 threads allocate, free, write,
 // read, spill, evict, flush, prefetch, fill device views and cross ledger step boundaries on one
-// HostArena + UringEngine + NvmeArena + PartitionStore (a host budget far under the partitions'
+// HostArena + IoEngine + NvmeArena + PartitionStore (a host budget far under the partitions'
 // size, a prefetch window, a CPU device pipeline). A model remembers the last version written to
 // every partition, host buffer and NVMe extent, and every byte read back is checked against it.
 // It runs in scripts/test under the default build, ASan+UBSan and TSan.

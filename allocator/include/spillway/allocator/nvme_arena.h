@@ -1,6 +1,6 @@
 // NvmeArena: exact extents in one preallocated, anonymous swap file (DeepSpeed's nvme_path), with
 // the same owner tags, lifetimes, boundaries and budget as the host arena, and a CRC32C per extent
-// written with it and verified on every read. I/O runs on a UringEngine. See docs/nvme.md.
+// written with it and verified on every read. I/O runs on a IoEngine. See docs/nvme.md.
 #pragma once
 
 #include <atomic>
@@ -17,7 +17,7 @@
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace spillway::allocator {
 
@@ -66,7 +66,7 @@ struct NvmeArenaStats : LiveStats {
 class NvmeArena final : public Tier {
  public:
   // Opens the swap file. On error nothing is left on disk.
-  static Result<std::unique_ptr<NvmeArena>> Create(NvmeArenaOptions options, UringEngine* engine);
+  static Result<std::unique_ptr<NvmeArena>> Create(NvmeArenaOptions options, IoEngine* engine);
   ~NvmeArena() override;
   NvmeArena(const NvmeArena&) = delete;
   NvmeArena& operator=(const NvmeArena&) = delete;
@@ -120,7 +120,7 @@ class NvmeArena final : public Tier {
   };
   // mu_ held. The extent at `offset` starts a new owner or write: invalid, with a new generation.
   uint64_t NewGenerationLocked(uint64_t offset);
-  NvmeArena(NvmeArenaOptions options, UringEngine* engine, Ledger* ledger, int fd, int file_id,
+  NvmeArena(NvmeArenaOptions options, IoEngine* engine, Ledger* ledger, int fd, int file_id,
             uint32_t alignment, bool direct);
   // Grows the file by fallocate so that `need` more bytes fit. Without mu_.
   Status Grow(uint64_t need);
@@ -133,7 +133,7 @@ class NvmeArena final : public Tier {
                           const char* verb) const;
 
   NvmeArenaOptions options_;
-  UringEngine* const engine_;
+  IoEngine* const engine_;
   Ledger* const ledger_;
   const int fd_;
   const int file_id_;

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace spillway::engine::checkpoint {
 
@@ -49,7 +49,7 @@ class FileWriter {
   // Creates `path` (replacing a file of that name) and writes the header for `specs`, in order.
   static Result<std::unique_ptr<FileWriter>> Create(const std::string& path,
                                                     std::vector<TensorSpec> specs,
-                                                    allocator::UringEngine* io, FaultHook hook = {});
+                                                    allocator::IoEngine* io, FaultHook hook = {});
   ~FileWriter();  // closes the file; one not finished is left for the caller's directory cleanup
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
@@ -63,13 +63,13 @@ class FileWriter {
 
  private:
   FileWriter(std::string path, std::vector<TensorRecord> records, uint64_t data_start,
-             allocator::UringEngine* io, FaultHook hook);
+             allocator::IoEngine* io, FaultHook hook);
   Status Close();
 
   const std::string path_;
   std::vector<TensorRecord> records_;
   const uint64_t data_start_;
-  allocator::UringEngine* const io_;
+  allocator::IoEngine* const io_;
   const FaultHook hook_;
   int fd_ = -1;
   int file_id_ = -1;
@@ -81,7 +81,7 @@ class FileWriter {
 // tensors is an error naming the file.
 class FileReader {
  public:
-  static Result<std::unique_ptr<FileReader>> Open(const std::string& path, allocator::UringEngine* io);
+  static Result<std::unique_ptr<FileReader>> Open(const std::string& path, allocator::IoEngine* io);
   ~FileReader();
   FileReader(const FileReader&) = delete;
   FileReader& operator=(const FileReader&) = delete;
@@ -95,9 +95,9 @@ class FileReader {
   Result<uint32_t> Checksum(const TensorRecord& t, void* scratch, uint64_t scratch_bytes);
 
  private:
-  FileReader(std::string path, allocator::UringEngine* io) : path_(std::move(path)), io_(io) {}
+  FileReader(std::string path, allocator::IoEngine* io) : path_(std::move(path)), io_(io) {}
   const std::string path_;
-  allocator::UringEngine* const io_;
+  allocator::IoEngine* const io_;
   std::vector<TensorRecord> records_;
   uint64_t data_start_ = 0;
   int fd_ = -1;

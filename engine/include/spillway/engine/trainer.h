@@ -20,7 +20,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/engine/checkpoint_file.h"
 #include "spillway/engine/collectives.h"
 #include "spillway/engine/host_optimizer.h"
@@ -97,7 +97,7 @@ struct TrainStepResult {
 
 // Save and Load (Note [Checkpoint] in docs/checkpoint.md).
 struct CheckpointOptions {
-  allocator::UringEngine* io = nullptr;  // required: every byte goes through it
+  allocator::IoEngine* io = nullptr;  // required: every byte goes through it
   // The caller's own state (a JSON object: the data position, its settings), kept in the
   // manifest and handed back by Load.
   std::string extra_json = "{}";

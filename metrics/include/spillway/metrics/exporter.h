@@ -13,7 +13,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
@@ -47,7 +47,7 @@ class Exporter {
 
   void Watch(const allocator::HostArena* arena);
   void Watch(const allocator::NvmeArena* arena);
-  void Watch(const allocator::UringEngine* engine);
+  void Watch(const allocator::IoEngine* engine);
   void Watch(const allocator::Ledger* ledger);
   void Watch(const offload::PartitionStore* store);
   void Watch(const offload::TransferPipeline* pipeline);

@@ -12,7 +12,7 @@
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 namespace spillway::offload {
 
@@ -111,7 +111,7 @@ struct Config {
 
   // The settings each allocator-layer component takes, derived in one place.
   allocator::HostArenaOptions HostArenaOptions() const;
-  allocator::UringEngineOptions EngineOptions(allocator::HostArena* arena) const;
+  allocator::IoEngineOptions EngineOptions(allocator::HostArena* arena) const;
   // For offload_param or offload_optimizer on nvme (the optimizer's path wins when both are set).
   allocator::NvmeArenaOptions NvmeArenaOptions() const;
   // The spill arena's settings when nothing is homed on NVMe (spillway.spill_path).

@@ -9,7 +9,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/device.h"
 #include "spillway/offload/device_guard.h"
@@ -24,7 +24,7 @@ struct Tiers {
   // before the engine it submits to, the arenas before the ledger they report to.
   allocator::Ledger ledger;
   std::unique_ptr<allocator::HostArena> host;
-  std::unique_ptr<allocator::UringEngine> io;
+  std::unique_ptr<allocator::IoEngine> io;
   std::unique_ptr<allocator::NvmeArena> nvme;  // null when the config places nothing on NVMe
   std::unique_ptr<Device> device;              // OpenDevicePipeline's; null before it
   std::unique_ptr<TransferPipeline> pipeline;  // likewise

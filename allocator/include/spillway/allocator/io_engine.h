@@ -1,4 +1,4 @@
-// UringEngine: block I/O between host memory and swap files on io_uring, with the host arena's
+// IoEngine: block I/O between host memory and swap files on io_uring, with the host arena's
 // regions as fixed buffers and the swap files as fixed files. Large transfers are split into
 // block_size chunks kept queue_depth deep; short transfers are resubmitted, EINTR/EAGAIN retried,
 // real errors reported on the ticket. A pread/pwrite thread pool takes over where io_uring is not
@@ -47,7 +47,7 @@ struct IoFaults {
   int sparse_registration_errno = 0;
 };
 
-struct UringEngineOptions {
+struct IoEngineOptions {
   uint32_t queue_depth = 32;           // chunks in flight at most
   uint64_t block_size = 1ull << 20;    // chunk size
   bool sqpoll = false;                 // IORING_SETUP_SQPOLL (liburing handles NEED_WAKEUP)
@@ -62,7 +62,7 @@ struct UringEngineOptions {
 inline constexpr std::array<double, 12> kIoLatencyBuckets = {
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 1.0};
 
-struct IoStats {
+struct IoEngineStats {
   IoBackend backend = IoBackend::kUring;
   std::string fallback_reason;           // why the thread pool runs, when it does
   std::string registration;              // ring tables: "sparse", or "plain files, no fixed buffers (why)"
@@ -96,12 +96,12 @@ using Ticket = uint64_t;
 // thread owns the ring (submission and completion), so no lock is held across io_uring_enter.
 // Invariants: in_flight_chunks <= queue_depth; a bounce buffer is owned by at most one chunk;
 // a request completes exactly once, after its last in-flight chunk.
-class UringEngine final : public HostArena::RegionObserver {
+class IoEngine final : public HostArena::RegionObserver {
  public:
-  static Result<std::unique_ptr<UringEngine>> Create(UringEngineOptions options);
-  ~UringEngine() override;  // waits for outstanding I/O; must go before the arena
-  UringEngine(const UringEngine&) = delete;
-  UringEngine& operator=(const UringEngine&) = delete;
+  static Result<std::unique_ptr<IoEngine>> Create(IoEngineOptions options);
+  ~IoEngine() override;  // waits for outstanding I/O; must go before the arena
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
 
   // Registers an open file (O_DIRECT or not) as a fixed file. `alignment` is its direct-I/O
   // granule: file offsets must be multiples of it, and buffers or lengths that are not are
@@ -122,9 +122,9 @@ class UringEngine final : public HostArena::RegionObserver {
   Status WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
   Status ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
 
-  IoStats Stats() const;
+  IoEngineStats Stats() const;
   IoBackend backend() const { return backend_; }
-  const UringEngineOptions& options() const { return options_; }
+  const IoEngineOptions& options() const { return options_; }
 
   void OnRegionMapped(void* base, uint64_t bytes) override;
   void OnRegionUnmapping(void* base, uint64_t bytes) override;
@@ -170,7 +170,7 @@ class UringEngine final : public HostArena::RegionObserver {
     double started;             // steady clock seconds, for the latency histogram
   };
 
-  explicit UringEngine(UringEngineOptions options);
+  explicit IoEngine(IoEngineOptions options);
   Result<Ticket> Enqueue(Op op, int file_id, uint64_t offset, char* buffer, uint64_t bytes);
 
   // Backend side (called by the ring thread or pool threads; take mu_ briefly, no syscalls).
@@ -193,7 +193,7 @@ class UringEngine final : public HostArena::RegionObserver {
   void FillFault(Chunk* chunk);  // applies short-transfer faults before a submission
   int64_t InjectResult(const Chunk* chunk, int64_t result);
 
-  const UringEngineOptions options_;
+  const IoEngineOptions options_;
   IoBackend backend_ = IoBackend::kUring;
   std::unique_ptr<Impl> impl_;
 
@@ -223,7 +223,7 @@ class UringEngine final : public HostArena::RegionObserver {
   bool stopping_ = false;                         // guarded by mu_
   Status ring_error_;                             // guarded by mu_: set once, when the ring fails
   bool fixed_buffers_ = true;                     // set by Create: the ring has a buffer table
-  IoStats stats_;                                 // guarded by mu_
+  IoEngineStats stats_;                                 // guarded by mu_
 
   static constexpr uint64_t kMaxIovecBytes = 1ull << 30;  // io_uring's limit per fixed buffer
   static constexpr uint32_t kBufferSlots = 4096;

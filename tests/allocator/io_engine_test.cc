@@ -1,6 +1,6 @@
-// UringEngine on real files, on both backends: round trips through fixed buffers and the bounce
+// IoEngine on real files, on both backends: round trips through fixed buffers and the bounce
 // pool, many requests in flight, alignment rules, and every fault the seam can inject.
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 #include <gtest/gtest.h>
 
@@ -23,7 +23,7 @@ using testing::FillRandom;
 using testing::Has;
 using testing::IoRig;
 
-class UringEngineTest : public ::testing::TestWithParam<bool> {  // param: thread pool
+class IoEngineTest : public ::testing::TestWithParam<bool> {  // param: thread pool
  protected:
   void SetUp() override {
     rig_ = std::make_unique<IoRig>(GetParam(), &faults_);
@@ -57,8 +57,8 @@ class UringEngineTest : public ::testing::TestWithParam<bool> {  // param: threa
   int file_ = -1;
 };
 
-TEST_P(UringEngineTest, ReportsItsBackend) {
-  IoStats st = rig_->engine->Stats();
+TEST_P(IoEngineTest, ReportsItsBackend) {
+  IoEngineStats st = rig_->engine->Stats();
   if (GetParam()) {
     EXPECT_EQ(st.backend, IoBackend::kThreadPool);
     EXPECT_NE(st.fallback_reason.find("forced"), std::string::npos) << st.fallback_reason;
@@ -68,12 +68,12 @@ TEST_P(UringEngineTest, ReportsItsBackend) {
   }
 }
 
-TEST_P(UringEngineTest, ArenaBuffersRoundTripInManyChunks) {
+TEST_P(IoEngineTest, ArenaBuffersRoundTripInManyChunks) {
   const uint64_t bytes = 9 * kMiB + 3 * 4096;
   void* src = rig_->HostBuffer(bytes);
   void* dst = rig_->HostBuffer(bytes);
   RoundTrip(src, dst, bytes, 8192, 1);
-  IoStats st = rig_->engine->Stats();
+  IoEngineStats st = rig_->engine->Stats();
   EXPECT_EQ(st.bounce_chunks, 0u);
   EXPECT_EQ(st.write_ops, 10u);  // 9 whole 1 MiB chunks and one of 12 KiB
   EXPECT_EQ(st.read_bytes, bytes);
@@ -83,16 +83,16 @@ TEST_P(UringEngineTest, ArenaBuffersRoundTripInManyChunks) {
   }
 }
 
-TEST_P(UringEngineTest, ForeignAndUnalignedBuffersGoThroughTheBouncePool) {
+TEST_P(IoEngineTest, ForeignAndUnalignedBuffersGoThroughTheBouncePool) {
   const uint64_t bytes = 3 * kMiB + 100;  // a tail that is not a multiple of the alignment
   std::vector<char> src(bytes + 1), dst(bytes + 1);
   RoundTrip(src.data() + 1, dst.data() + 1, bytes, 0, 2);  // misaligned on purpose
-  IoStats st = rig_->engine->Stats();
+  IoEngineStats st = rig_->engine->Stats();
   EXPECT_EQ(st.bounce_chunks, 8u);  // 4 chunks each way
   EXPECT_EQ(st.bounce_bytes, 2 * bytes);
 }
 
-TEST_P(UringEngineTest, ManyRequestsInFlightThenOneWaitAll) {
+TEST_P(IoEngineTest, ManyRequestsInFlightThenOneWaitAll) {
   constexpr int kRequests = 64;
   constexpr uint64_t kBytes = 256 * 1024;
   std::vector<char*> src(kRequests), dst(kRequests);
@@ -113,7 +113,7 @@ TEST_P(UringEngineTest, ManyRequestsInFlightThenOneWaitAll) {
 
 // WaitAll waits for and consumes the calling thread's tickets only: another thread's ticket is
 // still there for its own Wait (before, WaitAll took it and that Wait said "unknown ticket").
-TEST_P(UringEngineTest, WaitAllLeavesOtherThreadsTicketsToThem) {
+TEST_P(IoEngineTest, WaitAllLeavesOtherThreadsTicketsToThem) {
   constexpr uint64_t kBytes = 256 * 1024;
   char* mine = static_cast<char*>(rig_->HostBuffer(kBytes));
   char* theirs = static_cast<char*>(rig_->HostBuffer(kBytes));
@@ -130,7 +130,7 @@ TEST_P(UringEngineTest, WaitAllLeavesOtherThreadsTicketsToThem) {
   EXPECT_EQ(rig_->engine->Stats().queued_requests, 0u);
 }
 
-TEST_P(UringEngineTest, FourThreadsShareTheEngine) {
+TEST_P(IoEngineTest, FourThreadsShareTheEngine) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
@@ -152,7 +152,7 @@ TEST_P(UringEngineTest, FourThreadsShareTheEngine) {
 // so two threads registering at once could share a slot and write into each other's file; and
 // UnregisterFile freed the slot before clearing it. Each thread registers its own file, writes a
 // pattern only it uses, unregisters, and checks the file through its own descriptor.
-TEST_P(UringEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
+TEST_P(IoEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
   std::vector<std::thread> threads;
   std::atomic<int> bad{0};
   for (int t = 0; t < 4; ++t) {
@@ -187,14 +187,14 @@ TEST_P(UringEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
   EXPECT_EQ(bad.load(), 0);
 }
 
-TEST_P(UringEngineTest, MisalignedFileOffsetIsRefused) {
+TEST_P(IoEngineTest, MisalignedFileOffsetIsRefused) {
   std::vector<char> buf(4096);
   auto t = rig_->engine->Write(file_, 100, buf.data(), buf.size());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(t.status(), "multiple of the direct-I/O alignment 4096")) << t.status().ToString();
 }
 
-TEST_P(UringEngineTest, TicketsAreWaitedForOnce) {
+TEST_P(IoEngineTest, TicketsAreWaitedForOnce) {
   std::vector<char> buf(4096);
   auto t = rig_->engine->Write(file_, 0, buf.data(), buf.size());
   ASSERT_TRUE(t.ok());
@@ -206,7 +206,7 @@ TEST_P(UringEngineTest, TicketsAreWaitedForOnce) {
             StatusCode::kInvalidArgument);
 }
 
-TEST_P(UringEngineTest, ReadPastTheEndOfTheFileSaysSo) {
+TEST_P(IoEngineTest, ReadPastTheEndOfTheFileSaysSo) {
   void* src = rig_->HostBuffer(kMiB);
   ASSERT_TRUE(rig_->engine->WriteSync(file_, 0, src, kMiB).ok());
   void* dst = rig_->HostBuffer(2 * kMiB);
@@ -216,7 +216,7 @@ TEST_P(UringEngineTest, ReadPastTheEndOfTheFileSaysSo) {
   EXPECT_TRUE(Has(st, "'scratch'")) << st.ToString();
 }
 
-TEST_P(UringEngineTest, WriteEioNamesFileOffsetAndErrnoAndTheEngineCarriesOn) {
+TEST_P(IoEngineTest, WriteEioNamesFileOffsetAndErrnoAndTheEngineCarriesOn) {
   void* src = rig_->HostBuffer(3 * kMiB);
   faults_.write_errno = EIO;
   Status st = rig_->engine->WriteSync(file_, 4096, src, 3 * kMiB);
@@ -234,7 +234,7 @@ TEST_P(UringEngineTest, WriteEioNamesFileOffsetAndErrnoAndTheEngineCarriesOn) {
   RoundTrip(src, dst, 3 * kMiB, 4096, 3);  // usable afterwards
 }
 
-TEST_P(UringEngineTest, ReadEioIsReportedAndARetrySucceeds) {
+TEST_P(IoEngineTest, ReadEioIsReportedAndARetrySucceeds) {
   void* src = rig_->HostBuffer(kMiB);
   void* dst = rig_->HostBuffer(kMiB);
   FillRandom(src, kMiB, 4);
@@ -247,7 +247,7 @@ TEST_P(UringEngineTest, ReadEioIsReportedAndARetrySucceeds) {
   EXPECT_EQ(std::memcmp(src, dst, kMiB), 0);
 }
 
-TEST_P(UringEngineTest, EnospcIsANoSpaceErrorThatSaysWhatToDo) {
+TEST_P(IoEngineTest, EnospcIsANoSpaceErrorThatSaysWhatToDo) {
   void* src = rig_->HostBuffer(kMiB);
   faults_.write_errno = ENOSPC;
   Status st = rig_->engine->WriteSync(file_, 0, src, kMiB);
@@ -255,7 +255,7 @@ TEST_P(UringEngineTest, EnospcIsANoSpaceErrorThatSaysWhatToDo) {
   EXPECT_TRUE(Has(st, "free space on the NVMe path")) << st.ToString();
 }
 
-TEST_P(UringEngineTest, ShortReadsAndWritesAreResubmitted) {
+TEST_P(IoEngineTest, ShortReadsAndWritesAreResubmitted) {
   void* src = rig_->HostBuffer(4 * kMiB);
   void* dst = rig_->HostBuffer(4 * kMiB);
   faults_.short_writes = 3;
@@ -264,7 +264,7 @@ TEST_P(UringEngineTest, ShortReadsAndWritesAreResubmitted) {
   EXPECT_EQ(rig_->engine->Stats().short_resubmits, 6u);
 }
 
-TEST_P(UringEngineTest, EintrAndEagainAreRetried) {
+TEST_P(IoEngineTest, EintrAndEagainAreRetried) {
   void* src = rig_->HostBuffer(2 * kMiB);
   void* dst = rig_->HostBuffer(2 * kMiB);
   faults_.eintr = 3;
@@ -273,33 +273,33 @@ TEST_P(UringEngineTest, EintrAndEagainAreRetried) {
   EXPECT_EQ(rig_->engine->Stats().retries, 5u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, UringEngineTest, ::testing::Values(false, true),
+INSTANTIATE_TEST_SUITE_P(Backends, IoEngineTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& p) {
                            return p.param ? "ThreadPool" : "IoUring";
                          });
 
-TEST(UringEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
+TEST(IoEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
   Ledger ledger;
   auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
-  UringEngineOptions o;
-  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "options.arena is required"));
+  IoEngineOptions o;
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "options.arena is required"));
   o.arena = arena.get();
   o.queue_depth = 0;
-  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.queue_depth"));
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "aio.queue_depth"));
   o.queue_depth = 8;
   o.block_size = 1000;
-  EXPECT_TRUE(Has(UringEngine::Create(o).status(), "aio.block_size"));
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "aio.block_size"));
 }
 
 // A file whose direct-I/O alignment does not divide block_size would get chunks that start off
 // its alignment (O_DIRECT refuses them with EINVAL mid-request): refused at registration instead.
-TEST(UringEngineOptionsTest, AFileWhoseAlignmentDoesNotDivideTheBlockSizeIsRefused) {
+TEST(IoEngineOptionsTest, AFileWhoseAlignmentDoesNotDivideTheBlockSizeIsRefused) {
   Ledger ledger;
   auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
-  UringEngineOptions o;
+  IoEngineOptions o;
   o.arena = arena.get();
   o.block_size = 3 * 4096;
-  auto engine = UringEngine::Create(o);
+  auto engine = IoEngine::Create(o);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const int fd = testing::OpenScratch();
   auto bad = (*engine)->RegisterFile(fd, "wide", 8192);
@@ -318,13 +318,13 @@ TEST(UringEngineOptionsTest, AFileWhoseAlignmentDoesNotDivideTheBlockSizeIsRefus
 namespace spillway::allocator {
 namespace {
 
-TEST(UringEngineSqpollTest, ASubmissionThreadRingMovesDataToo) {
+TEST(IoEngineSqpollTest, ASubmissionThreadRingMovesDataToo) {
   Ledger ledger;
   auto arena = testing::MakeArena(testing::PageableOptions(&ledger));
-  UringEngineOptions o;
+  IoEngineOptions o;
   o.arena = arena.get();
   o.sqpoll = true;
-  auto engine = UringEngine::Create(o);
+  auto engine = IoEngine::Create(o);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   if ((*engine)->backend() != IoBackend::kUring) {
     GTEST_SKIP() << "SQPOLL ring refused here: " << (*engine)->Stats().fallback_reason;
@@ -359,10 +359,10 @@ namespace {
 struct RingRig {
   explicit RingRig(IoFaults* faults) {
     arena = testing::MakeArena(testing::PageableOptions(&ledger));
-    UringEngineOptions o;
+    IoEngineOptions o;
     o.arena = arena.get();
     o.faults = faults;
-    auto e = UringEngine::Create(o);
+    auto e = IoEngine::Create(o);
     EXPECT_TRUE(e.ok()) << e.status().ToString();
     if (e.ok()) engine = std::move(e.value());
     fd = testing::OpenScratch();
@@ -379,14 +379,14 @@ struct RingRig {
   }
   Ledger ledger;
   std::unique_ptr<HostArena> arena;
-  std::unique_ptr<UringEngine> engine;
+  std::unique_ptr<IoEngine> engine;
   int fd = -1;
   int file = -1;
 };
 
 // io_uring_submit_and_wait failing (EFAULT here) fails the requests whose SQEs it held, names the
 // call, and the engine refuses new requests saying why; before, it logged and looped.
-TEST(UringEngineRingTest, ASubmitFailureFailsTheQueuedRequestsAndTheEngineSaysSo) {
+TEST(IoEngineRingTest, ASubmitFailureFailsTheQueuedRequestsAndTheEngineSaysSo) {
   IoFaults faults;
   RingRig rig(&faults);
   if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
@@ -399,14 +399,14 @@ TEST(UringEngineRingTest, ASubmitFailureFailsTheQueuedRequestsAndTheEngineSaysSo
   const auto again = rig.engine->Write(rig.file, 0, buf, kMiB);
   EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition) << again.status().ToString();
   EXPECT_TRUE(Has(again.status(), "ring failed")) << again.status().ToString();
-  const IoStats s = rig.engine->Stats();
+  const IoEngineStats s = rig.engine->Stats();
   EXPECT_EQ(s.ring_failures, 1u);
   EXPECT_TRUE(Has(Status::Internal(s.ring_error), "Bad address")) << s.ring_error;
   EXPECT_EQ(s.queued_requests, 0u);
 }
 
 // A null SQE (the submission queue full) defers the chunk instead of dereferencing it.
-TEST(UringEngineRingTest, ANullSqeDefersTheChunk) {
+TEST(IoEngineRingTest, ANullSqeDefersTheChunk) {
   IoFaults faults;
   RingRig rig(&faults);
   if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
@@ -426,7 +426,7 @@ TEST(UringEngineRingTest, ANullSqeDefersTheChunk) {
 // A failed fixed-slot clear retires the slot. Closing the descriptor afterwards is safe: the table
 // holds the open file, not the fd, so a new file that gets the same fd number gets its own slot
 // and its own bytes, and the old file keeps its bytes.
-TEST(UringEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
+TEST(IoEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
   IoFaults faults;
   RingRig rig(&faults);
   if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
@@ -467,7 +467,7 @@ TEST(UringEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
   close(a_witness);
 }
 
-TEST(UringEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
+TEST(IoEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
   {
     RingRig probe(nullptr);
     if (!probe.uring()) GTEST_SKIP() << "no io_uring here: " << probe.engine->Stats().fallback_reason;
@@ -483,7 +483,7 @@ TEST(UringEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
   ASSERT_TRUE(rig.engine->WriteSync(rig.file, 0, src, 2 * kMiB).ok());
   ASSERT_TRUE(rig.engine->ReadSync(rig.file, 0, dst, 2 * kMiB).ok());
   EXPECT_EQ(std::memcmp(src, dst, 2 * kMiB), 0);
-  const IoStats s = rig.engine->Stats();
+  const IoEngineStats s = rig.engine->Stats();
   EXPECT_EQ(s.fixed_buffer_chunks, 0u);
   EXPECT_TRUE(Has(Status::Internal(s.registration), "plain")) << s.registration;
 }

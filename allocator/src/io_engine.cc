@@ -1,6 +1,6 @@
-// UringEngine: the shared request/chunk/ticket core, the io_uring ring thread, and the pread/pwrite
+// IoEngine: the shared request/chunk/ticket core, the io_uring ring thread, and the pread/pwrite
 // pool that takes over when io_uring is not allowed. Note [Ticket lifecycle] in docs/nvme.md.
-#include "spillway/allocator/uring_engine.h"
+#include "spillway/allocator/io_engine.h"
 
 #include <liburing.h>
 #include <sys/eventfd.h>
@@ -43,9 +43,9 @@ const char* IoBackendName(IoBackend backend) {
   return backend == IoBackend::kUring ? "io_uring" : "thread_pool";
 }
 
-struct UringEngine::Impl {
-  explicit Impl(UringEngine* engine) : e(engine) {}
-  UringEngine* e;
+struct IoEngine::Impl {
+  explicit Impl(IoEngine* engine) : e(engine) {}
+  IoEngine* e;
   bool uring = false;
   io_uring ring{};
   int event_fd = -1;
@@ -282,25 +282,25 @@ struct UringEngine::Impl {
   }
 };
 
-Result<std::unique_ptr<UringEngine>> UringEngine::Create(UringEngineOptions options) {
+Result<std::unique_ptr<IoEngine>> IoEngine::Create(IoEngineOptions options) {
   if (options.arena == nullptr) {
-    return Status::InvalidArgument("UringEngine: options.arena is required (fixed buffers and the "
+    return Status::InvalidArgument("IoEngine: options.arena is required (fixed buffers and the "
                                    "bounce pool live in the host arena)");
   }
   if (options.queue_depth == 0 || options.queue_depth > 4096) {
-    return Status::InvalidArgument(StrCat("UringEngine: queue_depth ", options.queue_depth,
+    return Status::InvalidArgument(StrCat("IoEngine: queue_depth ", options.queue_depth,
                                           " is out of range; use 1..4096 (aio.queue_depth)"));
   }
   if (options.block_size < 4096 || options.block_size % 4096 != 0 ||
       options.block_size > kMaxIovecBytes) {
-    return Status::InvalidArgument(StrCat("UringEngine: block_size ", options.block_size,
+    return Status::InvalidArgument(StrCat("IoEngine: block_size ", options.block_size,
                                           " must be a multiple of 4096 between 4 KiB and 1 GiB "
                                           "(aio.block_size)"));
   }
   if (options.bounce_buffers == 0 || options.pool_threads == 0) {
-    return Status::InvalidArgument("UringEngine: bounce_buffers and pool_threads must be >= 1");
+    return Status::InvalidArgument("IoEngine: bounce_buffers and pool_threads must be >= 1");
   }
-  std::unique_ptr<UringEngine> engine(new UringEngine(options));
+  std::unique_ptr<IoEngine> engine(new IoEngine(options));
   engine->impl_ = std::make_unique<Impl>(engine.get());
   Impl& impl = *engine->impl_;
   if (options.force_thread_pool) {
@@ -324,7 +324,7 @@ Result<std::unique_ptr<UringEngine>> UringEngine::Create(UringEngineOptions opti
   for (uint32_t i = 0; i < options.bounce_buffers; ++i) {
     OwnerTag tag{Kind::kSwapBuffer, Lifetime::kPersistent, i, kProcessScope, SPILLWAY_SITE};
     auto buf = options.arena->Allocate(options.block_size, tag);
-    if (!buf.ok()) return buf.status().WithContext("UringEngine: allocating the bounce pool");
+    if (!buf.ok()) return buf.status().WithContext("IoEngine: allocating the bounce pool");
     engine->bounce_.push_back(static_cast<char*>(*buf));
     engine->bounce_free_.push_back(static_cast<int>(i));
   }
@@ -338,11 +338,11 @@ Result<std::unique_ptr<UringEngine>> UringEngine::Create(UringEngineOptions opti
   return engine;
 }
 
-UringEngine::UringEngine(UringEngineOptions options) : options_(options) {
+IoEngine::IoEngine(IoEngineOptions options) : options_(options) {
   for (int i = kBufferSlots - 1; i >= 0; --i) free_buffer_slots_.push_back(i);
 }
 
-UringEngine::~UringEngine() {
+IoEngine::~IoEngine() {
   if (impl_ == nullptr) return;
   if (!process_.InOwner()) {
     // A forked child has none of the ring or pool threads (joining them would hang or abort) and
@@ -365,11 +365,11 @@ UringEngine::~UringEngine() {
   }
 }
 
-bool UringEngine::DrainedLocked() const {
+bool IoEngine::DrainedLocked() const {
   return stopping_ && pending_.empty() && in_flight_ == 0;
 }
 
-void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
+void IoEngine::OnRegionMapped(void* base, uint64_t bytes) {
   if (!process_.InOwner()) return;  // never the parent's buffer table
   const size_t pieces = (bytes + kMaxIovecBytes - 1) / kMaxIovecBytes;
   std::vector<int> slots(pieces, -1);
@@ -411,7 +411,7 @@ void UringEngine::OnRegionMapped(void* base, uint64_t bytes) {
   if (fixed_buffers_) stats_.registration_failures += failed;
 }
 
-void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
+void IoEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
   if (!process_.InOwner()) return;
   std::vector<int> slots;
   {
@@ -438,8 +438,8 @@ void UringEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
   free_buffer_slots_.insert(free_buffer_slots_.end(), cleared.begin(), cleared.end());
 }
 
-Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignment) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "RegisterFile"));
+Result<int> IoEngine::RegisterFile(int fd, std::string name, uint32_t alignment) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("IoEngine", "RegisterFile"));
   if (fd < 0) return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): bad fd ", fd));
   if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > options_.block_size) {
     return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): alignment ", alignment,
@@ -488,8 +488,8 @@ Result<int> UringEngine::RegisterFile(int fd, std::string name, uint32_t alignme
   return id;
 }
 
-Status UringEngine::UnregisterFile(int file_id) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "UnregisterFile"));
+Status IoEngine::UnregisterFile(int file_id) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("IoEngine", "UnregisterFile"));
   int slot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -529,19 +529,19 @@ Status UringEngine::UnregisterFile(int file_id) {
   return Status::Ok();
 }
 
-Result<Ticket> UringEngine::Write(int file_id, uint64_t offset, const void* buffer,
+Result<Ticket> IoEngine::Write(int file_id, uint64_t offset, const void* buffer,
                                   uint64_t bytes) {
   return Enqueue(Op::kWrite, file_id, offset, static_cast<char*>(const_cast<void*>(buffer)), bytes);
 }
 
-Result<Ticket> UringEngine::Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
+Result<Ticket> IoEngine::Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
   return Enqueue(Op::kRead, file_id, offset, static_cast<char*>(buffer), bytes);
 }
 
-Result<Ticket> UringEngine::Enqueue(Op op, int file_id, uint64_t offset, char* buffer,
+Result<Ticket> IoEngine::Enqueue(Op op, int file_id, uint64_t offset, char* buffer,
                                     uint64_t bytes) {
   const char* verb = op == Op::kRead ? "Read" : "Write";
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", verb));
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("IoEngine", verb));
   if (buffer == nullptr || bytes == 0) {
     return Status::InvalidArgument(StrCat(verb, ": null buffer or 0 bytes"));
   }
@@ -583,7 +583,7 @@ Result<Ticket> UringEngine::Enqueue(Op op, int file_id, uint64_t offset, char* b
   return ticket;
 }
 
-UringEngine::Chunk* UringEngine::NextChunkLocked(bool use_fixed_slots) {
+IoEngine::Chunk* IoEngine::NextChunkLocked(bool use_fixed_slots) {
   while (!pending_.empty() && in_flight_ < options_.queue_depth) {
     Request* r = pending_.front();
     if (!r->status.ok()) {  // a failed request cuts no more chunks
@@ -640,13 +640,13 @@ UringEngine::Chunk* UringEngine::NextChunkLocked(bool use_fixed_slots) {
   return nullptr;
 }
 
-void UringEngine::StageWrite(Chunk* c) {
+void IoEngine::StageWrite(Chunk* c) {
   if (c->bounce_index < 0 || c->request->op != Op::kWrite) return;
   std::memcpy(c->io_buffer, c->request->buffer + c->offset_in_request, c->length);
   if (c->io_length > c->length) std::memset(c->io_buffer + c->length, 0, c->io_length - c->length);
 }
 
-void UringEngine::FillFault(Chunk* c) {
+void IoEngine::FillFault(Chunk* c) {
   c->submit_length = c->io_length - c->done;
   IoFaults* f = options_.faults;
   if (f == nullptr) return;
@@ -657,7 +657,7 @@ void UringEngine::FillFault(Chunk* c) {
   }
 }
 
-int64_t UringEngine::InjectResult(const Chunk* c, int64_t result) {
+int64_t IoEngine::InjectResult(const Chunk* c, int64_t result) {
   IoFaults* f = options_.faults;
   if (f == nullptr) return result;
   if (TakeOne(&f->eintr)) return -EINTR;
@@ -667,7 +667,7 @@ int64_t UringEngine::InjectResult(const Chunk* c, int64_t result) {
   return result;
 }
 
-bool UringEngine::ApplyResult(Chunk* c, int64_t result, Status* error) {
+bool IoEngine::ApplyResult(Chunk* c, int64_t result, Status* error) {
   Request* r = c->request;
   const bool read = r->op == Op::kRead;
   result = InjectResult(c, result);
@@ -715,7 +715,7 @@ bool UringEngine::ApplyResult(Chunk* c, int64_t result, Status* error) {
   return false;
 }
 
-bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure) {
+bool IoEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure) {
   Request* r = c->request;
   const bool read = r->op == Op::kRead;
   Status error;
@@ -760,7 +760,7 @@ bool UringEngine::CompleteChunk(Chunk* c, int64_t result, const Status* failure)
   return false;
 }
 
-Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) {
+Status IoEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) {
   Status failure = Status::FromErrno(
       StatusCode::kIoError, err,
       "io_uring_submit_and_wait failed and the I/O engine's ring stopped: this request did not "
@@ -787,7 +787,7 @@ Status UringEngine::RingFailed(int err, const std::vector<Chunk*>& unsubmitted) 
   return failure;
 }
 
-void UringEngine::AbandonInFlight(const Status& failure) {
+void IoEngine::AbandonInFlight(const Status& failure) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [ticket, r] : requests_) {
     if (r->done) continue;
@@ -798,8 +798,8 @@ void UringEngine::AbandonInFlight(const Status& failure) {
   done_cv_.notify_all();
 }
 
-Status UringEngine::Wait(Ticket ticket) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "Wait"));
+Status IoEngine::Wait(Ticket ticket) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("IoEngine", "Wait"));
   std::unique_lock<std::mutex> lock(mu_);
   auto it = requests_.find(ticket);
   if (it == requests_.end() || it->second->waited) {
@@ -814,8 +814,8 @@ Status UringEngine::Wait(Ticket ticket) {
   return st;
 }
 
-Status UringEngine::WaitAll() {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("UringEngine", "WaitAll"));
+Status IoEngine::WaitAll() {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("IoEngine", "WaitAll"));
   const std::thread::id me = std::this_thread::get_id();
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [this, me] {
@@ -842,19 +842,19 @@ Status UringEngine::WaitAll() {
   return first;
 }
 
-Status UringEngine::WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
+Status IoEngine::WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
   auto t = Write(file_id, offset, buffer, bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 
-Status UringEngine::ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
+Status IoEngine::ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
   auto t = Read(file_id, offset, buffer, bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 
-IoStats UringEngine::Stats() const {
+IoEngineStats IoEngine::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  IoStats s = stats_;
+  IoEngineStats s = stats_;
   s.queued_requests = 0;
   for (const auto& [t, r] : requests_) s.queued_requests += r->done ? 0 : 1;
   return s;
