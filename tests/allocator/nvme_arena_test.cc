@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "nvme_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 
 namespace spillway::allocator {

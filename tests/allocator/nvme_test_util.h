@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/io_engine.h"

@@ -12,6 +12,7 @@
 
 #include "../offload/store_test_util.h"
 #include "optimizer_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 
 namespace spillway::engine {

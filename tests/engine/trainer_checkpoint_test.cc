@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/engine/trainer.h"
 #include "trainer_test_util.h"

@@ -17,6 +17,7 @@
 
 #include "../offload/store_test_util.h"
 #include "trainer_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/offload/tiers.h"
 

@@ -14,6 +14,7 @@
 #include "../allocator/nvme_test_util.h"
 #include "pausing_device.h"
 #include "store_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../allocator/nvme_test_util.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"

@@ -10,6 +10,7 @@
 #include "../allocator/nvme_test_util.h"
 #include "pausing_device.h"
 #include "spillway/allocator/crc32c.h"
+#include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 
 namespace spillway::offload {
