@@ -104,8 +104,8 @@ double LibaioRun(int fd, const std::vector<Transfer>& xfers, bool write, uint64_
 double SpillwayRun(IoEngine& engine, int file, const std::vector<Transfer>& xfers, bool write) {
   auto t0 = Clock::now();
   for (const Transfer& x : xfers) {
-    auto t = write ? engine.Write(file, x.offset, x.buf, x.bytes)
-                   : engine.Read(file, x.offset, x.buf, x.bytes);
+    auto t = write ? engine.SubmitWrite(file, x.offset, x.buf, x.bytes)
+                   : engine.SubmitRead(file, x.offset, x.buf, x.bytes);
     if (!t.ok()) Die(t.status().ToString());
   }
   if (spillway::Status st = engine.WaitAll(); !st.ok()) Die(st.ToString());

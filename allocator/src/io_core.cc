@@ -38,7 +38,7 @@ IoCore::IoCore(IoEngineOptions opts) : options(opts) {
 
 Result<Ticket> IoCore::Enqueue(IoOp op, int file_id, uint64_t offset, char* buffer,
                                uint64_t bytes) {
-  const char* verb = op == IoOp::kRead ? "Read" : "Write";
+  const char* verb = op == IoOp::kRead ? "SubmitRead" : "SubmitWrite";
   SPILLWAY_RETURN_IF_ERROR(process.Check("IoEngine", verb));
   if (buffer == nullptr || bytes == 0) {
     return Status::InvalidArgument(StrCat(verb, ": null buffer or 0 bytes"));

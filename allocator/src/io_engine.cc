@@ -257,12 +257,12 @@ Status IoEngine::UnregisterFile(int file_id) {
   return Status::Ok();
 }
 
-Result<Ticket> IoEngine::Write(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
+Result<Ticket> IoEngine::SubmitWrite(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
   return core_->Enqueue(IoOp::kWrite, file_id, offset,
                         static_cast<char*>(const_cast<void*>(buffer)), bytes);
 }
 
-Result<Ticket> IoEngine::Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
+Result<Ticket> IoEngine::SubmitRead(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
   return core_->Enqueue(IoOp::kRead, file_id, offset, static_cast<char*>(buffer), bytes);
 }
 
@@ -310,13 +310,15 @@ Status IoEngine::WaitAll() {
   return first;
 }
 
-Status IoEngine::WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
-  auto t = Write(file_id, offset, buffer, bytes);
+Status IoEngine::Write(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(core_->process.Check("IoEngine", "Write"));
+  auto t = SubmitWrite(file_id, offset, buffer, bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 
-Status IoEngine::ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
-  auto t = Read(file_id, offset, buffer, bytes);
+Status IoEngine::Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(core_->process.Check("IoEngine", "Read"));
+  auto t = SubmitRead(file_id, offset, buffer, bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 

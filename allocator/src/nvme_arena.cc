@@ -299,7 +299,7 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
     generation = NewGenerationLocked(offset);  // until this write completes, the old contents are gone
   }
   const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
-  Status st = engine_->WriteSync(file_id_, offset, src, bytes);
+  Status st = engine_->Write(file_id_, offset, src, bytes);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = checks_.find(offset);
   if (!st.ok()) {
@@ -329,7 +329,7 @@ Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
                                                "last write failed)"));
     }
   }
-  Status st = engine_->ReadSync(file_id_, offset, dst, bytes);
+  Status st = engine_->Read(file_id_, offset, dst, bytes);
   if (!st.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.read_failures++;
@@ -386,14 +386,14 @@ Result<uint32_t> NvmeArena::ExpectedChecksum(uint64_t offset, uint64_t bytes) co
   return c.crc;
 }
 
-Result<Ticket> NvmeArena::ReadRange(uint64_t offset, uint64_t range_offset, void* dst,
+Result<Ticket> NvmeArena::SubmitReadRange(uint64_t offset, uint64_t range_offset, void* dst,
                                     uint64_t length) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "ReadRange"));
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "SubmitReadRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    SPILLWAY_RETURN_IF_ERROR(CheckRangeLocked(offset, range_offset, length, "NvmeArena::ReadRange"));
+    SPILLWAY_RETURN_IF_ERROR(CheckRangeLocked(offset, range_offset, length, "NvmeArena::SubmitReadRange"));
   }
-  return engine_->Read(file_id_, offset + range_offset, dst, length);
+  return engine_->SubmitRead(file_id_, offset + range_offset, dst, length);
 }
 
 Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
@@ -405,15 +405,15 @@ Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
   return NewGenerationLocked(offset);
 }
 
-Result<Ticket> NvmeArena::WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
+Result<Ticket> NvmeArena::SubmitWriteRange(uint64_t offset, uint64_t range_offset, const void* src,
                                      uint64_t length) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "WriteRange"));
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "SubmitWriteRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(
-        CheckRangeLocked(offset, range_offset, length, "NvmeArena::WriteRange"));
+        CheckRangeLocked(offset, range_offset, length, "NvmeArena::SubmitWriteRange"));
   }
-  return engine_->Write(file_id_, offset + range_offset, src, length);
+  return engine_->SubmitWrite(file_id_, offset + range_offset, src, length);
 }
 
 Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,

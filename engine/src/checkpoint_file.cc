@@ -110,7 +110,7 @@ Result<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path,
   auto id = io->RegisterFile(w->fd_, path, 1);
   if (!id.ok()) return id.status();
   w->file_id_ = *id;
-  SPILLWAY_RETURN_IF_ERROR(io->WriteSync(w->file_id_, 0, bytes.data(), bytes.size())
+  SPILLWAY_RETURN_IF_ERROR(io->Write(w->file_id_, 0, bytes.data(), bytes.size())
                                .WithContext(StrCat("writing the header of ", path)));
   if (w->hook_) w->hook_("header");
   return w;
@@ -131,7 +131,7 @@ Status FileWriter::Write(const void* data) {
   Status st;
   for (const auto& [off, len] : {std::pair<uint64_t, uint64_t>{0, half}, {half, n - half}}) {
     if (len == 0) continue;
-    auto t = io_->Write(file_id_, at + off, p + off, len);
+    auto t = io_->SubmitWrite(file_id_, at + off, p + off, len);
     if (!t.ok()) {
       st = t.status();
       break;
@@ -192,14 +192,14 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
   r->file_id_ = *id;
   if (size < 8) return Damaged(path, StrCat("it is ", size, " bytes, shorter than a header"));
   unsigned char len8[8];
-  SPILLWAY_RETURN_IF_ERROR(io->ReadSync(r->file_id_, 0, len8, 8));
+  SPILLWAY_RETURN_IF_ERROR(io->Read(r->file_id_, 0, len8, 8));
   uint64_t len = 0;
   for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(len8[i]) << (8 * i);
   if (len < 2 || len > kMaxHeaderBytes || len > size - 8) {
     return Damaged(path, StrCat("its header length ", len, " does not fit the file's ", size, " bytes"));
   }
   std::string text(len, '\0');
-  SPILLWAY_RETURN_IF_ERROR(io->ReadSync(r->file_id_, 8, text.data(), len));
+  SPILLWAY_RETURN_IF_ERROR(io->Read(r->file_id_, 8, text.data(), len));
   nlohmann::json h = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!h.is_object()) return Damaged(path, "its header is not a JSON object");
   r->data_start_ = 8 + len;
@@ -257,7 +257,7 @@ const TensorRecord* FileReader::Find(std::string_view name) const {
 Result<uint32_t> FileReader::Read(const TensorRecord& t, void* out) {
   const uint64_t n = t.end - t.begin;
   if (n > 0) {
-    SPILLWAY_RETURN_IF_ERROR(io_->ReadSync(file_id_, data_start_ + t.begin, out, n)
+    SPILLWAY_RETURN_IF_ERROR(io_->Read(file_id_, data_start_ + t.begin, out, n)
                                  .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
   }
   return allocator::Crc32c(out, n);
@@ -268,7 +268,7 @@ Result<uint32_t> FileReader::Checksum(const TensorRecord& t, void* scratch, uint
   uint32_t crc = 0;
   for (uint64_t off = 0; off < t.end - t.begin; off += scratch_bytes) {
     const uint64_t k = std::min(scratch_bytes, t.end - t.begin - off);
-    SPILLWAY_RETURN_IF_ERROR(io_->ReadSync(file_id_, data_start_ + t.begin + off, scratch, k)
+    SPILLWAY_RETURN_IF_ERROR(io_->Read(file_id_, data_start_ + t.begin + off, scratch, k)
                                  .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
     crc = allocator::Crc32cExtend(crc, scratch, k);
   }

@@ -51,8 +51,8 @@ class CpuStream final : public Stream {
     cv_.notify_all();
     worker_.join();
   }
-  Status CopyAsync(void* dst, const void* src, uint64_t bytes) override {
-    if (dst == nullptr || src == nullptr) return Status::InvalidArgument("CopyAsync: null pointer");
+  Status SubmitCopy(void* dst, const void* src, uint64_t bytes) override {
+    if (dst == nullptr || src == nullptr) return Status::InvalidArgument("SubmitCopy: null pointer");
     Push([dst, src, bytes] { std::memcpy(dst, src, bytes); });
     return Status::Ok();
   }

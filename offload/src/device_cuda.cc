@@ -43,7 +43,7 @@ class CudaStream final : public Stream {
     (void)ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     (void)ToStatus(cudaStreamDestroy(stream_), "cudaStreamDestroy");
   }
-  Status CopyAsync(void* dst, const void* src, uint64_t bytes) override {
+  Status SubmitCopy(void* dst, const void* src, uint64_t bytes) override {
     DeviceScope scope(device_);
     SPILLWAY_RETURN_IF_ERROR(scope.status());
     return ToStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_),

@@ -89,7 +89,7 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
       copied[slot].reset();
       if (!st.ok()) return st;
     }
-    auto t = nvme_->ReadRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes));
+    auto t = nvme_->SubmitReadRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes));
     if (!t.ok()) return t.status();
     tickets[j] = *t;
     return Status::Ok();
@@ -100,13 +100,13 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
     // Keep k-1 reads in flight: chunk i+k-1 takes the slot chunk i-1 was copied from.
     if (i + k - 1 < n) error = issue(i + k - 1);
     if (!error.ok()) break;
-    error = nvme_->WaitRange(*tickets[i]);
+    error = nvme_->Wait(*tickets[i]);
     tickets[i].reset();
     if (!error.ok()) break;
     const uint64_t len = ChunkLength(i, bytes);
     char* src = staging_[i % k];
     crc = allocator::Crc32cExtend(crc, src, len);  // overlaps the copies and reads in flight
-    error = stream_->CopyAsync(static_cast<char*>(device_dst) + i * chunk, src, len);
+    error = stream_->SubmitCopy(static_cast<char*>(device_dst) + i * chunk, src, len);
     if (!error.ok()) break;
     auto ev = stream_->Record();
     if (!ev.ok()) {
@@ -118,7 +118,7 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
   }
   // Drain whatever is still in flight before reporting, so no buffer is reused under I/O.
   for (auto& t : tickets) {
-    if (t) (void)nvme_->WaitRange(*t);
+    if (t) (void)nvme_->Wait(*t);
   }
   Status synced = stream_->Synchronize();
   if (error.ok()) error = synced;
@@ -154,11 +154,11 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
     if (i < n) {  // copy chunk i down while chunk i-1 is written
       const uint64_t slot = i % k;
       if (i >= k && writes[i - k]) {  // the slot's previous write must be on disk first
-        error = nvme_->WaitRange(*writes[i - k]);
+        error = nvme_->Wait(*writes[i - k]);
         writes[i - k].reset();
         if (!error.ok()) break;
       }
-      error = stream_->CopyAsync(staging_[slot],
+      error = stream_->SubmitCopy(staging_[slot],
                                  static_cast<const char*>(device_src) + i * chunk,
                                  ChunkLength(i, bytes));
       if (!error.ok()) break;
@@ -175,7 +175,7 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
       error = copied[slot]->Wait();
       if (!error.ok()) break;
       crc = allocator::Crc32cExtend(crc, staging_[slot], ChunkLength(j, bytes));
-      auto t = nvme_->WriteRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes));
+      auto t = nvme_->SubmitWriteRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes));
       if (!t.ok()) {
         error = t.status();
         break;
@@ -186,7 +186,7 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
   }
   for (auto& t : writes) {
     if (t) {
-      Status st = nvme_->WaitRange(*t);
+      Status st = nvme_->Wait(*t);
       if (error.ok()) error = st;
     }
   }
@@ -207,7 +207,7 @@ Status TransferPipeline::HostToDevice(const void* host_src, void* device_dst, ui
   SPILLWAY_RETURN_IF_ERROR(driving.status("HostToDevice"));
   const uint64_t chunk = options_.chunk_bytes;
   for (uint64_t i = 0; i * chunk < bytes; ++i) {
-    SPILLWAY_RETURN_IF_ERROR(stream_->CopyAsync(static_cast<char*>(device_dst) + i * chunk,
+    SPILLWAY_RETURN_IF_ERROR(stream_->SubmitCopy(static_cast<char*>(device_dst) + i * chunk,
                                                 static_cast<const char*>(host_src) + i * chunk,
                                                 ChunkLength(i, bytes)));
   }
@@ -221,7 +221,7 @@ Status TransferPipeline::NvmeToDeviceSerial(uint64_t off, uint64_t bytes, void* 
   const Driving driving(this);
   SPILLWAY_RETURN_IF_ERROR(driving.status("NvmeToDeviceSerial"));
   SPILLWAY_RETURN_IF_ERROR(nvme_->Read(off, host_buffer, bytes));
-  SPILLWAY_RETURN_IF_ERROR(stream_->CopyAsync(device_dst, host_buffer, bytes));
+  SPILLWAY_RETURN_IF_ERROR(stream_->SubmitCopy(device_dst, host_buffer, bytes));
   return stream_->Synchronize();
 }
 

@@ -329,8 +329,8 @@ class AioHandle {
       Unpin(f);
       return async ? 0 : 1;
     }
-    Result<allocator::Ticket> t = write ? engine->Write(f->id, static_cast<uint64_t>(offset), data, n)
-                                        : engine->Read(f->id, static_cast<uint64_t>(offset), data, n);
+    Result<allocator::Ticket> t = write ? engine->SubmitWrite(f->id, static_cast<uint64_t>(offset), data, n)
+                                        : engine->SubmitRead(f->id, static_cast<uint64_t>(offset), data, n);
     if (!t.ok()) {
       Unpin(f);
       return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));

@@ -45,10 +45,10 @@ class IoEngineTest : public ::testing::TestWithParam<bool> {  // param: thread p
   // Writes `bytes` of random data from `src` at `offset`, reads into `dst`, compares.
   void RoundTrip(void* src, void* dst, uint64_t bytes, uint64_t offset, uint64_t seed) {
     FillRandom(src, bytes, seed);
-    Status w = rig_->engine->WriteSync(file_, offset, src, bytes);
+    Status w = rig_->engine->Write(file_, offset, src, bytes);
     ASSERT_TRUE(w.ok()) << w.ToString();
     std::memset(dst, 0, bytes);
-    Status r = rig_->engine->ReadSync(file_, offset, dst, bytes);
+    Status r = rig_->engine->Read(file_, offset, dst, bytes);
     ASSERT_TRUE(r.ok()) << r.ToString();
     ASSERT_EQ(std::memcmp(src, dst, bytes), 0);
   }
@@ -101,11 +101,11 @@ TEST_P(IoEngineTest, ManyRequestsInFlightThenOneWaitAll) {
     src[i] = static_cast<char*>(rig_->HostBuffer(kBytes));
     dst[i] = static_cast<char*>(rig_->HostBuffer(kBytes));
     FillRandom(src[i], kBytes, 100 + i);
-    ASSERT_TRUE(rig_->engine->Write(file_, i * kBytes, src[i], kBytes).ok());
+    ASSERT_TRUE(rig_->engine->SubmitWrite(file_, i * kBytes, src[i], kBytes).ok());
   }
   ASSERT_TRUE(rig_->engine->WaitAll().ok());
   for (int i = 0; i < kRequests; ++i) {
-    ASSERT_TRUE(rig_->engine->Read(file_, i * kBytes, dst[i], kBytes).ok());
+    ASSERT_TRUE(rig_->engine->SubmitRead(file_, i * kBytes, dst[i], kBytes).ok());
   }
   ASSERT_TRUE(rig_->engine->WaitAll().ok());
   for (int i = 0; i < kRequests; ++i) ASSERT_EQ(std::memcmp(src[i], dst[i], kBytes), 0) << i;
@@ -121,9 +121,9 @@ TEST_P(IoEngineTest, WaitAllLeavesOtherThreadsTicketsToThem) {
   FillRandom(mine, kBytes, 1);
   FillRandom(theirs, kBytes, 2);
   Result<Ticket> other = Status::Internal("not run");
-  std::thread([&] { other = rig_->engine->Write(file_, kBytes, theirs, kBytes); }).join();
+  std::thread([&] { other = rig_->engine->SubmitWrite(file_, kBytes, theirs, kBytes); }).join();
   ASSERT_TRUE(other.ok()) << other.status().ToString();
-  ASSERT_TRUE(rig_->engine->Write(file_, 0, mine, kBytes).ok());
+  ASSERT_TRUE(rig_->engine->SubmitWrite(file_, 0, mine, kBytes).ok());
   ASSERT_TRUE(rig_->engine->WaitAll().ok());
   Status waited = Status::Internal("not run");
   std::thread([&] { waited = rig_->engine->Wait(*other); }).join();
@@ -140,8 +140,8 @@ TEST_P(IoEngineTest, FourThreadsShareTheEngine) {
       for (int round = 0; round < 4; ++round) {
         FillRandom(src.data(), bytes, t * 10 + round);
         const uint64_t off = static_cast<uint64_t>(t) * 4 * kMiB;
-        ASSERT_TRUE(rig_->engine->WriteSync(file_, off, src.data(), bytes).ok());
-        ASSERT_TRUE(rig_->engine->ReadSync(file_, off, dst.data(), bytes).ok());
+        ASSERT_TRUE(rig_->engine->Write(file_, off, src.data(), bytes).ok());
+        ASSERT_TRUE(rig_->engine->Read(file_, off, dst.data(), bytes).ok());
         ASSERT_EQ(std::memcmp(src.data(), dst.data(), bytes), 0);
       }
     });
@@ -172,7 +172,7 @@ TEST_P(IoEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
           return;
         }
         std::memset(src.data(), 1 + t * 50 + round % 50, src.size());
-        const Status w = rig_->engine->WriteSync(*id, 0, src.data(), src.size());
+        const Status w = rig_->engine->Write(*id, 0, src.data(), src.size());
         const Status u = rig_->engine->UnregisterFile(*id);
         if (!w.ok() || !u.ok()) {
           ADD_FAILURE() << w.ToString() << " / " << u.ToString();
@@ -190,28 +190,28 @@ TEST_P(IoEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
 
 TEST_P(IoEngineTest, MisalignedFileOffsetIsRefused) {
   std::vector<char> buf(4096);
-  auto t = rig_->engine->Write(file_, 100, buf.data(), buf.size());
+  auto t = rig_->engine->SubmitWrite(file_, 100, buf.data(), buf.size());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(t.status(), "multiple of the direct-I/O alignment 4096")) << t.status().ToString();
 }
 
 TEST_P(IoEngineTest, TicketsAreWaitedForOnce) {
   std::vector<char> buf(4096);
-  auto t = rig_->engine->Write(file_, 0, buf.data(), buf.size());
+  auto t = rig_->engine->SubmitWrite(file_, 0, buf.data(), buf.size());
   ASSERT_TRUE(t.ok());
   EXPECT_TRUE(rig_->engine->Wait(*t).ok());
   Status again = rig_->engine->Wait(*t);
   EXPECT_EQ(again.code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(again, "already waited")) << again.ToString();
-  EXPECT_EQ(rig_->engine->Write(99, 0, buf.data(), 4096).status().code(),
+  EXPECT_EQ(rig_->engine->SubmitWrite(99, 0, buf.data(), 4096).status().code(),
             StatusCode::kInvalidArgument);
 }
 
 TEST_P(IoEngineTest, ReadPastTheEndOfTheFileSaysSo) {
   void* src = rig_->HostBuffer(kMiB);
-  ASSERT_TRUE(rig_->engine->WriteSync(file_, 0, src, kMiB).ok());
+  ASSERT_TRUE(rig_->engine->Write(file_, 0, src, kMiB).ok());
   void* dst = rig_->HostBuffer(2 * kMiB);
-  Status st = rig_->engine->ReadSync(file_, 0, dst, 2 * kMiB);
+  Status st = rig_->engine->Read(file_, 0, dst, 2 * kMiB);
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_TRUE(Has(st, "reached the end of the file")) << st.ToString();
   EXPECT_TRUE(Has(st, "'scratch'")) << st.ToString();
@@ -220,7 +220,7 @@ TEST_P(IoEngineTest, ReadPastTheEndOfTheFileSaysSo) {
 TEST_P(IoEngineTest, WriteEioNamesFileOffsetAndErrnoAndTheEngineCarriesOn) {
   void* src = rig_->HostBuffer(3 * kMiB);
   faults_.write_errno = EIO;
-  Status st = rig_->engine->WriteSync(file_, 4096, src, 3 * kMiB);
+  Status st = rig_->engine->Write(file_, 4096, src, 3 * kMiB);
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_EQ(st.sys_error(), EIO);
   // Chunks run concurrently; whichever takes the fault first names its own offset.
@@ -239,19 +239,19 @@ TEST_P(IoEngineTest, ReadEioIsReportedAndARetrySucceeds) {
   void* src = rig_->HostBuffer(kMiB);
   void* dst = rig_->HostBuffer(kMiB);
   FillRandom(src, kMiB, 4);
-  ASSERT_TRUE(rig_->engine->WriteSync(file_, 0, src, kMiB).ok());
+  ASSERT_TRUE(rig_->engine->Write(file_, 0, src, kMiB).ok());
   faults_.read_errno = EIO;
-  Status st = rig_->engine->ReadSync(file_, 0, dst, kMiB);
+  Status st = rig_->engine->Read(file_, 0, dst, kMiB);
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_TRUE(Has(st, "read of 1048576 bytes at offset 0")) << st.ToString();
-  ASSERT_TRUE(rig_->engine->ReadSync(file_, 0, dst, kMiB).ok());
+  ASSERT_TRUE(rig_->engine->Read(file_, 0, dst, kMiB).ok());
   EXPECT_EQ(std::memcmp(src, dst, kMiB), 0);
 }
 
 TEST_P(IoEngineTest, EnospcIsANoSpaceErrorThatSaysWhatToDo) {
   void* src = rig_->HostBuffer(kMiB);
   faults_.write_errno = ENOSPC;
-  Status st = rig_->engine->WriteSync(file_, 0, src, kMiB);
+  Status st = rig_->engine->Write(file_, 0, src, kMiB);
   EXPECT_EQ(st.code(), StatusCode::kNoSpace);
   EXPECT_TRUE(Has(st, "free space on the NVMe path")) << st.ToString();
 }
@@ -340,8 +340,8 @@ TEST(IoEngineSqpollTest, ASubmissionThreadRingMovesDataToo) {
   // (IORING_SQ_NEED_WAKEUP, handled in liburing's submit).
   for (int round = 0; round < 3; ++round) {
     testing::FillRandom(*src, 4 * kMiB, 50 + round);
-    ASSERT_TRUE((*engine)->WriteSync(*file, 0, *src, 4 * kMiB).ok());
-    ASSERT_TRUE((*engine)->ReadSync(*file, 0, *dst, 4 * kMiB).ok());
+    ASSERT_TRUE((*engine)->Write(*file, 0, *src, 4 * kMiB).ok());
+    ASSERT_TRUE((*engine)->Read(*file, 0, *dst, 4 * kMiB).ok());
     ASSERT_EQ(std::memcmp(*src, *dst, 4 * kMiB), 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(120));  // > sq_thread_idle (50 ms)
   }
@@ -393,11 +393,11 @@ TEST(IoEngineRingTest, ASubmitFailureFailsTheQueuedRequestsAndTheEngineSaysSo) {
   if (!rig.uring()) GTEST_SKIP() << "no io_uring here: " << rig.engine->Stats().fallback_reason;
   void* buf = rig.Buffer(kMiB);
   faults.submit_errno = EFAULT;
-  const Status st = rig.engine->WriteSync(rig.file, 0, buf, kMiB);
+  const Status st = rig.engine->Write(rig.file, 0, buf, kMiB);
   EXPECT_FALSE(st.ok());
   EXPECT_TRUE(Has(st, "io_uring_submit_and_wait")) << st.ToString();
   EXPECT_TRUE(Has(st, "Bad address")) << st.ToString();
-  const auto again = rig.engine->Write(rig.file, 0, buf, kMiB);
+  const auto again = rig.engine->SubmitWrite(rig.file, 0, buf, kMiB);
   EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition) << again.status().ToString();
   EXPECT_TRUE(Has(again.status(), "ring failed")) << again.status().ToString();
   const IoEngineStats s = rig.engine->Stats();
@@ -415,8 +415,8 @@ TEST(IoEngineRingTest, ANullSqeDefersTheChunk) {
   char* dst = static_cast<char*>(rig.Buffer(4 * kMiB));
   testing::FillRandom(src, 4 * kMiB, 7);
   faults.null_sqes = 3;
-  ASSERT_TRUE(rig.engine->WriteSync(rig.file, 0, src, 4 * kMiB).ok());
-  ASSERT_TRUE(rig.engine->ReadSync(rig.file, 0, dst, 4 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->Write(rig.file, 0, src, 4 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->Read(rig.file, 0, dst, 4 * kMiB).ok());
   EXPECT_EQ(std::memcmp(src, dst, 4 * kMiB), 0);
   EXPECT_EQ(faults.null_sqes.load(), 0);
   EXPECT_GE(rig.engine->Stats().sqe_shortages, 1u);
@@ -441,14 +441,14 @@ TEST(IoEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
   ASSERT_GE(a_witness, 0);
   auto a = rig.engine->RegisterFile(a_fd, "A", 4096);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
-  ASSERT_TRUE(rig.engine->WriteSync(*a, 0, a_bytes, kMiB).ok());
+  ASSERT_TRUE(rig.engine->Write(*a, 0, a_bytes, kMiB).ok());
 
   faults.unregister_errno = EBUSY;
   const Status st = rig.engine->UnregisterFile(*a);
   ASSERT_FALSE(st.ok());
   EXPECT_TRUE(Has(st, "retired")) << st.ToString();
   EXPECT_TRUE(Has(st, "may be closed")) << st.ToString();
-  EXPECT_EQ(rig.engine->Write(*a, 0, a_bytes, kMiB).status().code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(rig.engine->SubmitWrite(*a, 0, a_bytes, kMiB).status().code(), StatusCode::kInvalidArgument)
       << "the unregistered id must name nothing";
   ASSERT_EQ(close(a_fd), 0);
 
@@ -456,8 +456,8 @@ TEST(IoEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
   EXPECT_EQ(b_fd, a_fd) << "the test wants the fd number reused";
   auto b = rig.engine->RegisterFile(b_fd, "B", 4096);
   ASSERT_TRUE(b.ok()) << b.status().ToString();
-  ASSERT_TRUE(rig.engine->WriteSync(*b, 0, b_bytes, kMiB).ok());
-  ASSERT_TRUE(rig.engine->ReadSync(*b, 0, back, kMiB).ok());
+  ASSERT_TRUE(rig.engine->Write(*b, 0, b_bytes, kMiB).ok());
+  ASSERT_TRUE(rig.engine->Read(*b, 0, back, kMiB).ok());
   EXPECT_EQ(std::memcmp(back, b_bytes, kMiB), 0);
   ASSERT_EQ(pread(b_fd, back, kMiB, 0), static_cast<ssize_t>(kMiB));
   EXPECT_EQ(std::memcmp(back, b_bytes, kMiB), 0) << "B's bytes are not in B";
@@ -481,8 +481,8 @@ TEST(IoEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
   char* src = static_cast<char*>(rig.Buffer(2 * kMiB));
   char* dst = static_cast<char*>(rig.Buffer(2 * kMiB));
   testing::FillRandom(src, 2 * kMiB, 8);
-  ASSERT_TRUE(rig.engine->WriteSync(rig.file, 0, src, 2 * kMiB).ok());
-  ASSERT_TRUE(rig.engine->ReadSync(rig.file, 0, dst, 2 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->Write(rig.file, 0, src, 2 * kMiB).ok());
+  ASSERT_TRUE(rig.engine->Read(rig.file, 0, dst, 2 * kMiB).ok());
   EXPECT_EQ(std::memcmp(src, dst, 2 * kMiB), 0);
   const IoEngineStats s = rig.engine->Stats();
   EXPECT_EQ(s.fixed_buffer_chunks, 0u);

@@ -155,9 +155,9 @@ TEST_P(NvmeArenaTest, AWriteWhoseExtentChangedHandsIsNotCommitted) {
   const uint64_t off = *nvme_->Allocate(bytes, Tag(Kind::kGrad, Lifetime::kPersistent, 1));
   auto generation = nvme_->BeginWrite(off, bytes);  // a chunked write starts...
   ASSERT_TRUE(generation.ok()) << generation.status().ToString();
-  auto t = nvme_->WriteRange(off, 0, old_data.data(), bytes);
+  auto t = nvme_->SubmitWriteRange(off, 0, old_data.data(), bytes);
   ASSERT_TRUE(t.ok());
-  ASSERT_TRUE(nvme_->WaitRange(*t).ok());
+  ASSERT_TRUE(nvme_->Wait(*t).ok());
   ASSERT_TRUE(nvme_->Free(off).ok());  // ...its extent is freed and handed to a new owner...
   const uint64_t again = *nvme_->Allocate(bytes, Tag(Kind::kParam, Lifetime::kPersistent, 2));
   ASSERT_EQ(again, off);
@@ -178,11 +178,11 @@ TEST_P(NvmeArenaTest, ARangeWhoseEndWrapsIsRefusedByName) {
   std::vector<char> buf(kMiB);
   ASSERT_TRUE(nvme_->Write(*off, buf.data(), kMiB).ok());
   const uint64_t wrap = UINT64_MAX - 4095;  // 4096 + wrap == 0 (mod 2^64), a multiple of 4096
-  auto r = nvme_->ReadRange(*off, 4096, buf.data(), wrap);
+  auto r = nvme_->SubmitReadRange(*off, 4096, buf.data(), wrap);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(r.status(), "of the extent at offset")) << r.status().ToString();
-  auto w = nvme_->WriteRange(*off, 4096, buf.data(), wrap);
+  auto w = nvme_->SubmitWriteRange(*off, 4096, buf.data(), wrap);
   ASSERT_FALSE(w.ok());
   EXPECT_TRUE(Has(w.status(), "of the extent at offset")) << w.status().ToString();
   EXPECT_TRUE(nvme_->Read(*off, buf.data(), kMiB).ok());  // the extent is intact

@@ -80,9 +80,9 @@ void ExpectPinnedAndFixed(PinMode mode) {
   auto file = (*engine)->RegisterFile(fd, "scratch", 4096);
   ASSERT_TRUE(file.ok()) << file.status().ToString();
   testing::FillRandom(*buf, bytes, 7);
-  ASSERT_TRUE((*engine)->WriteSync(*file, 0, *buf, bytes).ok());
+  ASSERT_TRUE((*engine)->Write(*file, 0, *buf, bytes).ok());
   std::memset(*buf, 0, bytes);
-  ASSERT_TRUE((*engine)->ReadSync(*file, 0, *buf, bytes).ok());
+  ASSERT_TRUE((*engine)->Read(*file, 0, *buf, bytes).ok());
   std::string want(bytes, '\0');
   testing::FillRandom(want.data(), bytes, 7);
   EXPECT_EQ(std::memcmp(want.data(), *buf, bytes), 0);

@@ -70,7 +70,7 @@ TEST_F(CudaErrorStateTest, TheCallersCurrentDeviceIsKeptAcrossSpillwayCalls) {
   auto stream = (*other)->NewStream();
   ASSERT_TRUE(stream.ok());
   std::vector<char> host(4096, 'y');
-  ASSERT_TRUE((*stream)->CopyAsync(*p, host.data(), host.size()).ok());
+  ASSERT_TRUE((*stream)->SubmitCopy(*p, host.data(), host.size()).ok());
   ASSERT_TRUE((*stream)->Synchronize().ok());
   stream->reset();
   EXPECT_TRUE((*other)->Free(*p).ok());

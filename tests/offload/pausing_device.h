@@ -1,4 +1,4 @@
-// A fault-injection seam over the real CPU device backend: once armed, the next CopyAsync on any
+// A fault-injection seam over the real CPU device backend: once armed, the next SubmitCopy on any
 // of its streams blocks until Resume(), so a test can hold one thread inside a transfer while
 // another acts. Everything else is the CPU device's own code.
 #pragma once
@@ -74,9 +74,9 @@ class PausingDevice : public Device {
    public:
     PausingStream(PausingDevice* device, std::unique_ptr<Stream> inner)
         : device_(device), inner_(std::move(inner)) {}
-    Status CopyAsync(void* dst, const void* src, uint64_t bytes) override {
+    Status SubmitCopy(void* dst, const void* src, uint64_t bytes) override {
       device_->MaybePause();
-      return inner_->CopyAsync(dst, src, bytes);
+      return inner_->SubmitCopy(dst, src, bytes);
     }
     Result<std::shared_ptr<Event>> Record() override { return inner_->Record(); }
     Status Synchronize() override { return inner_->Synchronize(); }

@@ -195,8 +195,8 @@ TEST(TransferPipelineTest, BadRangesAndOptionsAreRefused) {
   PipeRig rig;
   auto off = rig.nvme->Allocate(kMiB, {allocator::Kind::kParam, allocator::Lifetime::kPersistent});
   std::vector<char> buf(kMiB);
-  EXPECT_TRUE(Has(rig.nvme->ReadRange(*off, 100, buf.data(), 4096).status(), "must start on"));
-  EXPECT_TRUE(Has(rig.nvme->ReadRange(*off, 0, buf.data(), 2 * kMiB).status(), "must start on"));
+  EXPECT_TRUE(Has(rig.nvme->SubmitReadRange(*off, 100, buf.data(), 4096).status(), "must start on"));
+  EXPECT_TRUE(Has(rig.nvme->SubmitReadRange(*off, 0, buf.data(), 2 * kMiB).status(), "must start on"));
   EXPECT_EQ(rig.pipe->NvmeToDevice(*off, kMiB, buf.data()).code(),
             StatusCode::kFailedPrecondition);  // never written
   auto bad = TransferPipeline::Create(rig.io.arena.get(), rig.nvme.get(), rig.device, {1000, 4});

@@ -81,22 +81,26 @@ class IoEngine final : public HostArena::RegionObserver {
 
   // Registers an open file (O_DIRECT or not) as a fixed file. `alignment` is its direct-I/O
   // granule: file offsets must be multiples of it, and buffers or lengths that are not are
-  // staged through the bounce pool. Returns the file id used by Read/Write.
+  // staged through the bounce pool. Returns the file id that reads and writes name.
   Result<int> RegisterFile(int fd, std::string name, uint32_t alignment);
   Status UnregisterFile(int file_id);
 
-  // Queue a transfer. The buffer must stay valid, and unmodified for writes, until Wait returns.
-  // A write whose length is not a multiple of the alignment is padded with zeros: the file must own
-  // those bytes (NvmeArena extents do).
-  Result<Ticket> Write(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
-  Result<Ticket> Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
+  // The verbs follow one rule (Note [Vocabulary] in CONTRIBUTING.md): Write and Read block until
+  // the transfer completed; SubmitWrite and SubmitRead queue it and return a ticket, which Wait
+  // (or WaitAll) collects.
+  //
+  // The buffer must stay valid, and unmodified for writes, until the transfer completed. A write
+  // whose length is not a multiple of the alignment is padded with zeros: the file must own those
+  // bytes (NvmeArena extents do).
+  Status Write(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
+  Status Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
+  Result<Ticket> SubmitWrite(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
+  Result<Ticket> SubmitRead(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
   // The ticket's final status; the ticket is consumed. Waiting twice is an error.
   Status Wait(Ticket ticket);
   // Waits for every outstanding ticket this thread submitted (and no other thread is waiting for),
   // consumes them, returns the first failure (if any). Other threads' tickets stay theirs.
   Status WaitAll();
-  Status WriteSync(int file_id, uint64_t offset, const void* buffer, uint64_t bytes);
-  Status ReadSync(int file_id, uint64_t offset, void* buffer, uint64_t bytes);
 
   IoEngineStats Stats() const;
   IoBackend backend() const;

@@ -88,17 +88,18 @@ class NvmeArena final : public Tier {
   // The checksum an extent's data must have; FAILED_PRECONDITION when it holds no valid data.
   // Checking it is the caller's job (it sees the chunks in order: Crc32cExtend).
   Result<uint32_t> ExpectedChecksum(uint64_t offset, uint64_t bytes) const;
-  Result<Ticket> ReadRange(uint64_t offset, uint64_t range_offset, void* dst, uint64_t length);
+  Result<Ticket> SubmitReadRange(uint64_t offset, uint64_t range_offset, void* dst, uint64_t length);
   // A chunked write: BeginWrite invalidates the extent and returns the write's generation,
-  // WriteRange queues pieces, CommitWrite records the checksum of the whole once every piece
+  // SubmitWriteRange queues pieces, CommitWrite records the checksum of the whole once every piece
   // completed (or leaves it invalid on error). An extent freed, re-allocated or written again
   // since BeginWrite has a newer generation: CommitWrite then refuses (FAILED_PRECONDITION) and
   // records nothing, so an old write never validates a new owner's extent.
   Result<uint64_t> BeginWrite(uint64_t offset, uint64_t bytes);
-  Result<Ticket> WriteRange(uint64_t offset, uint64_t range_offset, const void* src,
+  Result<Ticket> SubmitWriteRange(uint64_t offset, uint64_t range_offset, const void* src,
                             uint64_t length);
   Status CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc, uint64_t generation);
-  Status WaitRange(Ticket ticket) { return engine_->Wait(ticket); }
+  // Collects a SubmitReadRange or SubmitWriteRange ticket (IoEngine::Wait).
+  Status Wait(Ticket ticket) { return engine_->Wait(ticket); }
   bool checksum_enabled() const { return options_.checksum; }
 
   NvmeArenaStats Stats() const;

@@ -24,9 +24,10 @@ class Event {
 class Stream {
  public:
   virtual ~Stream() = default;
-  // Enqueues a copy of `bytes` from src to dst (host<->device or device<->device) and returns
-  // at once. The memory must stay valid until an Event recorded after it completes.
-  virtual Status CopyAsync(void* dst, const void* src, uint64_t bytes) = 0;
+  // Queues a copy of `bytes` from src to dst (host<->device or device<->device) and returns at
+  // once. The memory must stay valid until an Event recorded after it completes. The verb rule
+  // (Note [Vocabulary]): Record() gives the ticket, and Event::Wait or Synchronize collects it.
+  virtual Status SubmitCopy(void* dst, const void* src, uint64_t bytes) = 0;
   virtual Result<std::shared_ptr<Event>> Record() = 0;
   virtual Status Synchronize() = 0;
 };
