@@ -214,7 +214,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
     p.bytes = bytes;
     p.home = home;
     MarkBusy(p);  // until placed
-    parts_.push_back(std::move(p));
+    parts_.push_back(p);
     tag = Tag(id);
   }
   Status st;
@@ -263,23 +263,9 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
       return Status::InvalidArgument(StrCat("SetSchedule: partition ", id, " is not registered"));
     }
   }
-  for (Part& p : parts_) p.uses.clear();
-  for (uint64_t pos = 0; pos < order.size(); ++pos) parts_[order[pos]].uses.push_back(pos);
-  schedule_ = std::move(order);
-  cursor_ = schedule_.empty() ? 0 : schedule_.size() - 1;
+  SPILLWAY_RETURN_IF_ERROR(schedule_.Set(std::move(order), parts_.size()));
   prefetch_queue_.clear();  // positions of the old schedule
   return Status::Ok();
-}
-
-uint64_t PartitionStore::UseDistance(uint64_t use) const {
-  const uint64_t len = schedule_.size();
-  return (use + len - cursor_ - 1) % len + 1;
-}
-
-uint64_t PartitionStore::NextUseDistance(const Part& p) const {
-  uint64_t best = schedule_.size() + 1;  // never used again under the schedule: evict first
-  for (uint64_t u : p.uses) best = std::min(best, UseDistance(u));
-  return best;
 }
 
 void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
@@ -388,16 +374,8 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     }
     // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
     // helper thread) does not: the host-tier schedule is the store's own order.
-    if (!p.uses.empty() && off_schedule_ == 0 && !device) {
-      uint64_t best = p.uses.front(), best_d = UINT64_MAX;
-      for (uint64_t u : p.uses) {
-        const uint64_t d = UseDistance(u);
-        if (d < best_d) {
-          best_d = d;
-          best = u;
-        }
-      }
-      cursor_ = best;
+    if (schedule_.Has(id) && off_schedule_ == 0 && !device) {
+      schedule_.Advance(id);
       QueuePrefetchLocked();
     }
     p.pins++;
@@ -614,7 +592,7 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
       if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
       const bool fits = (p.bytes + page - 1) / page * page >= request.request_bytes;
       // Larger goes first: the next use's distance (OPT), or the time since the last use (LRU).
-      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use : NextUseDistance(p);
+      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use : schedule_.NextUseDistance(i);
       if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
         best = d;
         victim = i;
@@ -784,12 +762,12 @@ Status PartitionStore::Release(Handle& handle) {
 }
 
 void PartitionStore::QueuePrefetchLocked() {
-  const uint64_t len = schedule_.size();
-  if (prefetch_window_ == 0 || len == 0) return;
+  if (prefetch_window_ == 0 || schedule_.size() == 0) return;
   // The window of schedule entries after the cursor: O(window) per Acquire.
+  std::vector<PartitionId> upcoming;
+  schedule_.Upcoming(prefetch_window_, &upcoming);
   prefetch_queue_.clear();
-  for (uint64_t k = 1; k <= prefetch_window_ && k < len; ++k) {
-    const PartitionId id = schedule_[(cursor_ + k) % len];
+  for (PartitionId id : upcoming) {
     // Never a host copy of a partition whose device view is live: it would be stale.
     if (parts_[id].host == nullptr && parts_[id].device == nullptr) prefetch_queue_.push_back(id);
   }
@@ -936,7 +914,7 @@ Status PartitionStore::Validate() const {
     return Status::Internal(StrCat("Validate: stats count ", stats_.live_handles,
                                    " live handles, the table holds ", live_handles_.size()));
   }
-  uint64_t registered = 0, uses = 0;
+  uint64_t registered = 0;
   for (PartitionId id = 0; id < parts_.size(); ++id) {
     const Part& p = parts_[id];
     auto fail = [&](const char* what) {
@@ -961,10 +939,6 @@ Status PartitionStore::Validate() const {
       continue;
     }
     registered++;
-    for (uint64_t u : p.uses) {
-      if (u >= schedule_.size() || schedule_[u] != id) return fail("a use off its schedule slot");
-    }
-    uses += p.uses.size();
     if (p.busy) continue;  // its mover owns the rest until it clears busy
     if (p.pins > p.device_pins && p.host == nullptr) return fail("a host handle without a host copy");
     if (p.device_pins > 0 && p.device == nullptr) return fail("device pins without a device view");
@@ -976,9 +950,12 @@ Status PartitionStore::Validate() const {
     if (!Placed(p)) return fail("its bytes are nowhere");
     if (handles[id] != p.pins && p.device_pins == 0) return fail("pins without live handles");
   }
-  if (uses != schedule_.size()) {
-    return Status::Internal(StrCat("Validate: the schedule has ", schedule_.size(),
-                                   " positions, the partitions claim ", uses));
+  if (Status st = schedule_.Validate(); !st.ok()) return st.WithContext("Validate");
+  for (PartitionId id : schedule_.order()) {
+    if (!Placed(parts_[id])) {
+      return Status::Internal(StrCat("Validate: the schedule names partition ", id,
+                                     ", which is not placed"));
+    }
   }
   if (stats_.partitions > registered) {
     return Status::Internal(StrCat("Validate: stats count ", stats_.partitions,

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "spillway/offload/opt_schedule.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
@@ -38,8 +39,6 @@ struct PartitionKey {
 
 enum class Tier : uint8_t { kHost = 0, kNvme, kDevice };
 const char* TierName(Tier tier);
-
-using PartitionId = uint32_t;
 
 class PartitionStore;
 
@@ -123,7 +122,7 @@ struct StoreHooks {
 //     a device view with no device pins is dirty: kept after its write-back failed, the only
 //     good copy (a host Acquire is refused until a device Acquire + Release writes it back)
 //     p has no host copy  =>  p has an extent (its bytes are on NVMe, or it was never written)
-//   the schedule: schedule_[u] == p for every u in p.uses, and each position belongs to one p
+//   the schedule holds its own invariants (OptSchedule::Validate) and names registered partitions
 //   stats_.live_handles == |live_handles_|;  stats_.partitions <= |registered, not tombstones|
 class PartitionStore {
  public:
@@ -216,7 +215,6 @@ class PartitionStore {
     void* device = nullptr;        // device view while device handles are live
     uint32_t device_pins = 0;      // of `pins`, how many are device handles
     bool device_dirty = false;
-    std::vector<uint64_t> uses;    // positions in the schedule
     uint64_t last_use = 0;         // use_clock_ at its last Acquire or prefetch (Eviction::kLru)
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
@@ -259,9 +257,6 @@ class PartitionStore {
   Status FillDevice(PartitionId id);       // without mu_; `id` is busy
   Status WriteBackDevice(PartitionId id);  // without mu_; `id` is busy
   // mu_ held: schedule distance from the cursor to the next use of `id`.
-  // mu_ held, schedule non-empty: schedule positions from the cursor to `use` (1 = the next one).
-  uint64_t UseDistance(uint64_t use) const;
-  uint64_t NextUseDistance(const Part& p) const;
 
   const Config config_;
   allocator::HostArena* const host_;
@@ -273,8 +268,7 @@ class PartitionStore {
   mutable std::mutex mu_;
   allocator::ForkSafeCondition busy_cv_;
   std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
-  std::vector<PartitionId> schedule_;        // guarded by mu_: SetSchedule's order
-  uint64_t cursor_ = 0;                      // guarded by mu_: schedule position of the last use
+  OptSchedule schedule_;                     // guarded by mu_: SetSchedule's order and cursor
   uint64_t use_clock_ = 0;                   // guarded by mu_: Acquires so far
   uint32_t off_schedule_ = 0;                // guarded by mu_: live OffSchedule scopes
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
