@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "clock.h"
-#include "host_view.h"
 
 namespace spillway::engine {
 namespace {
@@ -150,18 +149,18 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       if (!st.ok()) return fail(st, i);
     }
     // Acquire group i (resident by now, or swapped in here) and update it.
-    std::vector<HostView> h;
+    std::vector<offload::Handle> h;
     for (PartitionId id : StateOf(g)) {
-      auto v = AcquireView(store, id, Access::kReadWrite);
+      auto v = store.Acquire(id, Access::kReadWrite);
       if (!v.ok()) return fail(v.status(), i);
       h.push_back(std::move(*v));
     }
     SubGroup view;
     view.name = g.name;
     view.numel = g.numel;
-    view.master = static_cast<float*>(h[0].data);
-    view.exp_avg = static_cast<float*>(h[1].data);
-    view.exp_avg_sq = static_cast<float*>(h[2].data);
+    view.master = static_cast<float*>(h[0].data());
+    view.exp_avg = static_cast<float*>(h[1].data());
+    view.exp_avg_sq = static_cast<float*>(h[2].data());
     view.grad = g.grad;
     view.grad_dtype = g.grad_dtype;
     view.param = g.param;
@@ -169,8 +168,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     const uint64_t t0 = NowNs();
     Status st = optimizer.Update(view, *plan);
     s.update_ns += NowNs() - t0;
-    for (HostView& v : h) {
-      Status rs = store.Release(v.handle);
+    for (offload::Handle& v : h) {
+      Status rs = store.Release(v);
       if (st.ok() && !rs.ok()) st = rs;
     }
     if (!st.ok()) return fail(st, i);

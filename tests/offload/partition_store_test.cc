@@ -400,7 +400,10 @@ TEST(PartitionStoreTest, HandlesReleaseOnceAndAReleasedHandleIsAnError) {
   ASSERT_TRUE(id.ok());
   auto h = rig.store->Acquire(*id);
   ASSERT_TRUE(h.ok());
+  ASSERT_NE(h->data(), nullptr);
+  EXPECT_EQ(h->data(), *h->Data());  // the plain view and the checked one agree while held
   ASSERT_TRUE(rig.store->Release(*h).ok());
+  EXPECT_EQ(h->data(), nullptr);  // a released handle shows no memory
   Status twice = rig.store->Release(*h);
   EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Has(twice, "already released")) << twice.ToString();

@@ -10,7 +10,6 @@
 #include <cstring>
 
 #include "catch_torch.h"
-#include "host_view.h"
 #include "spillway/base/log.h"
 #include "spillway/offload/device_guard.h"
 
@@ -249,10 +248,10 @@ Status Trainer::Init() {
     full.narrow(0, 0, unit.numel).copy_(gpt::InitUnit(options_.model, u));
     const float* mine = full.data_ptr<float>() + rank * unit.shard;
     for (offload::PartitionId id : {unit.param, unit.master}) {
-      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+      auto v = store_->Acquire(id, offload::Access::kReadWrite);
       if (!v.ok()) return v.status();
-      std::memcpy(v->data, mine, bytes);
-      SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+      std::memcpy(v->data(), mine, bytes);
+      SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
     }
     units_.push_back(unit);
   }
@@ -276,11 +275,11 @@ Result<torch::Tensor> Trainer::Gather(int64_t u) {
         if (!st.ok()) Log(LogLevel::kError, StrCat("freeing a gather buffer: ", st.ToString()));
       },
       torch::kFloat32);
-  auto v = AcquireView(*store_, unit.param, offload::Access::kRead);
+  auto v = store_->Acquire(unit.param, offload::Access::kRead);
   if (!v.ok()) return v.status();
-  Status st = coll_->AllGather(static_cast<const float*>(v->data), static_cast<uint64_t>(unit.shard),
+  Status st = coll_->AllGather(static_cast<const float*>(v->data()), static_cast<uint64_t>(unit.shard),
                                static_cast<float*>(*buf));
-  SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+  SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
   SPILLWAY_RETURN_IF_ERROR(st);
   return full.narrow(0, 0, unit.numel);
 }
@@ -408,11 +407,11 @@ Result<torch::Tensor> Trainer::GatherToCompute(int64_t u, std::future<Result<tor
     const Unit& unit = units_[u];
     const auto on_device = torch::TensorOptions().dtype(torch::kFloat32).device(options_.compute);
     torch::Tensor shard = torch::empty({unit.shard}, on_device);
-    auto v = AcquireView(*store_, unit.param, offload::Access::kRead);
+    auto v = store_->Acquire(unit.param, offload::Access::kRead);
     if (!v.ok()) return v.status();
     // A blocking copy: the view is released right after it.
-    shard.copy_(torch::from_blob(v->data, {unit.shard}, torch::kFloat32), /*non_blocking=*/false);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+    shard.copy_(torch::from_blob(v->data(), {unit.shard}, torch::kFloat32), /*non_blocking=*/false);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
     torch::Tensor full = torch::empty({unit.shard * coll_->world_size()}, on_device);
     SPILLWAY_RETURN_IF_ERROR(coll_->AllGather(shard, full));
     return full.narrow(0, 0, unit.numel);
@@ -437,10 +436,10 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   torch::Tensor mine = torch::empty({unit.shard}, opts);
   SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded, mine));
   mine = mine.to(torch::kCPU);  // blocking; ordered after the collective by its wait()
-  auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
+  auto v = store_->Acquire(unit.grad, offload::Access::kReadWrite);
   if (!v.ok()) return v.status();
-  torch::from_blob(v->data, {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
-  return store_->Release(v->handle);
+  torch::from_blob(v->data(), {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
+  return store_->Release(*v);
 }
 
 
@@ -498,7 +497,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
   if (store_->home(units_[0].master) == offload::Tier::kNvme) {
     // The streamed step overlaps NVMe reads and write-backs of the optimizer state with the update,
     // so it takes the gradient and parameter partitions (host views) for the whole step.
-    std::vector<HostView> held;
+    std::vector<offload::Handle> held;
     std::vector<StreamedGroup> groups(units_.size());
     for (size_t u = 0; u < units_.size(); ++u) {
       StreamedGroup& g = groups[u];
@@ -508,13 +507,13 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
       g.exp_avg = units_[u].exp_avg;
       g.exp_avg_sq = units_[u].exp_avg_sq;
       g.param_dtype = DType::kFp32;
-      auto grad = AcquireView(*store_, units_[u].grad, offload::Access::kReadWrite);
+      auto grad = store_->Acquire(units_[u].grad, offload::Access::kReadWrite);
       if (!grad.ok()) return grad.status();
-      g.grad = grad->data;
+      g.grad = grad->data();
       held.push_back(std::move(*grad));
-      auto param = AcquireView(*store_, units_[u].param, offload::Access::kReadWrite);
+      auto param = store_->Acquire(units_[u].param, offload::Access::kReadWrite);
       if (!param.ok()) return param.status();
-      g.param = param->data;
+      g.param = param->data();
       held.push_back(std::move(*param));
     }
     Result<StepReport> report = StreamedStep(*optimizer_, *store_, groups, so, stream,
@@ -524,22 +523,22 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
     for (size_t u = 0; u < units_.size(); ++u) {
       std::memset(const_cast<void*>(groups[u].grad), 0, static_cast<size_t>(units_[u].shard) * 4);
     }
-    for (HostView& v : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(v.handle));
+    for (offload::Handle& v : held) SPILLWAY_RETURN_IF_ERROR(store_->Release(v));
     return report;
   }
   // Host-resident state: one unit's five partitions at a time, so a host budget smaller than the
   // states only has to hold one unit's working set (the store spills the rest). Pass 1: the norm.
   double local = 0.0;
   for (const Unit& unit : units_) {
-    auto g = AcquireView(*store_, unit.grad, offload::Access::kRead);
+    auto g = store_->Acquire(unit.grad, offload::Access::kRead);
     if (!g.ok()) return g.status();
     SubGroup view;
     view.name = "unit";
     view.numel = static_cast<uint64_t>(unit.shard);
-    view.grad = g->data;
+    view.grad = g->data();
     view.grad_dtype = DType::kFp32;
     auto s = optimizer_->SumOfSquares(view);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(g->handle));
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(*g));
     if (!s.ok()) return s.status();
     local += *s;
   }
@@ -552,26 +551,26 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
   }
   // Pass 2: update each unit and zero its gradient for the next step.
   for (const Unit& unit : units_) {
-    std::vector<HostView> views;
+    std::vector<offload::Handle> views;
     for (offload::PartitionId id : {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
-      auto v = AcquireView(*store_, id, offload::Access::kReadWrite);
+      auto v = store_->Acquire(id, offload::Access::kReadWrite);
       if (!v.ok()) return v.status();
       views.push_back(std::move(*v));
     }
     SubGroup g;
     g.name = "unit";
     g.numel = static_cast<uint64_t>(unit.shard);
-    g.grad = views[0].data;
+    g.grad = views[0].data();
     g.grad_dtype = DType::kFp32;
-    g.param = views[1].data;
+    g.param = views[1].data();
     g.param_dtype = DType::kFp32;
-    g.master = static_cast<float*>(views[2].data);
-    g.exp_avg = static_cast<float*>(views[3].data);
-    g.exp_avg_sq = static_cast<float*>(views[4].data);
+    g.master = static_cast<float*>(views[2].data());
+    g.exp_avg = static_cast<float*>(views[3].data());
+    g.exp_avg_sq = static_cast<float*>(views[4].data());
     Status st = optimizer_->Update(g, *report);
-    std::memset(views[0].data, 0, static_cast<size_t>(unit.shard) * 4);
-    for (HostView& v : views) {
-      Status rs = store_->Release(v.handle);
+    std::memset(views[0].data(), 0, static_cast<size_t>(unit.shard) * 4);
+    for (offload::Handle& v : views) {
+      Status rs = store_->Release(v);
       if (st.ok()) st = rs;
     }
     SPILLWAY_RETURN_IF_ERROR(st);
@@ -615,10 +614,10 @@ std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const 
 
 Status Trainer::ZeroGrads() {
   for (const Unit& unit : units_) {
-    auto v = AcquireView(*store_, unit.grad, offload::Access::kReadWrite);
+    auto v = store_->Acquire(unit.grad, offload::Access::kReadWrite);
     if (!v.ok()) return v.status();
-    std::memset(v->data, 0, static_cast<size_t>(unit.shard) * 4);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(v->handle));
+    std::memset(v->data(), 0, static_cast<size_t>(unit.shard) * 4);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
   }
   return Status::Ok();
 }

@@ -20,7 +20,6 @@
 #include <nlohmann/json.hpp>
 
 #include "catch_torch.h"
-#include "host_view.h"
 #include "spillway/base/log.h"
 #include "spillway/engine/trainer.h"
 
@@ -47,10 +46,10 @@ constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads th
 Status UsePartition(offload::PartitionStore& store, offload::PartitionId id, offload::Access access,
                     const char* what, const std::function<Status(void*)>& use) {
   const bool passing = store.home(id) == offload::Tier::kNvme && !store.resident(id);
-  auto v = AcquireView(store, id, access);
+  auto v = store.Acquire(id, access);
   if (!v.ok()) return v.status();
-  Status st = use(v->data);
-  SPILLWAY_RETURN_IF_ERROR(store.Release(v->handle));
+  Status st = use(v->data());
+  SPILLWAY_RETURN_IF_ERROR(store.Release(*v));
   SPILLWAY_RETURN_IF_ERROR(st);
   if (passing) {
     if (Status e = store.Evict(id); !e.ok()) {

@@ -55,6 +55,10 @@ class Handle {
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 
+  // The partition's memory, for as long as the handle is held; null once released or moved from.
+  void* data() const { return data_; }
+  // The same, checked: an error status naming the partition for a released handle, or for one
+  // that outlived its store.
   Result<void*> Data() const;
   uint64_t bytes() const { return bytes_; }
   PartitionId id() const { return id_; }
