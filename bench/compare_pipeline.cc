@@ -25,7 +25,7 @@
 
 #include "bench_util.h"
 #include "spillway/base/bytes.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
 

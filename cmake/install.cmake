@@ -10,6 +10,7 @@ set(spillway_exported spillway_base spillway_allocator spillway_offload spillway
 set(spillway_header_dirs base allocator offload engine metrics)
 if(SPILLWAY_WITH_TORCH)
   list(APPEND spillway_exported spillway_trainer)
+  list(APPEND spillway_header_dirs trainer)
 endif()
 foreach(t IN LISTS spillway_exported)
   string(REPLACE "spillway_" "" short "${t}")

@@ -6,8 +6,8 @@
 
 #include "leak_scenarios.h"
 #include "spillway/base/bytes.h"
-#include "spillway/engine/collectives.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/collectives.h"
+#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
 

@@ -15,7 +15,7 @@
 #include "../offload/store_test_util.h"
 #include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 #include "trainer_test_util.h"
 
 namespace spillway::engine {

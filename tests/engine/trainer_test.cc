@@ -5,7 +5,7 @@
 // trainer differs from the reference by summation order (recompute, reduce-scatter), by the host
 // optimizer's multiplication by 1/sqrt(bc2) where torch divides, and by the clip factor's float
 // rounding; the printed drift is far below it.
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 
 #include <gtest/gtest.h>
 

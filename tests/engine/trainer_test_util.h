@@ -7,7 +7,7 @@
 #include <string>
 
 #include "../allocator/nvme_test_util.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 
 namespace spillway::engine::testing {
 

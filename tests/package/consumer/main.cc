@@ -7,7 +7,7 @@
 #include "spillway/metrics/exporter.h"
 #include "spillway/offload/config.h"
 #if CONSUMER_WITH_TORCH
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 #endif
 
 int main() {

@@ -13,7 +13,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/status.h"
 #include "spillway/cli/proc_memory.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 #include "spillway/offload/planner.h"
 
 namespace spillway::cli {

@@ -1,6 +1,5 @@
-// The reference ZeRO-3 trainer (libtorch): a small GPT-style model written as a sequence of units
-// (embedding, N transformer blocks, head), each unit's parameters one flat fp32 vector
-// partitioned across ranks in the PartitionStore. Per micro-batch: for each unit gather -> forward
+// The reference ZeRO-3 trainer (libtorch): the GPT of model.h, each unit's flat fp32 parameter
+// vector partitioned across ranks in the PartitionStore. Per micro-batch: for each unit gather -> forward
 // -> release (activation checkpoints at unit boundaries only); backward in reverse, recomputing
 // each unit from its checkpoint, reduce-scattering its gradient into this rank's partition;
 // gradient accumulation over micro-batches; then the host optimizer step (streamed from NVMe when
@@ -22,47 +21,16 @@
 #include "spillway/base/status.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/engine/checkpoint_file.h"
-#include "spillway/engine/collectives.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/engine/streamed_step.h"
 #include "spillway/offload/device_guard.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
+#include "spillway/trainer/collectives.h"
+#include "spillway/trainer/compute_device.h"
+#include "spillway/trainer/model.h"
 
 namespace spillway::engine {
-
-struct GptConfig {
-  int64_t vocab = 96;
-  int64_t d_model = 64;
-  int64_t n_layer = 2;
-  int64_t n_head = 4;
-  int64_t seq_len = 32;
-  uint64_t seed = 1234;
-};
-
-// The model, as plain functions so that a plain libtorch training loop (the tests' reference)
-// runs exactly the same math. Unit 0 is the embedding, 1..n_layer the blocks, n_layer+1 the head.
-namespace gpt {
-int64_t Units(const GptConfig& c);
-int64_t UnitNumel(const GptConfig& c, int64_t unit);
-torch::Tensor InitUnit(const GptConfig& c, int64_t unit);  // deterministic from c.seed
-// x: token ids [B, T] for unit 0, hidden states [B, T, d_model] otherwise. Returns hidden states,
-// or logits [B, T, vocab] from the head.
-torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& flat,
-                      const torch::Tensor& x);
-torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
-}  // namespace gpt
-
-// Where the forward and backward math runs: "auto" (this local rank's CUDA device when libtorch
-// sees one, else the CPU), "cpu", "cuda" (this local rank's) or "cuda:N". Local rank r takes
-// cuda:r, torchrun's layout, so ranks on one node never share a GPU (NCCL refuses that); a local
-// rank without a GPU of its own is an error, as is an explicit CUDA device that libtorch cannot
-// use: never a silent fall back to the CPU.
-Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_rank = 0);
-
-// The device guard's name for a torch device (cpu, or cuda:N; a cuda device without an index is
-// cuda:0). Other device types map to cpu: callers refuse them first.
-offload::DeviceId ToDeviceId(const torch::Device& device);
 
 struct TrainerOptions {
   GptConfig model;

@@ -21,7 +21,7 @@
 
 #include "catch_torch.h"
 #include "spillway/base/log.h"
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 
 namespace spillway::engine {
 namespace {

@@ -1,5 +1,5 @@
 // Collectives over c10d ProcessGroupGloo. See collectives.h.
-#include "spillway/engine/collectives.h"
+#include "spillway/trainer/collectives.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>

@@ -1,5 +1,5 @@
 // The reference ZeRO-3 trainer. See trainer.h and docs/engine.md, Note [Trainer].
-#include "spillway/engine/trainer.h"
+#include "spillway/trainer/trainer.h"
 
 #include <cmath>
 #include <condition_variable>
@@ -15,105 +15,6 @@
 
 namespace spillway::engine {
 
-// ---- the model ----
-namespace gpt {
-namespace {
-
-struct Shape {
-  const char* name;
-  std::vector<int64_t> dims;
-  enum Init { kNormal, kOnes, kZeros } init;
-};
-
-std::vector<Shape> Layout(const GptConfig& c, int64_t unit) {
-  const int64_t d = c.d_model, h = 4 * c.d_model;
-  if (unit == 0) return {{"wte", {c.vocab, d}, Shape::kNormal}, {"wpe", {c.seq_len, d}, Shape::kNormal}};
-  if (unit == c.n_layer + 1) {
-    return {{"lnf_w", {d}, Shape::kOnes}, {"lnf_b", {d}, Shape::kZeros}, {"lm_w", {c.vocab, d}, Shape::kNormal}};
-  }
-  return {{"ln1_w", {d}, Shape::kOnes},        {"ln1_b", {d}, Shape::kZeros},
-          {"qkv_w", {3 * d, d}, Shape::kNormal}, {"qkv_b", {3 * d}, Shape::kZeros},
-          {"proj_w", {d, d}, Shape::kNormal},    {"proj_b", {d}, Shape::kZeros},
-          {"ln2_w", {d}, Shape::kOnes},        {"ln2_b", {d}, Shape::kZeros},
-          {"fc_w", {h, d}, Shape::kNormal},      {"fc_b", {h}, Shape::kZeros},
-          {"fc2_w", {d, h}, Shape::kNormal},     {"fc2_b", {d}, Shape::kZeros}};
-}
-
-int64_t Numel(const std::vector<int64_t>& dims) {
-  int64_t n = 1;
-  for (int64_t x : dims) n *= x;
-  return n;
-}
-
-std::vector<torch::Tensor> Views(const GptConfig& c, int64_t unit, const torch::Tensor& flat) {
-  std::vector<torch::Tensor> out;
-  int64_t off = 0;
-  for (const Shape& s : Layout(c, unit)) {
-    const int64_t n = Numel(s.dims);
-    out.push_back(flat.narrow(0, off, n).view(s.dims));
-    off += n;
-  }
-  return out;
-}
-
-}  // namespace
-
-int64_t Units(const GptConfig& c) { return c.n_layer + 2; }
-
-int64_t UnitNumel(const GptConfig& c, int64_t unit) {
-  int64_t n = 0;
-  for (const Shape& s : Layout(c, unit)) n += Numel(s.dims);
-  return n;
-}
-
-torch::Tensor InitUnit(const GptConfig& c, int64_t unit) {
-  torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed * 1000 + static_cast<uint64_t>(unit));
-  std::vector<torch::Tensor> parts;
-  for (const Shape& s : Layout(c, unit)) {
-    const int64_t n = Numel(s.dims);
-    if (s.init == Shape::kNormal) {
-      parts.push_back(at::normal(0.0, 0.02, {n}, gen));
-    } else {
-      parts.push_back(s.init == Shape::kOnes ? torch::ones({n}) : torch::zeros({n}));
-    }
-  }
-  return torch::cat(parts);
-}
-
-torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& flat,
-                      const torch::Tensor& x) {
-  const std::vector<torch::Tensor> p = Views(c, unit, flat);
-  if (unit == 0) {
-    const int64_t t = x.size(1);
-    return torch::embedding(p[0], x) + p[1].narrow(0, 0, t);
-  }
-  const int64_t d = c.d_model;
-  if (unit == c.n_layer + 1) {
-    return torch::linear(torch::layer_norm(x, {d}, p[0], p[1]), p[2]);
-  }
-  const int64_t b = x.size(0), t = x.size(1), nh = c.n_head, hd = d / nh;
-  const torch::Tensor qkv = torch::linear(torch::layer_norm(x, {d}, p[0], p[1]), p[2], p[3]);
-  auto heads = [&](const torch::Tensor& z) { return z.view({b, t, nh, hd}).transpose(1, 2); };
-  const std::vector<torch::Tensor> qkv3 = qkv.split(d, -1);
-  const torch::Tensor q = heads(qkv3[0]), k = heads(qkv3[1]), v = heads(qkv3[2]);
-  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-  const torch::Tensor mask = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-  att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-  const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
-  const torch::Tensor h = x + torch::linear(y, p[4], p[5]);
-  const torch::Tensor m = torch::linear(torch::gelu(torch::linear(torch::layer_norm(h, {d}, p[6], p[7]), p[8], p[9])), p[10], p[11]);
-  return h + m;
-}
-
-torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-}
-
-}  // namespace gpt
-
-// ---- the trainer ----
-
 void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
   adam.lr = tc.lr;
   adam.beta1 = tc.beta1;
@@ -124,45 +25,6 @@ void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
   max_grad_norm = tc.gradient_clipping;
 }
 
-Result<torch::Device> ResolveComputeDevice(const std::string& spec, int local_rank) {
-  const auto not_a_device = [&] {
-    return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
-  };
-  if (spec == "cpu") return torch::Device(torch::kCPU);
-  if (local_rank < 0) {
-    return Status::InvalidArgument(StrCat("local rank ", local_rank, " is negative (LOCAL_RANK)"));
-  }
-  const bool cuda = torch::cuda::is_available();
-  if (spec == "auto" && !cuda) return torch::Device(torch::kCPU);
-  long index = local_rank;  // auto, cuda: one GPU per local rank, as torchrun lays ranks out
-  const bool named = spec.rfind("cuda:", 0) == 0;
-  if (named) {
-    if (spec.size() == 5 || spec.size() > 9 || spec.find_first_not_of("0123456789", 5) != std::string::npos) {
-      return not_a_device();
-    }
-    index = std::strtol(spec.c_str() + 5, nullptr, 10);
-  } else if (spec != "auto" && spec != "cuda") {
-    return not_a_device();
-  }
-  if (!cuda) {
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("compute device '", spec, "' asked for, but libtorch sees no CUDA device ",
-                               "(a CPU build of torch, no driver, or no GPU); use auto or cpu"));
-  }
-  const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
-  if (index >= count) {
-    if (!named) {
-      return Status::InvalidArgument(StrCat(
-          "compute device '", spec, "' is the GPU of local rank ", local_rank, ", but libtorch sees ",
-          count, " CUDA device(s); run at most one rank per GPU on a node (torchrun --nproc-per-node ",
-          count, "), or name the device (cuda:N) or cpu"));
-    }
-    return Status::InvalidArgument(StrCat("compute device '", spec, "' does not exist: libtorch sees ",
-                                          count, " CUDA device(s)"));
-  }
-  return torch::Device(torch::kCUDA, static_cast<torch::DeviceIndex>(index));
-}
-
 Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
                  offload::PartitionStore* store, allocator::HostArena* arena,
                  allocator::Ledger* ledger, allocator::ScopeId scope,
@@ -171,11 +33,6 @@ Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
       scope_(scope), optimizer_(std::move(optimizer)) {}
 
 Trainer::~Trainer() = default;
-
-offload::DeviceId ToDeviceId(const torch::Device& d) {
-  return d.is_cuda() ? offload::DeviceId{offload::DeviceType::kCuda, d.has_index() ? d.index() : 0}
-                     : offload::DeviceId{offload::DeviceType::kCpu, 0};
-}
 
 Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
                                                  Collectives* collectives,
