@@ -1,9 +1,9 @@
 // compare_checkpoint: the reference trainer's checkpoint (Trainer::Save / Trainer::Load: per-rank
 // safetensors through the io_uring engine, CRC32C per tensor, fsync, rename) against torch::save /
-// torch::load of tensors of the same sizes (followed by an fsync, so both are durable) and against fio's
-// sequential write of the same number of bytes on the same file system (ioengine io_uring, 1 MiB
-// blocks, end_fsync: the device's ceiling for buffered writes). Rounds interleave the savers and
-// rotate their order; medians are reported with an A/A pair (Spillway twice per round) whose
+// torch::load of tensors of the same sizes (followed by an fsync, so both are durable) and against
+// fio's sequential write of the same number of bytes on the same file system (ioengine io_uring, 1
+// MiB blocks, end_fsync: the device's ceiling for buffered writes). Rounds interleave the savers
+// and rotate their order; medians are reported with an A/A pair (Spillway twice per round) whose
 // spread bounds what a ratio can resolve. Loads read files just written (the page cache is warm for
 // every contender alike), and each contender starts after a sync(). Last line: one JSON object.
 //
@@ -21,9 +21,9 @@
 
 #include "bench_util.h"
 #include "spillway/base/bytes.h"
-#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
+#include "spillway/trainer/trainer.h"
 
 namespace {
 
@@ -52,9 +52,10 @@ void Fsync(const std::string& path) {
 // fio's sequential write of `bytes` to a fresh file: seconds from its own bandwidth report.
 double FioWrite(const std::string& dir, uint64_t bytes) {
   const std::string file = dir + "/fio.tmp";
-  const std::string cmd = "fio --name=seqwrite --rw=write --bs=1M --ioengine=io_uring --iodepth=8 "
-                          "--end_fsync=1 --output-format=json --filename=" + file +
-                          " --size=" + std::to_string(bytes) + " 2>/dev/null";
+  const std::string cmd =
+      "fio --name=seqwrite --rw=write --bs=1M --ioengine=io_uring --iodepth=8 "
+      "--end_fsync=1 --output-format=json --filename=" +
+      file + " --size=" + std::to_string(bytes) + " 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) Die("cannot run fio");
   std::string out;
@@ -76,22 +77,28 @@ int main(int argc, char** argv) {
   std::string offload = "cpu", dir = "nvme_test_swap";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--d-model" && i + 1 < argc) d_model = std::atoll(argv[++i]);
-    else if (a == "--layers" && i + 1 < argc) layers = std::atoll(argv[++i]);
-    else if (a == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
-    else if (a == "--offload" && i + 1 < argc) offload = argv[++i];
-    else if (a == "--dir" && i + 1 < argc) dir = argv[++i];
+    if (a == "--d-model" && i + 1 < argc)
+      d_model = std::atoll(argv[++i]);
+    else if (a == "--layers" && i + 1 < argc)
+      layers = std::atoll(argv[++i]);
+    else if (a == "--rounds" && i + 1 < argc)
+      rounds = std::atoi(argv[++i]);
+    else if (a == "--offload" && i + 1 < argc)
+      offload = argv[++i];
+    else if (a == "--dir" && i + 1 < argc)
+      dir = argv[++i];
     else {
-      std::fprintf(stderr, "usage: compare_checkpoint [--d-model N] [--layers N] [--rounds N] "
-                           "[--offload cpu|nvme] [--dir DIR]\n");
+      std::fprintf(stderr,
+                   "usage: compare_checkpoint [--d-model N] [--layers N] [--rounds N] "
+                   "[--offload cpu|nvme] [--dir DIR]\n");
       return 2;
     }
   }
   fs::create_directories(dir);
   const std::string config_json = StrCat(
       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": ")", offload,
-      R"(", "nvme_path": )", nlohmann::json(dir).dump(), R"(}, "offload_optimizer": {"device": ")", offload,
-      R"(", "nvme_path": )", nlohmann::json(dir).dump(),
+      R"(", "nvme_path": )", nlohmann::json(dir).dump(), R"(}, "offload_optimizer": {"device": ")",
+      offload, R"(", "nvme_path": )", nlohmann::json(dir).dump(),
       R"(}}, "aio": {"block_size": 1048576, "queue_depth": 8},
           "spillway": {"host_budget_bytes": "8GiB", "nvme_budget_bytes": "8GiB"}})");
   auto config = Must(offload::Config::Parse(config_json));
@@ -112,7 +119,8 @@ int main(int argc, char** argv) {
     const torch::Tensor full = Must(trainer->GatherUnit(u));
     for (int k = 0; k < 4; ++k) state.push_back(full.clone());
   }
-  const std::string ours = dir + "/compare-checkpoint-spillway", theirs = dir + "/compare-checkpoint-torch.pt";
+  const std::string ours = dir + "/compare-checkpoint-spillway",
+                    theirs = dir + "/compare-checkpoint-torch.pt";
   engine::CheckpointOptions co;
   co.io = tiers->io.get();
   co.keep = 1;
@@ -160,22 +168,39 @@ int main(int argc, char** argv) {
   const double a = Median(save_a), a2 = Median(save_a2), t = Median(save_torch), f = Median(fio);
   const double la = Median(load_a), lt = Median(load_torch);
   std::vector<double> aa;
-  for (size_t i = 0; i < std::min(save_a.size(), save_a2.size()); ++i) aa.push_back(save_a2[i] / save_a[i]);
+  for (size_t i = 0; i < std::min(save_a.size(), save_a2.size()); ++i)
+    aa.push_back(save_a2[i] / save_a[i]);
   std::sort(aa.begin(), aa.end());
-  std::printf("checkpoint of %.1f MiB (d_model %lld, %lld layers, offload %s), %d rounds interleaved, medians\n",
-              mib, static_cast<long long>(d_model), static_cast<long long>(layers), offload.c_str(), rounds);
-  std::printf("  save   spillway %7.1f MiB/s   torch::save+fsync %7.1f MiB/s   fio seq write %7.1f MiB/s\n",
-              mib / a, mib / t, mib / f);
-  std::printf("         spillway/torch x%.2f   spillway/fio x%.2f   A/A (spillway twice) x%.2f, spread %.2f..%.2f\n",
-              t / a, f / a, a2 / a, aa.front(), aa.back());
-  std::printf("  load   spillway %7.1f MiB/s (with the CRC32C pass)   torch::load %7.1f MiB/s   spillway/torch x%.2f\n",
-              mib / la, mib / lt, lt / la);
-  nlohmann::json j = {{"bench", "compare_checkpoint"}, {"mib", mib}, {"offload", offload},
-                      {"save_spillway_mibps", mib / a}, {"save_torch_mibps", mib / t},
-                      {"save_fio_mibps", mib / f}, {"aa_ratio", a2 / a}, {"aa_min", aa.front()},
-                      {"aa_max", aa.back()}, {"load_spillway_mibps", mib / la},
-                      {"load_torch_mibps", mib / lt}, {"save_spillway_s", save_a},
-                      {"save_torch_s", save_torch}, {"save_fio_s", fio}};
+  std::printf(
+      "checkpoint of %.1f MiB (d_model %lld, %lld layers, offload %s), %d rounds interleaved, "
+      "medians\n",
+      mib, static_cast<long long>(d_model), static_cast<long long>(layers), offload.c_str(),
+      rounds);
+  std::printf(
+      "  save   spillway %7.1f MiB/s   torch::save+fsync %7.1f MiB/s   fio seq write %7.1f MiB/s\n",
+      mib / a, mib / t, mib / f);
+  std::printf(
+      "         spillway/torch x%.2f   spillway/fio x%.2f   A/A (spillway twice) x%.2f, spread "
+      "%.2f..%.2f\n",
+      t / a, f / a, a2 / a, aa.front(), aa.back());
+  std::printf(
+      "  load   spillway %7.1f MiB/s (with the CRC32C pass)   torch::load %7.1f MiB/s   "
+      "spillway/torch x%.2f\n",
+      mib / la, mib / lt, lt / la);
+  nlohmann::json j = {{"bench", "compare_checkpoint"},
+                      {"mib", mib},
+                      {"offload", offload},
+                      {"save_spillway_mibps", mib / a},
+                      {"save_torch_mibps", mib / t},
+                      {"save_fio_mibps", mib / f},
+                      {"aa_ratio", a2 / a},
+                      {"aa_min", aa.front()},
+                      {"aa_max", aa.back()},
+                      {"load_spillway_mibps", mib / la},
+                      {"load_torch_mibps", mib / lt},
+                      {"save_spillway_s", save_a},
+                      {"save_torch_s", save_torch},
+                      {"save_fio_s", fio}};
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

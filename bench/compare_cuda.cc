@@ -1,8 +1,9 @@
 // compare_cuda: the engine's CUDA kernels and the pinned host arena on a real GPU, each against the
 // device's own ceiling or the strongest baseline, measured in the same run:
 //   roofline   cudaMemcpy device-to-device of the working set (bytes read + written / time)
-//   norm       SumOfSquares over many tensors (fp32, then bf16): bytes read / time, fraction of roofline
-//   scale-cast the fused unscale+clip+cast, fp32 gradient -> bf16 (one pass: 4 B read, 2 B written
+//   norm       SumOfSquares over many tensors (fp32, then bf16): bytes read / time, fraction of
+//   roofline scale-cast the fused unscale+clip+cast, fp32 gradient -> bf16 (one pass: 4 B read, 2 B
+//   written
 //              per element) vs the unfused sequence DeepSpeed runs (scale the fp32 buffer in place,
 //              then cast it: three passes over the fp32 data), both built from the same kernel
 //   h2d / d2h  copies from a HostArena extent (mmap + cudaHostRegister), from cudaMallocHost memory
@@ -23,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "spillway/base/bytes.h"
-#include "spillway/allocator/host_arena.h"
 #include "kernels_scalar_ops.h"  // the host optimizer's conversions: the reference
+#include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
 #include "spillway/engine/cuda_kernels.h"
 
 namespace {
@@ -84,12 +85,16 @@ int main(int argc, char** argv) {
   int reps = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--mib" && i + 1 < argc) mib = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--tensors" && i + 1 < argc) tensors = std::atoi(argv[++i]);
-    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (a == "--mib" && i + 1 < argc)
+      mib = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--tensors" && i + 1 < argc)
+      tensors = std::atoi(argv[++i]);
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: compare_cuda [--mib N (fp32 working set, default 1024)] "
-                           "[--tensors N (default 64)] [--reps N (default 20)]\n");
+      std::fprintf(stderr,
+                   "usage: compare_cuda [--mib N (fp32 working set, default 1024)] "
+                   "[--tensors N (default 64)] [--reps N (default 20)]\n");
       return 2;
     }
   }
@@ -144,7 +149,8 @@ int main(int argc, char** argv) {
               roof / 1e9);
 
   // 2. The norm, checked, then timed (it synchronizes: host clock).
-  auto norm = [&](const void* base, engine::DType dt, uint64_t esize, double ref, const char* name) {
+  auto norm = [&](const void* base, engine::DType dt, uint64_t esize, double ref,
+                  const char* name) {
     std::vector<engine::cuda::DeviceTensor> ts(tensors);
     for (int t = 0; t < tensors; ++t) {
       ts[t] = {static_cast<const char*>(base) + t * per * esize, per, dt};
@@ -178,20 +184,21 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> got(used);
     Check(cudaMemcpy(got.data(), d16b, used * 2, cudaMemcpyDeviceToHost), "download bf16");
     for (uint64_t i = 0; i < used; i += 4099) {
-      if (got[i] != engine::kernels::Bf16FromFloat(host[i] * scale)) Die("ScaleCast: element " + std::to_string(i) + " differs from the host's rounding");
+      if (got[i] != engine::kernels::Bf16FromFloat(host[i] * scale))
+        Die("ScaleCast: element " + std::to_string(i) + " differs from the host's rounding");
     }
   }
   const double t_fused = TimeDevice(stream, reps, [&] {
-    Must(engine::cuda::ScaleCast(d32, engine::DType::kFp32, d16b, engine::DType::kBf16, used,
-                                 scale, stream));
+    Must(engine::cuda::ScaleCast(d32, engine::DType::kFp32, d16b, engine::DType::kBf16, used, scale,
+                                 stream));
   });
   // The unfused sequence works on a copy so that repeated runs do not shrink the data to zero.
   Check(cudaMemcpy(d32b, d32, used * 4, cudaMemcpyDeviceToDevice), "copy");
   const double t_unfused = TimeDevice(stream, reps, [&] {
-    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d32b, engine::DType::kFp32, used,
-                                 1.0f, stream));  // the unscale/clip pass, in place
-    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d16b, engine::DType::kBf16, used,
-                                 1.0f, stream));  // the cast pass
+    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d32b, engine::DType::kFp32, used, 1.0f,
+                                 stream));  // the unscale/clip pass, in place
+    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d16b, engine::DType::kBf16, used, 1.0f,
+                                 stream));  // the cast pass
   });
   const double fused_bw = used * 6.0 / t_fused;
   std::printf("%-34s %9.3f ms %8.1f GB/s  %.2f of roofline\n", "scale-cast fused fp32->bf16",
@@ -208,8 +215,8 @@ int main(int argc, char** argv) {
   ho.region_bytes = xfer;
   ho.pin = allocator::PinMode::kCuda;
   auto arena = Must(allocator::HostArena::Create(ho));
-  void* from_arena = Must(arena->Allocate(xfer, {allocator::Kind::kSwapBuffer,
-                                                 allocator::Lifetime::kPersistent, 1, 0, nullptr}));
+  void* from_arena = Must(arena->Allocate(
+      xfer, {allocator::Kind::kSwapBuffer, allocator::Lifetime::kPersistent, 1, 0, nullptr}));
   void* from_cuda_host = nullptr;
   Check(cudaMallocHost(&from_cuda_host, xfer), "cudaMallocHost");
   void* from_malloc = std::malloc(xfer);
@@ -224,11 +231,11 @@ int main(int argc, char** argv) {
                {"pageable malloc", from_malloc, 0, 0}};
   for (auto& k : kinds) {
     k.h2d = xfer / TimeDevice(stream, reps, [&] {
-      Check(cudaMemcpyAsync(d32b, k.p, xfer, cudaMemcpyHostToDevice, stream), "H2D");
-    });
+              Check(cudaMemcpyAsync(d32b, k.p, xfer, cudaMemcpyHostToDevice, stream), "H2D");
+            });
     k.d2h = xfer / TimeDevice(stream, reps, [&] {
-      Check(cudaMemcpyAsync(k.p, d32b, xfer, cudaMemcpyDeviceToHost, stream), "D2H");
-    });
+              Check(cudaMemcpyAsync(k.p, d32b, xfer, cudaMemcpyDeviceToHost, stream), "D2H");
+            });
     std::printf("%-34s h2d %6.1f GB/s  d2h %6.1f GB/s\n", k.name, k.h2d / 1e9, k.d2h / 1e9);
   }
   if (std::memcmp(from_arena, host.data(), xfer) != 0) Die("D2H into the arena changed the data");

@@ -5,9 +5,10 @@
 //
 // The trace: LLaMA-7B shapes (or --model 34b: Yi-34B) partitioned over --ranks ranks. Persistent
 // bf16 parameter and gradient partitions, each pinned on its own as ZeRO-3 does; per step, gather
-// buffers of whole parameters with two in flight (prefetch) in forward and backward, and swap-buffer
-// churn whose sizes vary by sub-group and by epoch; per epoch, bounded checkpoint buffers.
-// Memory is not touched unless --pin mlock, so the run fits any machine; the accounting is the same.
+// buffers of whole parameters with two in flight (prefetch) in forward and backward, and
+// swap-buffer churn whose sizes vary by sub-group and by epoch; per epoch, bounded checkpoint
+// buffers. Memory is not touched unless --pin mlock, so the run fits any machine; the accounting is
+// the same.
 #include <jemalloc/jemalloc.h>
 #include <malloc.h>
 #include <sys/mman.h>
@@ -19,14 +20,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/pow2_caching_policy.h"
+#include "spillway/base/bytes.h"
 
 extern "C" void* __libc_malloc(size_t);  // glibc's own malloc, even when jemalloc is linked in
 extern "C" void __libc_free(void*);
@@ -59,18 +60,18 @@ std::vector<uint64_t> ParamNumels(const Model& m) {
   std::vector<uint64_t> p;
   p.push_back(m.vocab * m.d);  // embedding
   for (uint64_t l = 0; l < m.layers; ++l) {
-    p.push_back(m.d * m.d);        // q
-    p.push_back(m.d * m.kv_dim);   // k
-    p.push_back(m.d * m.kv_dim);   // v
-    p.push_back(m.d * m.d);        // o
-    p.push_back(m.d * m.ffn);      // gate
-    p.push_back(m.d * m.ffn);      // up
-    p.push_back(m.ffn * m.d);      // down
-    p.push_back(m.d);              // input norm
-    p.push_back(m.d);              // post-attention norm
+    p.push_back(m.d * m.d);       // q
+    p.push_back(m.d * m.kv_dim);  // k
+    p.push_back(m.d * m.kv_dim);  // v
+    p.push_back(m.d * m.d);       // o
+    p.push_back(m.d * m.ffn);     // gate
+    p.push_back(m.d * m.ffn);     // up
+    p.push_back(m.ffn * m.d);     // down
+    p.push_back(m.d);             // input norm
+    p.push_back(m.d);             // post-attention norm
   }
-  p.push_back(m.d);               // final norm
-  p.push_back(m.vocab * m.d);     // lm head
+  p.push_back(m.d);            // final norm
+  p.push_back(m.vocab * m.d);  // lm head
   return p;
 }
 
@@ -83,7 +84,9 @@ std::vector<Op> BuildTrace(const Model& m, uint64_t ranks, int epochs, int steps
     ops.push_back({true, next_id, bytes, k, l});
     return next_id++;
   };
-  auto release = [&](uint32_t id) { ops.push_back({false, id, 0, Kind::kTransient, Lifetime::kStep}); };
+  auto release = [&](uint32_t id) {
+    ops.push_back({false, id, 0, Kind::kTransient, Lifetime::kStep});
+  };
   *persistent_bf16_bytes = 0;
   for (uint64_t n : params) {  // each partition pinned on its own
     const uint64_t part = (n + ranks - 1) / ranks * 2;
@@ -302,22 +305,36 @@ int main(int argc, char** argv) {
     };
     if (a == "--model") {
       std::string m = next();
-      if (m == "34b") model = {"yi-34b", 7168, 20480, 60, 64000, 1024};
-      else if (m != "7b") { std::fprintf(stderr, "--model: 7b or 34b\n"); return 2; }
-    } else if (a == "--ranks") ranks = std::stoull(next());
-    else if (a == "--epochs") epochs = std::stoi(next());
-    else if (a == "--steps") steps = std::stoi(next());
-    else if (a == "--region-mib") region_mib = std::stoull(next());
-    else if (a == "--retain-mib") retain_mib = std::stoull(next());
-    else if (a == "--peak-slack") peak_slack = std::stod(next());
+      if (m == "34b")
+        model = {"yi-34b", 7168, 20480, 60, 64000, 1024};
+      else if (m != "7b") {
+        std::fprintf(stderr, "--model: 7b or 34b\n");
+        return 2;
+      }
+    } else if (a == "--ranks")
+      ranks = std::stoull(next());
+    else if (a == "--epochs")
+      epochs = std::stoi(next());
+    else if (a == "--steps")
+      steps = std::stoi(next());
+    else if (a == "--region-mib")
+      region_mib = std::stoull(next());
+    else if (a == "--retain-mib")
+      retain_mib = std::stoull(next());
+    else if (a == "--peak-slack")
+      peak_slack = std::stod(next());
     else if (a == "--pin") {
       auto p = spillway::allocator::ParsePinMode(next());
-      if (!p.ok()) { std::fprintf(stderr, "--pin: %s\n", p.status().message().c_str()); return 2; }
+      if (!p.ok()) {
+        std::fprintf(stderr, "--pin: %s\n", p.status().message().c_str());
+        return 2;
+      }
       pin = *p;
     } else {
       std::fprintf(stderr,
                    "usage: compare_host_arena [--model 7b|34b] [--ranks N] [--epochs N] "
-                   "[--steps N] [--pin pageable|mlock|cuda|auto] [--region-mib N] [--retain-mib N] [--peak-slack F]\nunknown argument: %s\n",
+                   "[--steps N] [--pin pageable|mlock|cuda|auto] [--region-mib N] [--retain-mib N] "
+                   "[--peak-slack F]\nunknown argument: %s\n",
                    a.c_str());
       return 2;
     }
@@ -331,8 +348,7 @@ int main(int argc, char** argv) {
   uint32_t slots = 0;
   for (const Op& op : ops) slots = std::max(slots, op.id + 1);
   std::printf("trace: %s over %" PRIu64 " ranks, %d epochs x %d steps, %zu ops; pin mode %s\n",
-              model.name, ranks, epochs, steps, ops.size(),
-              spillway::allocator::PinModeName(pin));
+              model.name, ranks, epochs, steps, ops.size(), spillway::allocator::PinModeName(pin));
 
   // Cross-check against FIELD.md §1: per-partition pinning of the bf16 parameters alone.
   {
@@ -353,7 +369,8 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   std::vector<std::unique_ptr<Allocator>> allocs;
-  allocs.push_back(std::make_unique<SpillwayAlloc>(pin, region_mib * kMiB, retain_mib * kMiB, peak_slack));
+  allocs.push_back(
+      std::make_unique<SpillwayAlloc>(pin, region_mib * kMiB, retain_mib * kMiB, peak_slack));
   allocs.push_back(std::make_unique<Pow2Model>());
   allocs.push_back(std::make_unique<JemallocAlloc>());
   allocs.push_back(std::make_unique<MallocAlloc>());
@@ -368,12 +385,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto sws = sw->arena().Stats();
-  std::printf("spillway regions: %" PRIu64 " mapped, %" PRIu64 " unmapped over the trace (each one "
+  std::printf("spillway regions: %" PRIu64 " mapped, %" PRIu64
+              " unmapped over the trace (each one "
               "a pin and an unpin when pinned); retained now %.3f GiB\n",
               sws.region_map_count, sws.region_unmap_count, sws.retained_bytes / kGiB);
 
-  std::printf("\n%-20s %14s %14s %9s %12s %14s\n", "allocator", "peak held GiB",
-              "peak asked GiB", "overhead", "trace ops/s", "alloc+free ns");
+  std::printf("\n%-20s %14s %14s %9s %12s %14s\n", "allocator", "peak held GiB", "peak asked GiB",
+              "overhead", "trace ops/s", "alloc+free ns");
   for (const Row& row : rows) {
     std::printf("%-20s %14.3f %14.3f %9.3f %12.0f %14.1f\n", row.name.c_str(),
                 row.r.peak_held / kGiB, row.r.peak_requested / kGiB,
@@ -382,8 +400,10 @@ int main(int argc, char** argv) {
   }
   auto overhead = [&](size_t i) { return double(rows[i].r.peak_held) / rows[i].r.peak_requested; };
   std::printf(
-      "{\"bench\":\"host_arena\",\"model\":\"%s\",\"ranks\":%" PRIu64 ",\"trace_ops\":%zu,"
-      "\"peak_requested_bytes\":%" PRIu64 ",\"spillway_overhead\":%.4f,\"pow2_overhead\":%.4f,"
+      "{\"bench\":\"host_arena\",\"model\":\"%s\",\"ranks\":%" PRIu64
+      ",\"trace_ops\":%zu,"
+      "\"peak_requested_bytes\":%" PRIu64
+      ",\"spillway_overhead\":%.4f,\"pow2_overhead\":%.4f,"
       "\"jemalloc_overhead\":%.4f,\"malloc_overhead\":%.4f,\"spillway_allocs_per_s\":%.0f,"
       "\"pow2_allocs_per_s\":%.0f,\"jemalloc_allocs_per_s\":%.0f,\"malloc_allocs_per_s\":%.0f,"
       "\"spillway_alloc_free_ns\":%.1f,\"pow2_alloc_free_ns\":%.1f,\"jemalloc_alloc_free_ns\":%.1f,"

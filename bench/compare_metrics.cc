@@ -5,9 +5,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <unistd.h>
-
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -52,8 +51,8 @@ double Throughput(allocator::HostArena& arena, uint64_t pairs_total) {
   for (uint64_t pairs = 0; pairs < pairs_total; ++pairs) {
     void*& slot = live[pairs % live.size()];
     if (slot != nullptr) (void)arena.Free(slot);
-    slot = *arena.Allocate(64 * 1024, {allocator::Kind::kTransient, allocator::Lifetime::kStep,
-                                       pairs, 0, nullptr});
+    slot = *arena.Allocate(
+        64 * 1024, {allocator::Kind::kTransient, allocator::Lifetime::kStep, pairs, 0, nullptr});
   }
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
   for (void* p : live) {
@@ -118,14 +117,16 @@ int main() {
   std::printf("exporter on, scraped every 100 ms: %.0f alloc+free/s\n", m_on);
   std::printf("exporter off again (A/A): %.0f alloc+free/s, off/off - 1 = %+.4f\n", m_off2,
               m_off / m_off2 - 1.0);
-  std::printf("Stats() snapshot under the arena lock: %.0f ns; at one scrape per 100 ms the lock is "
-              "held for a scrape %.2e of the time (upper bound on the hot-path overhead)\n",
-              snapshot_ns, duty);
+  std::printf(
+      "Stats() snapshot under the arena lock: %.0f ns; at one scrape per 100 ms the lock is "
+      "held for a scrape %.2e of the time (upper bound on the hot-path overhead)\n",
+      snapshot_ns, duty);
   std::printf("one scrape: %.2f ms median over %zu scrapes, %zu bytes\n", m_scrape,
               scrape_ms.size(), (*exporter)->Render().size());
-  std::printf("{\"bench\":\"metrics\",\"hot_path_overhead\":%.4f,\"aa_overhead\":%.4f,"
-              "\"scrape_ms\":%.3f,\"snapshot_ns\":%.0f,\"lock_duty_cycle\":%.2e,"
-              "\"allocs_per_s_off\":%.0f,\"allocs_per_s_on\":%.0f}\n",
-              m_off / m_on - 1.0, m_off / m_off2 - 1.0, m_scrape, snapshot_ns, duty, m_off, m_on);
+  std::printf(
+      "{\"bench\":\"metrics\",\"hot_path_overhead\":%.4f,\"aa_overhead\":%.4f,"
+      "\"scrape_ms\":%.3f,\"snapshot_ns\":%.0f,\"lock_duty_cycle\":%.2e,"
+      "\"allocs_per_s_off\":%.0f,\"allocs_per_s_on\":%.0f}\n",
+      m_off / m_on - 1.0, m_off / m_off2 - 1.0, m_scrape, snapshot_ns, duty, m_off, m_on);
   return 0;
 }

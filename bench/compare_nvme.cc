@@ -1,8 +1,8 @@
 // compare_nvme: moves the same data between host memory and a file on the NVMe path with
 //   spillway   Spillway's IoEngine: io_uring, arena regions as fixed buffers, fixed file
-//   libaio     a libaio engine (what DeepSpeed's aio op is built on) at the same block size and depth
-//   pool       Spillway's pread/pwrite thread pool (the fallback backend)
-//   fio        fio --ioengine=io_uring --direct=1 at the same block size, depth and size (yardstick)
+//   libaio     a libaio engine (what DeepSpeed's aio op is built on) at the same block size and
+//   depth pool       Spillway's pread/pwrite thread pool (the fallback backend) fio        fio
+//   --ioengine=io_uring --direct=1 at the same block size, depth and size (yardstick)
 // Sizes: 16 partitions of 64 MiB, and one 1 GiB transfer; block 1 and 8 MiB; depth 8 and 32.
 // The disk here is virtual and noisy, so the engines run interleaved in rotated order for --reps
 // repetitions and the table shows medians with min..max. The last line is one JSON object.
@@ -23,9 +23,9 @@
 #include <string>
 #include <vector>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/base/bytes.h"
 
 namespace {
 
@@ -91,7 +91,8 @@ double LibaioRun(int fd, const std::vector<Transfer>& xfers, bool write, uint64_
     int n = io_getevents(ctx, 1, depth, events.data(), nullptr);
     if (n < 0) Die(std::string("io_getevents: ") + strerror(-n));
     for (int i = 0; i < n; ++i) {
-      if (events[i].res != reinterpret_cast<uint64_t>(events[i].obj->data)) Die("libaio: short I/O");
+      if (events[i].res != reinterpret_cast<uint64_t>(events[i].obj->data))
+        Die("libaio: short I/O");
       free_cbs.push_back(events[i].obj);
       --in_flight;
     }
@@ -115,8 +116,8 @@ double SpillwayRun(IoEngine& engine, int file, const std::vector<Transfer>& xfer
 // fio at the same block size and depth over the same file; returns seconds for kTotal bytes.
 double FioRun(const std::string& path, bool write, uint64_t block, unsigned depth) {
   const std::string cmd = "fio --name=yardstick --filename=" + path +
-                          " --rw=" + (write ? "write" : "read") + " --bs=" +
-                          std::to_string(block) + " --iodepth=" + std::to_string(depth) +
+                          " --rw=" + (write ? "write" : "read") + " --bs=" + std::to_string(block) +
+                          " --iodepth=" + std::to_string(depth) +
                           " --ioengine=io_uring --direct=1 --size=" + std::to_string(kTotal) +
                           " --output-format=json 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
@@ -227,7 +228,7 @@ int main(int argc, char** argv) {
   (void)(*arena)->Free(host);
 
   std::printf("%-9s %-22s %-6s %10s %18s\n", "engine", "config", "dir", "GB/s med", "min..max");
-  std::map<std::string, double> best;   // engine + dir -> best median GB/s
+  std::map<std::string, double> best;  // engine + dir -> best median GB/s
   double fio_spread = 1;
   for (const auto& [e, by_key] : secs) {
     for (const auto& [key, v] : by_key) {

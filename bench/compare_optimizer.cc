@@ -13,8 +13,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cinttypes>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -50,7 +50,8 @@ Summary Summarize(std::vector<double> v) {
 // Anonymous memory, first touched by the threads that will use it (NUMA- and THP-friendly).
 template <typename T>
 T* Map(uint64_t n) {
-  void* p = mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p =
+      mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) Die("mmap failed: lower --elements");
   madvise(p, n * sizeof(T), MADV_HUGEPAGE);
   return static_cast<T*>(p);
@@ -90,15 +91,19 @@ inline void PrefetchUpdate(const unsigned char* grad, uint64_t gbytes, const flo
   __builtin_prefetch(p + j, 1, 3);
 }
 
-__attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
-    int part, const unsigned char* grad, uint64_t gbytes, float* w, float* m, float* v, uint16_t* p,
-    uint64_t begin, uint64_t end) {
+__attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(int part,
+                                                                   const unsigned char* grad,
+                                                                   uint64_t gbytes, float* w,
+                                                                   float* m, float* v, uint16_t* p,
+                                                                   uint64_t begin, uint64_t end) {
   const __m512 z = _mm512_set1_ps(g_zero);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   const uint64_t step = 64 / gbytes;  // elements per 64-byte line of gradients
   const bool ahead = part & kPrefetched;
-  for (uint64_t i = begin; (part & kNormPart) && i + step <= end; i += step) {  // norm pass: read the gradients
-    if (ahead && i + kNormAhead + step <= end) __builtin_prefetch(grad + (i + kNormAhead) * gbytes, 0, 3);
+  for (uint64_t i = begin; (part & kNormPart) && i + step <= end;
+       i += step) {  // norm pass: read the gradients
+    if (ahead && i + kNormAhead + step <= end)
+      __builtin_prefetch(grad + (i + kNormAhead) * gbytes, 0, 3);
     acc0 = _mm512_add_ps(acc0, _mm512_castsi512_ps(_mm512_loadu_si512(grad + i * gbytes)));
   }
   uint64_t i = begin;
@@ -109,7 +114,8 @@ __attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
       g = _mm512_loadu_ps(reinterpret_cast<const float*>(grad) + i);
     } else {
       g = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + 2 * i))), 16));
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + 2 * i))),
+          16));
     }
     acc1 = _mm512_add_ps(acc1, g);
     const __m512 nw = _mm512_add_ps(_mm512_loadu_ps(w + i), z);
@@ -124,9 +130,9 @@ __attribute__((target("avx512f,avx512bw"))) float MemoryOnlyAvx512(
   return out[0];
 }
 
-__attribute__((target("avx2"))) float MemoryOnlyAvx2(int part, const unsigned char* grad, uint64_t gbytes,
-                                                    float* w, float* m, float* v, uint16_t* p,
-                                                    uint64_t begin, uint64_t end) {
+__attribute__((target("avx2"))) float MemoryOnlyAvx2(int part, const unsigned char* grad,
+                                                     uint64_t gbytes, float* w, float* m, float* v,
+                                                     uint16_t* p, uint64_t begin, uint64_t end) {
   const __m256 z = _mm256_set1_ps(g_zero);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   const uint64_t step = 32 / gbytes;
@@ -135,17 +141,19 @@ __attribute__((target("avx2"))) float MemoryOnlyAvx2(int part, const unsigned ch
     if (ahead && i % (64 / gbytes) == 0 && i + kNormAhead + step <= end) {
       __builtin_prefetch(grad + (i + kNormAhead) * gbytes, 0, 3);
     }
-    acc0 = _mm256_add_ps(acc0, _mm256_castsi256_ps(
-                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grad + i * gbytes))));
+    acc0 = _mm256_add_ps(acc0, _mm256_castsi256_ps(_mm256_loadu_si256(
+                                   reinterpret_cast<const __m256i*>(grad + i * gbytes))));
   }
   for (uint64_t i = begin; (part & kUpdatePart) && i + 8 <= end; i += 8) {
-    if (ahead && i % 16 == 0 && i + kUpdateAhead + 16 <= end) PrefetchUpdate(grad, gbytes, w, m, v, p, i);
+    if (ahead && i % 16 == 0 && i + kUpdateAhead + 16 <= end)
+      PrefetchUpdate(grad, gbytes, w, m, v, p, i);
     __m256 g;
     if (gbytes == 4) {
       g = _mm256_loadu_ps(reinterpret_cast<const float*>(grad) + i);
     } else {
       g = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + 2 * i))), 16));
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grad + 2 * i))),
+          16));
     }
     acc1 = _mm256_add_ps(acc1, g);
     const __m256 nw = _mm256_add_ps(_mm256_loadu_ps(w + i), z);
@@ -164,9 +172,11 @@ __attribute__((target("avx2"))) float MemoryOnlyAvx2(int part, const unsigned ch
 
 // STREAM triad, for reference (its write stream costs a read-for-ownership the fused step's
 // in-place stores do not pay).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void Triad(
-    float* __restrict a, const float* __restrict b, const float* __restrict c, float s,
-    uint64_t begin, uint64_t end) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void Triad(float* __restrict a,
+                                                                        const float* __restrict b,
+                                                                        const float* __restrict c,
+                                                                        float s, uint64_t begin,
+                                                                        uint64_t end) {
   for (uint64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
 }
 
@@ -226,19 +236,25 @@ void InCache(Isa isa, DType gd) {
   const double with_copy = step(true), without_copy = step(false);
   const double memory = best_ns_per_block([&] {
     if (avx512) {
-      g_sink = MemoryOnlyAvx512(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
+      g_sink = MemoryOnlyAvx512(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(),
+                                p.data(), 0, kN);
     } else {
-      g_sink = MemoryOnlyAvx2(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(), p.data(), 0, kN);
+      g_sink = MemoryOnlyAvx2(kBothParts, g.data(), gbytes, w.data(), m.data(), v.data(), p.data(),
+                              0, kN);
     }
   });
-  std::printf("compare_optimizer --in-cache: %" PRIu64 " elements, grad %s, 1 thread, isa %s, "
+  std::printf("compare_optimizer --in-cache: %" PRIu64
+              " elements, grad %s, 1 thread, isa %s, "
               "best of %d x %d steps, ns per 16 elements\n",
               kN, DTypeName(gd), IsaName((*opt)->isa()), kTrials, kInner);
-  std::printf("  fused step, bf16 copy     %6.2f\n  fused step, no copy       %6.2f\n"
-              "  memory-only kernel        %6.2f\n", with_copy, without_copy, memory);
-  std::printf("{\"bench\":\"optimizer_in_cache\",\"fused_ns_per_16\":%.2f,"
-              "\"fused_no_copy_ns_per_16\":%.2f,\"memory_only_ns_per_16\":%.2f}\n",
-              with_copy, without_copy, memory);
+  std::printf(
+      "  fused step, bf16 copy     %6.2f\n  fused step, no copy       %6.2f\n"
+      "  memory-only kernel        %6.2f\n",
+      with_copy, without_copy, memory);
+  std::printf(
+      "{\"bench\":\"optimizer_in_cache\",\"fused_ns_per_16\":%.2f,"
+      "\"fused_no_copy_ns_per_16\":%.2f,\"memory_only_ns_per_16\":%.2f}\n",
+      with_copy, without_copy, memory);
 }
 
 }  // namespace
@@ -256,24 +272,34 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) Die("missing value after " + a);
       return argv[++i];
     };
-    if (a == "--elements") elements = std::stoull(next());
-    else if (a == "--group") group = std::stoull(next());
-    else if (a == "--reps") reps = std::stoi(next());
-    else if (a == "--threads") threads = static_cast<uint32_t>(std::stoul(next()));
-    else if (a == "--grad") grad_name = next();
-    else if (a == "--isa") isa_name = next();
-    else if (a == "--no-torch") run_torch = false;
-    else if (a == "--in-cache") in_cache = true;
+    if (a == "--elements")
+      elements = std::stoull(next());
+    else if (a == "--group")
+      group = std::stoull(next());
+    else if (a == "--reps")
+      reps = std::stoi(next());
+    else if (a == "--threads")
+      threads = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--grad")
+      grad_name = next();
+    else if (a == "--isa")
+      isa_name = next();
+    else if (a == "--no-torch")
+      run_torch = false;
+    else if (a == "--in-cache")
+      in_cache = true;
     else {
       std::fprintf(stderr,
                    "usage: compare_optimizer [--elements N] [--group N] [--reps N] [--threads N]\n"
-                   "                         [--grad bf16|fp32] [--isa auto|scalar|avx2|avx512|avx512_bf16]\n"
+                   "                         [--grad bf16|fp32] [--isa "
+                   "auto|scalar|avx2|avx512|avx512_bf16]\n"
                    "                         [--no-torch] [--in-cache]\n");
       return a == "--help" ? 0 : 2;
     }
   }
   if (grad_name != "bf16" && grad_name != "fp32") Die("--grad must be bf16 or fp32");
-  if (group == 0 || elements == 0 || reps < 1) Die("--elements, --group and --reps must be positive");
+  if (group == 0 || elements == 0 || reps < 1)
+    Die("--elements, --group and --reps must be positive");
   auto isa = ParseIsa(isa_name);
   if (!isa.ok()) Die(isa.status().ToString());
   const DType gd = grad_name == "bf16" ? DType::kBf16 : DType::kFp32;
@@ -350,7 +376,8 @@ int main(int argc, char** argv) {
       p.mutable_grad() = torch::full({n}, 1e-3f);
       tparams.push_back(p);
     }
-    topt = std::make_unique<torch::optim::AdamW>(tparams, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    topt = std::make_unique<torch::optim::AdamW>(
+        tparams, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   }
 
   // Triad arrays: 3 x 1 GiB or the state size, whichever is smaller (both far beyond cache).
@@ -461,10 +488,11 @@ int main(int argc, char** argv) {
   const double roofline_gelem = n / mem.median / 1e9;
   const double bw = roofline_gelem * fused_bytes;
 
-  std::printf("compare_optimizer: %llu elements in sub-groups of %llu, grad %s, param bf16, "
-              "%u threads, isa %s, %d reps (median [min, max])\n",
-              static_cast<unsigned long long>(elements), static_cast<unsigned long long>(group),
-              DTypeName(gd), threads, IsaName((*fused)->isa()), reps);
+  std::printf(
+      "compare_optimizer: %llu elements in sub-groups of %llu, grad %s, param bf16, "
+      "%u threads, isa %s, %d reps (median [min, max])\n",
+      static_cast<unsigned long long>(elements), static_cast<unsigned long long>(group),
+      DTypeName(gd), threads, IsaName((*fused)->isa()), reps);
   std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (%g B/elem)\n", "fused",
               f.median, f.lo, f.hi, fused_gelem, fused_gelem * fused_bytes, fused_bytes);
   std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (%g B/elem)\n", "unfused",
@@ -473,24 +501,29 @@ int main(int argc, char** argv) {
     std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  (fp32 AdamW, %d intra-op threads)\n",
                 "torch", t.median, t.lo, t.hi, torch_gelem, torch::get_num_threads());
   }
-  std::printf("  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (the fused step's traffic, no math;"
-              " %s: %.3f s without software prefetch, %.3f s with)\n",
-              "roofline", mem.median, mem.lo, mem.hi, roofline_gelem, bw,
-              pf.median < plain.median ? "with" : "without", plain.median, pf.median);
-  std::printf("  STREAM triad %.1f GB/s [%.1f, %.1f] (reference; its stores pay a read for ownership)\n",
-              tri.median, tri.lo, tri.hi);
-  std::printf("  parts: norm pass %.3f s vs its traffic %.3f s (x%.3f); update pass %.3f s vs its "
-              "traffic %.3f s (x%.3f)\n",
-              pn.median, mn.median, mn.median / pn.median, pu.median, mu.median, mu.median / pu.median);
-  std::printf("{\"bench\":\"optimizer_parts\",\"norm_s\":%.4f,\"norm_traffic_s\":%.4f,"
-              "\"update_s\":%.4f,\"update_traffic_s\":%.4f}\n",
-              pn.median, mn.median, pu.median, mu.median);
+  std::printf(
+      "  %-9s %8.3f s [%.3f, %.3f]  %6.3f Gelem/s  %5.1f GB/s (the fused step's traffic, no math;"
+      " %s: %.3f s without software prefetch, %.3f s with)\n",
+      "roofline", mem.median, mem.lo, mem.hi, roofline_gelem, bw,
+      pf.median < plain.median ? "with" : "without", plain.median, pf.median);
+  std::printf(
+      "  STREAM triad %.1f GB/s [%.1f, %.1f] (reference; its stores pay a read for ownership)\n",
+      tri.median, tri.lo, tri.hi);
+  std::printf(
+      "  parts: norm pass %.3f s vs its traffic %.3f s (x%.3f); update pass %.3f s vs its "
+      "traffic %.3f s (x%.3f)\n",
+      pn.median, mn.median, mn.median / pn.median, pu.median, mu.median, mu.median / pu.median);
+  std::printf(
+      "{\"bench\":\"optimizer_parts\",\"norm_s\":%.4f,\"norm_traffic_s\":%.4f,"
+      "\"update_s\":%.4f,\"update_traffic_s\":%.4f}\n",
+      pn.median, mn.median, pu.median, mu.median);
   std::printf("  fused/unfused %.3f  fused/torch %.2f  fused/roofline %.3f\n",
               fused_gelem / unfused_gelem, run_torch ? fused_gelem / torch_gelem : 0.0,
               fused_gelem / roofline_gelem);
-  std::printf("{\"bench\":\"optimizer\",\"fused_gelem_s\":%.4f,\"unfused_gelem_s\":%.4f,"
-              "\"torch_gelem_s\":%.4f,\"fused_vs_unfused\":%.3f,\"roofline_fraction\":%.3f}\n",
-              fused_gelem, unfused_gelem, torch_gelem, fused_gelem / unfused_gelem,
-              fused_gelem / roofline_gelem);
+  std::printf(
+      "{\"bench\":\"optimizer\",\"fused_gelem_s\":%.4f,\"unfused_gelem_s\":%.4f,"
+      "\"torch_gelem_s\":%.4f,\"fused_vs_unfused\":%.3f,\"roofline_fraction\":%.3f}\n",
+      fused_gelem, unfused_gelem, torch_gelem, fused_gelem / unfused_gelem,
+      fused_gelem / roofline_gelem);
   return 0;
 }

@@ -6,7 +6,8 @@
 //   pipe-cached offload_param nvme + pipeline, a budget that keeps the parameters' host copies
 //               (each view is a host -> "device" copy)
 //   pipe-nvme   offload_param nvme + pipeline, a budget too small for them (views come from NVMe)
-//   no-pipe     offload_param nvme without a pipeline (gathered in host memory; the store prefetches)
+//   no-pipe     offload_param nvme without a pipeline (gathered in host memory; the store
+//   prefetches)
 // Rounds run one step of each, in a rotating order; medians over rounds, and the ratio
 // host / contender (1.0: the offload costs nothing; >= 0.9: the transfer is hidden). Also the time
 // of one unit's transfer alone (its device view, from NVMe) and one unit's compute (the host step
@@ -25,9 +26,9 @@
 
 #include "bench_util.h"
 #include "spillway/base/bytes.h"
-#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
+#include "spillway/trainer/trainer.h"
 
 namespace {
 
@@ -54,17 +55,21 @@ Contender Make(const std::string& name, const engine::GptConfig& model, const st
   std::filesystem::create_directories(swap);
   const offload::Config config = Must(offload::Config::Parse(
       R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-          "offload_param": {"device": ")" + param + R"(", "nvme_path": ")" + swap + R"("}},
+          "offload_param": {"device": ")" +
+      param + R"(", "nvme_path": ")" + swap + R"("}},
           "aio": {"block_size": 1048576, "queue_depth": 8},
-          "spillway": {"host_budget_bytes": ")" + budget + R"(", "nvme_budget_bytes": "4GiB"}})"));
+          "spillway": {"host_budget_bytes": ")" +
+      budget + R"(", "nvme_budget_bytes": "4GiB"}})"));
   c.tiers = Must(offload::Tiers::Create(config));
   engine::TrainerOptions o;
   o.model = model;
   o.optimizer_threads = 1;
-  if (pipeline) o.pipeline = Must(c.tiers->OpenDevicePipeline(config, {offload::DeviceType::kCpu, 0}));
+  if (pipeline)
+    o.pipeline = Must(c.tiers->OpenDevicePipeline(config, {offload::DeviceType::kCpu, 0}));
   c.coll = Must(engine::Collectives::Create(engine::DistEnv{}));
-  c.trainer = Must(engine::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
-                                           &c.tiers->ledger, allocator::kProcessScope));
+  c.trainer =
+      Must(engine::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
+                                   &c.tiers->ledger, allocator::kProcessScope));
   if (!c.tiers->ledger.BeginEpoch(0).ok()) Die("BeginEpoch");
   return c;
 }
@@ -82,13 +87,19 @@ int main(int argc, char** argv) {
   std::string dir = "/var/tmp/spillway-compare-pipeline";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--d-model") model.d_model = std::stoll(argv[i + 1]);
-    else if (a == "--layers") model.n_layer = std::stoll(argv[i + 1]);
-    else if (a == "--rounds") rounds = std::stoi(argv[i + 1]);
-    else if (a == "--dir") dir = argv[i + 1];
-    else Die("unknown flag " + a + " (--d-model N --layers N --rounds N --dir DIR)");
+    if (a == "--d-model")
+      model.d_model = std::stoll(argv[i + 1]);
+    else if (a == "--layers")
+      model.n_layer = std::stoll(argv[i + 1]);
+    else if (a == "--rounds")
+      rounds = std::stoi(argv[i + 1]);
+    else if (a == "--dir")
+      dir = argv[i + 1];
+    else
+      Die("unknown flag " + a + " (--d-model N --layers N --rounds N --dir DIR)");
   }
-  torch::set_num_threads(1);  // one compute thread: the transfer's helper thread has a core of its own
+  torch::set_num_threads(
+      1);  // one compute thread: the transfer's helper thread has a core of its own
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   uint64_t params = 0, largest = 0;
@@ -120,7 +131,8 @@ int main(int argc, char** argv) {
       if (r >= 0) c.seconds.push_back(Seconds(t0));
     }
   }
-  // One unit's transfer alone: the largest unit's parameters, out of host memory, into a device view.
+  // One unit's transfer alone: the largest unit's parameters, out of host memory, into a device
+  // view.
   Contender& nv = cs[2];
   std::vector<double> transfer;
   for (int i = 0; i < 5; ++i) {
@@ -135,28 +147,38 @@ int main(int argc, char** argv) {
     if (!nv.tiers->store->Release(h).ok()) Die("release");
   }
   const double host = Median(cs[0].seconds);
-  const double per_unit_compute = host / static_cast<double>(engine::gpt::Units(model) * kMicro * 2);
-  std::printf("compare_pipeline: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, %d rounds\n",
-              static_cast<unsigned long long>(params), static_cast<long long>(engine::gpt::Units(model)), kMicro,
-              static_cast<long long>(model.seq_len), rounds);
+  const double per_unit_compute =
+      host / static_cast<double>(engine::gpt::Units(model) * kMicro * 2);
+  std::printf(
+      "compare_pipeline: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, %d "
+      "rounds\n",
+      static_cast<unsigned long long>(params), static_cast<long long>(engine::gpt::Units(model)),
+      kMicro, static_cast<long long>(model.seq_len), rounds);
   std::printf("%-12s %12s %12s %22s\n", "contender", "median s", "spread", "host / contender");
   nlohmann::json j;
   for (const Contender& c : cs) {
     std::vector<double> s = c.seconds;
     std::sort(s.begin(), s.end());
     const double med = Median(s);
-    std::printf("%-12s %12.4f %5.4f-%6.4f %22.3f\n", c.name.c_str(), med, s.front(), s.back(), host / med);
-    j[c.name] = {{"median_s", med}, {"min_s", s.front()}, {"max_s", s.back()}, {"ratio", host / med}};
+    std::printf("%-12s %12.4f %5.4f-%6.4f %22.3f\n", c.name.c_str(), med, s.front(), s.back(),
+                host / med);
+    j[c.name] = {
+        {"median_s", med}, {"min_s", s.front()}, {"max_s", s.back()}, {"ratio", host / med}};
   }
-  std::printf("one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
-              "compute %.4f s (forward or backward's recompute + backward, its share of the host step)\n",
-              static_cast<double>(largest) * 4 / static_cast<double>(kMiB), Median(transfer), per_unit_compute);
+  std::printf(
+      "one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
+      "compute %.4f s (forward or backward's recompute + backward, its share of the host step)\n",
+      static_cast<double>(largest) * 4 / static_cast<double>(kMiB), Median(transfer),
+      per_unit_compute);
   for (size_t k : {size_t{1}, size_t{2}}) {
     const auto& ps = cs[k].tiers->pipeline->stats();
-    std::printf("%s: %.1f MiB into device views from NVMe, %.1f MiB from host copies\n", cs[k].name.c_str(),
-                ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB), ps.host_to_device_bytes.load() / static_cast<double>(kMiB));
-    j[cs[k].name]["nvme_to_device_mib"] = ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB);
-    j[cs[k].name]["host_to_device_mib"] = ps.host_to_device_bytes.load() / static_cast<double>(kMiB);
+    std::printf("%s: %.1f MiB into device views from NVMe, %.1f MiB from host copies\n",
+                cs[k].name.c_str(), ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB),
+                ps.host_to_device_bytes.load() / static_cast<double>(kMiB));
+    j[cs[k].name]["nvme_to_device_mib"] =
+        ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB);
+    j[cs[k].name]["host_to_device_mib"] =
+        ps.host_to_device_bytes.load() / static_cast<double>(kMiB);
   }
   j["unit_transfer_s"] = Median(transfer);
   j["unit_compute_s"] = per_unit_compute;

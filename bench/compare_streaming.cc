@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace {
@@ -36,13 +36,18 @@ int main(int argc, char** argv) {
   std::string dir = ".";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
-    else if (a == "--layer-mib" && i + 1 < argc) layer_mib = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--compute-ms" && i + 1 < argc) compute_ms = std::atof(argv[++i]);
-    else if (a == "--dir" && i + 1 < argc) dir = argv[++i];
+    if (a == "--layers" && i + 1 < argc)
+      layers = std::atoi(argv[++i]);
+    else if (a == "--layer-mib" && i + 1 < argc)
+      layer_mib = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--compute-ms" && i + 1 < argc)
+      compute_ms = std::atof(argv[++i]);
+    else if (a == "--dir" && i + 1 < argc)
+      dir = argv[++i];
     else {
-      std::fprintf(stderr, "usage: compare_streaming [--layers N] [--layer-mib N] "
-                           "[--compute-ms F] [--dir NVME_DIR]\n");
+      std::fprintf(stderr,
+                   "usage: compare_streaming [--layers N] [--layer-mib N] "
+                   "[--compute-ms F] [--dir NVME_DIR]\n");
       return 2;
     }
   }
@@ -64,26 +69,25 @@ int main(int argc, char** argv) {
   no.ledger = &ledger;
   auto nvme = Must(allocator::NvmeArena::Create(no, engine.get()));
   auto device = Must(offload::Device::OpenDefault());
-  auto pipe = Must(offload::TransferPipeline::Create(host.get(), nvme.get(), device.get(),
-                                                     {4 * kMiB, 4}));
+  auto pipe =
+      Must(offload::TransferPipeline::Create(host.get(), nvme.get(), device.get(), {4 * kMiB, 4}));
   // The model: one partition per layer on NVMe, and the same in pinned host memory.
   std::vector<uint64_t> on_nvme;
   std::vector<void*> on_host;
   for (int l = 0; l < layers; ++l) {
-    void* h = Must(host->Allocate(bytes, {allocator::Kind::kParam,
-                                          allocator::Lifetime::kPersistent,
+    void* h = Must(host->Allocate(bytes, {allocator::Kind::kParam, allocator::Lifetime::kPersistent,
                                           static_cast<uint64_t>(l), 0, nullptr}));
     std::memset(h, l + 1, bytes);
     on_host.push_back(h);
-    const uint64_t off = Must(nvme->Allocate(bytes, {allocator::Kind::kParam,
-                                                     allocator::Lifetime::kPersistent,
-                                                     static_cast<uint64_t>(l), 0, nullptr}));
+    const uint64_t off =
+        Must(nvme->Allocate(bytes, {allocator::Kind::kParam, allocator::Lifetime::kPersistent,
+                                    static_cast<uint64_t>(l), 0, nullptr}));
     Must(nvme->Write(off, h, bytes));
     on_nvme.push_back(off);
   }
   void* dev[2] = {Must(device->Allocate(bytes)), Must(device->Allocate(bytes))};
-  void* bounce = Must(host->Allocate(bytes, {allocator::Kind::kSwapBuffer,
-                                             allocator::Lifetime::kPersistent, 0, 0, nullptr}));
+  void* bounce = Must(host->Allocate(
+      bytes, {allocator::Kind::kSwapBuffer, allocator::Lifetime::kPersistent, 0, 0, nullptr}));
   const auto compute = std::chrono::microseconds(static_cast<int64_t>(compute_ms * 1000));
 
   auto run = [&](const char* mode) {
@@ -96,8 +100,10 @@ int main(int argc, char** argv) {
     const auto t0 = Clock::now();
     if (serial) {
       for (int l = 0; l < layers; ++l) {
-        if (from_nvme) Must(pipe->NvmeToDeviceSerial(on_nvme[l], bytes, bounce, dev[0]));
-        else Must(pipe->HostToDevice(on_host[l], dev[0], bytes));
+        if (from_nvme)
+          Must(pipe->NvmeToDeviceSerial(on_nvme[l], bytes, bounce, dev[0]));
+        else
+          Must(pipe->HostToDevice(on_host[l], dev[0], bytes));
         std::this_thread::sleep_for(compute);
       }
     } else {
@@ -134,10 +140,11 @@ int main(int argc, char** argv) {
     std::printf("%-18s %12.3f %9.3f %12.3f\n", modes[m], med[m], compute_only / med[m],
                 layers * bytes / med[m] / 1e9);
   }
-  std::printf("{\"bench\":\"streaming\",\"overlap_nvme\":%.3f,\"overlap_pinned\":%.3f,"
-              "\"speedup_vs_serial\":%.3f,\"overlap_nvme_serial\":%.3f,\"device\":\"%s\"}\n",
-              compute_only / med[0], compute_only / med[2], med[1] / med[0],
-              compute_only / med[1], device->id().ToString().c_str());
+  std::printf(
+      "{\"bench\":\"streaming\",\"overlap_nvme\":%.3f,\"overlap_pinned\":%.3f,"
+      "\"speedup_vs_serial\":%.3f,\"overlap_nvme_serial\":%.3f,\"device\":\"%s\"}\n",
+      compute_only / med[0], compute_only / med[2], med[1] / med[0], compute_only / med[1],
+      device->id().ToString().c_str());
   Must(device->Free(dev[0]));
   Must(device->Free(dev[1]));
   pipe.reset();

@@ -3,8 +3,8 @@
 #include "cuda_host.h"
 
 #if SPILLWAY_WITH_CUDA
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/cuda_status.h"
+#include "spillway/base/bytes.h"
 #endif
 
 #include <algorithm>
@@ -28,8 +28,8 @@ bool DeviceAvailable(std::string* why) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
-      reason = StrCat("cudaGetDeviceCount: ", cudaGetErrorName(err), " (",
-                      cudaGetErrorString(err), ")");
+      reason =
+          StrCat("cudaGetDeviceCount: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
       spillway::cuda::ConsumeError();
     } else if (count == 0) {
       reason = "cudaGetDeviceCount found 0 devices";

@@ -1,5 +1,5 @@
-// ExtentMap: best-fit with coalescing. Both indexes are ordered trees, so every operation is O(log n)
-// in the number of free extents, which stays small because neighbours always merge.
+// ExtentMap: best-fit with coalescing. Both indexes are ordered trees, so every operation is O(log
+// n) in the number of free extents, which stays small because neighbours always merge.
 #include "spillway/allocator/extent_map.h"
 
 #include <algorithm>
@@ -14,14 +14,14 @@ Status ExtentMap::AddSpan(uint64_t base, uint64_t size) {
   if (base + size < base) return Status::InvalidArgument("ExtentMap::AddSpan: span wraps around");
   auto next = spans_.lower_bound(base);
   if (next != spans_.end() && next->first < base + size) {
-    return Status::Internal(StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ",
-                                   next->first));
+    return Status::Internal(
+        StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ", next->first));
   }
   if (next != spans_.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second.size > base) {
-      return Status::Internal(StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ",
-                                     prev->first));
+      return Status::Internal(
+          StrCat("ExtentMap::AddSpan: span at ", base, " overlaps span at ", prev->first));
     }
   }
   spans_.emplace(base, Span{base, size, 0, 0});
@@ -163,9 +163,7 @@ const ExtentMap::Span* ExtentMap::FindSpan(uint64_t addr) const {
   return addr < it->first + it->second.size ? &it->second : nullptr;
 }
 
-ExtentMap::Span* ExtentMap::SpanOf(uint64_t addr) {
-  return const_cast<Span*>(FindSpan(addr));
-}
+ExtentMap::Span* ExtentMap::SpanOf(uint64_t addr) { return const_cast<Span*>(FindSpan(addr)); }
 
 bool ExtentMap::IsFree(uint64_t addr) const {
   auto it = free_by_addr_.upper_bound(addr);
@@ -312,7 +310,8 @@ Status ExtentMap::Validate(const std::vector<std::pair<uint64_t, uint64_t>>& all
     }
   }
   if (i != all.size()) {
-    return Status::Internal(StrCat("Validate: extent at ", all[i].base, " lies outside every span"));
+    return Status::Internal(
+        StrCat("Validate: extent at ", all[i].base, " lies outside every span"));
   }
   return Status::Ok();
 }

@@ -1,6 +1,6 @@
 // HostArena: exact-size extents over pinned, fork-safe regions, with a budget, a bounded retained
-// cache, owner tags and boundary escape checks. The lock covers bookkeeping only: regions are mapped,
-// pinned, unpinned and unmapped outside it (Note [Lock discipline] in docs/allocator.md).
+// cache, owner tags and boundary escape checks. The lock covers bookkeeping only: regions are
+// mapped, pinned, unpinned and unmapped outside it (Note [Lock discipline] in docs/allocator.md).
 #include "spillway/allocator/host_arena.h"
 
 #include <execinfo.h>
@@ -63,18 +63,17 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   if (options.budget_bytes == 0) options.budget_bytes = DefaultHostBudget();
   if (options.budget_bytes < page) {
     return Status::InvalidArgument(StrCat("host arena '", options.name, "': budget of ",
-                                          options.budget_bytes, " bytes is below one page (",
-                                          page, "); set host_budget_bytes to at least a page"));
+                                          options.budget_bytes, " bytes is below one page (", page,
+                                          "); set host_budget_bytes to at least a page"));
   }
   if (options.region_bytes == 0) {
-    return Status::InvalidArgument(StrCat("host arena '", options.name,
-                                          "': region_bytes is 0; use e.g. 64 MiB"));
+    return Status::InvalidArgument(
+        StrCat("host arena '", options.name, "': region_bytes is 0; use e.g. 64 MiB"));
   }
   options.region_bytes = RoundUp(options.region_bytes, page);
   if (!(options.retain_fraction >= 0.0 && options.retain_fraction <= 1.0) ||
       !(options.peak_slack >= 0.0 && options.peak_slack <= 1.0) ||
-      options.reuse_waste_divisor == 0 ||
-      options.dedicated_divisor == 0) {
+      options.reuse_waste_divisor == 0 || options.dedicated_divisor == 0) {
     return Status::InvalidArgument(StrCat("host arena '", options.name,
                                           "': retain_fraction and peak_slack must be in [0, 1], "
                                           "dedicated_divisor and reuse_waste_divisor at least 1"));
@@ -93,9 +92,10 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
         StrCat("host arena '", options.name, "' pins with ", PinModeName(resolved),
                resolved == PinMode::kMlock ? StrCat(" (no CUDA device: ", why, ")") : ""));
   } else if (options.pin == PinMode::kCuda && !cuda::DeviceAvailable(&why)) {
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("host arena '", options.name, "': pin mode cuda needs a CUDA device, ",
-                               "but ", why, "; use pin mode auto or mlock"));
+    return Status::Make(
+        StatusCode::kUnavailable,
+        StrCat("host arena '", options.name, "': pin mode cuda needs a CUDA device, ", "but ", why,
+               "; use pin mode auto or mlock"));
   }
   Ledger* ledger = options.ledger != nullptr ? options.ledger : &Ledger::Default();
   std::unique_ptr<HostArena> arena(new HostArena(std::move(options), resolved, ledger));
@@ -198,10 +198,15 @@ Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
   Status st = os::MarkForkSafety(base, bytes, options_.fork_safety);
   if (st.ok()) {
     switch (pin_mode_) {
-      case PinMode::kCuda: st = cuda::HostRegister(base, bytes); break;
-      case PinMode::kMlock: st = os::LockPages(base, bytes, options_.faults); break;
+      case PinMode::kCuda:
+        st = cuda::HostRegister(base, bytes);
+        break;
+      case PinMode::kMlock:
+        st = os::LockPages(base, bytes, options_.faults);
+        break;
       case PinMode::kPageable:
-      case PinMode::kAuto: break;
+      case PinMode::kAuto:
+        break;
     }
   }
   if (!st.ok()) {
@@ -291,8 +296,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   }
   if (bytes == 0) {
     return Status::InvalidArgument(StrCat("HostArena::Allocate: size 0 for ", KindName(tag.kind),
-                                          " owner ", tag.owner_id,
-                                          "; ask for at least 1 byte"));
+                                          " owner ", tag.owner_id, "; ask for at least 1 byte"));
   }
   if (bytes > UINT64_MAX - page_) {
     return Status::InvalidArgument(StrCat("HostArena::Allocate: size ", bytes,
@@ -303,11 +307,11 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   if (rounded > options_.budget_bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.over_budget_count++;
-    return Status::OverBudget(StrCat(
-        "host arena '", options_.name, "': one request of ", FormatBytes(rounded), " for ",
-        KindName(tag.kind), " owner ", tag.owner_id, " is larger than the whole host budget of ",
-        FormatBytes(options_.budget_bytes),
-        "; raise spillway.host_budget_bytes or split the tensor (sub_group_size)"));
+    return Status::OverBudget(
+        StrCat("host arena '", options_.name, "': one request of ", FormatBytes(rounded), " for ",
+               KindName(tag.kind), " owner ", tag.owner_id,
+               " is larger than the whole host budget of ", FormatBytes(options_.budget_bytes),
+               "; raise spillway.host_budget_bytes or split the tensor (sub_group_size)"));
   }
   if (!ledger_->scope_exists(tag.scope)) {
     return Status::InvalidArgument(StrCat("HostArena::Allocate: scope ", tag.scope,
@@ -391,9 +395,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       std::unique_lock<std::mutex> lock(mu_);
       pending_map_bytes_ -= map_bytes;
       if (!region.ok()) {
-        return region.status().WithContext(
-            StrCat("host arena '", options_.name, "': allocating ", FormatBytes(bytes), " for ",
-                   KindName(owned.kind), " owner ", owned.owner_id));
+        return region.status().WithContext(StrCat("host arena '", options_.name, "': allocating ",
+                                                  FormatBytes(bytes), " for ", KindName(owned.kind),
+                                                  " owner ", owned.owner_id));
       }
       const auto base = reinterpret_cast<uint64_t>(region->base);
       Status st = extents_.AddSpan(base, map_bytes);
@@ -429,17 +433,17 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     stats_.spilled_bytes += freed;
     if (freed > 0) continue;
     stats_.over_budget_count++;
-    return Status::OverBudget(StrCat(
-        "host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
-        KindName(owned.kind), " owner ", owned.owner_id, " needs ", FormatBytes(spill_need),
-        " more than the host budget of ", FormatBytes(options_.budget_bytes), " allows (",
-        DescribeLive(),
-        !handler ? "; no spill handler is set"
-        : counted ? "; the spill handler freed nothing"
-                  : StrCat("; the spill handler freed memory ", kMaxSpillRounds,
-                           " times and other allocations took it each time"),
-        "). Raise spillway.host_budget_bytes, offload more state to nvme "
-        "(offload_optimizer.device / offload_param.device), or free memory first"));
+    return Status::OverBudget(
+        StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
+               KindName(owned.kind), " owner ", owned.owner_id, " needs ", FormatBytes(spill_need),
+               " more than the host budget of ", FormatBytes(options_.budget_bytes), " allows (",
+               DescribeLive(),
+               !handler  ? "; no spill handler is set"
+               : counted ? "; the spill handler freed nothing"
+                         : StrCat("; the spill handler freed memory ", kMaxSpillRounds,
+                                  " times and other allocations took it each time"),
+               "). Raise spillway.host_budget_bytes, offload more state to nvme "
+               "(offload_optimizer.device / offload_param.device), or free memory first"));
   }
 }
 
@@ -479,7 +483,7 @@ std::string HostArena::DescribeLive() const {
 }
 
 uint64_t HostArena::Trim() {
-  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_VALIDATE_ON_EXIT(*this);   // first: runs after every lock below is released
   if (!process_.InOwner()) return 0;  // a forked child unmaps nothing of the parent's
   std::vector<Region> to_release;
   uint64_t bytes = 0;
@@ -537,8 +541,7 @@ HostArenaStats HostArena::Stats() const {
   return s;
 }
 
-Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
-                                  TierReport* out) {
+Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step, TierReport* out) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "CollectBoundary"));
   std::vector<Region> to_release;
@@ -559,7 +562,7 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
 
 void HostArena::ReleaseScope(ScopeId scope, TierReport* out) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  if (!process_.InOwner()) return;  // a forked child frees nothing of the parent's
+  if (!process_.InOwner()) return;   // a forked child frees nothing of the parent's
   std::vector<Region> to_release;
   out->tier = options_.name;
   {
@@ -602,17 +605,16 @@ Status HostArena::Validate() const {
   const uint64_t retained = extents_.empty_span_bytes();
   const uint64_t fragment = extents_.free_bytes() - retained;
   if (stats_.committed_bytes != live_sum + retained + fragment) {
-    return Status::Internal(StrCat("Validate: committed ", stats_.committed_bytes,
-                                   " != live ", live_sum, " + retained ", retained,
-                                   " + fragment ", fragment));
+    return Status::Internal(StrCat("Validate: committed ", stats_.committed_bytes, " != live ",
+                                   live_sum, " + retained ", retained, " + fragment ", fragment));
   }
   if (stats_.committed_bytes > options_.budget_bytes) {
     return Status::Internal(StrCat("Validate: committed ", stats_.committed_bytes,
                                    " is over the budget ", options_.budget_bytes));
   }
   if (retained > RetainLimit() && pending_map_bytes_ == 0) {
-    return Status::Internal(StrCat("Validate: retained ", retained, " is over the limit ",
-                                   RetainLimit()));
+    return Status::Internal(
+        StrCat("Validate: retained ", retained, " is over the limit ", RetainLimit()));
   }
   return Status::Ok();
 }

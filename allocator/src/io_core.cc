@@ -13,8 +13,7 @@ namespace spillway::allocator {
 namespace {
 
 double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int TakeOne(std::atomic<int>* counter) {
@@ -52,14 +51,15 @@ Result<Ticket> IoCore::Enqueue(IoOp op, int file_id, uint64_t offset, char* buff
     }
     if (stopping) return Status::FailedPrecondition(StrCat(verb, ": the engine is stopping"));
     if (!ring_error.ok()) {
-      return Status::FailedPrecondition(StrCat(verb, ": the I/O engine's ring failed (",
-                                               ring_error.message(), ")"));
+      return Status::FailedPrecondition(
+          StrCat(verb, ": the I/O engine's ring failed (", ring_error.message(), ")"));
     }
     const IoFile& f = it->second;
     if (offset % f.alignment != 0) {
       return Status::InvalidArgument(StrCat(verb, " of '", f.name, "' at offset ", offset,
                                             ": the offset must be a multiple of the direct-I/O "
-                                            "alignment ", f.alignment));
+                                            "alignment ",
+                                            f.alignment));
     }
     if (offset + bytes < offset) {
       return Status::InvalidArgument(StrCat(verb, ": offset + size overflows"));
@@ -81,9 +81,7 @@ Result<Ticket> IoCore::Enqueue(IoOp op, int file_id, uint64_t offset, char* buff
   return ticket;
 }
 
-bool IoCore::DrainedLocked() const {
-  return stopping && pending.empty() && in_flight == 0;
-}
+bool IoCore::DrainedLocked() const { return stopping && pending.empty() && in_flight == 0; }
 
 IoChunk* IoCore::NextChunkLocked(bool use_fixed_slots) {
   while (!pending.empty() && in_flight < options.queue_depth) {
@@ -111,8 +109,8 @@ IoChunk* IoCore::NextChunkLocked(bool use_fixed_slots) {
       }
     }
     const bool aligned = addr % f.alignment == 0 && len % f.alignment == 0;
-    auto* c = new IoChunk{r, r->chunked, len, len, 0, len, p, -1, -1, 0, 0,
-                        r->offset + r->chunked, NowSeconds()};
+    auto* c = new IoChunk{
+        r, r->chunked, len, len, 0, len, p, -1, -1, 0, 0, r->offset + r->chunked, NowSeconds()};
     if (!in_arena || !aligned) {
       if (bounce_free.empty()) {
         delete c;
@@ -196,8 +194,9 @@ bool IoCore::ApplyResult(IoChunk* c, int64_t result, Status* error) {
     auto it = files.find(r->file_id);
     file = it == files.end() ? StrCat("file ", r->file_id) : it->second.name;
   }
-  const std::string what = StrCat(read ? "read" : "write", " of ", c->io_length - c->done,
-                                  " bytes at offset ", c->file_offset + c->done, " of '", file, "'");
+  const std::string what =
+      StrCat(read ? "read" : "write", " of ", c->io_length - c->done, " bytes at offset ",
+             c->file_offset + c->done, " of '", file, "'");
   if (result == 0) {
     *error = Status::Make(StatusCode::kIoError,
                           StrCat(what, " reached the end of the file after ", c->done,

@@ -17,11 +17,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "io_backend.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/io_faults.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
-#include "io_backend.h"
 
 namespace spillway::allocator {
 
@@ -29,7 +29,7 @@ enum class IoOp : uint8_t { kRead, kWrite };
 
 struct IoFile {
   int fd;
-  int slot;        // fixed-file slot, -1 without a file table
+  int slot;  // fixed-file slot, -1 without a file table
   std::string name;
   uint32_t alignment;
 };
@@ -41,8 +41,8 @@ struct IoRequest {
   uint64_t offset;
   char* buffer;
   uint64_t bytes;
-  uint64_t chunked = 0;       // bytes already cut into chunks
-  uint32_t in_flight = 0;     // chunks not yet complete
+  uint64_t chunked = 0;    // bytes already cut into chunks
+  uint32_t in_flight = 0;  // chunks not yet complete
   bool done = false;
   bool waited = false;
   std::thread::id submitter;  // WaitAll consumes only its caller's tickets
@@ -52,17 +52,17 @@ struct IoRequest {
 struct IoChunk {
   IoRequest* request;
   uint64_t offset_in_request;
-  uint64_t length;            // bytes of the request this chunk covers
-  uint64_t io_length;         // bytes actually transferred (aligned length when bouncing)
-  uint64_t done;              // bytes of io_length already transferred (short transfers)
-  uint64_t submit_length;     // what the next submission asks for
-  char* io_buffer;            // request memory or a bounce buffer
-  int bounce_index;           // -1 when not bouncing
-  int buf_index;              // fixed-buffer slot, -1 when none
+  uint64_t length;         // bytes of the request this chunk covers
+  uint64_t io_length;      // bytes actually transferred (aligned length when bouncing)
+  uint64_t done;           // bytes of io_length already transferred (short transfers)
+  uint64_t submit_length;  // what the next submission asks for
+  char* io_buffer;         // request memory or a bounce buffer
+  int bounce_index;        // -1 when not bouncing
+  int buf_index;           // fixed-buffer slot, -1 when none
   uint32_t retries;
-  int fd;                     // raw fd, or the fixed slot when the backend has a file table
-  uint64_t file_offset;       // of io_buffer[0]
-  double started;             // steady clock seconds, for the latency histogram
+  int fd;                // raw fd, or the fixed slot when the backend has a file table
+  uint64_t file_offset;  // of io_buffer[0]
+  double started;        // steady clock seconds, for the latency histogram
 };
 
 // Thread-safe through `mu`: callers enqueue under it, backend threads cut and complete chunks
@@ -77,8 +77,8 @@ struct IoCore {
   // Backend side. Cuts the next chunk, or returns null when nothing can be cut now (empty queue,
   // depth reached, or no bounce buffer free). `use_fixed_slots`: name fixed files and buffers.
   IoChunk* NextChunkLocked(bool use_fixed_slots);  // mu held
-  void StageWrite(IoChunk* chunk);                  // without mu: copy into the bounce buffer
-  bool DrainedLocked() const;                       // mu held: stopping and nothing left
+  void StageWrite(IoChunk* chunk);                 // without mu: copy into the bounce buffer
+  bool DrainedLocked() const;                      // mu held: stopping and nothing left
   void FillFault(IoChunk* chunk);  // sets submit_length, shortened by a short-transfer fault
   // Applies a completion: returns true when the chunk must be submitted again (retry or short).
   // With `failure`, the chunk ends with that status whatever `result` says (a ring that failed).
@@ -94,20 +94,20 @@ struct IoCore {
 
   const ProcessTag process;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu;
-  ForkSafeCondition done_cv;  // a request completed
-  ForkSafeCondition work_cv;  // work for pool threads
+  ForkSafeCondition done_cv;    // a request completed
+  ForkSafeCondition work_cv;    // work for pool threads
   std::map<int, IoFile> files;  // guarded by mu
   // Fixed-file slots taken: by registered files, and by registrations and unregistrations whose
   // ring update is in flight (a slot is reserved before the update and freed after it is cleared).
   std::vector<bool> file_slot_taken = std::vector<bool>(kFileSlots, false);  // guarded by mu
-  uint32_t file_slots_reserved = 0;     // guarded by mu: files plus updates in flight
-  int next_file_id = 0;                 // guarded by mu
-  std::deque<IoRequest*> pending;       // guarded by mu: requests with bytes to cut
+  uint32_t file_slots_reserved = 0;  // guarded by mu: files plus updates in flight
+  int next_file_id = 0;              // guarded by mu
+  std::deque<IoRequest*> pending;    // guarded by mu: requests with bytes to cut
   std::unordered_map<Ticket, std::unique_ptr<IoRequest>> requests;  // guarded by mu
-  Ticket next_ticket = 1;               // guarded by mu
-  uint32_t in_flight = 0;               // guarded by mu
-  std::vector<char*> bounce;            // the pool, allocated in the arena
-  std::vector<int> bounce_free;         // guarded by mu
+  Ticket next_ticket = 1;                                           // guarded by mu
+  uint32_t in_flight = 0;                                           // guarded by mu
+  std::vector<char*> bounce;     // the pool, allocated in the arena
+  std::vector<int> bounce_free;  // guarded by mu
   // Arena regions, base -> size and one fixed-buffer slot per GiB (-1: not registered).
   struct RegisteredRegion {
     uint64_t bytes;

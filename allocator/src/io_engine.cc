@@ -22,8 +22,9 @@ const char* IoBackendName(IoBackend backend) {
 
 Result<std::unique_ptr<IoEngine>> IoEngine::Create(IoEngineOptions options) {
   if (options.arena == nullptr) {
-    return Status::InvalidArgument("IoEngine: options.arena is required (fixed buffers and the "
-                                   "bounce pool live in the host arena)");
+    return Status::InvalidArgument(
+        "IoEngine: options.arena is required (fixed buffers and the "
+        "bounce pool live in the host arena)");
   }
   if (options.queue_depth == 0 || options.queue_depth > 4096) {
     return Status::InvalidArgument(StrCat("IoEngine: queue_depth ", options.queue_depth,
@@ -133,7 +134,8 @@ void IoEngine::OnRegionMapped(void* base, uint64_t bytes) {
     }
   }
   std::lock_guard<std::mutex> lock(core_->mu);
-  core_->regions[reinterpret_cast<uint64_t>(base)] = IoCore::RegisteredRegion{bytes, std::move(slots)};
+  core_->regions[reinterpret_cast<uint64_t>(base)] =
+      IoCore::RegisteredRegion{bytes, std::move(slots)};
   core_->stats.registered_regions = core_->regions.size();
   // Without a buffer table (plain registration) nothing was tried: that is not a failure.
   core_->stats.registration_failures += failed;
@@ -169,31 +171,34 @@ void IoEngine::OnRegionUnmapping(void* base, uint64_t bytes) {
 Result<int> IoEngine::RegisterFile(int fd, std::string name, uint32_t alignment) {
   SPILLWAY_RETURN_IF_ERROR(core_->process.Check("IoEngine", "RegisterFile"));
   if (fd < 0) return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): bad fd ", fd));
-  if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > core_->options.block_size) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0 ||
+      alignment > core_->options.block_size) {
     return Status::InvalidArgument(StrCat("RegisterFile('", name, "'): alignment ", alignment,
                                           " must be a power of two no larger than block_size"));
   }
   if (core_->options.block_size % alignment != 0) {  // chunks start every block_size bytes
-    return Status::InvalidArgument(StrCat(
-        "RegisterFile('", name, "'): its direct-I/O alignment is ", FormatBytes(alignment),
-        " and block_size ", FormatBytes(core_->options.block_size), " would start chunks off it; set "
-        "aio.block_size to a multiple of ", FormatBytes(alignment)));
+    return Status::InvalidArgument(
+        StrCat("RegisterFile('", name, "'): its direct-I/O alignment is ", FormatBytes(alignment),
+               " and block_size ", FormatBytes(core_->options.block_size),
+               " would start chunks off it; set "
+               "aio.block_size to a multiple of ",
+               FormatBytes(alignment)));
   }
   int slot = -1;
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     if (core_->file_slots_reserved >= IoCore::kFileSlots) {
       return Status::ResourceExhausted(
-                          StrCat("RegisterFile('", name, "'): all ", IoCore::kFileSlots,
-                                 " file slots are in use; unregister files you no longer need"));
+          StrCat("RegisterFile('", name, "'): all ", IoCore::kFileSlots,
+                 " file slots are in use; unregister files you no longer need"));
     }
     // Reserved under the lock, so two registrations at once never pick the same slot.
     if (core_->backend->fixed_files()) {
       auto free = std::find(core_->file_slot_taken.begin(), core_->file_slot_taken.end(), false);
       if (free == core_->file_slot_taken.end()) {  // retired slots count against the limit for good
         return Status::ResourceExhausted(
-                            StrCat("RegisterFile('", name, "'): no fixed file slot is free (",
-                                   IoCore::kFileSlots, ", some retired after failed clears)"));
+            StrCat("RegisterFile('", name, "'): no fixed file slot is free (", IoCore::kFileSlots,
+                   ", some retired after failed clears)"));
       }
       slot = static_cast<int>(free - core_->file_slot_taken.begin());
       core_->file_slot_taken[slot] = true;
@@ -227,8 +232,8 @@ Status IoEngine::UnregisterFile(int file_id) {
     }
     for (const auto& [t, r] : core_->requests) {
       if (r->file_id == file_id && !r->done) {
-        return Status::FailedPrecondition(StrCat("UnregisterFile('", it->second.name,
-                                                 "'): I/O is still in flight; Wait first"));
+        return Status::FailedPrecondition(
+            StrCat("UnregisterFile('", it->second.name, "'): I/O is still in flight; Wait first"));
       }
     }
     slot = it->second.slot;
@@ -257,7 +262,8 @@ Status IoEngine::UnregisterFile(int file_id) {
   return Status::Ok();
 }
 
-Result<Ticket> IoEngine::SubmitWrite(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
+Result<Ticket> IoEngine::SubmitWrite(int file_id, uint64_t offset, const void* buffer,
+                                     uint64_t bytes) {
   return core_->Enqueue(IoOp::kWrite, file_id, offset,
                         static_cast<char*>(const_cast<void*>(buffer)), bytes);
 }
@@ -271,7 +277,8 @@ Status IoEngine::Wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(core_->mu);
   auto it = core_->requests.find(ticket);
   if (it == core_->requests.end() || it->second->waited) {
-    return Status::InvalidArgument(StrCat("Wait(", ticket, "): unknown ticket, or already waited "
+    return Status::InvalidArgument(StrCat("Wait(", ticket,
+                                          "): unknown ticket, or already waited "
                                           "for; each ticket is waited for once"));
   }
   IoRequest* r = it->second.get();

@@ -67,10 +67,12 @@ class UringBackend final : public IoBackendImpl {
     int rc = io_uring_queue_init_params(entries, &ring_, &params);
     if (rc < 0) return -rc;
     // Sparse tables (Linux 5.19). Before that, register the file table plainly (a table of -1
-    // entries, filled by updates since 5.5) and run without fixed buffers, rather than leave io_uring.
+    // entries, filled by updates since 5.5) and run without fixed buffers, rather than leave
+    // io_uring.
     const IoFaults* faults = core_->options.faults;
     const int fault = faults != nullptr ? faults->sparse_registration_errno : 0;
-    const int buffers = fault != 0 ? -fault : io_uring_register_buffers_sparse(&ring_, IoCore::kBufferSlots);
+    const int buffers =
+        fault != 0 ? -fault : io_uring_register_buffers_sparse(&ring_, IoCore::kBufferSlots);
     int files = fault != 0 ? -fault : io_uring_register_files_sparse(&ring_, IoCore::kFileSlots);
     if (buffers == 0 && files == 0) {
       core_->stats.registration = "sparse";
@@ -86,8 +88,8 @@ class UringBackend final : public IoBackendImpl {
         return -files;
       }
       fixed_buffers_ = false;
-      core_->stats.registration = StrCat("plain files, no fixed buffers (sparse registration: ",
-                                         ErrnoText(why), ")");
+      core_->stats.registration =
+          StrCat("plain files, no fixed buffers (sparse registration: ", ErrnoText(why), ")");
       Log(LogLevel::kWarning, StrCat("io_uring without sparse registration (", ErrnoText(why),
                                      "; Linux < 5.19?): files are registered plainly and reads "
                                      "and writes use no fixed buffers"));
@@ -115,7 +117,6 @@ class UringBackend final : public IoBackendImpl {
     sq_order_.push_back(nullptr);
     return true;
   }
-
 
   // Null when the submission queue is full; the caller retries after the next submit. (Submitting
   // here would hide a submit failure from RingLoop.)
@@ -252,8 +253,8 @@ class UringBackend final : public IoBackendImpl {
 
   IoCore* const core_;
   io_uring ring_{};
-  bool initialized_ = false;     // Init succeeded: the ring and the eventfd are ours to release
-  bool fixed_buffers_ = true;    // the ring has a buffer table (sparse registration worked)
+  bool initialized_ = false;   // Init succeeded: the ring and the eventfd are ours to release
+  bool fixed_buffers_ = true;  // the ring has a buffer table (sparse registration worked)
   int event_fd_ = -1;
   uint64_t event_value_ = 0;
   std::thread thread_;

@@ -45,8 +45,8 @@ std::string BoundaryReport::ToString() const {
       out += line;
     }
     std::snprintf(line, sizeof(line),
-                  "  %-6s %-16s %14" PRIu64 " %14" PRIu64 " %14" PRIu64
-                  "   live %" PRIu64 " B in %" PRIu64 " allocations\n",
+                  "  %-6s %-16s %14" PRIu64 " %14" PRIu64 " %14" PRIu64 "   live %" PRIu64
+                  " B in %" PRIu64 " allocations\n",
                   t.tier.c_str(), "(by lifetime)", t.live_by_lifetime[0], t.live_by_lifetime[1],
                   t.live_by_lifetime[2], t.live_bytes, t.live_allocations);
     out += line;
@@ -107,13 +107,13 @@ Status Ledger::BeginStep(int64_t step) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("Ledger", "BeginStep"));
   std::lock_guard<std::mutex> lock(mu_);
   if (in_step_.load()) {
-    return Status::FailedPrecondition(StrCat("BeginStep(", step, "): step ", step_.load(),
-                                             " is still open; call EndStep first"));
+    return Status::FailedPrecondition(
+        StrCat("BeginStep(", step, "): step ", step_.load(), " is still open; call EndStep first"));
   }
   if (step <= step_.load() || step < 0) {
-    return Status::InvalidArgument(StrCat(
-        "BeginStep(", step, "): step numbers must be >= 0 and increase; the last step was ",
-        step_.load()));
+    return Status::InvalidArgument(
+        StrCat("BeginStep(", step, "): step numbers must be >= 0 and increase; the last step was ",
+               step_.load()));
   }
   step_.store(step, std::memory_order_release);
   in_step_.store(true, std::memory_order_release);
@@ -126,9 +126,9 @@ Status Ledger::EndStep(BoundaryReport* report) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!in_step_.load()) {
-      return Status::FailedPrecondition(
-          StrCat("EndStep without BeginStep (the last step was ", step_.load(),
-                 "); call BeginStep(n) at the start of each step"));
+      return Status::FailedPrecondition(StrCat("EndStep without BeginStep (the last step was ",
+                                               step_.load(),
+                                               "); call BeginStep(n) at the start of each step"));
     }
     in_step_.store(false, std::memory_order_release);
     epoch = epoch_.load();
@@ -143,13 +143,13 @@ Status Ledger::EndEpoch(BoundaryReport* report) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!in_epoch_.load()) {
-      return Status::FailedPrecondition(
-          StrCat("EndEpoch without BeginEpoch (the last epoch was ", epoch_.load(),
-                 "); call BeginEpoch(n) at the start of each epoch"));
+      return Status::FailedPrecondition(StrCat("EndEpoch without BeginEpoch (the last epoch was ",
+                                               epoch_.load(),
+                                               "); call BeginEpoch(n) at the start of each epoch"));
     }
     if (in_step_.load()) {
-      return Status::FailedPrecondition(StrCat("EndEpoch while step ", step_.load(),
-                                               " is open; call EndStep first"));
+      return Status::FailedPrecondition(
+          StrCat("EndEpoch while step ", step_.load(), " is open; call EndStep first"));
     }
     in_epoch_.store(false, std::memory_order_release);
     epoch = epoch_.load();
@@ -169,8 +169,7 @@ void Ledger::UnpinTiers() {
   if (--active_walks_ == 0) tiers_idle_.notify_all();
 }
 
-Status Ledger::RunBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
-                           BoundaryReport* report) {
+Status Ledger::RunBoundary(BoundaryKind kind, int64_t epoch, int64_t step, BoundaryReport* report) {
   BoundaryReport local;
   local.kind = kind;
   local.epoch = epoch;
@@ -192,9 +191,9 @@ Result<ScopeId> Ledger::CreateScope(std::string_view name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (scope_names_.size() >= kMaxScopes) {
     return Status::ResourceExhausted(
-                        StrCat("CreateScope('", name, "'): all ", kMaxScopes,
-                               " scope ids are used; scopes are never reused, so reuse a scope "
-                               "for objects that are rebuilt"));
+        StrCat("CreateScope('", name, "'): all ", kMaxScopes,
+               " scope ids are used; scopes are never reused, so reuse a scope "
+               "for objects that are rebuilt"));
   }
   const auto id = static_cast<ScopeId>(scope_names_.size());
   scope_names_.emplace_back(name);

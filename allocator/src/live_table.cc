@@ -115,16 +115,17 @@ std::string LiveTable::DescribeBadFree(uint64_t addr, bool inside) const {
     }
   }
   if (inside) {
-    return StrCat(where, ": the address lies inside this arena but is not a live allocation "
-                         "(a double free whose record aged out, or a stale pointer)");
+    return StrCat(where,
+                  ": the address lies inside this arena but is not a live allocation "
+                  "(a double free whose record aged out, or a stale pointer)");
   }
-  return StrCat(where, ": foreign pointer; this arena did not allocate it. Free it with the "
-                       "allocator that made it");
+  return StrCat(where,
+                ": foreign pointer; this arena did not allocate it. Free it with the "
+                "allocator that made it");
 }
 
-void LiveTable::CollectEscapes(BoundaryKind kind, int64_t epoch, int64_t step,
-                               EscapePolicy policy, TierReport* out, Traces* traces,
-                               const FreeExtentFn& free_extent) {
+void LiveTable::CollectEscapes(BoundaryKind kind, int64_t epoch, int64_t step, EscapePolicy policy,
+                               TierReport* out, Traces* traces, const FreeExtentFn& free_extent) {
   out->policy = policy;
   // One pass over the live table: boundaries are rare, and per-lifetime indexes would cost every
   // allocation two more tree operations.
@@ -229,7 +230,8 @@ Status LiveTable::Validate() const {
     return Status::Internal("Validate: live counters disagree with the live table");
   }
   for (const auto& [addr, frames] : traces_) {
-    if (!live_.count(addr)) return Status::Internal("Validate: a backtrace outlived its allocation");
+    if (!live_.count(addr))
+      return Status::Internal("Validate: a backtrace outlived its allocation");
   }
   return Status::Ok();
 }

@@ -23,7 +23,7 @@ namespace spillway::allocator {
 class LiveTable {
  public:
   struct Live {
-    uint64_t bytes;      // granule-rounded
+    uint64_t bytes;  // granule-rounded
     uint64_t requested;
     OwnerTag tag;
     int64_t birth_epoch;
@@ -68,8 +68,8 @@ class LiveTable {
   // Outside any lock: fills scope names and symbolizes captured backtraces in out->escapes.
   static void FinishEscapes(const Ledger& ledger, const Traces& traces, TierReport* out);
   // The kEscaped status a `fail` policy returns, naming the first escape.
-  static Status EscapeError(const std::string& what, BoundaryKind kind, int64_t epoch,
-                            int64_t step, const TierReport& report);
+  static Status EscapeError(const std::string& what, BoundaryKind kind, int64_t epoch, int64_t step,
+                            const TierReport& report);
 
   static constexpr size_t kMaxTombstones = 4096;
 

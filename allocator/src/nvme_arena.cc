@@ -1,5 +1,6 @@
 // NvmeArena: one anonymous, preallocated O_DIRECT swap file, carved into exact extents; owners,
-// boundaries and budget as in the host arena; a CRC32C per extent. Note [Swap file] in docs/nvme.md.
+// boundaries and budget as in the host arena; a CRC32C per extent. Note [Swap file] in
+// docs/nvme.md.
 #include "spillway/allocator/nvme_arena.h"
 
 #include <fcntl.h>
@@ -25,13 +26,14 @@ namespace {
 
 // The error of a write whose extent changed hands (or was written again) while it ran.
 std::string StaleWrite(uint64_t offset) {
-  return StrCat("the extent at offset ", offset, " was freed, re-allocated or written again while "
+  return StrCat("the extent at offset ", offset,
+                " was freed, re-allocated or written again while "
                 "this write ran, so its data is not recorded as the extent's (the caller's copy is "
                 "still the good one); one write at a time per extent, and free it only after");
 }
 
 std::string FreeSpace(const std::string& dir) {
-  struct statvfs vfs{};
+  struct statvfs vfs {};
   if (statvfs(dir.c_str(), &vfs) != 0) return "unknown";
   return FormatBytes(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize);
 }
@@ -39,10 +41,11 @@ std::string FreeSpace(const std::string& dir) {
 // Opens an anonymous file in `dir`: O_TMPFILE, or a 0600 file in a private 0700 directory that is
 // unlinked at once. Nothing is left on disk if the process dies.
 Result<int> OpenSwapFile(const std::string& dir, bool* direct) {
-  struct stat st{};
+  struct stat st {};
   if (stat(dir.c_str(), &st) != 0) {
     return Status::FromErrno(StatusCode::kInvalidArgument, errno,
-                             StrCat("nvme_path '", dir, "' cannot be used; create it, or point "
+                             StrCat("nvme_path '", dir,
+                                    "' cannot be used; create it, or point "
                                     "offload_param/offload_optimizer.nvme_path at a directory on "
                                     "the NVMe drive"));
   }
@@ -84,7 +87,7 @@ Result<int> OpenSwapFile(const std::string& dir, bool* direct) {
 }
 
 uint32_t DirectIoAlignment(int fd) {
-  struct statx sx{};
+  struct statx sx {};
   if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
       sx.stx_dio_offset_align != 0) {
     return std::max<uint32_t>({sx.stx_dio_offset_align, sx.stx_dio_mem_align, 512u});
@@ -94,8 +97,7 @@ uint32_t DirectIoAlignment(int fd) {
 
 }  // namespace
 
-Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options,
-                                                     IoEngine* engine) {
+Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options, IoEngine* engine) {
   if (engine == nullptr) return Status::InvalidArgument("NvmeArena: an I/O engine is required");
   if (options.budget_bytes == 0) {
     return Status::InvalidArgument(StrCat("nvme arena '", options.name,
@@ -169,15 +171,15 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size ", bytes, " overflows"));
   }
   if (!ledger_->scope_exists(tag.scope)) {
-    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: scope ", tag.scope,
-                                          " was never created"));
+    return Status::InvalidArgument(
+        StrCat("NvmeArena::Allocate: scope ", tag.scope, " was never created"));
   }
   const uint64_t rounded = RoundUp(bytes, alignment_);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     if (!ledger_->scope_live(tag.scope)) {
-      return Status::FailedPrecondition(StrCat("NvmeArena::Allocate: scope ", tag.scope,
-                                               " was released"));
+      return Status::FailedPrecondition(
+          StrCat("NvmeArena::Allocate: scope ", tag.scope, " was released"));
     }
     if (auto off = extents_.Allocate(rounded)) {
       live_->Insert(*off, rounded, bytes, tag, nullptr);
@@ -208,7 +210,8 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     lock.unlock();
     int err = options_.faults != nullptr ? options_.faults->fallocate_errno.exchange(0) : 0;
     if (err == 0 && !without_fallocate_.load()) {
-      err = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0 : errno;
+      err = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0
+                                                                                           : errno;
     }
     bool switched = false;
     if (err == EOPNOTSUPP || without_fallocate_.load()) {
@@ -223,25 +226,27 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     if (switched) {
       stats_.grows_without_fallocate = true;
       Log(LogLevel::kWarning,
-          StrCat("nvme arena '", options_.name, "': the filesystem of '", options_.directory,
-                 "' has no fallocate (EOPNOTSUPP); the swap file grows with ftruncate, so running out "
-                 "of space is reported by the write that meets it, not when the file grows"));
+          StrCat(
+              "nvme arena '", options_.name, "': the filesystem of '", options_.directory,
+              "' has no fallocate (EOPNOTSUPP); the swap file grows with ftruncate, so running out "
+              "of space is reported by the write that meets it, not when the file grows"));
     }
     if (err != 0) {
       stats_.no_space_count++;
       const bool fbig = err == EFBIG;
       return Status::FromErrno(
           StatusCode::kNoSpace, err,
-          StrCat("nvme arena '", options_.name, "': growing the swap file in '", options_.directory,
-                 "' from ", FormatBytes(capacity), " by ", FormatBytes(grow), " failed (",
-                 FreeSpace(options_.directory), " free there); ",
-                 fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
-                        "reached; raise the limit or lower spillway.nvme_budget_bytes"
-                 : err == EOPNOTSUPP || err == ENOSYS
-                     ? "the filesystem supports neither fallocate nor growing the file; put nvme_path "
-                       "on a local filesystem (ext4, xfs)"
-                     : "free space on the device or lower spillway.nvme_budget_bytes",
-                 ". Nothing was allocated"));
+          StrCat(
+              "nvme arena '", options_.name, "': growing the swap file in '", options_.directory,
+              "' from ", FormatBytes(capacity), " by ", FormatBytes(grow), " failed (",
+              FreeSpace(options_.directory), " free there); ",
+              fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
+                     "reached; raise the limit or lower spillway.nvme_budget_bytes"
+              : err == EOPNOTSUPP || err == ENOSYS
+                  ? "the filesystem supports neither fallocate nor growing the file; put nvme_path "
+                    "on a local filesystem (ext4, xfs)"
+                  : "free space on the device or lower spillway.nvme_budget_bytes",
+              ". Nothing was allocated"));
     }
     Status st = capacity == 0 ? extents_.AddSpan(0, grow) : extents_.GrowSpan(0, grow);
     if (!st.ok()) return st;
@@ -261,8 +266,7 @@ Status NvmeArena::Free(uint64_t offset) {
   std::lock_guard<std::mutex> lock(mu_);
   if (live_->Find(offset) == nullptr) {
     live_->NoteBadFree();
-    return Status::InvalidArgument(
-        live_->DescribeBadFree(offset, offset < extents_.span_bytes()));
+    return Status::InvalidArgument(live_->DescribeBadFree(offset, offset < extents_.span_bytes()));
   }
   extents_.Free(offset, live_->Erase(offset, LiveTable::FreeReason::kFreed).bytes);
   checks_.erase(offset);
@@ -273,8 +277,8 @@ Status NvmeArena::CheckExtentLocked(uint64_t offset, uint64_t bytes, const char*
                                     std::string* what) const {
   const LiveTable::Live* live = live_->Find(offset);
   if (live == nullptr) {
-    return Status::InvalidArgument(StrCat(
-        verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
+    return Status::InvalidArgument(
+        StrCat(verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
   }
   *what = StrCat(KindName(live->tag.kind), " owner ", live->tag.owner_id, " (",
                  FormatBytes(live->requested), " at offset ", offset, " of the swap file in '",
@@ -296,7 +300,8 @@ Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &what));
-    generation = NewGenerationLocked(offset);  // until this write completes, the old contents are gone
+    generation =
+        NewGenerationLocked(offset);  // until this write completes, the old contents are gone
   }
   const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
   Status st = engine_->Write(file_id_, offset, src, bytes);
@@ -358,17 +363,17 @@ Status NvmeArena::CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint6
                                    const char* verb) const {
   const LiveTable::Live* live = live_->Find(offset);
   if (live == nullptr) {
-    return Status::InvalidArgument(StrCat(
-        verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
+    return Status::InvalidArgument(
+        StrCat(verb, ": ", live_->DescribeBadFree(offset, offset < extents_.span_bytes())));
   }
   // Written so that no sum can wrap: range_offset + length <= requested.
   const bool inside = length <= live->requested && range_offset <= live->requested - length;
   if (length == 0 || range_offset % alignment_ != 0 || !inside ||
       (length % alignment_ != 0 && range_offset + length != live->requested)) {
-    return Status::InvalidArgument(StrCat(
-        verb, ": range at ", range_offset, " of ", length, " bytes of the extent at offset ",
-        offset, " (", live->requested, " bytes) must start on the alignment ", alignment_,
-        " and end on it or at the extent's end"));
+    return Status::InvalidArgument(StrCat(verb, ": range at ", range_offset, " of ", length,
+                                          " bytes of the extent at offset ", offset, " (",
+                                          live->requested, " bytes) must start on the alignment ",
+                                          alignment_, " and end on it or at the extent's end"));
   }
   return Status::Ok();
 }
@@ -380,18 +385,20 @@ Result<uint32_t> NvmeArena::ExpectedChecksum(uint64_t offset, uint64_t bytes) co
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::ExpectedChecksum", &what));
   const Check& c = checks_.at(offset);
   if (!c.valid) {
-    return Status::FailedPrecondition(StrCat("reading ", what, ": it holds no valid data (never "
+    return Status::FailedPrecondition(StrCat("reading ", what,
+                                             ": it holds no valid data (never "
                                              "written, or its last write failed)"));
   }
   return c.crc;
 }
 
 Result<Ticket> NvmeArena::SubmitReadRange(uint64_t offset, uint64_t range_offset, void* dst,
-                                    uint64_t length) {
+                                          uint64_t length) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "SubmitReadRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    SPILLWAY_RETURN_IF_ERROR(CheckRangeLocked(offset, range_offset, length, "NvmeArena::SubmitReadRange"));
+    SPILLWAY_RETURN_IF_ERROR(
+        CheckRangeLocked(offset, range_offset, length, "NvmeArena::SubmitReadRange"));
   }
   return engine_->SubmitRead(file_id_, offset + range_offset, dst, length);
 }
@@ -406,7 +413,7 @@ Result<uint64_t> NvmeArena::BeginWrite(uint64_t offset, uint64_t bytes) {
 }
 
 Result<Ticket> NvmeArena::SubmitWriteRange(uint64_t offset, uint64_t range_offset, const void* src,
-                                     uint64_t length) {
+                                           uint64_t length) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "SubmitWriteRange"));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -416,8 +423,7 @@ Result<Ticket> NvmeArena::SubmitWriteRange(uint64_t offset, uint64_t range_offse
   return engine_->SubmitWrite(file_id_, offset + range_offset, src, length);
 }
 
-Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,
-                              uint64_t generation) {
+Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc, uint64_t generation) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CommitWrite"));
   std::lock_guard<std::mutex> lock(mu_);
@@ -425,8 +431,8 @@ Status NvmeArena::CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc,
   SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::CommitWrite", &what));
   Check& c = checks_[offset];
   if (c.generation != generation) {
-    return Status::FailedPrecondition(StrCat("committing a write to ", what, ": ",
-                                             StaleWrite(offset)));
+    return Status::FailedPrecondition(
+        StrCat("committing a write to ", what, ": ", StaleWrite(offset)));
   }
   c = Check{true, options_.checksum ? crc : 0, generation};
   stats_.written_bytes += bytes;
@@ -464,7 +470,8 @@ Status NvmeArena::Validate() const {
   }
   for (const auto& [off, c] : checks_) {
     if (live_->Find(off) == nullptr) {
-      return Status::Internal(StrCat("Validate: a checksum for offset ", off, ", which is not live"));
+      return Status::Internal(
+          StrCat("Validate: a checksum for offset ", off, ", which is not live"));
     }
     if (c.generation > next_generation_) {
       return Status::Internal(StrCat("Validate: offset ", off, " has generation ", c.generation,
@@ -474,8 +481,7 @@ Status NvmeArena::Validate() const {
   return Status::Ok();
 }
 
-Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
-                                  TierReport* out) {
+Status NvmeArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step, TierReport* out) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "CollectBoundary"));
   LiveTable::Traces traces;

@@ -100,7 +100,8 @@ namespace spillway::allocator::os {
 Result<void*> MapAnonymous(size_t bytes, HostArenaFaults* faults) {
   if (int err = TakeFault(faults ? &faults->map_errno : nullptr); err != 0) {
     return Status::FromErrno(StatusCode::kOutOfMemory, err,
-                             StrCat("mmap of ", FormatBytes(bytes), " for a host arena region "
+                             StrCat("mmap of ", FormatBytes(bytes),
+                                    " for a host arena region "
                                     "failed (injected)"));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -124,9 +125,14 @@ Status Unmap(void* base, size_t bytes) {
 Status MarkForkSafety(void* base, size_t bytes, ForkSafety mode) {
   int advice = 0;
   switch (mode) {
-    case ForkSafety::kInherit: return Status::Ok();
-    case ForkSafety::kDontFork: advice = MADV_DONTFORK; break;
-    case ForkSafety::kWipeOnFork: advice = MADV_WIPEONFORK; break;
+    case ForkSafety::kInherit:
+      return Status::Ok();
+    case ForkSafety::kDontFork:
+      advice = MADV_DONTFORK;
+      break;
+    case ForkSafety::kWipeOnFork:
+      advice = MADV_WIPEONFORK;
+      break;
   }
   if (madvise(base, bytes, advice) != 0) {
     return Status::FromErrno(StatusCode::kUnavailable, errno,

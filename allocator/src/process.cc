@@ -22,8 +22,9 @@ Status ForkTracking() {
   static const Status status = [] {
     const int rc = pthread_atfork(nullptr, nullptr, InChild);
     if (rc == 0) return Status::Ok();
-    Status st = Status::FromErrno(StatusCode::kInternal, rc,
-                                  "pthread_atfork failed: fork checks fall back to getpid() per call");
+    Status st =
+        Status::FromErrno(StatusCode::kInternal, rc,
+                          "pthread_atfork failed: fork checks fall back to getpid() per call");
     Log(LogLevel::kError, st.ToString());
     return st;
   }();
@@ -38,10 +39,11 @@ ProcessTag::ProcessTag()
 pid_t ProcessTag::CurrentPid() { return getpid(); }
 
 Status ProcessTag::Refuse(const char* what, const char* call) const {
-  return Status::FailedPrecondition(StrCat(
-      what, "::", call, " in a forked child (pid ", getpid(), ") of the process that made it (pid ",
-      pid_, "): the child has none of its threads, memory or ring. Make a new one in the child, "
-      "or do this work in the parent"));
+  return Status::FailedPrecondition(
+      StrCat(what, "::", call, " in a forked child (pid ", getpid(),
+             ") of the process that made it (pid ", pid_,
+             "): the child has none of its threads, memory or ring. Make a new one in the child, "
+             "or do this work in the parent"));
 }
 
 }  // namespace spillway::allocator

@@ -17,8 +17,9 @@ LogLevel ThresholdFromEnv() {
   const char* env = std::getenv("SPILLWAY_LOG");  // NOLINT(concurrency-mt-unsafe): once, no setenv
   if (env == nullptr || *env == '\0') return LogLevel::kWarning;
   if (std::optional<LogLevel> l = ParseLogLevel(env)) return *l;
-  LogToStderr(LogLevel::kWarning, std::string("SPILLWAY_LOG='") + env +
-                                    "' names no level; use error, warning, info or debug. Logging at warning");
+  LogToStderr(LogLevel::kWarning,
+              std::string("SPILLWAY_LOG='") + env +
+                  "' names no level; use error, warning, info or debug. Logging at warning");
   return LogLevel::kWarning;
 }
 
@@ -61,7 +62,9 @@ bool LogEnabled(LogLevel level) {
   return static_cast<int>(level) <= Threshold().load(std::memory_order_relaxed);
 }
 
-void SetLogLevel(LogLevel level) { Threshold().store(static_cast<int>(level), std::memory_order_relaxed); }
+void SetLogLevel(LogLevel level) {
+  Threshold().store(static_cast<int>(level), std::memory_order_relaxed);
+}
 
 void SetLogSink(LogSink sink) { g_sink.store(sink, std::memory_order_release); }
 

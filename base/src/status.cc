@@ -9,19 +9,32 @@ namespace spillway {
 
 const char* StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    case StatusCode::kOverBudget: return "OVER_BUDGET";
-    case StatusCode::kOutOfMemory: return "OUT_OF_MEMORY";
-    case StatusCode::kIoError: return "IO_ERROR";
-    case StatusCode::kNoSpace: return "NO_SPACE";
-    case StatusCode::kChecksumMismatch: return "CHECKSUM_MISMATCH";
-    case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kEscaped: return "ESCAPED";
-    case StatusCode::kInternal: return "INTERNAL";
-    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case StatusCode::kExternal: return "EXTERNAL";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case StatusCode::kOverBudget:
+      return "OVER_BUDGET";
+    case StatusCode::kOutOfMemory:
+      return "OUT_OF_MEMORY";
+    case StatusCode::kIoError:
+      return "IO_ERROR";
+    case StatusCode::kNoSpace:
+      return "NO_SPACE";
+    case StatusCode::kChecksumMismatch:
+      return "CHECKSUM_MISMATCH";
+    case StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case StatusCode::kEscaped:
+      return "ESCAPED";
+    case StatusCode::kInternal:
+      return "INTERNAL";
+    case StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case StatusCode::kExternal:
+      return "EXTERNAL";
   }
   return "UNKNOWN";
 }

@@ -28,13 +28,15 @@ Result<CharCorpus> CharCorpus::Load(const std::string& path, uint64_t min_tokens
   }
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) {
-    return Status::InvalidArgument(StrCat("--data ", path, ": read failed (", ErrnoText(errno), ")"));
+    return Status::InvalidArgument(
+        StrCat("--data ", path, ": read failed (", ErrnoText(errno), ")"));
   }
   if (text.size() < min_tokens) {
-    return Status::InvalidArgument(StrCat("--data ", path, " holds ", text.size(),
-                                          " characters; the model needs at least ", min_tokens,
-                                          " (one sequence plus its target): pass a longer text or a "
-                                          "smaller seq_len"));
+    return Status::InvalidArgument(
+        StrCat("--data ", path, " holds ", text.size(), " characters; the model needs at least ",
+               min_tokens,
+               " (one sequence plus its target): pass a longer text or a "
+               "smaller seq_len"));
   }
   CharCorpus c;
   c.path_ = path;

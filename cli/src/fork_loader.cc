@@ -18,7 +18,8 @@ namespace {
 std::string DescribeWait(int wstatus) {
   if (WIFEXITED(wstatus)) return StrCat("exited with status ", WEXITSTATUS(wstatus));
   if (WIFSIGNALED(wstatus)) {
-    return StrCat("was killed by signal ", WTERMSIG(wstatus), " (", strsignal(WTERMSIG(wstatus)), ")");
+    return StrCat("was killed by signal ", WTERMSIG(wstatus), " (", strsignal(WTERMSIG(wstatus)),
+                  ")");
   }
   return StrCat("ended with wait status ", wstatus);
 }
@@ -29,20 +30,20 @@ ForkingLoader::ForkingLoader(const CharCorpus* corpus, LoaderOptions options)
     : corpus_(corpus), options_(options) {}
 
 Result<std::unique_ptr<ForkingLoader>> ForkingLoader::Create(const CharCorpus* corpus,
-                                                            LoaderOptions options) {
+                                                             LoaderOptions options) {
   if (corpus == nullptr) return Status::InvalidArgument("ForkingLoader: corpus is null");
   if (options.workers == 0 || options.batch_size == 0 || options.seq_len == 0) {
-    return Status::InvalidArgument(StrCat("data loader: workers (", options.workers, "), batch_size (",
-                                          options.batch_size, ") and seq_len (", options.seq_len,
-                                          ") must all be at least 1"));
+    return Status::InvalidArgument(StrCat("data loader: workers (", options.workers,
+                                          "), batch_size (", options.batch_size, ") and seq_len (",
+                                          options.seq_len, ") must all be at least 1"));
   }
   if (options.timeout_seconds <= 0) {
     return Status::InvalidArgument("data loader: timeout_seconds must be positive");
   }
   if (corpus->tokens().size() < static_cast<uint64_t>(options.seq_len) + 2) {
-    return Status::InvalidArgument(StrCat("data loader: the corpus has ", corpus->tokens().size(),
-                                          " tokens, fewer than one row of seq_len + 1 = ",
-                                          options.seq_len + 1, " plus one"));
+    return Status::InvalidArgument(
+        StrCat("data loader: the corpus has ", corpus->tokens().size(),
+               " tokens, fewer than one row of seq_len + 1 = ", options.seq_len + 1, " plus one"));
   }
   return std::unique_ptr<ForkingLoader>(new ForkingLoader(corpus, options));
 }
@@ -54,9 +55,11 @@ ForkingLoader::~ForkingLoader() {
 Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
   if (epoch_open()) {
     return Status::FailedPrecondition(StrCat("data loader: epoch ", epoch_,
-                                             " is still open; call EndEpoch before BeginEpoch(", epoch, ")"));
+                                             " is still open; call EndEpoch before BeginEpoch(",
+                                             epoch, ")"));
   }
-  if (batches == 0) return Status::InvalidArgument("data loader: an epoch needs at least one batch");
+  if (batches == 0)
+    return Status::InvalidArgument("data loader: an epoch needs at least one batch");
   // Everything the children read is fixed here, before the fork.
   const uint64_t row = row_elems();
   const uint64_t positions = corpus_->tokens().size() - row + 1;
@@ -72,7 +75,8 @@ Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
       const int err = errno;
       (void)Reap(true);
-      return Status::FromErrno(StatusCode::kUnavailable, err, "data loader: socketpair for a worker");
+      return Status::FromErrno(StatusCode::kUnavailable, err,
+                               "data loader: socketpair for a worker");
     }
     const pid_t pid = fork();
     if (pid == 0) {
@@ -95,11 +99,13 @@ Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
     ++stats_.forks;
     // The first prefetch_factor credits.
     const std::string credits(options_.prefetch_factor, 'c');
-    if (send(fds[0], credits.data(), credits.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(credits.size())) {
+    if (send(fds[0], credits.data(), credits.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(credits.size())) {
       const int send_err = errno;
       (void)Reap(true);
-      return Status::FromErrno(StatusCode::kUnavailable, send_err,
-                               StrCat("data loader: cannot reach worker ", w, " for epoch ", epoch));
+      return Status::FromErrno(
+          StatusCode::kUnavailable, send_err,
+          StrCat("data loader: cannot reach worker ", w, " for epoch ", epoch));
     }
   }
   return Status::Ok();
@@ -141,10 +147,11 @@ void ForkingLoader::WorkerMain(uint32_t worker, int fd) {
 }
 
 Status ForkingLoader::Next(int64_t* rows) {
-  if (!epoch_open()) return Status::FailedPrecondition("data loader: Next() outside an epoch; call BeginEpoch");
+  if (!epoch_open())
+    return Status::FailedPrecondition("data loader: Next() outside an epoch; call BeginEpoch");
   if (next_ >= batches_) {
-    return Status::FailedPrecondition(StrCat("data loader: epoch ", epoch_, " has only ", batches_,
-                                             " batches; call EndEpoch"));
+    return Status::FailedPrecondition(
+        StrCat("data loader: epoch ", epoch_, " has only ", batches_, " batches; call EndEpoch"));
   }
   const uint32_t w = static_cast<uint32_t>(next_ % options_.workers);
   char* p = reinterpret_cast<char*>(rows);
@@ -153,7 +160,8 @@ Status ForkingLoader::Next(int64_t* rows) {
     pollfd pfd{fds_[w], POLLIN, 0};
     const int ready = poll(&pfd, 1, options_.timeout_seconds * 1000);
     if (ready < 0 && errno == EINTR) continue;
-    if (ready == 0) return WorkerFailed(w, StrCat("sent nothing for ", options_.timeout_seconds, " s").c_str());
+    if (ready == 0)
+      return WorkerFailed(w, StrCat("sent nothing for ", options_.timeout_seconds, " s").c_str());
     if (ready < 0) return WorkerFailed(w, StrCat("poll failed: ", ErrnoText(errno)).c_str());
     const ssize_t n = read(fds_[w], p, left);
     if (n < 0 && errno == EINTR) continue;
@@ -176,7 +184,8 @@ Status ForkingLoader::WorkerFailed(uint32_t worker, const char* what) {
   const pid_t pid = pids_[worker];
   const uint64_t batch = next_;
   // Reap that worker first to learn how it ended, then the rest.
-  // A dead worker's pipe reaches EOF a moment before the process becomes reapable: give it a second.
+  // A dead worker's pipe reaches EOF a moment before the process becomes reapable: give it a
+  // second.
   int wstatus = 0;
   std::string how;
   for (int i = 0; i < 100; ++i) {
@@ -188,10 +197,11 @@ Status ForkingLoader::WorkerFailed(uint32_t worker, const char* what) {
     usleep(10'000);
   }
   (void)Reap(/*kill_first=*/true);
-  return Status::Make(StatusCode::kUnavailable,
-                      StrCat("data loader worker ", worker, " (pid ", pid, ") ", what, " before batch ",
-                             batch, " of epoch ", epoch_, how,
-                             "; the epoch is closed and its workers reaped (see the worker's stderr)"));
+  return Status::Make(
+      StatusCode::kUnavailable,
+      StrCat("data loader worker ", worker, " (pid ", pid, ") ", what, " before batch ", batch,
+             " of epoch ", epoch_, how,
+             "; the epoch is closed and its workers reaped (see the worker's stderr)"));
 }
 
 Status ForkingLoader::EndEpoch() {
@@ -221,8 +231,8 @@ Status ForkingLoader::Reap(bool kill_first) {
     const bool ok = (WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) || killed_by_us;
     if (r == pid && !ok && first.ok()) {
       first = Status::Make(StatusCode::kUnavailable,
-                           StrCat("data loader worker ", w, " (pid ", pid, ") of epoch ", epoch_, " ",
-                                  DescribeWait(wstatus)));
+                           StrCat("data loader worker ", w, " (pid ", pid, ") of epoch ", epoch_,
+                                  " ", DescribeWait(wstatus)));
     }
   }
   pids_.clear();

@@ -1,6 +1,8 @@
 // Leak-suite scenarios that need no libtorch: fork-cow, pinned-pow2, bounce-leak, swapped-alive,
 // epoch-checkpoint. Each runs Spillway's way and then the naive control under the same detector.
 // Note [Leak suite] in docs/leak-suite.md says where each comes from.
+#include "leak_scenarios.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -12,9 +14,8 @@
 #include <map>
 #include <vector>
 
-#include "leak_scenarios.h"
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/pow2_caching_policy.h"
+#include "spillway/base/bytes.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/cli/proc_memory.h"
 #include "spillway/engine/checkpoint_file.h"
@@ -101,15 +102,16 @@ Result<CharCorpus> ScratchCorpus(const LeakSuiteOptions& suite) {
   const std::string path = ScratchDir(suite) + "/corpus.txt";
   {
     std::ofstream f(path);
-    for (int i = 0; i < 400; ++i) f << "the first optimizer step after a fork copies every page it writes. ";
+    for (int i = 0; i < 400; ++i)
+      f << "the first optimizer step after a fork copies every page it writes. ";
   }
   return CharCorpus::Load(path, 64);
 }
 
 }  // namespace
 
-// 1. fork-cow. Detector: summed anonymous PSS of the process tree after every step; growth is each epoch's
-// peak over the PSS before its workers were forked.
+// 1. fork-cow. Detector: summed anonymous PSS of the process tree after every step; growth is each
+// epoch's peak over the PSS before its workers were forked.
 Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
   constexpr uint64_t kElems = 4ull << 20;  // 16 MiB per array: master, exp_avg, exp_avg_sq, grad
   constexpr int kEpochs = 4, kSteps = 5;
@@ -132,10 +134,12 @@ Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
   auto run = [&](bool spillway, LeakSeries* series) -> Status {
     const uint64_t bytes = kElems * 4;
     float* arrays[4] = {};
-    const Kind kinds[4] = {Kind::kMasterWeight, Kind::kOptimizerState, Kind::kOptimizerState, Kind::kGrad};
+    const Kind kinds[4] = {Kind::kMasterWeight, Kind::kOptimizerState, Kind::kOptimizerState,
+                           Kind::kGrad};
     for (int i = 0; i < 4; ++i) {
       if (spillway) {
-        auto p = r.host->Allocate(bytes, OwnerTag{kinds[i], Lifetime::kPersistent, static_cast<uint64_t>(i), 0, SPILLWAY_SITE});
+        auto p = r.host->Allocate(bytes, OwnerTag{kinds[i], Lifetime::kPersistent,
+                                                  static_cast<uint64_t>(i), 0, SPILLWAY_SITE});
         if (!p.ok()) return p.status();
         arrays[i] = static_cast<float*>(*p);
       } else {
@@ -172,25 +176,31 @@ Result<ScenarioOutcome> ForkCow(const LeakSuiteOptions& suite) {
         if (!st.ok()) break;
         const auto t0 = std::chrono::steady_clock::now();
         auto rep = (*opt)->Step({&g, 1});
-        const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double sec =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!rep.ok()) st = rep.status();
         (s == 0 ? first : rest) += sec;
         pss = TreePss();
-        if (!pss.ok()) st = pss.status();
-        else series->Add(++step, e, false, *pss);
+        if (!pss.ok())
+          st = pss.status();
+        else
+          series->Add(++step, e, false, *pss);
       }
       if (st.ok()) st = (*loader)->EndEpoch();
       pss = TreePss();
       if (st.ok() && pss.ok()) series->Add(step, e, true, *pss);
     }
-    out.notes.push_back(Fmt(spillway ? "spillway: first step after the fork %.1f ms, other steps %.1f ms (x%.2f)"
-                                     : "control:  first step after the fork %.1f ms, other steps %.1f ms (x%.2f)",
-                            1e3 * first / kEpochs, 1e3 * rest / (kEpochs * (kSteps - 1)),
-                            first / kEpochs / (rest / (kEpochs * (kSteps - 1)))));
+    out.notes.push_back(
+        Fmt(spillway ? "spillway: first step after the fork %.1f ms, other steps %.1f ms (x%.2f)"
+                     : "control:  first step after the fork %.1f ms, other steps %.1f ms (x%.2f)",
+            1e3 * first / kEpochs, 1e3 * rest / (kEpochs * (kSteps - 1)),
+            first / kEpochs / (rest / (kEpochs * (kSteps - 1)))));
     for (float* a : arrays) {
       if (a == nullptr) continue;
-      if (spillway) (void)r.host->Free(a);
-      else std::free(a);
+      if (spillway)
+        (void)r.host->Free(a);
+      else
+        std::free(a);
     }
     return st;
   };
@@ -222,10 +232,10 @@ Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
       if (!spillway) return cache.Alloc(bytes);
       return r.host->Allocate(bytes, OwnerTag{Kind::kSwapBuffer, life, 0, 0, SPILLWAY_SITE});
     };
-    auto release = [&](void* p) -> Status {
-      return spillway ? r.host->Free(p) : cache.Free(p);
+    auto release = [&](void* p) -> Status { return spillway ? r.host->Free(p) : cache.Free(p); };
+    auto held = [&] {
+      return spillway ? HostCommitted(r) : static_cast<double>(cache.held_bytes());
     };
-    auto held = [&] { return spillway ? HostCommitted(r) : static_cast<double>(cache.held_bytes()); };
     int64_t step = 0;
     series->Add(0, 0, true, held());
     for (int e = 1; e <= kEpochs; ++e) {
@@ -258,8 +268,8 @@ Result<ScenarioOutcome> PinnedPow2(const LeakSuiteOptions& suite) {
   double peak_s = 0, peak_c = 0;
   for (const auto& p : out.spillway.points) peak_s = std::max(peak_s, p.bytes);
   for (const auto& p : out.control.points) peak_c = std::max(peak_c, p.bytes);
-  out.notes.push_back(Fmt("peak held: spillway %.1f MiB, pow2 cache %.1f MiB (x%.2f)", peak_s / kMiB,
-                          peak_c / kMiB, peak_c / peak_s));
+  out.notes.push_back(Fmt("peak held: spillway %.1f MiB, pow2 cache %.1f MiB (x%.2f)",
+                          peak_s / kMiB, peak_c / kMiB, peak_c / peak_s));
   return out;
 }
 
@@ -275,9 +285,11 @@ Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& suite) {
     auto rig = MakeRig(suite, {});
     if (!rig.ok()) return rig.status();
     Rig& r = **rig;
-    auto off = r.nvme->Allocate(kBytes, OwnerTag{Kind::kParam, Lifetime::kPersistent, 1, 0, SPILLWAY_SITE});
+    auto off = r.nvme->Allocate(kBytes,
+                                OwnerTag{Kind::kParam, Lifetime::kPersistent, 1, 0, SPILLWAY_SITE});
     if (!off.ok()) return off.status();
-    std::vector<uint8_t> src(kBytes), back(kBytes);  // the user's pageable buffers, not arena memory
+    std::vector<uint8_t> src(kBytes),
+        back(kBytes);  // the user's pageable buffers, not arena memory
     auto naive = r.ledger.CreateScope("naive I/O path");
     if (!naive.ok()) return naive.status();
     std::string site;
@@ -289,16 +301,19 @@ Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& suite) {
         SPILLWAY_RETURN_IF_ERROR(r.ledger.BeginStep(++step));
         std::fill(src.begin(), src.end(), static_cast<uint8_t>(step));
         if (spillway) {
-          SPILLWAY_RETURN_IF_ERROR(r.nvme->Write(*off, src.data(), kBytes));  // bounced by the engine
+          SPILLWAY_RETURN_IF_ERROR(
+              r.nvme->Write(*off, src.data(), kBytes));  // bounced by the engine
         } else {
           // The naive path: a bounce buffer per operation that nobody frees.
-          auto bounce = r.host->Allocate(kBytes, OwnerTag{Kind::kSwapBuffer, Lifetime::kStep, 7, *naive, SPILLWAY_SITE});
+          auto bounce = r.host->Allocate(
+              kBytes, OwnerTag{Kind::kSwapBuffer, Lifetime::kStep, 7, *naive, SPILLWAY_SITE});
           if (!bounce.ok()) return bounce.status();
           std::memcpy(*bounce, src.data(), kBytes);
           SPILLWAY_RETURN_IF_ERROR(r.nvme->Write(*off, *bounce, kBytes));
         }
         SPILLWAY_RETURN_IF_ERROR(r.nvme->Read(*off, back.data(), kBytes));
-        if (back != src) return Status::Internal("bounce-leak: data read back differs from data written");
+        if (back != src)
+          return Status::Internal("bounce-leak: data read back differs from data written");
         allocator::BoundaryReport rep;
         SPILLWAY_RETURN_IF_ERROR(r.ledger.EndStep(&rep));
         series->escapes += Escapes(rep, &site);
@@ -309,8 +324,11 @@ Result<ScenarioOutcome> BounceLeak(const LeakSuiteOptions& suite) {
       series->escapes += Escapes(rep, &site);
       series->Add(step, e, true, HostLive(r));
     }
-    if (!spillway) out.notes.push_back(StrCat("control: the ledger names the leaking site: ", site.empty() ? "(none!)" : site));
-    if (!spillway && site.empty()) out.failure = "the ledger did not name the control's leaking site";
+    if (!spillway)
+      out.notes.push_back(
+          StrCat("control: the ledger names the leaking site: ", site.empty() ? "(none!)" : site));
+    if (!spillway && site.empty())
+      out.failure = "the ledger did not name the control's leaking site";
     // Releasing the naive path's scope frees what it leaked.
     auto released = r.ledger.ReleaseScope(*naive);
     if (!released.ok()) return released.status();
@@ -339,7 +357,8 @@ Result<ScenarioOutcome> SwappedAlive(const LeakSuiteOptions& suite) {
         R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")",
         ScratchDir(suite), R"("}}})"));
     if (!config.ok()) return config.status();
-    auto store = offload::PartitionStore::Create(*config, r.host.get(), r.nvme.get(), allocator::kProcessScope);
+    auto store = offload::PartitionStore::Create(*config, r.host.get(), r.nvme.get(),
+                                                 allocator::kProcessScope);
     if (!store.ok()) return store.status();
     std::vector<offload::PartitionId> ids;
     for (uint32_t i = 0; i < kParts; ++i) {
@@ -362,7 +381,8 @@ Result<ScenarioOutcome> SwappedAlive(const LeakSuiteOptions& suite) {
           if (!data.ok()) return data.status();
           static_cast<float*>(*data)[0] += 1.0f;
           if (!spillway) {
-            auto copy = r.host->Allocate(kBytes, OwnerTag{Kind::kParam, Lifetime::kStep, id, 0, SPILLWAY_SITE});
+            auto copy = r.host->Allocate(
+                kBytes, OwnerTag{Kind::kParam, Lifetime::kStep, id, 0, SPILLWAY_SITE});
             if (!copy.ok()) return copy.status();
             std::memcpy(*copy, *data, kBytes);
             kept.push_back(*copy);
@@ -428,19 +448,22 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
     Rig& r = **rig;
     std::vector<float*> master;
     for (int i = 0; i < kParts; ++i) {
-      auto p = r.host->Allocate(kElems * 4, OwnerTag{Kind::kMasterWeight, Lifetime::kPersistent, static_cast<uint64_t>(i), 0, SPILLWAY_SITE});
+      auto p = r.host->Allocate(kElems * 4, OwnerTag{Kind::kMasterWeight, Lifetime::kPersistent,
+                                                     static_cast<uint64_t>(i), 0, SPILLWAY_SITE});
       if (!p.ok()) return p.status();
       master.push_back(static_cast<float*>(*p));
       std::fill(master.back(), master.back() + kElems, 0.25f * i);
     }
-    const std::string path = StrCat(ScratchDir(suite), "/checkpoint-", spillway ? "spillway" : "control", ".safetensors");
+    const std::string path = StrCat(ScratchDir(suite), "/checkpoint-",
+                                    spillway ? "spillway" : "control", ".safetensors");
     std::vector<engine::checkpoint::TensorSpec> specs;
     if (spillway) {
       for (int i = 0; i < kParts; ++i) {
         specs.push_back({StrCat("master.", i), "F32", {static_cast<int64_t>(kElems)}, kElems * 4});
       }
     } else {
-      specs.push_back({"master", "F32", {static_cast<int64_t>(kParts * kElems)}, kParts * kElems * 4});
+      specs.push_back(
+          {"master", "F32", {static_cast<int64_t>(kParts * kElems)}, kParts * kElems * 4});
     }
     int64_t step = 0;
     series->Add(0, 0, true, HostCommitted(r));
@@ -457,7 +480,9 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
           series->Add(step, e, false, HostCommitted(r));
         }
       } else {
-        auto gathered = r.host->Allocate(kParts * kElems * 4, OwnerTag{Kind::kCheckpoint, Lifetime::kEpoch, 0, 0, SPILLWAY_SITE});
+        auto gathered =
+            r.host->Allocate(kParts * kElems * 4,
+                             OwnerTag{Kind::kCheckpoint, Lifetime::kEpoch, 0, 0, SPILLWAY_SITE});
         if (!gathered.ok()) return gathered.status().WithContext("the gathered model");
         for (int i = 0; i < kParts; ++i) {
           std::memcpy(static_cast<float*>(*gathered) + i * kElems, master[i], kElems * 4);
@@ -478,9 +503,10 @@ Result<ScenarioOutcome> EpochCheckpoint(const LeakSuiteOptions& suite) {
   SPILLWAY_RETURN_IF_ERROR(run(true, &out.spillway));
   SPILLWAY_RETURN_IF_ERROR(run(false, &out.control));
   ScoreBy(&out, &LeakSeries::PeakGrowthPerEpoch);
-  out.notes.push_back(Fmt("peak during a save over the state: spillway %.1f MiB (budget headroom 4 MiB), "
-                          "control %.1f MiB",
-                          out.spillway_growth / kMiB, out.control_growth / kMiB));
+  out.notes.push_back(
+      Fmt("peak during a save over the state: spillway %.1f MiB (budget headroom 4 MiB), "
+          "control %.1f MiB",
+          out.spillway_growth / kMiB, out.control_growth / kMiB));
   return out;
 }
 

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/io_engine.h"
 #include "spillway/cli/leak_suite.h"
 
 namespace spillway::cli::leak {

@@ -6,10 +6,10 @@
 
 #include "leak_scenarios.h"
 #include "spillway/base/bytes.h"
-#include "spillway/trainer/collectives.h"
-#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
+#include "spillway/trainer/collectives.h"
+#include "spillway/trainer/trainer.h"
 
 namespace spillway::cli::leak {
 
@@ -20,7 +20,6 @@ using engine::GptConfig;
 namespace gpt = engine::gpt;
 
 namespace {
-
 
 GptConfig Tiny(int64_t layers = 1, int64_t d = 32) {
   GptConfig c;
@@ -38,10 +37,11 @@ torch::Tensor Batch(const GptConfig& c, int64_t seed) {
   return torch::randint(0, c.vocab, {4, c.seq_len + 1}, gen, torch::kInt64);
 }
 
-
 Result<offload::Config> CpuOffload(const std::string& extra = "") {
-  return offload::Config::Parse(StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-      "offload_optimizer": {"device": "cpu"}})", extra, "}"));
+  return offload::Config::Parse(
+      StrCat(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "cpu"}})",
+             extra, "}"));
 }
 
 engine::TrainerOptions Options(const GptConfig& c) {
@@ -148,7 +148,8 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
       SPILLWAY_RETURN_IF_ERROR(r.ledger.BeginEpoch(ep));
       for (int m = 0; m < kMicro; m += kAccum) {
         std::vector<torch::Tensor> mbs;
-        for (int k = m; k < std::min(kMicro, m + kAccum); ++k) mbs.push_back(Batch(c, ep * 100 + k));
+        for (int k = m; k < std::min(kMicro, m + kAccum); ++k)
+          mbs.push_back(Batch(c, ep * 100 + k));
         auto s = e->trainer->Step(mbs);
         if (!s.ok()) return s.status();
         out.spillway.Add(++step, ep, false, HostLive(r));
@@ -173,7 +174,8 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
     if (!rig.ok()) return rig.status();
     Rig& r = **rig;
     std::vector<torch::Tensor> flats;
-    for (int64_t u = 0; u < gpt::Units(c); ++u) flats.push_back(gpt::InitUnit(c, u).requires_grad_(true));
+    for (int64_t u = 0; u < gpt::Units(c); ++u)
+      flats.push_back(gpt::InitUnit(c, u).requires_grad_(true));
     auto naive = r.ledger.CreateScope("naive accumulation loop");
     if (!naive.ok()) return naive.status();
     int64_t step = 0;
@@ -185,7 +187,8 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
       for (int k = 0; k < kMicro; ++k) {
         if (accum == nullptr) {
           SPILLWAY_RETURN_IF_ERROR(r.ledger.BeginStep(++step));
-          auto p = r.host->Allocate(numel * 4, OwnerTag{Kind::kGrad, Lifetime::kStep, 1, *naive, SPILLWAY_SITE});
+          auto p = r.host->Allocate(
+              numel * 4, OwnerTag{Kind::kGrad, Lifetime::kStep, 1, *naive, SPILLWAY_SITE});
           if (!p.ok()) return p.status();
           accum = static_cast<float*>(*p);
           std::memset(accum, 0, numel * 4);
@@ -224,7 +227,8 @@ Result<ScenarioOutcome> AccumRemainder(const LeakSuiteOptions& suite) {
     if (!released.ok()) return released.status();
   }
   ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
-  out.notes.push_back(StrCat("escapes: spillway ", out.spillway.escapes, ", control ", out.control.escapes));
+  out.notes.push_back(
+      StrCat("escapes: spillway ", out.spillway.escapes, ", control ", out.control.escapes));
   return out;
 }
 
@@ -256,7 +260,8 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
     bool armed = false;
     int64_t forwards = 0;  // units whose forward started in this step
     e->trainer->SetFaultHookForTesting([&](int64_t u) {
-      if (armed && ++forwards > units && u == 1) throw std::runtime_error("step-exception: injected in the forward");
+      if (armed && ++forwards > units && u == 1)
+        throw std::runtime_error("step-exception: injected in the forward");
     });
     int64_t step = 0;
     out.spillway.Add(0, 0, true, HostLive(r));
@@ -267,8 +272,11 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
         armed = s == 1;
         forwards = 0;
         auto res = e->trainer->Step(mbs);
-        if (!res.ok()) ++failures;
-        else if (s == 1) return Status::Internal("step-exception: the step with the injected failure did not fail");
+        if (!res.ok())
+          ++failures;
+        else if (s == 1)
+          return Status::Internal(
+              "step-exception: the step with the injected failure did not fail");
         out.spillway.Add(++step, ep, false, HostLive(r));
       }
       allocator::BoundaryReport rep;
@@ -299,7 +307,9 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
           torch::NoGradGuard no_grad;
           torch::Tensor x = t.narrow(1, 0, c.seq_len);
           for (int64_t u = 0; u < gpt::Units(c); ++u) {
-            auto p = r.host->Allocate(flats[u].numel() * 4, OwnerTag{Kind::kTransient, Lifetime::kStep, static_cast<uint64_t>(u), *naive, SPILLWAY_SITE});
+            auto p = r.host->Allocate(flats[u].numel() * 4,
+                                      OwnerTag{Kind::kTransient, Lifetime::kStep,
+                                               static_cast<uint64_t>(u), *naive, SPILLWAY_SITE});
             if (!p.ok()) return p.status();
             gathers.push_back(*p);
             torch::Tensor g = torch::from_blob(*p, {flats[u].numel()}, torch::kFloat32);
@@ -322,10 +332,11 @@ Result<ScenarioOutcome> StepException(const LeakSuiteOptions& suite) {
     auto released = r.ledger.ReleaseScope(*naive);
     if (!released.ok()) return released.status();
   }
-  if (failures != kEpochs) out.failure = StrCat("expected ", kEpochs, " failed steps, saw ", failures);
+  if (failures != kEpochs)
+    out.failure = StrCat("expected ", kEpochs, " failed steps, saw ", failures);
   ScoreBy(&out, &LeakSeries::BoundaryGrowthPerEpoch);
-  out.notes.push_back(StrCat("failed steps: ", failures, "; escapes: spillway ", out.spillway.escapes,
-                             ", control ", out.control.escapes));
+  out.notes.push_back(StrCat("failed steps: ", failures, "; escapes: spillway ",
+                             out.spillway.escapes, ", control ", out.control.escapes));
   return out;
 }
 
@@ -360,7 +371,10 @@ Result<ScenarioOutcome> BudgetPressure(const LeakSuiteOptions& suite) {
     auto e = MakeEngine(r, coll->get(), *config, c, allocator::kProcessScope, true);
     if (!e.ok()) return e.status().WithContext(spillway ? "under the budget" : "unbounded");
     int64_t step = 0;
-    auto over = [&] { return static_cast<double>(r.host->Stats().peak_committed_bytes) - static_cast<double>(budget); };
+    auto over = [&] {
+      return static_cast<double>(r.host->Stats().peak_committed_bytes) -
+             static_cast<double>(budget);
+    };
     series->Add(0, 0, true, over());
     for (int ep = 1; ep <= kEpochs; ++ep) {
       SPILLWAY_RETURN_IF_ERROR(r.ledger.BeginEpoch(ep));
@@ -387,11 +401,14 @@ Result<ScenarioOutcome> BudgetPressure(const LeakSuiteOptions& suite) {
   };
   out.spillway_growth = most_over(out.spillway);
   out.control_growth = most_over(out.control);
-  if (losses[0] != losses[1]) out.failure = "losses under the budget differ from the unbounded run's";
+  if (losses[0] != losses[1])
+    out.failure = "losses under the budget differ from the unbounded run's";
   if (spills == 0) out.failure = "nothing spilled: the budget did not bind";
   out.notes.push_back(StrCat("states ", FormatBytes(state_bytes), ", budget ", FormatBytes(budget),
-                             ", partitions spilled to NVMe ", spills, ", losses identical to the "
-                             "unbounded run: ", losses[0] == losses[1] ? "yes" : "NO"));
+                             ", partitions spilled to NVMe ", spills,
+                             ", losses identical to the "
+                             "unbounded run: ",
+                             losses[0] == losses[1] ? "yes" : "NO"));
   return out;
 }
 

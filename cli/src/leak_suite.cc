@@ -52,23 +52,30 @@ const std::vector<ScenarioInfo>& LeakScenarios() {
 #if SPILLWAY_WITH_TORCH
 #define SPILLWAY_TORCH_SCENARIO(fn) &leak::fn, nullptr
 #else
-#define SPILLWAY_TORCH_SCENARIO(fn) nullptr, "this build has no libtorch (run scripts/install-deps and rebuild)"
+#define SPILLWAY_TORCH_SCENARIO(fn) \
+  nullptr, "this build has no libtorch (run scripts/install-deps and rebuild)"
 #endif
   static const std::vector<ScenarioInfo> kAll = {
-      {"fork-cow", "data-loader workers re-forked every epoch; the first step writes all optimizer state",
+      {"fork-cow",
+       "data-loader workers re-forked every epoch; the first step writes all optimizer state",
        &leak::ForkCow, nullptr},
-      {"pinned-pow2", "buffer sizes vary across epochs; a power-of-two cache never gives memory back",
+      {"pinned-pow2",
+       "buffer sizes vary across epochs; a power-of-two cache never gives memory back",
        &leak::PinnedPow2, nullptr},
       {"bounce-leak", "I/O from pageable buffers through bounce buffers, epoch after epoch",
        &leak::BounceLeak, nullptr},
-      {"swapped-alive", "parameters swapped to NVMe and back every step", &leak::SwappedAlive, nullptr},
+      {"swapped-alive", "parameters swapped to NVMe and back every step", &leak::SwappedAlive,
+       nullptr},
       {"engine-rebuild", "the trainer created and destroyed 10 times in one process (RLHF)",
        SPILLWAY_TORCH_SCENARIO(EngineRebuild)},
-      {"epoch-checkpoint", "a checkpoint saved at every epoch end", &leak::EpochCheckpoint, nullptr},
+      {"epoch-checkpoint", "a checkpoint saved at every epoch end", &leak::EpochCheckpoint,
+       nullptr},
       {"accum-remainder", "10 micro-batches per epoch, accumulation over 4",
        SPILLWAY_TORCH_SCENARIO(AccumRemainder)},
-      {"step-exception", "a layer fails in the middle of a step", SPILLWAY_TORCH_SCENARIO(StepException)},
-      {"budget-pressure", "host budget at a quarter of the states", SPILLWAY_TORCH_SCENARIO(BudgetPressure)},
+      {"step-exception", "a layer fails in the middle of a step",
+       SPILLWAY_TORCH_SCENARIO(StepException)},
+      {"budget-pressure", "host budget at a quarter of the states",
+       SPILLWAY_TORCH_SCENARIO(BudgetPressure)},
   };
 #undef SPILLWAY_TORCH_SCENARIO
   return kAll;
@@ -85,7 +92,8 @@ std::string Mib(double bytes) {
 Status WriteCsv(const std::string& path, const ScenarioOutcome& s) {
   std::ofstream f(path);
   if (!f) {
-    return Status::FromErrno(StatusCode::kInvalidArgument, errno, StrCat("cannot write ", path, "; pass --out DIR"));
+    return Status::FromErrno(StatusCode::kInvalidArgument, errno,
+                             StrCat("cannot write ", path, "; pass --out DIR"));
   }
   f << "series,step,epoch,boundary,bytes\n";
   for (const auto* series : {&s.spillway, &s.control}) {
@@ -113,10 +121,15 @@ Status Plot(const std::string& csv, const std::string& png, const ScenarioOutcom
       << "set title '" << s.name << ": " << s.detector << " (Spillway vs control)'\n"
       << "set xlabel 'step'\nset ylabel 'MiB'\nset grid ytics\n";
     for (const auto& p : s.spillway.points) {
-      if (p.boundary) g << "set arrow from " << p.step << ", graph 0 to " << p.step << ", graph 1 nohead dt 2 lc rgb '#999999'\n";
+      if (p.boundary)
+        g << "set arrow from " << p.step << ", graph 0 to " << p.step
+          << ", graph 1 nohead dt 2 lc rgb '#999999'\n";
     }
-    g << "plot '" << csv << "' using 2:(strcol(1) eq 'spillway' ? $5/1048576 : 1/0) with linespoints pt 7 ps 0.5 lw 2 title 'Spillway', "
-      << "'' using 2:(strcol(1) eq 'control' ? $5/1048576 : 1/0) with linespoints pt 5 ps 0.5 lw 2 title 'control (naive)'\n";
+    g << "plot '" << csv
+      << "' using 2:(strcol(1) eq 'spillway' ? $5/1048576 : 1/0) with linespoints pt 7 ps 0.5 lw 2 "
+         "title 'Spillway', "
+      << "'' using 2:(strcol(1) eq 'control' ? $5/1048576 : 1/0) with linespoints pt 5 ps 0.5 lw 2 "
+         "title 'control (naive)'\n";
   }
   const std::string cmd = StrCat("gnuplot '", script, "' 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
@@ -142,16 +155,19 @@ Status Plot(const std::string& csv, const std::string& png, const ScenarioOutcom
 Result<int> RunLeakSuite(const LeakSuiteOptions& options, const std::vector<std::string>& only) {
   const auto& all = LeakScenarios();
   for (const auto& name : only) {
-    if (std::none_of(all.begin(), all.end(), [&](const ScenarioInfo& s) { return name == s.name; })) {
+    if (std::none_of(all.begin(), all.end(),
+                     [&](const ScenarioInfo& s) { return name == s.name; })) {
       std::string names;
       for (const auto& s : all) names += StrCat(names.empty() ? "" : ", ", s.name);
-      return Status::InvalidArgument(StrCat("--scenario '", name, "' is not a scenario; choose from ", names));
+      return Status::InvalidArgument(
+          StrCat("--scenario '", name, "' is not a scenario; choose from ", names));
     }
   }
   std::error_code ec;
   std::filesystem::create_directories(options.out_dir, ec);
   if (ec) {
-    return Status::InvalidArgument(StrCat("--out ", options.out_dir, ": ", ec.message(), "; pass a writable directory"));
+    return Status::InvalidArgument(
+        StrCat("--out ", options.out_dir, ": ", ec.message(), "; pass a writable directory"));
   }
   std::FILE* out = options.out;
   std::vector<ScenarioOutcome> done;
@@ -179,16 +195,17 @@ Result<int> RunLeakSuite(const LeakSuiteOptions& options, const std::vector<std:
     if (!o.failure.empty()) std::fprintf(out, "  FAILED: %s\n", o.failure.c_str());
     const std::string csv = StrCat(options.out_dir, "/", s.name, ".csv");
     SPILLWAY_RETURN_IF_ERROR(WriteCsv(csv, o));
-    if (options.plots) SPILLWAY_RETURN_IF_ERROR(Plot(csv, StrCat(options.out_dir, "/", s.name, ".png"), o));
+    if (options.plots)
+      SPILLWAY_RETURN_IF_ERROR(Plot(csv, StrCat(options.out_dir, "/", s.name, ".png"), o));
     if (!o.pass) ++failed;
     done.push_back(std::move(o));
   }
   std::fprintf(out, "\n%-16s %6s %-34s %16s %16s %8s  %s\n", "scenario", "epochs", "detector",
                "spillway/epoch", "control/epoch", "escapes", "verdict");
   for (const auto& o : done) {
-    std::fprintf(out, "%-16s %6" PRId64 " %-34s %16s %16s %8" PRIu64 "  %s\n", o.name.c_str(), o.epochs,
-                 o.detector.c_str(), Mib(o.spillway_growth).c_str(), Mib(o.control_growth).c_str(),
-                 o.spillway.escapes, o.pass ? "pass" : "FAIL");
+    std::fprintf(out, "%-16s %6" PRId64 " %-34s %16s %16s %8" PRIu64 "  %s\n", o.name.c_str(),
+                 o.epochs, o.detector.c_str(), Mib(o.spillway_growth).c_str(),
+                 Mib(o.control_growth).c_str(), o.spillway.escapes, o.pass ? "pass" : "FAIL");
   }
   for (const auto& s : skipped) std::fprintf(out, "skipped %s\n", s.c_str());
   std::fprintf(out, "CSV%s in %s/\n", options.plots ? " and PNG" : "", options.out_dir.c_str());

@@ -1,22 +1,23 @@
 // spillway: the command-line program.
-//   spillway train       the main job (cli/train_job.h); exit 0 done, 1 failed, 2 bad usage or input
-//   spillway leak-suite  the epoch-boundary leak regression suite (cli/leak_suite.h); exit 0 all
+//   spillway train       the main job (cli/train_job.h); exit 0 done, 1 failed, 2 bad usage or
+//   input spillway leak-suite  the epoch-boundary leak regression suite (cli/leak_suite.h); exit 0
+//   all
 //                        passed, 1 a scenario failed, 2 bad usage
-//   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad input
+//   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad
+//   input
 #include <CLI/CLI.hpp>
-
 #include <cinttypes>
 #include <csignal>
-#include <memory>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "spillway/cli/leak_suite.h"
 #include "spillway/engine/cuda_kernels.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/planner.h"
-#include "spillway/cli/leak_suite.h"
 #if SPILLWAY_WITH_TORCH
 #include "spillway/cli/train_job.h"
 #endif
@@ -48,7 +49,8 @@ spillway::engine::checkpoint::FaultHook KillSaveAtFromEnvironment() {
   std::string spec = env;
   const size_t colon = spec.rfind(':');
   const std::string point = spec.substr(0, colon);
-  const long nth = colon == std::string::npos ? 1 : std::strtol(spec.c_str() + colon + 1, nullptr, 10);
+  const long nth =
+      colon == std::string::npos ? 1 : std::strtol(spec.c_str() + colon + 1, nullptr, 10);
   auto seen = std::make_shared<long>(0);
   return [point, nth, seen](std::string_view p) {
     if (p == point && ++*seen == nth) ::raise(SIGKILL);
@@ -63,8 +65,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   CLI::App* plan = app.add_subcommand(
-      "plan", "Capacity plan for a ZeRO-3 run: bytes per tier and state, pools, checkpoint and fork "
-              "peaks, a verdict and the settings that would make it fit");
+      "plan",
+      "Capacity plan for a ZeRO-3 run: bytes per tier and state, pools, checkpoint and fork "
+      "peaks, a verdict and the settings that would make it fit");
   std::string params_text, host_text, nvme_text = "0", config_path;
   uint32_t world = 1, nodes = 1;
   plan->add_option("--params", params_text, "model parameters, e.g. 34e9 (not with --trainer)");
@@ -90,34 +93,43 @@ int main(int argc, char** argv) {
                    "share of each GPU kept for activations, the CUDA context and fragmentation")
       ->capture_default_str();
   bool plan_trainer = false;
-  plan->add_flag("--trainer", plan_trainer,
-                 "plan spillway train's reference trainer (its model from --layers, --d-model, "
-                 "--heads, --seq-len) instead of a DeepSpeed run; the world size is --world-size's, "
-                 "else WORLD_SIZE's");
+  plan->add_flag(
+      "--trainer", plan_trainer,
+      "plan spillway train's reference trainer (its model from --layers, --d-model, "
+      "--heads, --seq-len) instead of a DeepSpeed run; the world size is --world-size's, "
+      "else WORLD_SIZE's");
 #if SPILLWAY_WITH_TORCH
   spillway::cli::TrainJobOptions plan_job;
   plan->add_option("--layers", plan_job.model.n_layer, "with --trainer: transformer blocks")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   plan->add_option("--d-model", plan_job.model.d_model, "with --trainer: model width")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   plan->add_option("--heads", plan_job.model.n_head, "with --trainer: attention heads")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   plan->add_option("--seq-len", plan_job.model.seq_len, "with --trainer: tokens per sequence")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
 #endif
 
   CLI::App* train = app.add_subcommand(
-      "train", "The main job: train a small GPT-style character model with ZeRO-3 offload, a data "
-               "loader that forks its workers every epoch, live metrics and a memory report at "
-               "every epoch boundary");
+      "train",
+      "The main job: train a small GPT-style character model with ZeRO-3 offload, a data "
+      "loader that forks its workers every epoch, live metrics and a memory report at "
+      "every epoch boundary");
 #if SPILLWAY_WITH_TORCH
   spillway::cli::TrainJobOptions to;
-  train->add_option("--config", to.config_path,
-                    "DeepSpeed JSON config (default: optimizer on pinned host memory, parameters on "
-                    "NVMe in a temporary swap directory)")
+  train
+      ->add_option("--config", to.config_path,
+                   "DeepSpeed JSON config (default: optimizer on pinned host memory, parameters on "
+                   "NVMe in a temporary swap directory)")
       ->check(CLI::ExistingFile);
   train->add_option("--data", to.data_path, "text file to learn")->capture_default_str();
-  train->add_option("--epochs", to.epochs, "epochs")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--epochs", to.epochs, "epochs")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   train->add_option("--steps", to.steps_per_epoch, "optimizer steps per epoch")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -127,24 +139,39 @@ int main(int argc, char** argv) {
   train->add_option("--metrics", to.metrics_address,
                     "Prometheus address host:port, or off (default: the config's "
                     "spillway.metrics_address, 127.0.0.1:9464)");
-  train->add_option("--swap-dir", to.swap_dir, "directory for NVMe swap files (overrides nvme_path)");
+  train->add_option("--swap-dir", to.swap_dir,
+                    "directory for NVMe swap files (overrides nvme_path)");
   train->add_option("--threads", to.threads, "host optimizer threads (default: one per core)");
-  train->add_option("--device", to.device,
-                    "where forward and backward run: auto (CUDA when libtorch sees a GPU), cpu, cuda, cuda:N")
+  train
+      ->add_option(
+          "--device", to.device,
+          "where forward and backward run: auto (CUDA when libtorch sees a GPU), cpu, cuda, cuda:N")
       ->capture_default_str();
-  train->add_option("--layers", to.model.n_layer, "transformer blocks")->capture_default_str()->check(CLI::NonNegativeNumber);
-  train->add_option("--d-model", to.model.d_model, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  train->add_option("--heads", to.model.n_head, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  train->add_option("--seq-len", to.model.seq_len, "tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  train->add_option("--layers", to.model.n_layer, "transformer blocks")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  train->add_option("--d-model", to.model.d_model, "model width")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  train->add_option("--heads", to.model.n_head, "attention heads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  train->add_option("--seq-len", to.model.seq_len, "tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   train->add_option("--sample", to.sample_chars, "characters of greedy sample to print at the end")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   bool quiet = false;
   train->add_flag("--quiet", quiet, "no progress lines or reports, only the final summary");
-  train->add_option("--save", to.save_dir,
-                    "checkpoint directory: a checkpoint after the last epoch (DIR/step-N, DIR/latest)");
-  train->add_flag("--save-every-epoch", to.save_every_epoch, "with --save: a checkpoint after every epoch");
-  train->add_option("--keep", to.keep_checkpoints, "with --save: checkpoints kept, newest first (0: all)")
+  train->add_option(
+      "--save", to.save_dir,
+      "checkpoint directory: a checkpoint after the last epoch (DIR/step-N, DIR/latest)");
+  train->add_flag("--save-every-epoch", to.save_every_epoch,
+                  "with --save: a checkpoint after every epoch");
+  train
+      ->add_option("--keep", to.keep_checkpoints,
+                   "with --save: checkpoints kept, newest first (0: all)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   train->add_option("--resume", to.resume_dir,
@@ -153,16 +180,20 @@ int main(int argc, char** argv) {
 #endif
 
   CLI::App* leak = app.add_subcommand(
-      "leak-suite", "Reproduce each known epoch-boundary memory failure, Spillway against the naive "
-                    "pattern, and prove it cannot build up (CSV and PNG per scenario)");
+      "leak-suite",
+      "Reproduce each known epoch-boundary memory failure, Spillway against the naive "
+      "pattern, and prove it cannot build up (CSV and PNG per scenario)");
   spillway::cli::LeakSuiteOptions lo;
   std::vector<std::string> scenarios;
   bool no_plots = false, list = false;
   std::string names;
-  for (const auto& s : spillway::cli::LeakScenarios()) names += std::string(names.empty() ? "" : ", ") + s.name;
+  for (const auto& s : spillway::cli::LeakScenarios())
+    names += std::string(names.empty() ? "" : ", ") + s.name;
   leak->add_option("--scenario", scenarios, "run only these (repeatable): " + names);
-  leak->add_option("--out", lo.out_dir, "directory for the CSV and PNG files")->capture_default_str();
-  leak->add_option("--scratch", lo.scratch_dir, "directory for swap files and checkpoints (default: --out)");
+  leak->add_option("--out", lo.out_dir, "directory for the CSV and PNG files")
+      ->capture_default_str();
+  leak->add_option("--scratch", lo.scratch_dir,
+                   "directory for swap files and checkpoints (default: --out)");
   leak->add_flag("--no-plots", no_plots, "write CSV only (no gnuplot needed)");
   leak->add_flag("--list", list, "list the scenarios and exit");
 
@@ -175,7 +206,8 @@ int main(int argc, char** argv) {
   if (train->parsed()) {
 #if SPILLWAY_WITH_TORCH
     to.progress = !quiet;
-    if (to.save_every_epoch && to.save_dir.empty()) return Fail("--save-every-epoch needs --save DIR");
+    if (to.save_every_epoch && to.save_dir.empty())
+      return Fail("--save-every-epoch needs --save DIR");
     to.checkpoint_fault_hook = KillSaveAtFromEnvironment();
     auto r = spillway::cli::RunTrainJob(to);
     if (!r.ok()) return FailStatus(r.status());
@@ -186,8 +218,9 @@ int main(int argc, char** argv) {
                 r->epochs.size(), last.mean_loss, r->forks, last.boundary.escape_count());
     return 0;
 #else
-    return Fail("this build has no libtorch, so `train` is not available; run scripts/install-deps "
-                "(it installs torch 2.13 CPU) and rebuild");
+    return Fail(
+        "this build has no libtorch, so `train` is not available; run scripts/install-deps "
+        "(it installs torch 2.13 CPU) and rebuild");
 #endif
   }
   if (leak->parsed()) {
@@ -208,7 +241,8 @@ int main(int argc, char** argv) {
     PlanInput in;
     if (plan_trainer) {
 #if SPILLWAY_WITH_TORCH
-      if (!params_text.empty()) return Fail("--params does not go with --trainer: the model's flags give it");
+      if (!params_text.empty())
+        return Fail("--params does not go with --trainer: the model's flags give it");
       plan_job.config_path = config_path;
       auto job = spillway::cli::TrainJobPlanInput(plan_job);
       if (!job.ok()) return FailStatus(job.status());
@@ -223,7 +257,8 @@ int main(int argc, char** argv) {
       char* end = nullptr;
       in.params = std::strtod(params_text.c_str(), &end);
       if (end == params_text.c_str() || *end != '\0' || !(in.params > 0)) {
-        return Fail("--params '" + params_text + "' is not a positive number of parameters (e.g. 34e9)");
+        return Fail("--params '" + params_text +
+                    "' is not a positive number of parameters (e.g. 34e9)");
       }
       in.world_size = world;
       if (!config_path.empty()) {
@@ -253,7 +288,8 @@ int main(int argc, char** argv) {
       gpu_mem_text = visible.ok() ? "the visible GPU's" : "80 GB, no GPU visible";
     } else if (gpu_mem_text != "0") {  // "0": the GPU is not checked
       auto gpu = ParseByteSize(gpu_mem_text);
-      if (!gpu.ok()) return Fail("--gpu-mem " + gpu.status().message() + ", or 0 not to check the GPU");
+      if (!gpu.ok())
+        return Fail("--gpu-mem " + gpu.status().message() + ", or 0 not to check the GPU");
       in.gpu_mem_bytes = *gpu;
     }
     auto r = MakePlan(in);

@@ -4,7 +4,6 @@
 #include <dirent.h>
 
 #include <algorithm>
-
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -54,13 +53,15 @@ Result<TreeMemory> ProcessTreeMemory(pid_t pid) {
   TreeMemory m;
   Rollup r;
   if (!ReadRollup(pid, &r)) {
-    return Status::InvalidArgument(StrCat("cannot read /proc/", pid, "/smaps_rollup (", ErrnoText(errno),
+    return Status::InvalidArgument(StrCat("cannot read /proc/", pid, "/smaps_rollup (",
+                                          ErrnoText(errno),
                                           "): the process does not exist or this kernel lacks "
                                           "smaps_rollup (Linux >= 4.14)"));
   }
   if (!r.has_anon) {
     return Status::Make(StatusCode::kUnavailable,
-                        StrCat("/proc/", pid, "/smaps_rollup has no Pss_Anon line; the leak detectors "
+                        StrCat("/proc/", pid,
+                               "/smaps_rollup has no Pss_Anon line; the leak detectors "
                                "need Linux 5.9 or newer"));
   }
   m.rss_bytes += r.rss;
@@ -82,7 +83,8 @@ Result<TreeMemory> ProcessTreeMemory(pid_t pid) {
   return m;
 }
 
-PeakSampler::PeakSampler(pid_t pid, std::chrono::milliseconds interval) : pid_(pid), interval_(interval) {
+PeakSampler::PeakSampler(pid_t pid, std::chrono::milliseconds interval)
+    : pid_(pid), interval_(interval) {
   Sample();
   thread_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(mu_);

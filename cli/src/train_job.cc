@@ -12,9 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include "spillway/allocator/host_arena.h"
-#include "spillway/base/log.h"
-#include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/log.h"
 #include "spillway/cli/char_corpus.h"
 #include "spillway/cli/fork_loader.h"
 #include "spillway/metrics/exporter.h"
@@ -82,7 +82,8 @@ Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
   if (o.config_path.empty()) {
     if (swap.empty()) {
       const char* tmp = std::getenv("TMPDIR");
-      std::string tmpl = StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/var/tmp", "/spillway-swap-XXXXXX");
+      std::string tmpl =
+          StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/var/tmp", "/spillway-swap-XXXXXX");
       if (mkdtemp(tmpl.data()) == nullptr) {
         return Status::FromErrno(StatusCode::kInvalidArgument, errno,
                                  StrCat("cannot create the swap directory ", tmpl,
@@ -96,11 +97,13 @@ Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
   if (!c.ok()) return c.status();
   if (!swap.empty()) {
     if (c->offload_param.device == offload::OffloadDevice::kNvme) c->offload_param.nvme_path = swap;
-    if (c->offload_optimizer.device == offload::OffloadDevice::kNvme) c->offload_optimizer.nvme_path = swap;
+    if (c->offload_optimizer.device == offload::OffloadDevice::kNvme)
+      c->offload_optimizer.nvme_path = swap;
   }
   if (c->zero_stage != 3) {
     return Status::InvalidArgument(StrCat("config ", o.config_path, ": zero_optimization.stage is ",
-                                          c->zero_stage, "; the reference trainer is ZeRO-3, set it to 3"));
+                                          c->zero_stage,
+                                          "; the reference trainer is ZeRO-3, set it to 3"));
   }
   return c;
 }
@@ -111,7 +114,11 @@ Result<TreeMemory> Tree() { return ProcessTreeMemory(getpid()); }
 class ProgressLine {
  public:
   ProgressLine(std::FILE* out, bool enabled, int64_t epoch, int64_t epochs, int64_t steps)
-      : out_(out), enabled_(enabled), tty_(isatty(fileno(out)) != 0), epoch_(epoch), epochs_(epochs),
+      : out_(out),
+        enabled_(enabled),
+        tty_(isatty(fileno(out)) != 0),
+        epoch_(epoch),
+        epochs_(epochs),
         steps_(steps) {}
   void Update(int64_t done, double loss, double tokens_per_second, uint64_t host, uint64_t nvme) {
     if (!enabled_) return;
@@ -121,7 +128,8 @@ class ProgressLine {
     const int filled = static_cast<int>(kWidth * done / steps_);
     std::string bar(filled, '#');
     bar.resize(kWidth, '.');
-    std::fprintf(out_, "%sepoch %" PRId64 "/%" PRId64 " [%s] %3" PRId64 "/%" PRId64
+    std::fprintf(out_,
+                 "%sepoch %" PRId64 "/%" PRId64 " [%s] %3" PRId64 "/%" PRId64
                  "  loss %.4f  %6.0f tok/s  host %s  nvme %s%s",
                  tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), done, steps_, loss,
                  tokens_per_second, Mib(host).c_str(), Mib(nvme).c_str(),
@@ -157,7 +165,8 @@ Result<std::string> Sample(engine::Trainer& trainer, const engine::GptConfig& m,
   std::string out = prompt;
   for (int i = 0; i < chars; ++i) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), m.seq_len);
-    torch::Tensor x = torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kInt64).view({1, n});
+    torch::Tensor x =
+        torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kInt64).view({1, n});
     for (int64_t u = 0; u < engine::gpt::Units(m); ++u) x = engine::gpt::Forward(m, u, flats[u], x);
     const int64_t next = x[0][n - 1].argmax().item<int64_t>();
     ids.push_back(next);
@@ -193,7 +202,8 @@ std::string FormatEpochReport(const EpochSummary& s) {
       out += line;
     }
     std::snprintf(line, sizeof(line), "   %-5s %-18s %12s %12" PRIu64 " %12s\n", t.tier.c_str(),
-                  "total", Mib(t.live_bytes).c_str(), t.escape_count, Mib(t.reclaimed_bytes).c_str());
+                  "total", Mib(t.live_bytes).c_str(), t.escape_count,
+                  Mib(t.reclaimed_bytes).c_str());
     out += line;
     for (const auto& e : t.escapes) {
       out += StrCat("     escape: ", KindName(e.kind), "/", LifetimeName(e.lifetime), " ", e.bytes,
@@ -206,8 +216,7 @@ std::string FormatEpochReport(const EpochSummary& s) {
                 "processes), %s now (%u)\n",
                 Mib(s.tree_before_fork.pss_anon_bytes).c_str(),
                 Mib(s.tree_at_first_step.pss_anon_bytes).c_str(), s.tree_at_first_step.processes,
-                Mib(s.tree_at_boundary.pss_anon_bytes).c_str(),
-                s.tree_at_boundary.processes);
+                Mib(s.tree_at_boundary.pss_anon_bytes).c_str(), s.tree_at_boundary.processes);
   out += line;
   out += StrCat("   growth since the last boundary: host live ", SignedMib(s.host_live_growth),
                 ", nvme live ", SignedMib(s.nvme_live_growth), ", tree anonymous PSS ",
@@ -242,12 +251,13 @@ Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
 
 Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (o.epochs < 1 || o.steps_per_epoch < 1) {
-    return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (", o.steps_per_epoch,
-                                          ") must be at least 1"));
+    return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (",
+                                          o.steps_per_epoch, ") must be at least 1"));
   }
   auto dist = engine::DistEnvFromEnvironment();
   if (!dist.ok()) return dist.status();
-  auto compute = engine::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
+  auto compute =
+      engine::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
   if (!compute.ok()) return compute.status();
   TempDir temp;
   auto config = LoadConfig(o, &temp);
@@ -277,21 +287,23 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   auto pipeline = (*tiers)->OpenDevicePipeline(*config, engine::ToDeviceId(*compute));
   if (!pipeline.ok()) return pipeline.status();
   to.pipeline = *pipeline;
-  auto trainer = engine::Trainer::Create(to, coll->get(), store, host, &ledger,
-                                         allocator::kProcessScope);
+  auto trainer =
+      engine::Trainer::Create(to, coll->get(), store, host, &ledger, allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 
   TrainJobResult result;
   if (compute->is_cuda()) {
-    result.compute = StrCat(compute->str(), " (", o.device == "auto" ? "auto: " : "", "libtorch sees ",
-                            static_cast<int>(torch::cuda::device_count()), " CUDA device(s)); the optimizer step runs on "
+    result.compute = StrCat(compute->str(), " (", o.device == "auto" ? "auto: " : "",
+                            "libtorch sees ", static_cast<int>(torch::cuda::device_count()),
+                            " CUDA device(s)); the optimizer step runs on "
                             "the host, where its state lives");
   } else {
     result.compute = o.device == "auto"
                          ? "cpu (auto: libtorch sees no CUDA device, or is a CPU build)"
                          : "cpu (--device cpu)";
   }
-  const std::string address = o.metrics_address.empty() ? config->spillway.metrics_address : o.metrics_address;
+  const std::string address =
+      o.metrics_address.empty() ? config->spillway.metrics_address : o.metrics_address;
   std::unique_ptr<metrics::Exporter> exporter;
   if (address != "off") {
     metrics::ExporterOptions eo;
@@ -312,8 +324,10 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   // The data position: epochs are whole (the loader's batches depend on the seed and the epoch
   // number only), so a checkpoint at an epoch's end resumes at the next one exactly.
   const auto position = [&](int64_t epoch) {
-    return nlohmann::json{{"epoch", epoch}, {"steps_per_epoch", o.steps_per_epoch},
-                          {"data_path", o.data_path}, {"loader_seed", model.seed},
+    return nlohmann::json{{"epoch", epoch},
+                          {"steps_per_epoch", o.steps_per_epoch},
+                          {"data_path", o.data_path},
+                          {"loader_seed", model.seed},
                           {"micro_batch_size", tc.micro_batch_size},
                           {"gradient_accumulation_steps", tc.gradient_accumulation_steps}};
   };
@@ -325,22 +339,24 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     if (!info.ok()) return info.status().WithContext(StrCat("--resume ", o.resume_dir));
     const nlohmann::json saved = nlohmann::json::parse(info->extra_json);
     if (!saved.contains("epoch") || !saved["epoch"].is_number_integer()) {
-      return Status::InvalidArgument(StrCat("--resume ", info->path, ": the checkpoint has no epoch "
+      return Status::InvalidArgument(StrCat("--resume ", info->path,
+                                            ": the checkpoint has no epoch "
                                             "(it was not saved by spillway train)"));
     }
     result.resumed_from_epoch = saved["epoch"].get<int64_t>();
     first_epoch = result.resumed_from_epoch + 1;
     if (first_epoch > o.epochs) {
-      return Status::InvalidArgument(StrCat("--resume ", info->path, " is at the end of epoch ",
-                                            result.resumed_from_epoch, " and --epochs is ", o.epochs,
-                                            ": nothing is left to train; raise --epochs"));
+      return Status::InvalidArgument(
+          StrCat("--resume ", info->path, " is at the end of epoch ", result.resumed_from_epoch,
+                 " and --epochs is ", o.epochs, ": nothing is left to train; raise --epochs"));
     }
     const nlohmann::json now = position(result.resumed_from_epoch);
     for (const auto& [key, value] : saved.items()) {
       if (key != "epoch" && now.contains(key) && now[key] != value) {
-        Log(LogLevel::kWarning, StrCat("--resume ", info->path, ": it was trained with ", key, " = ",
-                                       value.dump(), ", this run has ", now[key].dump(),
-                                       "; the run goes on, but not as the uninterrupted run would"));
+        Log(LogLevel::kWarning,
+            StrCat("--resume ", info->path, ": it was trained with ", key, " = ", value.dump(),
+                   ", this run has ", now[key].dump(),
+                   "; the run goes on, but not as the uninterrupted run would"));
       }
     }
     if (o.progress) {
@@ -365,16 +381,20 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     auto peak = sampler.Stop();
     const uint64_t peak_live = host->Stats().peak_live_bytes;
     const uint64_t host_extra = peak_live > live_before ? peak_live - live_before : 0;
-    if (!info.ok()) return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
+    if (!info.ok())
+      return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
     int64_t extra = 0;  // the save is done; a failed /proc read only loses the measurement
     if (peak.ok()) {
       extra = static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
     } else {
-      Log(LogLevel::kWarning, StrCat("checkpoint saved; its memory peak is unknown: ", peak.status().message()));
+      Log(LogLevel::kWarning,
+          StrCat("checkpoint saved; its memory peak is unknown: ", peak.status().message()));
     }
     TrainJobResult::Checkpoint c{info->path, info->step, seconds, extra, host_extra};
     if (o.progress) {
-      std::fprintf(o.out, "   checkpoint: %s (step %" PRId64 ", %.2f s; peak during the save: tree anonymous PSS %s, host arena %s)\n",
+      std::fprintf(o.out,
+                   "   checkpoint: %s (step %" PRId64
+                   ", %.2f s; peak during the save: tree anonymous PSS %s, host arena %s)\n",
                    c.path.c_str(), c.step, c.seconds, SignedMib(c.peak_extra_pss_bytes).c_str(),
                    SignedMib(static_cast<int64_t>(c.peak_extra_host_bytes)).c_str());
     }
@@ -394,35 +414,38 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   const auto host_live = [&] { return host->Stats().live_bytes; };
   const auto nvme_live = [&] { return nvme ? nvme->Stats().live_bytes : 0; };
   if (o.progress) {
-    std::fprintf(out,
-                 "spillway train: %" PRId64 "-layer GPT, d_model %" PRId64 ", %" PRId64
-                 " parameters, on %s (%zu characters)\n"
-                 "  offload: optimizer -> %s, parameters -> %s%s%s; host arena %s\n"
-                 "  batch %" PRIu64 " x %" PRId64 " tokens, accumulate %" PRIu64 ", %s lr %.0e, clip %.2g; "
-                 "%u loader workers forked per epoch\n"
-                 "  compute: %s\n  metrics: %s\n",
-                 model.n_layer, model.d_model,
-                 [&] {
-                   int64_t n = 0;
-                   for (int64_t u = 0; u < engine::gpt::Units(model); ++u) n += engine::gpt::UnitNumel(model, u);
-                   return n;
-                 }(),
-                 o.data_path.c_str(), corpus->tokens().size(),
-                 offload::OffloadDeviceName(config->offload_optimizer.device),
-                 offload::OffloadDeviceName(config->offload_param.device),
-                 config->any_nvme() ? " in " : "",
-                 config->any_nvme() ? config->NvmeArenaOptions().directory.c_str() : "",
-                 allocator::PinModeName(host->Stats().pin_mode), tc.micro_batch_size,
-                 model.seq_len, tc.gradient_accumulation_steps, tc.optimizer.c_str(), tc.lr,
-                 tc.gradient_clipping, o.workers, result.compute.c_str(),
-                 exporter ? StrCat("http://", exporter->address(), "/metrics").c_str() : "off");
+    std::fprintf(
+        out,
+        "spillway train: %" PRId64 "-layer GPT, d_model %" PRId64 ", %" PRId64
+        " parameters, on %s (%zu characters)\n"
+        "  offload: optimizer -> %s, parameters -> %s%s%s; host arena %s\n"
+        "  batch %" PRIu64 " x %" PRId64 " tokens, accumulate %" PRIu64
+        ", %s lr %.0e, clip %.2g; "
+        "%u loader workers forked per epoch\n"
+        "  compute: %s\n  metrics: %s\n",
+        model.n_layer, model.d_model,
+        [&] {
+          int64_t n = 0;
+          for (int64_t u = 0; u < engine::gpt::Units(model); ++u)
+            n += engine::gpt::UnitNumel(model, u);
+          return n;
+        }(),
+        o.data_path.c_str(), corpus->tokens().size(),
+        offload::OffloadDeviceName(config->offload_optimizer.device),
+        offload::OffloadDeviceName(config->offload_param.device), config->any_nvme() ? " in " : "",
+        config->any_nvme() ? config->NvmeArenaOptions().directory.c_str() : "",
+        allocator::PinModeName(host->Stats().pin_mode), tc.micro_batch_size, model.seq_len,
+        tc.gradient_accumulation_steps, tc.optimizer.c_str(), tc.lr, tc.gradient_clipping,
+        o.workers, result.compute.c_str(),
+        exporter ? StrCat("http://", exporter->address(), "/metrics").c_str() : "off");
   }
 
   const uint64_t accum = tc.gradient_accumulation_steps;
   const uint64_t row = (*loader)->row_elems();
   auto baseline_tree = Tree();
   if (!baseline_tree.ok()) return baseline_tree.status();
-  uint64_t prev_host = host_live(), prev_nvme = nvme_live(), prev_pss = baseline_tree->pss_anon_bytes;
+  uint64_t prev_host = host_live(), prev_nvme = nvme_live(),
+           prev_pss = baseline_tree->pss_anon_bytes;
   for (int64_t epoch = first_epoch; epoch <= o.epochs; ++epoch) {
     EpochSummary s;
     s.epoch = epoch;
@@ -437,8 +460,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     for (int64_t step = 0; step < o.steps_per_epoch; ++step) {
       std::vector<torch::Tensor> mbs;
       for (uint64_t k = 0; k < accum; ++k) {
-        torch::Tensor t = torch::empty({static_cast<int64_t>(tc.micro_batch_size), static_cast<int64_t>(row)},
-                                       torch::kInt64);
+        torch::Tensor t = torch::empty(
+            {static_cast<int64_t>(tc.micro_batch_size), static_cast<int64_t>(row)}, torch::kInt64);
         SPILLWAY_RETURN_IF_ERROR((*loader)->Next(t.data_ptr<int64_t>()));
         mbs.push_back(std::move(t));
       }
@@ -483,7 +506,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     prev_pss = s.tree_at_boundary.pss_anon_bytes;
     if (o.progress) std::fputs(FormatEpochReport(s).c_str(), out);
     result.epochs.push_back(std::move(s));
-    if (!o.save_dir.empty() && (o.save_every_epoch || epoch == o.epochs)) SPILLWAY_RETURN_IF_ERROR(save(epoch));
+    if (!o.save_dir.empty() && (o.save_every_epoch || epoch == o.epochs))
+      SPILLWAY_RETURN_IF_ERROR(save(epoch));
   }
   result.forks = (*loader)->stats().forks;
   if (o.sample_chars > 0) {

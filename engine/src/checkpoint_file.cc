@@ -24,9 +24,9 @@ std::string Parent(const std::string& path) {
 }
 
 Status Errno(int err, std::string what) {
-  return Status::FromErrno(err == ENOSPC || err == EFBIG || err == EDQUOT ? StatusCode::kNoSpace
-                                                                          : StatusCode::kIoError,
-                           err, std::move(what));
+  return Status::FromErrno(
+      err == ENOSPC || err == EFBIG || err == EDQUOT ? StatusCode::kNoSpace : StatusCode::kIoError,
+      err, std::move(what));
 }
 
 // Closes `fd` after unregistering it; the first failure wins.
@@ -64,7 +64,10 @@ uint64_t DTypeBytes(std::string_view d) {
 
 FileWriter::FileWriter(std::string path, std::vector<TensorRecord> records, uint64_t data_start,
                        allocator::IoEngine* io, FaultHook hook)
-    : path_(std::move(path)), records_(std::move(records)), data_start_(data_start), io_(io),
+    : path_(std::move(path)),
+      records_(std::move(records)),
+      data_start_(data_start),
+      io_(io),
       hook_(std::move(hook)) {}
 
 FileWriter::~FileWriter() { (void)Close(); }
@@ -84,10 +87,12 @@ Result<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path,
     if (DTypeBytes(s.dtype) == 0 || n != s.bytes || s.name.empty() || s.name == "__metadata__" ||
         header.contains(s.name)) {
       return Status::InvalidArgument(StrCat("checkpoint tensor '", s.name, "' (", s.dtype, ", ",
-                                            s.bytes, " bytes) is not a valid entry: a unique name, a "
+                                            s.bytes,
+                                            " bytes) is not a valid entry: a unique name, a "
                                             "safetensors dtype and bytes = elements x dtype size"));
     }
-    header[s.name] = {{"dtype", s.dtype}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
+    header[s.name] = {
+        {"dtype", s.dtype}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
     TensorRecord r;
     r.begin = offset;
     r.end = offset + n;
@@ -102,7 +107,8 @@ Result<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path,
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
   bytes += text;
 
-  std::unique_ptr<FileWriter> w(new FileWriter(path, std::move(records), bytes.size(), io, std::move(hook)));
+  std::unique_ptr<FileWriter> w(
+      new FileWriter(path, std::move(records), bytes.size(), io, std::move(hook)));
   w->fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w->fd_ < 0) return Errno(errno, StrCat("creating checkpoint file ", path));
   // Buffered, not O_DIRECT: safetensors packs tensors back to back, so their offsets are not
@@ -153,10 +159,12 @@ Status FileWriter::Write(const void* data) {
 Result<std::vector<TensorRecord>> FileWriter::Finish() {
   if (next_ != records_.size()) {
     return Status::FailedPrecondition(StrCat("checkpoint file ", path_, ": ", next_, " of ",
-                                             records_.size(), " tensors written; write them all "
+                                             records_.size(),
+                                             " tensors written; write them all "
                                              "before Finish"));
   }
-  if (fd_ < 0) return Status::FailedPrecondition(StrCat("checkpoint file ", path_, " is already finished"));
+  if (fd_ < 0)
+    return Status::FailedPrecondition(StrCat("checkpoint file ", path_, " is already finished"));
   if (::fsync(fd_) != 0) {
     const int err = errno;
     (void)Close();
@@ -178,7 +186,8 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
   r->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (r->fd_ < 0) {
     const int err = errno;
-    return Status::FromErrno(err == ENOENT ? StatusCode::kInvalidArgument : StatusCode::kIoError, err,
+    return Status::FromErrno(err == ENOENT ? StatusCode::kInvalidArgument : StatusCode::kIoError,
+                             err,
                              StrCat("opening checkpoint file ", path,
                                     err == ENOENT ? " (missing: every rank's file must be in the "
                                                     "checkpoint directory)"
@@ -196,7 +205,8 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
   uint64_t len = 0;
   for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(len8[i]) << (8 * i);
   if (len < 2 || len > kMaxHeaderBytes || len > size - 8) {
-    return Damaged(path, StrCat("its header length ", len, " does not fit the file's ", size, " bytes"));
+    return Damaged(path,
+                   StrCat("its header length ", len, " does not fit the file's ", size, " bytes"));
   }
   std::string text(len, '\0');
   SPILLWAY_RETURN_IF_ERROR(io->Read(r->file_id_, 8, text.data(), len));
@@ -206,7 +216,9 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
   for (auto it = h.begin(); it != h.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const nlohmann::json& e = it.value();
-    const auto bad = [&](const char* what) { return Damaged(path, StrCat("tensor '", it.key(), "': ", what)); };
+    const auto bad = [&](const char* what) {
+      return Damaged(path, StrCat("tensor '", it.key(), "': ", what));
+    };
     if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") ||
         !e["shape"].is_array() || !e.contains("data_offsets") || !e["data_offsets"].is_array() ||
         e["data_offsets"].size() != 2 || !e["data_offsets"][0].is_number_unsigned() ||
@@ -223,12 +235,14 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
         return bad("a dimension is not a non-negative 64-bit integer");
       }
       t.spec.shape.push_back(d.get<int64_t>());
-      if (__builtin_mul_overflow(n, d.get<uint64_t>(), &n)) return bad("its size overflows 64 bits");
+      if (__builtin_mul_overflow(n, d.get<uint64_t>(), &n))
+        return bad("its size overflows 64 bits");
     }
     t.begin = e["data_offsets"][0].get<uint64_t>();
     t.end = e["data_offsets"][1].get<uint64_t>();
     t.spec.bytes = n;
-    if (t.end < t.begin || t.end - t.begin != n) return bad("data_offsets disagree with dtype and shape");
+    if (t.end < t.begin || t.end - t.begin != n)
+      return bad("data_offsets disagree with dtype and shape");
     r->records_.push_back(std::move(t));
   }
   std::sort(r->records_.begin(), r->records_.end(),
@@ -237,12 +251,13 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
             });
   uint64_t expect = 0;
   for (const TensorRecord& t : r->records_) {
-    if (t.begin != expect) return Damaged(path, StrCat("tensor '", t.spec.name, "' leaves a hole or overlaps"));
+    if (t.begin != expect)
+      return Damaged(path, StrCat("tensor '", t.spec.name, "' leaves a hole or overlaps"));
     expect = t.end;
   }
   if (r->data_start_ + expect != size) {
-    return Damaged(path, StrCat("the header describes ", r->data_start_ + expect, " bytes, the file has ",
-                                size, " (truncated or appended to)"));
+    return Damaged(path, StrCat("the header describes ", r->data_start_ + expect,
+                                " bytes, the file has ", size, " (truncated or appended to)"));
   }
   return r;
 }
@@ -257,19 +272,22 @@ const TensorRecord* FileReader::Find(std::string_view name) const {
 Result<uint32_t> FileReader::Read(const TensorRecord& t, void* out) {
   const uint64_t n = t.end - t.begin;
   if (n > 0) {
-    SPILLWAY_RETURN_IF_ERROR(io_->Read(file_id_, data_start_ + t.begin, out, n)
-                                 .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
+    SPILLWAY_RETURN_IF_ERROR(
+        io_->Read(file_id_, data_start_ + t.begin, out, n)
+            .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
   }
   return allocator::Crc32c(out, n);
 }
 
-Result<uint32_t> FileReader::Checksum(const TensorRecord& t, void* scratch, uint64_t scratch_bytes) {
+Result<uint32_t> FileReader::Checksum(const TensorRecord& t, void* scratch,
+                                      uint64_t scratch_bytes) {
   if (scratch_bytes == 0) return Status::InvalidArgument("Checksum needs a scratch buffer");
   uint32_t crc = 0;
   for (uint64_t off = 0; off < t.end - t.begin; off += scratch_bytes) {
     const uint64_t k = std::min(scratch_bytes, t.end - t.begin - off);
-    SPILLWAY_RETURN_IF_ERROR(io_->Read(file_id_, data_start_ + t.begin + off, scratch, k)
-                                 .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
+    SPILLWAY_RETURN_IF_ERROR(
+        io_->Read(file_id_, data_start_ + t.begin + off, scratch, k)
+            .WithContext(StrCat("reading tensor '", t.spec.name, "' from ", path_)));
     crc = allocator::Crc32cExtend(crc, scratch, k);
   }
   return crc;
@@ -325,8 +343,8 @@ Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
-    return Status::FromErrno(err == ENOENT ? StatusCode::kInvalidArgument : StatusCode::kIoError, err,
-                             StrCat("opening ", path));
+    return Status::FromErrno(err == ENOENT ? StatusCode::kInvalidArgument : StatusCode::kIoError,
+                             err, StrCat("opening ", path));
   }
   std::string out;
   char buf[1 << 16];
@@ -342,7 +360,8 @@ Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
     out.append(buf, static_cast<size_t>(n));
     if (out.size() > max_bytes) {
       ::close(fd);
-      return Status::InvalidArgument(StrCat(path, " is larger than ", max_bytes, " bytes; it is not a checkpoint's file"));
+      return Status::InvalidArgument(
+          StrCat(path, " is larger than ", max_bytes, " bytes; it is not a checkpoint's file"));
     }
   }
   ::close(fd);

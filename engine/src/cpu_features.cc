@@ -24,8 +24,8 @@ CpuFeatures Probe() {
   const bool avx = (c >> 28) & 1;
   if (osxsave) {
     const uint64_t xcr0 = ReadXcr0();
-    f.os_avx = avx && (xcr0 & 0x6) == 0x6;                  // xmm + ymm
-    f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;        // opmask + zmm hi256 + hi16 zmm
+    f.os_avx = avx && (xcr0 & 0x6) == 0x6;            // xmm + ymm
+    f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;  // opmask + zmm hi256 + hi16 zmm
   }
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
@@ -43,11 +43,16 @@ CpuFeatures Probe() {
 
 const char* IsaName(Isa isa) {
   switch (isa) {
-    case Isa::kAuto: return "auto";
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAuto:
+      return "auto";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx512Bf16:
+      return "avx512_bf16";
   }
   return "?";
 }
@@ -63,10 +68,14 @@ bool IsaSupported(Isa isa) {
   const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl;
   switch (isa) {
     case Isa::kAuto:
-    case Isa::kScalar: return true;
-    case Isa::kAvx2: return avx2;
-    case Isa::kAvx512: return avx512;
-    case Isa::kAvx512Bf16: return avx512 && f.avx512_bf16;
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return avx2;
+    case Isa::kAvx512:
+      return avx512;
+    case Isa::kAvx512Bf16:
+      return avx512 && f.avx512_bf16;
   }
   return false;
 }
@@ -90,11 +99,11 @@ Result<Isa> ResolveIsa(Isa requested) {
   if (requested == Isa::kAuto) return BestIsa();
   if (IsaSupported(requested)) return requested;
   const CpuFeatures& f = DetectCpu();
-  return Status::InvalidArgument(StrCat(
-      "this CPU cannot run the ", IsaName(requested), " optimizer path (avx2=", f.avx2,
-      " fma=", f.fma, " f16c=", f.f16c, " avx512f=", f.avx512f, " avx512bw=", f.avx512bw,
-      " avx512vl=", f.avx512vl, " avx512_bf16=", f.avx512_bf16, " os_avx512=", f.os_avx512,
-      "); request isa=auto (best available: ", IsaName(BestIsa()), ")"));
+  return Status::InvalidArgument(
+      StrCat("this CPU cannot run the ", IsaName(requested), " optimizer path (avx2=", f.avx2,
+             " fma=", f.fma, " f16c=", f.f16c, " avx512f=", f.avx512f, " avx512bw=", f.avx512bw,
+             " avx512vl=", f.avx512vl, " avx512_bf16=", f.avx512_bf16, " os_avx512=", f.os_avx512,
+             "); request isa=auto (best available: ", IsaName(BestIsa()), ")"));
 }
 
 Result<Isa> ParseIsa(const std::string& name) {

@@ -32,18 +32,22 @@ Status CudaError(cudaError_t err, const char* what) {
 }
 
 // Element types by dtype code (0 fp32, 1 bf16, 2 fp16), with their conversions.
-template <int D> struct Elem;
-template <> struct Elem<0> {
+template <int D>
+struct Elem;
+template <>
+struct Elem<0> {
   using T = float;
   static __device__ float Get(T x) { return x; }
   static __device__ T Put(float x) { return x; }
 };
-template <> struct Elem<1> {
+template <>
+struct Elem<1> {
   using T = __nv_bfloat16;
   static __device__ float Get(T x) { return __bfloat162float(x); }
   static __device__ T Put(float x) { return __float2bfloat16_rn(x); }
 };
-template <> struct Elem<2> {
+template <>
+struct Elem<2> {
   using T = __half;
   static __device__ float Get(T x) { return __half2float(x); }
   static __device__ T Put(float x) { return __float2half_rn(x); }
@@ -81,8 +85,10 @@ __device__ double SumSqRange(const void* data, uint64_t begin, uint64_t end) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t j = k + static_cast<uint64_t>(u) * blockDim.x;
-      if (j < nvec) w[u] = v[j];
-      else for (int e = 0; e < kV; ++e) w[u].v[e] = E::Put(0.0f);
+      if (j < nvec)
+        w[u] = v[j];
+      else
+        for (int e = 0; e < kV; ++e) w[u].v[e] = E::Put(0.0f);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -105,21 +111,27 @@ __device__ double SumSqRange(const void* data, uint64_t begin, uint64_t end) {
 // addition is fixed by the grid size, so the same device gives the same bits every time. No
 // separate inf/NaN flag: squares are never negative and a float's square cannot overflow a double,
 // so the total is non-finite exactly when some element is.
-__global__ void SumSqChunks(const TensorDesc* tensors, int count, uint64_t chunks, double* partial) {
+__global__ void SumSqChunks(const TensorDesc* tensors, int count, uint64_t chunks,
+                            double* partial) {
   double acc = 0.0;
   for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     int lo = 0, hi = count - 1;  // the last tensor whose first_chunk <= c
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (tensors[mid].first_chunk <= c) lo = mid;
-      else hi = mid - 1;
+      if (tensors[mid].first_chunk <= c)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const TensorDesc t = tensors[lo];
     const uint64_t begin = (c - t.first_chunk) * kChunk;
     const uint64_t end = min(t.numel, begin + kChunk);
-    if (t.dtype == 0) acc += SumSqRange<0>(t.data, begin, end);
-    else if (t.dtype == 1) acc += SumSqRange<1>(t.data, begin, end);
-    else acc += SumSqRange<2>(t.data, begin, end);
+    if (t.dtype == 0)
+      acc += SumSqRange<0>(t.data, begin, end);
+    else if (t.dtype == 1)
+      acc += SumSqRange<1>(t.data, begin, end);
+    else
+      acc += SumSqRange<2>(t.data, begin, end);
   }
   __shared__ double sh[kThreads];
   sh[threadIdx.x] = acc;
@@ -178,7 +190,8 @@ __global__ void ScaleCastVec(const void* in, void* out, uint64_t n, float scale)
   // The last n % kV elements.
   const uint64_t rest = nvec * kV + blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
   if (rest < n) {
-    static_cast<TO*>(out)[rest] = Elem<DO>::Put(Elem<DI>::Get(static_cast<const TI*>(in)[rest]) * scale);
+    static_cast<TO*>(out)[rest] =
+        Elem<DO>::Put(Elem<DI>::Get(static_cast<const TI*>(in)[rest]) * scale);
   }
 }
 
@@ -194,15 +207,17 @@ __global__ void ScaleCastScalar(const void* in, void* out, uint64_t n, float sca
 template <int DI, int DO>
 void LaunchScaleCast(const void* in, void* out, uint64_t n, float scale, cudaStream_t stream,
                      unsigned max_blocks) {
-  const bool aligned = reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const uint64_t items = aligned ? (n + 16 / sizeof(typename Elem<DI>::T) - 1) /
-                                       (16 / sizeof(typename Elem<DI>::T))
-                                 : n;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const uint64_t items =
+      aligned ? (n + 16 / sizeof(typename Elem<DI>::T) - 1) / (16 / sizeof(typename Elem<DI>::T))
+              : n;
   const auto blocks = static_cast<unsigned>(
       std::min<uint64_t>(std::max<uint64_t>((items + kThreads - 1) / kThreads, 1), max_blocks));
-  if (aligned) ScaleCastVec<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
-  else ScaleCastScalar<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
+  if (aligned)
+    ScaleCastVec<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
+  else
+    ScaleCastScalar<DI, DO><<<blocks, kThreads, 0, stream>>>(in, out, n, scale);
 }
 
 // Enough resident blocks to fill the current device several times over; the grid-stride loops do
@@ -212,8 +227,10 @@ void LaunchScaleCast(const void* in, void* out, uint64_t n, float scale, cudaStr
 Result<unsigned> MaxBlocks() {
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return CudaError(err, "reading the current device's multiprocessor count");
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess)
+    return CudaError(err, "reading the current device's multiprocessor count");
   return static_cast<unsigned>(sms) * 16;
 }
 
@@ -244,12 +261,13 @@ Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void*
   for (size_t t = 0; t < count; ++t) {
     const DeviceTensor& d = tensors[t];
     if (d.data == nullptr || d.numel == 0 || static_cast<unsigned>(d.dtype) > 2) {
-      return Status::InvalidArgument(StrCat("device tensor ", t, " is empty, null or of an unknown dtype"));
+      return Status::InvalidArgument(
+          StrCat("device tensor ", t, " is empty, null or of an unknown dtype"));
     }
     if (reinterpret_cast<uintptr_t>(d.data) % DTypeBytes(d.dtype) != 0) {
-      return Status::InvalidArgument(StrCat("device tensor ", t, " at ", d.data, " is not aligned to its ",
-                                            DTypeName(d.dtype), " elements (", DTypeBytes(d.dtype),
-                                            " bytes); pass the tensor's own data pointer"));
+      return Status::InvalidArgument(StrCat(
+          "device tensor ", t, " at ", d.data, " is not aligned to its ", DTypeName(d.dtype),
+          " elements (", DTypeBytes(d.dtype), " bytes); pass the tensor's own data pointer"));
     }
     descs.push_back({d.data, d.numel, chunks, static_cast<int>(d.dtype)});
     chunks += (d.numel + kChunk - 1) / kChunk;
@@ -273,11 +291,12 @@ Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void*
   err = cudaMemcpyAsync(d_descs, descs.data(), table_bytes, cudaMemcpyHostToDevice, stream);
   if (err == cudaSuccess) {
     SumSqChunks<<<blocks, kThreads, 0, stream>>>(d_descs, static_cast<int>(descs.size()), chunks,
-                                                  d_partial);
+                                                 d_partial);
     SumPartials<<<1, kThreads, 0, stream>>>(d_partial, static_cast<int>(blocks), d_sum);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = cudaMemcpyAsync(&h_sum, d_sum, sizeof(double), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(&h_sum, d_sum, sizeof(double), cudaMemcpyDeviceToHost, stream);
   const cudaError_t free_err = cudaFreeAsync(scratch, stream);
   if (err == cudaSuccess) err = free_err;
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
@@ -301,8 +320,8 @@ Status ScaleCast(const void* in, DType in_dtype, void* out, DType out_dtype, uin
   }
   if (reinterpret_cast<uintptr_t>(in) % DTypeBytes(in_dtype) != 0 ||
       reinterpret_cast<uintptr_t>(out) % DTypeBytes(out_dtype) != 0) {
-    return Status::InvalidArgument(StrCat("ScaleCast: in (", in, ") or out (", out,
-                                          ") is not aligned to its element size"));
+    return Status::InvalidArgument(
+        StrCat("ScaleCast: in (", in, ") or out (", out, ") is not aligned to its element size"));
   }
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const Result<unsigned> max_blocks = MaxBlocks();
@@ -314,7 +333,8 @@ Status ScaleCast(const void* in, DType in_dtype, void* out, DType out_dtype, uin
       {LaunchScaleCast<0, 0>, LaunchScaleCast<0, 1>, LaunchScaleCast<0, 2>},
       {LaunchScaleCast<1, 0>, LaunchScaleCast<1, 1>, LaunchScaleCast<1, 2>},
       {LaunchScaleCast<2, 0>, LaunchScaleCast<2, 1>, LaunchScaleCast<2, 2>}};
-  kLaunch[static_cast<int>(in_dtype)][static_cast<int>(out_dtype)](in, out, numel, scale, stream, mb);
+  kLaunch[static_cast<int>(in_dtype)][static_cast<int>(out_dtype)](in, out, numel, scale, stream,
+                                                                   mb);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError(err, "launching ScaleCast");
   return Status::Ok();

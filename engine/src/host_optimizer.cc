@@ -16,10 +16,14 @@ namespace {
 
 const kernels::Table& TableFor(Isa isa) {
   switch (isa) {
-    case Isa::kAvx2: return kernels::Avx2Table();
-    case Isa::kAvx512: return kernels::Avx512Table();
-    case Isa::kAvx512Bf16: return kernels::Avx512Bf16Table();
-    default: return kernels::ScalarTable();
+    case Isa::kAvx2:
+      return kernels::Avx2Table();
+    case Isa::kAvx512:
+      return kernels::Avx512Table();
+    case Isa::kAvx512Bf16:
+      return kernels::Avx512Bf16Table();
+    default:
+      return kernels::ScalarTable();
   }
 }
 
@@ -47,9 +51,12 @@ std::vector<Task> Split(std::span<const SubGroup> groups, uint64_t chunk) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kFp32: return "fp32";
-    case DType::kBf16: return "bf16";
-    case DType::kFp16: return "fp16";
+    case DType::kFp32:
+      return "fp32";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp16:
+      return "fp16";
   }
   return "?";
 }
@@ -61,7 +68,8 @@ namespace {
 Status CheckConfig(const AdamWConfig& a, std::string_view where) {
   const std::string at = where.empty() ? std::string() : StrCat(where, ": ");
   if (!(a.lr >= 0.0) || !std::isfinite(a.lr)) {
-    return Status::InvalidArgument(StrCat(at, "AdamW lr = ", a.lr, " is invalid; use a finite lr >= 0"));
+    return Status::InvalidArgument(
+        StrCat(at, "AdamW lr = ", a.lr, " is invalid; use a finite lr >= 0"));
   }
   for (auto [name, beta] : {std::pair{"beta1", a.beta1}, std::pair{"beta2", a.beta2}}) {
     if (!(beta >= 0.0 && beta < 1.0)) {
@@ -257,7 +265,8 @@ void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const AdamWConfig&
     pool_->Run(tasks.size(), [&](size_t i) {
       const Task& k = tasks[i];
       const SubGroup& g = groups[k.group];
-      if (g.param != nullptr) t.cast[static_cast<int>(g.param_dtype)](g.master, g.param, k.begin, k.end);
+      if (g.param != nullptr)
+        t.cast[static_cast<int>(g.param_dtype)](g.master, g.param, k.begin, k.end);
     });
   }
 }
@@ -283,7 +292,8 @@ Status HostOptimizer::UpdateWith(const SubGroup& group, const AdamWConfig& adam,
   SPILLWAY_RETURN_IF_ERROR(Check(group, /*needs_state=*/true));
   SPILLWAY_RETURN_IF_ERROR(CheckConfig(adam, group.name));
   if (step == 0) {
-    return Status::InvalidArgument(StrCat(group.name, ": Adam step 0; the first step is 1 (count "
+    return Status::InvalidArgument(StrCat(group.name,
+                                          ": Adam step 0; the first step is 1 (count "
                                           "the step before calling, as torch.optim does)"));
   }
   if (!std::isfinite(grad_scale)) {

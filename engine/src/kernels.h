@@ -29,10 +29,10 @@ struct AdamArgs {
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float eps;
-  float decay;            // AdamW: 1 - lr * weight_decay; Adam (L2) mode: 1
-  float l2;               // Adam (L2) mode: weight_decay added to the gradient as l2 * w; AdamW: 0
-  float neg_step_size;    // -lr / bias_correction1
-  float inv_bc2_sqrt;     // 1 / sqrt(bias_correction2); denom = sqrt(v) * inv_bc2_sqrt + eps
+  float decay;          // AdamW: 1 - lr * weight_decay; Adam (L2) mode: 1
+  float l2;             // Adam (L2) mode: weight_decay added to the gradient as l2 * w; AdamW: 0
+  float neg_step_size;  // -lr / bias_correction1
+  float inv_bc2_sqrt;   // 1 / sqrt(bias_correction2); denom = sqrt(v) * inv_bc2_sqrt + eps
 };
 
 struct Table {
@@ -48,8 +48,8 @@ struct Table {
 };
 
 const Table& ScalarTable();
-const Table& Avx2Table();       // requires AVX2 + FMA + F16C
-const Table& Avx512Table();     // requires AVX-512 F/BW/VL + F16C
-const Table& Avx512Bf16Table(); // also requires AVX512_BF16
+const Table& Avx2Table();        // requires AVX2 + FMA + F16C
+const Table& Avx512Table();      // requires AVX-512 F/BW/VL + F16C
+const Table& Avx512Bf16Table();  // also requires AVX512_BF16
 
 }  // namespace spillway::engine::kernels

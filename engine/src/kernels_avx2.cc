@@ -22,7 +22,9 @@ F Add(F a, F b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
 F Mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 F Div(F a, F b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 F Sqrt(F a) { return {_mm256_sqrt_ps(a.lo), _mm256_sqrt_ps(a.hi)}; }
-F Fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+F Fma(F a, F b, F c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
 
 F LoadF32(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 void StoreF32(float* p, F x) {
@@ -47,8 +49,8 @@ __m256i F32x8ToBf16(__m256 x) {
   const __m256i nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
   const __m256i zero = _mm256_and_si256(top, _mm256_set1_epi32(0x8000));
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i is_small = _mm256_cmpeq_epi32(
-      _mm256_and_si256(b, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+  const __m256i is_small = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F800000)),
+                                              _mm256_setzero_si256());
   __m256i r = _mm256_blendv_epi8(rne, zero, is_small);
   return _mm256_blendv_epi8(r, nan, is_nan);
 }

@@ -23,20 +23,38 @@ F Map(Op op) {
   return r;
 }
 
-F Set(float x) { return Map([&](size_t) { return x; }); }
-F Add(F a, F b) { return Map([&](size_t i) { return a.v[i] + b.v[i]; }); }
-F Mul(F a, F b) { return Map([&](size_t i) { return a.v[i] * b.v[i]; }); }
-F Div(F a, F b) { return Map([&](size_t i) { return a.v[i] / b.v[i]; }); }
-F Sqrt(F a) { return Map([&](size_t i) { return std::sqrt(a.v[i]); }); }
-F Fma(F a, F b, F c) { return Map([&](size_t i) { return std::fma(a.v[i], b.v[i], c.v[i]); }); }
+F Set(float x) {
+  return Map([&](size_t) { return x; });
+}
+F Add(F a, F b) {
+  return Map([&](size_t i) { return a.v[i] + b.v[i]; });
+}
+F Mul(F a, F b) {
+  return Map([&](size_t i) { return a.v[i] * b.v[i]; });
+}
+F Div(F a, F b) {
+  return Map([&](size_t i) { return a.v[i] / b.v[i]; });
+}
+F Sqrt(F a) {
+  return Map([&](size_t i) { return std::sqrt(a.v[i]); });
+}
+F Fma(F a, F b, F c) {
+  return Map([&](size_t i) { return std::fma(a.v[i], b.v[i], c.v[i]); });
+}
 
-F LoadF32(const float* p) { return Map([&](size_t i) { return p[i]; }); }
+F LoadF32(const float* p) {
+  return Map([&](size_t i) { return p[i]; });
+}
 void StoreF32(float* p, F x) { std::memcpy(p, x.v, sizeof(x.v)); }
-F LoadBf16(const uint16_t* p) { return Map([&](size_t i) { return FloatFromBf16(p[i]); }); }
+F LoadBf16(const uint16_t* p) {
+  return Map([&](size_t i) { return FloatFromBf16(p[i]); });
+}
 void StoreBf16(uint16_t* p, F x) {
   for (size_t i = 0; i < kBlock; ++i) p[i] = Bf16FromFloat(x.v[i]);
 }
-F LoadF16(const uint16_t* p) { return Map([&](size_t i) { return FloatFromF16(p[i]); }); }
+F LoadF16(const uint16_t* p) {
+  return Map([&](size_t i) { return FloatFromF16(p[i]); });
+}
 void StoreF16(uint16_t* p, F x) {
   for (size_t i = 0; i < kBlock; ++i) p[i] = F16FromFloat(x.v[i]);
 }

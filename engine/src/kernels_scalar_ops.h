@@ -47,7 +47,7 @@ inline uint16_t F16FromFloat(float x) {
   if (b >= 0x477FF000u) return sign | 0x7C00u;  // rounds to 65520 or more: infinity
   if (b < 0x38800000u) {                        // below 2^-14: a half denormal (or zero)
     const uint32_t exp = b >> 23;
-    const uint32_t shift = 126 - exp;           // mantissa (with its implicit bit) >> shift
+    const uint32_t shift = 126 - exp;  // mantissa (with its implicit bit) >> shift
     if (exp == 0 || shift > 24) return sign;
     const uint32_t mant = (b & 0x7FFFFFu) | 0x800000u;
     uint32_t h = mant >> shift;

@@ -37,25 +37,29 @@ Status Launch(std::future<Status>* out, const char* what, F f) {
   }
 }
 
-std::vector<PartitionId> StateOf(const StreamedGroup& g) { return {g.master, g.exp_avg, g.exp_avg_sq}; }
+std::vector<PartitionId> StateOf(const StreamedGroup& g) {
+  return {g.master, g.exp_avg, g.exp_avg_sq};
+}
 
 // Writes an NVMe-homed group back and drops its host copies (host-homed ones stay).
 Status WriteBack(PartitionStore& store, const StreamedGroup& g, uint64_t* evicted) {
   for (PartitionId id : StateOf(g)) {
     if (store.home(id) != Tier::kNvme) continue;
     Status st = store.Evict(id);
-    if (!st.ok()) return Status::Make(st.code(), StrCat("writing back ", g.name, ": ", st.message()), st.sys_error());
+    if (!st.ok())
+      return Status::Make(st.code(), StrCat("writing back ", g.name, ": ", st.message()),
+                          st.sys_error());
     ++*evicted;
   }
   return Status::Ok();
 }
 
 Status Annotate(const Status& st, const StreamedGroup& g, size_t index, uint64_t step) {
-  return Status::Make(st.code(),
-                      StrCat("streamed step ", step, " stopped at ", g.name, " (group ", index,
-                             "): ", st.message(), "; groups before it have step ", step,
-                             " applied, this one and those after it do not"),
-                      st.sys_error());
+  return Status::Make(
+      st.code(),
+      StrCat("streamed step ", step, " stopped at ", g.name, " (group ", index, "): ", st.message(),
+             "; groups before it have step ", step, " applied, this one and those after it do not"),
+      st.sys_error());
 }
 
 }  // namespace
@@ -119,7 +123,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     Status w = finish_writes();
     Status out = Annotate(st, groups[i], i, plan->step);
     if (w.ok()) return out;
-    return Status::Make(out.code(), StrCat(out.message(), "; also: ", w.message()), out.sys_error());
+    return Status::Make(out.code(), StrCat(out.message(), "; also: ", w.message()),
+                        out.sys_error());
   };
   // A failed write-back of group `failed`, found after group `last` was updated: groups up to
   // `last` have the step; `failed` (and `last`) are still in host memory.
@@ -130,7 +135,9 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
         StrCat("streamed step ", plan->step, ": ", st.message(), "; groups 0..", last,
                " have the step applied and group ", failed,
                "'s state is still in host memory (nothing lost): PartitionStore::Flush() retries",
-               " the write", last + 1 < groups.size() ? StrCat("; groups ", last + 1, ".. do not have the step") : std::string()),
+               " the write",
+               last + 1 < groups.size() ? StrCat("; groups ", last + 1, ".. do not have the step")
+                                        : std::string()),
         st.sys_error());
   };
 
@@ -143,9 +150,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       if (!st.ok()) return fail(st, i);
     }
     if (i + 1 < groups.size()) {
-      Status st = Launch(&reading, "reader", [&store, ids = StateOf(groups[i + 1])] {
-        return store.Prefetch(ids);
-      });
+      Status st = Launch(&reading, "reader",
+                         [&store, ids = StateOf(groups[i + 1])] { return store.Prefetch(ids); });
       if (!st.ok()) return fail(st, i);
     }
     // Acquire group i (resident by now, or swapped in here) and update it.
@@ -177,7 +183,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     // Keep one write-back in flight: group i - 1 must be out before group i goes.
     Status ws = finish_writes();
     if (!ws.ok()) return write_failed(ws, i - 1, i);
-    ws = Launch(&writing, "writer", [&store, &g, &evicted] { return WriteBack(store, g, &evicted); });
+    ws = Launch(&writing, "writer",
+                [&store, &g, &evicted] { return WriteBack(store, g, &evicted); });
     if (!ws.ok()) return write_failed(ws, i, i);
   }
   Status ws = finish_writes();

@@ -34,11 +34,11 @@ class WorkerPool {
   std::mutex mu_;
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;
-  uint64_t generation_ = 0;                             // guarded by mu_
-  bool stop_ = false;                                   // guarded by mu_
-  uint32_t busy_workers_ = 0;                           // guarded by mu_
-  const std::function<void(size_t)>* job_ = nullptr;   // set under mu_ before generation_ moves
-  size_t tasks_ = 0;                                    // likewise
+  uint64_t generation_ = 0;                           // guarded by mu_
+  bool stop_ = false;                                 // guarded by mu_
+  uint32_t busy_workers_ = 0;                         // guarded by mu_
+  const std::function<void(size_t)>* job_ = nullptr;  // set under mu_ before generation_ moves
+  size_t tasks_ = 0;                                  // likewise
   std::atomic<size_t> next_{0};
   std::vector<std::thread> workers_;
 };

@@ -280,7 +280,8 @@ std::vector<MetricFamily> Collector::Collect() const {
     f.Gauge("spillway_io_engine_info",
             "1, labelled with the backend, why the thread pool runs (if it does), and how the "
             "ring's tables are registered.",
-            {{"backend", backend}, {"fallback_reason", s.fallback_reason},
+            {{"backend", backend},
+             {"fallback_reason", s.fallback_reason},
              {"registration", s.registration}},
             1.0);
     f.Counter("spillway_io_ring_failures_total",

@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/io_engine.h"
-#include "spillway/offload/partition_store.h"
 #include "spillway/engine/host_optimizer.h"
+#include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::metrics {
@@ -40,13 +40,13 @@ class Collector final : public prometheus::Collectable {
  private:
   mutable std::mutex mu_;
   std::vector<std::pair<std::string, std::string>> const_labels_;  // guarded by mu_
-  std::vector<const allocator::HostArena*> hosts_;   // guarded by mu_
-  std::vector<const allocator::NvmeArena*> nvmes_;   // guarded by mu_
-  std::vector<const allocator::IoEngine*> engines_;  // guarded by mu_
-  std::vector<const allocator::Ledger*> ledgers_;    // guarded by mu_
-  std::vector<const offload::PartitionStore*> stores_;       // guarded by mu_
-  std::vector<const offload::TransferPipeline*> pipelines_;  // guarded by mu_
-  std::vector<const engine::HostOptimizer*> optimizers_;     // guarded by mu_
+  std::vector<const allocator::HostArena*> hosts_;                 // guarded by mu_
+  std::vector<const allocator::NvmeArena*> nvmes_;                 // guarded by mu_
+  std::vector<const allocator::IoEngine*> engines_;                // guarded by mu_
+  std::vector<const allocator::Ledger*> ledgers_;                  // guarded by mu_
+  std::vector<const offload::PartitionStore*> stores_;             // guarded by mu_
+  std::vector<const offload::TransferPipeline*> pipelines_;        // guarded by mu_
+  std::vector<const engine::HostOptimizer*> optimizers_;           // guarded by mu_
 };
 
 }  // namespace spillway::metrics

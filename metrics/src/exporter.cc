@@ -7,8 +7,8 @@
 #include <exception>
 
 #include "collector.h"
-#include "thread_stack_floor.h"
 #include "spillway/base/bytes.h"
+#include "thread_stack_floor.h"
 
 namespace spillway::metrics {
 
@@ -19,8 +19,8 @@ Result<std::unique_ptr<Exporter>> Exporter::Start(const ExporterOptions& options
   if (!options.enabled) return e;
   const auto colon = options.address.rfind(':');
   if (colon == std::string::npos || colon + 1 == options.address.size()) {
-    return Status::InvalidArgument(StrCat("metrics address '", options.address,
-                                          "' is not host:port; e.g. 127.0.0.1:9464"));
+    return Status::InvalidArgument(
+        StrCat("metrics address '", options.address, "' is not host:port; e.g. 127.0.0.1:9464"));
   }
   e->host_ = options.address.substr(0, colon);
   try {
@@ -40,14 +40,14 @@ Result<std::unique_ptr<Exporter>> Exporter::Start(const ExporterOptions& options
                  "Python extension cannot. Load those libraries later (import them instead of "
                  "preloading), or serve metrics from a spillway binary"));
     }
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("metrics exporter could not listen on ", options.address, " (",
-                               ex.what(), "); the port is probably in use. Set "
-                               "spillway.metrics_address to a free port, or turn metrics off",
-                               ThreadStackFloorActive()
-                                   ? StrCat(" (its threads had ", FormatBytes(ThreadStackFloor()),
-                                            " of stack)")
-                                   : std::string()));
+    return Status::Make(
+        StatusCode::kUnavailable,
+        StrCat("metrics exporter could not listen on ", options.address, " (", ex.what(),
+               "); the port is probably in use. Set "
+               "spillway.metrics_address to a free port, or turn metrics off",
+               ThreadStackFloorActive()
+                   ? StrCat(" (its threads had ", FormatBytes(ThreadStackFloor()), " of stack)")
+                   : std::string()));
   }
   e->exposer_->RegisterCollectable(e->collector_, "/metrics");
   const auto ports = e->exposer_->GetListeningPorts();

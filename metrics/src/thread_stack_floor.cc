@@ -4,9 +4,9 @@
 // compile time (Debian builds it with CIVETWEB_THREAD_STACK_SIZE = 100 KiB). glibc carves a
 // thread's static TLS out of its stack, so a process that has loaded a library with a large static
 // TLS block, such as libtorch_cuda (seen on an H100 machine with torch 2.11+cu130), cannot create
-// such a thread: pthread_create fails, CivetWeb reports "Cannot create first worker thread", and the
-// exporter never listens. Threads that ask for no size are unaffected: glibc adds the TLS to the
-// default size.
+// such a thread: pthread_create fails, CivetWeb reports "Cannot create first worker thread", and
+// the exporter never listens. Threads that ask for no size are unaffected: glibc adds the TLS to
+// the default size.
 //
 // The fix: this definition of pthread_attr_setstacksize, exported from the executable (see
 // metrics/CMakeLists.txt), interposes glibc's and raises a request below the process's default
@@ -36,7 +36,8 @@ using SetStackSize = int (*)(pthread_attr_t*, size_t);
 void* Nothing(void*) { return nullptr; }
 
 SetStackSize Real() {
-  static const auto real = reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  static const auto real =
+      reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
   return real;
 }
 

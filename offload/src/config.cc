@@ -2,12 +2,11 @@
 // once; the rest of the code trusts a Config.
 #include "spillway/offload/config.h"
 
-#include <cstdlib>
-
 #include <sys/statvfs.h>
 
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -45,8 +44,9 @@ class Reader {
   // DeepSpeed writes counts as 1e8; accept numbers with an integral value, >= min.
   bool Count(const json& v, const std::string& path, uint64_t min, uint64_t* out) {
     if (v.is_string() && v.get<std::string>() == "auto") {
-      return Fail(path, "is \"auto\"; Spillway reads the resolved config. Replace \"auto\" with a "
-                        "number (the HF Trainer does this before DeepSpeed sees the file)");
+      return Fail(path,
+                  "is \"auto\"; Spillway reads the resolved config. Replace \"auto\" with a "
+                  "number (the HF Trainer does this before DeepSpeed sees the file)");
     }
     if (!v.is_number()) return Fail(path, StrCat("is ", Describe(v), "; expected a number"));
     const double d = v.get<double>();
@@ -65,7 +65,8 @@ class Reader {
       *out = *bytes;
       return true;
     }
-    return Fail(path, StrCat("is ", Describe(v), "; expected bytes, e.g. 68719476736 or \"64GiB\" "
+    return Fail(path, StrCat("is ", Describe(v),
+                             "; expected bytes, e.g. 68719476736 or \"64GiB\" "
                              "(units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"));
   }
   bool String(const json& v, const std::string& path, std::string* out) {
@@ -76,10 +77,14 @@ class Reader {
   bool Device(const json& v, const std::string& path, OffloadDevice* out) {
     std::string s;
     if (!String(v, path, &s)) return false;
-    if (s == "none") *out = OffloadDevice::kNone;
-    else if (s == "cpu") *out = OffloadDevice::kCpu;
-    else if (s == "nvme") *out = OffloadDevice::kNvme;
-    else return Fail(path, StrCat("is \"", s, "\"; allowed values: none, cpu, nvme"));
+    if (s == "none")
+      *out = OffloadDevice::kNone;
+    else if (s == "cpu")
+      *out = OffloadDevice::kCpu;
+    else if (s == "nvme")
+      *out = OffloadDevice::kNvme;
+    else
+      return Fail(path, StrCat("is \"", s, "\"; allowed values: none, cpu, nvme"));
     return true;
   }
   bool Policy(const json& v, const std::string& path, allocator::EscapePolicy* out) {
@@ -96,13 +101,20 @@ class Reader {
     for (const auto& [k, v] : o.items()) {
       const std::string p = StrCat(path, ".", k);
       auto& c = c_->offload_param;
-      if (k == "device") Device(v, p, &c.device);
-      else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
-      else if (k == "buffer_count") Count(v, p, 0, &c.buffer_count);
-      else if (k == "buffer_size") Count(v, p, 0, &c.buffer_size);
-      else if (k == "max_in_cpu") Count(v, p, 0, &c.max_in_cpu);
-      else if (k == "pin_memory") Bool(v, p, &c.pin_memory);
-      else c_->ignored_keys.push_back(p);
+      if (k == "device")
+        Device(v, p, &c.device);
+      else if (k == "nvme_path")
+        NvmePath(v, p, &c.nvme_path);
+      else if (k == "buffer_count")
+        Count(v, p, 0, &c.buffer_count);
+      else if (k == "buffer_size")
+        Count(v, p, 0, &c.buffer_size);
+      else if (k == "max_in_cpu")
+        Count(v, p, 0, &c.max_in_cpu);
+      else if (k == "pin_memory")
+        Bool(v, p, &c.pin_memory);
+      else
+        c_->ignored_keys.push_back(p);
     }
   }
   void OffloadOptimizer(const json& o, const std::string& path) {
@@ -110,13 +122,20 @@ class Reader {
     for (const auto& [k, v] : o.items()) {
       const std::string p = StrCat(path, ".", k);
       auto& c = c_->offload_optimizer;
-      if (k == "device") Device(v, p, &c.device);
-      else if (k == "nvme_path") NvmePath(v, p, &c.nvme_path);
-      else if (k == "buffer_count") Count(v, p, 0, &c.buffer_count);
-      else if (k == "pin_memory") Bool(v, p, &c.pin_memory);
-      else if (k == "pipeline_read") Bool(v, p, &c.pipeline_read);
-      else if (k == "pipeline_write") Bool(v, p, &c.pipeline_write);
-      else if (k == "fast_init") Bool(v, p, &c.fast_init);
+      if (k == "device")
+        Device(v, p, &c.device);
+      else if (k == "nvme_path")
+        NvmePath(v, p, &c.nvme_path);
+      else if (k == "buffer_count")
+        Count(v, p, 0, &c.buffer_count);
+      else if (k == "pin_memory")
+        Bool(v, p, &c.pin_memory);
+      else if (k == "pipeline_read")
+        Bool(v, p, &c.pipeline_read);
+      else if (k == "pipeline_write")
+        Bool(v, p, &c.pipeline_write);
+      else if (k == "fast_init")
+        Bool(v, p, &c.fast_init);
       else if (k == "ratio") {
         if (!v.is_number() || !(v.get<double>() > 0.0 && v.get<double>() <= 1.0)) {
           Fail(p, StrCat("is ", Describe(v), "; expected a fraction in (0, 1]"));
@@ -133,14 +152,20 @@ class Reader {
     for (const auto& [k, v] : o.items()) {
       const std::string p = "aio." + k;
       auto& c = c_->aio;
-      if (k == "block_size") Count(v, p, 4096, &c.block_size);
-      else if (k == "queue_depth") Count(v, p, 1, &c.queue_depth);
+      if (k == "block_size")
+        Count(v, p, 4096, &c.block_size);
+      else if (k == "queue_depth")
+        Count(v, p, 1, &c.queue_depth);
       else if (k == "intra_op_parallelism" || k == "thread_count") {
         Count(v, p, 1, &c.intra_op_parallelism);
-      } else if (k == "single_submit") Bool(v, p, &c.single_submit);
-      else if (k == "overlap_events") Bool(v, p, &c.overlap_events);
-      else if (k == "use_gds") Bool(v, p, &c.use_gds);
-      else c_->ignored_keys.push_back(p);
+      } else if (k == "single_submit")
+        Bool(v, p, &c.single_submit);
+      else if (k == "overlap_events")
+        Bool(v, p, &c.overlap_events);
+      else if (k == "use_gds")
+        Bool(v, p, &c.use_gds);
+      else
+        c_->ignored_keys.push_back(p);
     }
   }
   void Spillway(const json& o) {
@@ -148,15 +173,21 @@ class Reader {
     auto& c = c_->spillway;
     for (const auto& [k, v] : o.items()) {
       const std::string p = "spillway." + k;
-      if (k == "host_budget_bytes") Bytes(v, p, &c.host_budget_bytes);
-      else if (k == "nvme_budget_bytes") Bytes(v, p, &c.nvme_budget_bytes);
-      else if (k == "retain_limit_bytes") Bytes(v, p, &c.retain_limit_bytes);
+      if (k == "host_budget_bytes")
+        Bytes(v, p, &c.host_budget_bytes);
+      else if (k == "nvme_budget_bytes")
+        Bytes(v, p, &c.nvme_budget_bytes);
+      else if (k == "retain_limit_bytes")
+        Bytes(v, p, &c.retain_limit_bytes);
       else if (k == "escape_policy") {
         if (v.is_object()) {
           for (const auto& [tier, pv] : v.items()) {
-            if (tier == "host") Policy(pv, p + ".host", &c.host_escape_policy);
-            else if (tier == "nvme") Policy(pv, p + ".nvme", &c.nvme_escape_policy);
-            else Fail(StrCat(p, ".", tier), "is not a tier; allowed keys: host, nvme");
+            if (tier == "host")
+              Policy(pv, p + ".host", &c.host_escape_policy);
+            else if (tier == "nvme")
+              Policy(pv, p + ".nvme", &c.nvme_escape_policy);
+            else
+              Fail(StrCat(p, ".", tier), "is not a tier; allowed keys: host, nvme");
           }
         } else if (Policy(v, p, &c.host_escape_policy)) {
           c.nvme_escape_policy = c.host_escape_policy;
@@ -166,16 +197,21 @@ class Reader {
             c.metrics_address.find(':') == std::string::npos) {
           Fail(p, StrCat("is \"", c.metrics_address, "\"; expected host:port or \"off\""));
         }
-      } else if (k == "checksum") Bool(v, p, &c.checksum);
-      else if (k == "capture_backtraces") Bool(v, p, &c.capture_backtraces);
+      } else if (k == "checksum")
+        Bool(v, p, &c.checksum);
+      else if (k == "capture_backtraces")
+        Bool(v, p, &c.capture_backtraces);
       else if (k == "fork_safety") {
         std::string s;
         if (String(v, p, &s)) {
           auto f = allocator::ParseForkSafety(s);
-          if (f.ok()) c.fork_safety = *f;
-          else Fail(p, f.status().message());
+          if (f.ok())
+            c.fork_safety = *f;
+          else
+            Fail(p, f.status().message());
         }
-      } else if (k == "spill_path") String(v, p, &c.spill_path);
+      } else if (k == "spill_path")
+        String(v, p, &c.spill_path);
       else if (k == "prefetch_partitions") {
         if (Count(v, p, 0, &c.prefetch_partitions) && c.prefetch_partitions > 1024) {
           Fail(p, StrCat("is ", c.prefetch_partitions, "; at most 1024 partitions ahead"));
@@ -183,9 +219,13 @@ class Reader {
       } else if (k == "eviction") {
         std::string s;
         if (String(v, p, &s)) {
-          if (s == "opt") c.eviction = Eviction::kOpt;
-          else if (s == "lru") c.eviction = Eviction::kLru;
-          else Fail(p, StrCat("is \"", s, "\"; expected \"opt\" (the schedule's next use) or \"lru\""));
+          if (s == "opt")
+            c.eviction = Eviction::kOpt;
+          else if (s == "lru")
+            c.eviction = Eviction::kLru;
+          else
+            Fail(p,
+                 StrCat("is \"", s, "\"; expected \"opt\" (the schedule's next use) or \"lru\""));
         }
       } else if (k == "peak_slack") {
         if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
@@ -194,9 +234,10 @@ class Reader {
           c.peak_slack = v.get<double>();
         }
       } else {
-        Fail(p, "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
-                "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
-                "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions, eviction");
+        Fail(p,
+             "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
+             "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
+             "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions, eviction");
       }
     }
   }
@@ -218,10 +259,14 @@ class Reader {
         // DeepSpeed matches optimizer names case-insensitively.
         std::string lower;
         for (char ch : s) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-        if (lower == "adam") t.optimizer = "Adam";
-        else if (lower == "adamw") t.optimizer = "AdamW";
-        else Fail(p, StrCat("is \"", s, "\"; Spillway's host optimizer implements \"Adam\" and "
-                            "\"AdamW\""));
+        if (lower == "adam")
+          t.optimizer = "Adam";
+        else if (lower == "adamw")
+          t.optimizer = "AdamW";
+        else
+          Fail(p, StrCat("is \"", s,
+                         "\"; Spillway's host optimizer implements \"Adam\" and "
+                         "\"AdamW\""));
       } else if (k == "params") {
         if (!Object(v, p)) continue;
         for (const auto& [pk, pv] : v.items()) {
@@ -230,7 +275,8 @@ class Reader {
             if (NonNegative(pv, pp, &t.lr) && t.lr == 0.0) Fail(pp, "is 0; expected lr > 0");
           } else if (pk == "eps") {
             if (NonNegative(pv, pp, &t.eps) && t.eps == 0.0) Fail(pp, "is 0; expected eps > 0");
-          } else if (pk == "weight_decay") NonNegative(pv, pp, &t.weight_decay);
+          } else if (pk == "weight_decay")
+            NonNegative(pv, pp, &t.weight_decay);
           else if (pk == "betas") {
             if (!pv.is_array() || pv.size() != 2 || !pv[0].is_number() || !pv[1].is_number() ||
                 !(pv[0].get<double>() >= 0 && pv[0].get<double>() < 1) ||
@@ -259,9 +305,12 @@ class Reader {
           if (stage > 3) Fail(p, StrCat("is ", stage, "; allowed values: 0, 1, 2, 3"));
           c_->zero_stage = static_cast<int>(stage);
         }
-      } else if (k == "offload_param") OffloadParam(v, p);
-      else if (k == "offload_optimizer") OffloadOptimizer(v, p);
-      else if (k == "sub_group_size") Count(v, p, 1, &c_->sub_group_size);
+      } else if (k == "offload_param")
+        OffloadParam(v, p);
+      else if (k == "offload_optimizer")
+        OffloadOptimizer(v, p);
+      else if (k == "sub_group_size")
+        Count(v, p, 1, &c_->sub_group_size);
       else if (k == "stage3_prefetch_bucket_size") {
         // "auto" (the HF Trainer's placeholder) keeps the default: only 0 (off) changes anything.
         // Only 0 acts, so any number >= 0 is accepted (older HF versions write 0.9 * h * h).
@@ -269,8 +318,8 @@ class Reader {
         if (!(v.is_string() && v.get<std::string>() == "auto") && NonNegative(v, p, &bucket)) {
           c_->prefetch_bucket_size = static_cast<uint64_t>(bucket);
         }
-      }
-      else c_->ignored_keys.push_back(p);
+      } else
+        c_->ignored_keys.push_back(p);
     }
   }
   void Root(const json& root) {
@@ -279,15 +328,22 @@ class Reader {
       return;
     }
     for (const auto& [k, v] : root.items()) {
-      if (k == "zero_optimization") Zero(v);
-      else if (k == "aio") Aio(v);
-      else if (k == "spillway") Spillway(v);
-      else if (k == "train_micro_batch_size_per_gpu") Count(v, k, 1, &c_->training.micro_batch_size);
+      if (k == "zero_optimization")
+        Zero(v);
+      else if (k == "aio")
+        Aio(v);
+      else if (k == "spillway")
+        Spillway(v);
+      else if (k == "train_micro_batch_size_per_gpu")
+        Count(v, k, 1, &c_->training.micro_batch_size);
       else if (k == "gradient_accumulation_steps") {
         Count(v, k, 1, &c_->training.gradient_accumulation_steps);
-      } else if (k == "gradient_clipping") NonNegative(v, k, &c_->training.gradient_clipping);
-      else if (k == "optimizer") Optimizer(v);
-      else c_->ignored_keys.push_back(k);
+      } else if (k == "gradient_clipping")
+        NonNegative(v, k, &c_->training.gradient_clipping);
+      else if (k == "optimizer")
+        Optimizer(v);
+      else
+        c_->ignored_keys.push_back(k);
     }
   }
 
@@ -318,10 +374,10 @@ Status CrossCheck(const Config& c) {
   SPILLWAY_RETURN_IF_ERROR(
       need_path("offload_optimizer", c.offload_optimizer.device, c.offload_optimizer.nvme_path));
   if (c.offload_param.device != OffloadDevice::kNone && c.zero_stage != 3) {
-    return Status::InvalidArgument(StrCat(
-        "config key 'zero_optimization.offload_param.device' is \"",
-        OffloadDeviceName(c.offload_param.device), "\" with zero_optimization.stage ",
-        c.zero_stage, "; parameter offload needs stage 3"));
+    return Status::InvalidArgument(
+        StrCat("config key 'zero_optimization.offload_param.device' is \"",
+               OffloadDeviceName(c.offload_param.device), "\" with zero_optimization.stage ",
+               c.zero_stage, "; parameter offload needs stage 3"));
   }
   if (c.aio.block_size % 4096 != 0) {
     return Status::InvalidArgument(StrCat("config key 'aio.block_size' is ", c.aio.block_size,
@@ -348,9 +404,12 @@ Status CrossCheck(const Config& c) {
 
 const char* OffloadDeviceName(OffloadDevice device) {
   switch (device) {
-    case OffloadDevice::kNone: return "none";
-    case OffloadDevice::kCpu: return "cpu";
-    case OffloadDevice::kNvme: return "nvme";
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
   }
   return "?";
 }
@@ -361,17 +420,24 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   std::string unit;
   in >> n;
   if (!in.fail() && !in.eof()) in >> unit;
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1048576.0},
-      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
-      {"GB", 1e9},      {"TB", 1e12}};
+  static const std::pair<const char*, double> kUnits[] = {{"", 1},
+                                                          {"B", 1},
+                                                          {"KiB", 1024.0},
+                                                          {"MiB", 1048576.0},
+                                                          {"GiB", 1073741824.0},
+                                                          {"TiB", 1099511627776.0},
+                                                          {"KB", 1e3},
+                                                          {"MB", 1e6},
+                                                          {"GB", 1e9},
+                                                          {"TB", 1e12}};
   if (!in.fail() && in.eof() && n > 0 && n < 1.8e19) {
     for (const auto& [name, mult] : kUnits) {
       if (unit == name && n * mult < 1.8e19) return static_cast<uint64_t>(n * mult);
     }
   }
-  return Status::InvalidArgument(StrCat("'", text, "' is not a byte size; use a positive number ",
-                                        "with an optional unit: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"));
+  return Status::InvalidArgument(
+      StrCat("'", text, "' is not a byte size; use a positive number ",
+             "with an optional unit: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"));
 }
 
 Result<Config> Config::Parse(std::string_view text) {
@@ -394,8 +460,8 @@ Result<Config> Config::Parse(std::string_view text) {
   if (!c.ignored_keys.empty()) {
     std::string list;
     for (const auto& k : c.ignored_keys) list += StrCat(list.empty() ? "" : ", ", k);
-    Log(LogLevel::kWarning, StrCat("config: DeepSpeed keys accepted and not acted on by Spillway: ",
-                                list));
+    Log(LogLevel::kWarning,
+        StrCat("config: DeepSpeed keys accepted and not acted on by Spillway: ", list));
   }
   return c;
 }
@@ -442,11 +508,12 @@ allocator::NvmeArenaOptions Config::NvmeArenaOptions() const {
                                                                  : offload_param.nvme_path;
   o.budget_bytes = spillway.nvme_budget_bytes;
   if (o.budget_bytes == 0 && !o.directory.empty()) {
-    struct statvfs vfs{};
+    struct statvfs vfs {};
     if (statvfs(o.directory.c_str(), &vfs) == 0) {
       o.budget_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / 10 * 9;
       Log(LogLevel::kInfo, StrCat("spillway.nvme_budget_bytes not set: using 90% of the free "
-                                  "space at ", o.directory, ", ", FormatBytes(o.budget_bytes)));
+                                  "space at ",
+                                  o.directory, ", ", FormatBytes(o.budget_bytes)));
     }
   }
   o.policy = spillway.nvme_escape_policy;

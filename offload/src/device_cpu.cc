@@ -52,7 +52,8 @@ class CpuStream final : public Stream {
     worker_.join();
   }
   Status SubmitCopy(void* dst, const void* src, uint64_t bytes) override {
-    if (dst == nullptr || src == nullptr) return Status::InvalidArgument("SubmitCopy: null pointer");
+    if (dst == nullptr || src == nullptr)
+      return Status::InvalidArgument("SubmitCopy: null pointer");
     Push([dst, src, bytes] { std::memcpy(dst, src, bytes); });
     return Status::Ok();
   }
@@ -122,12 +123,14 @@ class CpuDevice final : public Device {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = lengths_.find(ptr);
       if (it == lengths_.end()) {
-        return Status::InvalidArgument(StrCat("CPU device: Free(", ptr, ") of memory it did not allocate (or freed twice)"));
+        return Status::InvalidArgument(
+            StrCat("CPU device: Free(", ptr, ") of memory it did not allocate (or freed twice)"));
       }
       len = it->second;
       lengths_.erase(it);
     }
-    if (munmap(ptr, len) != 0) return Status::FromErrno(StatusCode::kInternal, errno, "CPU device: munmap");
+    if (munmap(ptr, len) != 0)
+      return Status::FromErrno(StatusCode::kInternal, errno, "CPU device: munmap");
     return Status::Ok();
   }
   Result<std::unique_ptr<Stream>> NewStream() override {
@@ -149,7 +152,9 @@ class CpuDevice final : public Device {
 
 }  // namespace
 
-Result<std::unique_ptr<Device>> Device::OpenCpu() { return std::unique_ptr<Device>(new CpuDevice()); }
+Result<std::unique_ptr<Device>> Device::OpenCpu() {
+  return std::unique_ptr<Device>(new CpuDevice());
+}
 
 Result<std::unique_ptr<Device>> Device::OpenDefault(int index) {
   auto cuda = OpenCuda(index);

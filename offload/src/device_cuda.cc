@@ -81,8 +81,8 @@ class CudaDevice final : public Device {
     DeviceScope scope(index_);
     SPILLWAY_RETURN_IF_ERROR(scope.status());
     void* p = nullptr;
-    SPILLWAY_RETURN_IF_ERROR(ToStatus(cudaMalloc(&p, bytes),
-                                      StrCat("cudaMalloc of ", FormatBytes(bytes))));
+    SPILLWAY_RETURN_IF_ERROR(
+        ToStatus(cudaMalloc(&p, bytes), StrCat("cudaMalloc of ", FormatBytes(bytes))));
     return p;
   }
   Status Free(void* ptr) override {
@@ -119,8 +119,8 @@ class CudaDevice final : public Device {
 
 Result<std::unique_ptr<Device>> Device::OpenCuda(int index) {
   int count = 0;
-  SPILLWAY_RETURN_IF_ERROR(spillway::cuda::ToStatus(cudaGetDeviceCount(&count),
-                                                    "cudaGetDeviceCount", StatusCode::kUnavailable));
+  SPILLWAY_RETURN_IF_ERROR(spillway::cuda::ToStatus(
+      cudaGetDeviceCount(&count), "cudaGetDeviceCount", StatusCode::kUnavailable));
   if (index < 0 || index >= count) {
     return Status::Make(StatusCode::kUnavailable,
                         StrCat("CUDA device ", index, " does not exist (", count, " present)"));

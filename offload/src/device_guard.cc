@@ -26,19 +26,18 @@ Placement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId 
   // where the master weights are; without offload everything stays on the rank's device.
   const OffloadDevice d = config.offload_optimizer.device;
   p.device = d == OffloadDevice::kNone ? compute : DeviceId{DeviceType::kCpu, 0};
-  p.decided_by = StrCat("zero_optimization.offload_optimizer.device = \"", OffloadDeviceName(d),
-                        "\"",
-                        kind == StateKind::kParam
-                            ? " (the step writes 16-bit params where the master weights are)"
-                            : "");
+  p.decided_by = StrCat(
+      "zero_optimization.offload_optimizer.device = \"", OffloadDeviceName(d), "\"",
+      kind == StateKind::kParam ? " (the step writes 16-bit params where the master weights are)"
+                                : "");
   return p;
 }
 
 Status CheckPlacement(const TensorDesc& t, const Placement& want) {
   std::vector<std::string> wrong;
   if (!(t.device == want.device)) {
-    wrong.push_back(StrCat("it is on ", t.device.ToString(), " but must be on ",
-                           want.device.ToString()));
+    wrong.push_back(
+        StrCat("it is on ", t.device.ToString(), " but must be on ", want.device.ToString()));
   }
   if (t.dtype != want.dtype) {
     wrong.push_back(StrCat("it is ", DTypeName(t.dtype), " but must be ", DTypeName(want.dtype)));

@@ -53,22 +53,24 @@ void OptSchedule::Upcoming(uint64_t window, std::vector<PartitionId>* out) const
 
 Status OptSchedule::Validate() const {
   if (!order_.empty() && cursor_ >= order_.size()) {
-    return Status::Internal(StrCat("OptSchedule: cursor ", cursor_, " past the ", order_.size(),
-                                   " positions"));
+    return Status::Internal(
+        StrCat("OptSchedule: cursor ", cursor_, " past the ", order_.size(), " positions"));
   }
   uint64_t uses = 0;
   for (PartitionId id = 0; id < uses_.size(); ++id) {
     for (uint64_t u : uses_[id]) {
       if (u >= order_.size() || order_[u] != id) {
-        return Status::Internal(StrCat("OptSchedule: partition ", id, " claims position ", u,
-                                       ", which is not its"));
+        return Status::Internal(
+            StrCat("OptSchedule: partition ", id, " claims position ", u, ", which is not its"));
       }
     }
     uses += uses_[id].size();
   }
   if (uses != order_.size()) {
-    return Status::Internal(StrCat("OptSchedule: ", order_.size(), " positions, the partitions "
-                                   "claim ", uses));
+    return Status::Internal(StrCat("OptSchedule: ", order_.size(),
+                                   " positions, the partitions "
+                                   "claim ",
+                                   uses));
   }
   return Status::Ok();
 }

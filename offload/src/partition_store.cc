@@ -20,9 +20,12 @@ const char* StateKindName(StateKind kind) {
 
 const char* TierName(Tier tier) {
   switch (tier) {
-    case Tier::kHost: return "host";
-    case Tier::kNvme: return "nvme";
-    case Tier::kDevice: return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+    case Tier::kDevice:
+      return "device";
   }
   return "?";
 }
@@ -46,7 +49,8 @@ void BeginStoreAllocation(const PartitionStore* store, std::chrono::milliseconds
 
 #ifndef NDEBUG
 [[noreturn]] void DanglingHandle(PartitionId id) {
-  Log(LogLevel::kError, StrCat("a Handle of partition ", id, " outlived its PartitionStore: release "
+  Log(LogLevel::kError, StrCat("a Handle of partition ", id,
+                               " outlived its PartitionStore: release "
                                "every handle before destroying the store (fatal in debug builds)"));
   std::abort();
 }
@@ -95,24 +99,26 @@ Handle::~Handle() { ReleaseFromDestructor(); }
 
 Result<void*> Handle::Data() const {
   if (store_ == nullptr) {
-    return Status::FailedPrecondition(StrCat("handle of partition ", id_,
-                                             " was released (or moved from); Acquire it again"));
+    return Status::FailedPrecondition(
+        StrCat("handle of partition ", id_, " was released (or moved from); Acquire it again"));
   }
   if (!StoreAlive()) {
 #ifndef NDEBUG
     DanglingHandle(id_);
 #endif
-    return Status::FailedPrecondition(StrCat("handle of partition ", id_, " outlived its "
-                                             "PartitionStore; its memory was freed with the store"));
+    return Status::FailedPrecondition(
+        StrCat("handle of partition ", id_,
+               " outlived its "
+               "PartitionStore; its memory was freed with the store"));
   }
   return data_;
 }
 
 Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& config,
-                                                              allocator::HostArena* host,
-                                                              allocator::NvmeArena* nvme,
-                                                              allocator::ScopeId scope,
-                                                              uint32_t prefetch_window) {
+                                                               allocator::HostArena* host,
+                                                               allocator::NvmeArena* nvme,
+                                                               allocator::ScopeId scope,
+                                                               uint32_t prefetch_window) {
   if (host == nullptr) return Status::InvalidArgument("PartitionStore: a host arena is required");
   if (config.any_nvme() && nvme == nullptr) {
     return Status::InvalidArgument(
@@ -128,18 +134,15 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
     store->prefetcher_id_ = store->prefetcher_.get_id();
   }
   host->SetSpillHandler(
-      [raw](const allocator::HostArena::SpillRequest& request) { return raw->Spill(request); }, raw);
+      [raw](const allocator::HostArena::SpillRequest& request) { return raw->Spill(request); },
+      raw);
   return store;
 }
 
 PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
                                allocator::NvmeArena* nvme, allocator::ScopeId scope,
                                uint32_t prefetch_window)
-    : config_(config),
-      host_(host),
-      nvme_(nvme),
-      scope_(scope),
-      prefetch_window_(prefetch_window) {}
+    : config_(config), host_(host), nvme_(nvme), scope_(scope), prefetch_window_(prefetch_window) {}
 
 PartitionStore::~PartitionStore() {
   alive_->store(false, std::memory_order_release);
@@ -171,8 +174,8 @@ PartitionStore::~PartitionStore() {
 }
 
 Tier PartitionStore::HomeFor(StateKind kind) const {
-  const OffloadDevice d = kind == StateKind::kParam ? config_.offload_param.device
-                                                    : config_.offload_optimizer.device;
+  const OffloadDevice d =
+      kind == StateKind::kParam ? config_.offload_param.device : config_.offload_optimizer.device;
   return d == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
 }
 
@@ -192,7 +195,8 @@ std::string PartitionStore::Describe(PartitionId id) const {
 
 Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  if (bytes == 0) return Status::InvalidArgument("PartitionStore::Register: a partition of 0 bytes");
+  if (bytes == 0)
+    return Status::InvalidArgument("PartitionStore::Register: a partition of 0 bytes");
   if (static_cast<int>(key.kind) > static_cast<int>(StateKind::kExpAvgSq)) {
     return Status::InvalidArgument("PartitionStore::Register: state kind out of range");
   }
@@ -202,7 +206,8 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Part& p : parts_) {
-      if (!p.tombstone && p.key.rank == key.rank && p.key.group == key.group && p.key.kind == key.kind) {
+      if (!p.tombstone && p.key.rank == key.rank && p.key.group == key.group &&
+          p.key.kind == key.kind) {
         return Status::InvalidArgument(StrCat("PartitionStore::Register: ", StateKindName(key.kind),
                                               " rank ", key.rank, " group ", key.group,
                                               " is already registered"));
@@ -301,7 +306,8 @@ void PartitionStore::MarkBusy(Part& p) {
 void PartitionStore::ClearBusyLocked(PartitionId id) {
   Part& p = parts_[id];
   if (!p.busy || p.busy_by != std::this_thread::get_id()) {
-    Log(LogLevel::kError, StrCat("PartitionStore: ", Describe(id), " was cleared by a thread that "
+    Log(LogLevel::kError, StrCat("PartitionStore: ", Describe(id),
+                                 " was cleared by a thread that "
                                  "does not own its busy mark (internal error)"));
   }
   p.busy = false;
@@ -347,8 +353,9 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
     }
     if (tier == Tier::kNvme) {
-      return Status::InvalidArgument("Acquire: a view is host or device memory; kNvme is a home "
-                                     "tier, not a view");
+      return Status::InvalidArgument(
+          "Acquire: a view is host or device memory; kNvme is a home "
+          "tier, not a view");
     }
     if (device && pipeline_ == nullptr) {
       return Status::FailedPrecondition(
@@ -362,15 +369,16 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       // Only a kept view is here with no device handle: its write-back failed, and it holds the
       // only good copy. A host copy made now would read what NVMe or the host had before it.
       return Status::FailedPrecondition(StrCat(
-          "Acquire of ", Describe(id), " on host: its device view holds the newest bytes and "
+          "Acquire of ", Describe(id),
+          " on host: its device view holds the newest bytes and "
           "writing them back failed; acquire it on the device tier and release it to retry the "
           "write-back"));
     }
     if (other_tier_pins > 0) {
-      return Status::FailedPrecondition(StrCat(
-          "Acquire of ", Describe(id), " on ", TierName(tier), ": it is in use on ",
-          TierName(device ? Tier::kHost : Tier::kDevice),
-          " by ", other_tier_pins, " handles; a partition is used in one tier at a time"));
+      return Status::FailedPrecondition(
+          StrCat("Acquire of ", Describe(id), " on ", TierName(tier), ": it is in use on ",
+                 TierName(device ? Tier::kHost : Tier::kDevice), " by ", other_tier_pins,
+                 " handles; a partition is used in one tier at a time"));
     }
     // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
     // helper thread) does not: the host-tier schedule is the store's own order.
@@ -504,8 +512,8 @@ Status PartitionStore::WriteBackDevice(PartitionId id) {
   if (pipe_lock.owns_lock()) pipe_lock.unlock();
   if (!st.ok()) {
     // The device view is the only good copy: keep it, so a later release can retry.
-    return st.WithContext(StrCat("writing back the device view of ", Describe(id),
-                                 "; the device copy is kept"));
+    return st.WithContext(
+        StrCat("writing back the device view of ", Describe(id), "; the device copy is kept"));
   }
   if (Status f = pipe->device()->Free(dev); !f.ok()) {
     // The bytes are safe (written back or clean); only the device memory is lost to this process.
@@ -537,13 +545,14 @@ Status PartitionStore::SwapIn(PartitionId id) {
   }
   BeginStoreAllocation(this, memory_wait());
   auto host = host_->Allocate(bytes, tag);  // may spill other partitions (never this busy one)
-  std::string note = SpillShortfallNote();   // read (and cleared) on success too
+  std::string note = SpillShortfallNote();  // read (and cleared) on success too
   if (!host.ok()) {
     if (note.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
       uint64_t pinned = 0;
       for (const Part& p : parts_) pinned += p.pins > 0 && p.host != nullptr ? p.bytes : 0;
-      note = StrCat(FormatBytes(pinned), " of host memory is held by partitions in use (live "
+      note = StrCat(FormatBytes(pinned),
+                    " of host memory is held by partitions in use (live "
                     "handles) and cannot spill");
     }
     return host.status().WithContext(note);
@@ -573,7 +582,8 @@ Status PartitionStore::SwapIn(PartitionId id) {
 uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request) {
   if (nvme_ == nullptr) return 0;
   const uint64_t need = request.bytes_needed;
-  const uint64_t page = host_->page_bytes();  // the arena's granule: an extent is its bytes rounded up
+  const uint64_t page =
+      host_->page_bytes();  // the arena's granule: an extent is its bytes rounded up
   const std::thread::id me = std::this_thread::get_id();
   const bool may_wait = me != prefetcher_id_;  // prefetching is best effort: it never waits
   uint64_t freed = 0;
@@ -581,7 +591,8 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
   std::unique_lock<std::mutex> lock(mu_);
   // One deadline per allocation, not per call: the arena calls again while calls free something.
   const bool ours = t_spill_note.store == this && t_spill_note.has_deadline;
-  const auto deadline = ours ? t_spill_note.deadline : std::chrono::steady_clock::now() + memory_wait_;
+  const auto deadline =
+      ours ? t_spill_note.deadline : std::chrono::steady_clock::now() + memory_wait_;
   bool waited = false;
   while (freed < need && !stopping_) {
     PartitionId victim = 0;
@@ -592,7 +603,8 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
       if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
       const bool fits = (p.bytes + page - 1) / page * page >= request.request_bytes;
       // Larger goes first: the next use's distance (OPT), or the time since the last use (LRU).
-      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use : schedule_.NextUseDistance(i);
+      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use
+                                                                     : schedule_.NextUseDistance(i);
       if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
         best = d;
         victim = i;
@@ -618,21 +630,26 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
     uint64_t by_others = 0, by_me = 0;
     HeldBytesLocked(&by_others, &by_me);
     if (by_others == 0) {
-      note = by_me > 0
-                 ? StrCat(FormatBytes(by_me), " of host memory is held by this thread's own live "
-                          "handles and nothing else can spill; release handles before acquiring more")
-                 : std::string("no partition can spill: the budget is held by allocations outside "
-                               "the store (staging and bounce buffers, other users of the arena); "
-                               "raise the host budget");
+      note =
+          by_me > 0
+              ? StrCat(FormatBytes(by_me),
+                       " of host memory is held by this thread's own live "
+                       "handles and nothing else can spill; release handles before acquiring more")
+              : std::string(
+                    "no partition can spill: the budget is held by allocations outside "
+                    "the store (staging and bounce buffers, other users of the arena); "
+                    "raise the host budget");
       break;
     }
     if (!may_wait) break;
     const auto wait_ms = memory_wait_.count();
     if (std::chrono::steady_clock::now() >= deadline) {
       stats_.memory_wait_timeouts++;
-      note = StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others), " that other "
+      note = StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others),
+                    " that other "
                     "threads hold (live handles, spills or swap-ins in progress) and not enough "
-                    "came free; this thread's own handles hold ", FormatBytes(by_me),
+                    "came free; this thread's own handles hold ",
+                    FormatBytes(by_me),
                     ". Release handles sooner, raise the host budget, or raise memory_wait");
       break;
     }
@@ -905,8 +922,8 @@ Status PartitionStore::Validate() const {
   std::vector<uint32_t> handles(parts_.size(), 0);
   for (const auto& [hid, info] : live_handles_) {
     if (info.id >= parts_.size()) {
-      return Status::Internal(StrCat("Validate: handle ", hid, " names partition ", info.id,
-                                     " of ", parts_.size()));
+      return Status::Internal(
+          StrCat("Validate: handle ", hid, " names partition ", info.id, " of ", parts_.size()));
     }
     handles[info.id]++;
   }
@@ -918,13 +935,12 @@ Status PartitionStore::Validate() const {
   for (PartitionId id = 0; id < parts_.size(); ++id) {
     const Part& p = parts_[id];
     auto fail = [&](const char* what) {
-      return Status::Internal(StrCat("Validate: partition ", id, " (", StateKindName(p.key.kind),
-                                     " rank ", p.key.rank, " group ", p.key.group, "): ", what,
-                                     " [pins ", p.pins, ", device_pins ", p.device_pins,
-                                     ", write_pins ", p.write_pins, ", handles ", handles[id],
-                                     ", busy ", p.busy, ", host ", p.host != nullptr,
-                                     ", extent ", p.nvme_off != kNoExtent, ", device ",
-                                     p.device != nullptr, "]"));
+      return Status::Internal(
+          StrCat("Validate: partition ", id, " (", StateKindName(p.key.kind), " rank ", p.key.rank,
+                 " group ", p.key.group, "): ", what, " [pins ", p.pins, ", device_pins ",
+                 p.device_pins, ", write_pins ", p.write_pins, ", handles ", handles[id], ", busy ",
+                 p.busy, ", host ", p.host != nullptr, ", extent ", p.nvme_off != kNoExtent,
+                 ", device ", p.device != nullptr, "]"));
     };
     if (handles[id] > p.pins) return fail("more live handles than pins");
     if (p.write_pins + p.device_pins > p.pins) return fail("write and device pins exceed pins");
@@ -940,7 +956,8 @@ Status PartitionStore::Validate() const {
     }
     registered++;
     if (p.busy) continue;  // its mover owns the rest until it clears busy
-    if (p.pins > p.device_pins && p.host == nullptr) return fail("a host handle without a host copy");
+    if (p.pins > p.device_pins && p.host == nullptr)
+      return fail("a host handle without a host copy");
     if (p.device_pins > 0 && p.device == nullptr) return fail("device pins without a device view");
     // A view with no device pins is one kept after its write-back failed: the only good copy.
     if (p.device != nullptr && p.device_pins == 0 && !p.device_dirty) {
@@ -953,13 +970,13 @@ Status PartitionStore::Validate() const {
   if (Status st = schedule_.Validate(); !st.ok()) return st.WithContext("Validate");
   for (PartitionId id : schedule_.order()) {
     if (!Placed(parts_[id])) {
-      return Status::Internal(StrCat("Validate: the schedule names partition ", id,
-                                     ", which is not placed"));
+      return Status::Internal(
+          StrCat("Validate: the schedule names partition ", id, ", which is not placed"));
     }
   }
   if (stats_.partitions > registered) {
-    return Status::Internal(StrCat("Validate: stats count ", stats_.partitions,
-                                   " partitions, ", registered, " are registered"));
+    return Status::Internal(StrCat("Validate: stats count ", stats_.partitions, " partitions, ",
+                                   registered, " are registered"));
   }
   return Status::Ok();
 }

@@ -38,7 +38,9 @@ void DeepSpeedLines(const PlanInput& in, double p, std::vector<PlanLine>* lines)
   const OffloadDevice pd = c.offload_param.device, od = c.offload_optimizer.device;
   const bool cuda = in.accelerator == Accelerator::kCuda;
   // torch-pinned (cudaHostAlloc) when asked for and CUDA pins; private pageable otherwise.
-  auto pinned = [&](bool asked) { return asked && cuda ? Place::kHostPinned : Place::kHostPageable; };
+  auto pinned = [&](bool asked) {
+    return asked && cuda ? Place::kHostPinned : Place::kHostPageable;
+  };
   auto add = [&](std::string what, Place place, double bytes, allocator::Kind kind) {
     lines->push_back({std::move(what), place, Bytes(bytes), kind, place != Place::kHostPinned});
   };
@@ -46,7 +48,8 @@ void DeepSpeedLines(const PlanInput& in, double p, std::vector<PlanLine>* lines)
   // 16-bit parameters: with offload_param "cpu" they live in one flat buffer per group that
   // DeepSpeed always pins; on "nvme", that buffer keeps max_in_cpu of them.
   if (pd == OffloadDevice::kNone) add("16-bit parameters", Place::kGpu, 2 * p, Kind::kParam);
-  if (pd == OffloadDevice::kCpu) add("16-bit parameters (flat buffer per group)", pinned(true), 2 * p, Kind::kParam);
+  if (pd == OffloadDevice::kCpu)
+    add("16-bit parameters (flat buffer per group)", pinned(true), 2 * p, Kind::kParam);
   if (pd == OffloadDevice::kNvme) {
     add("16-bit parameters", Place::kNvme, 2 * p, Kind::kParam);
     add("params kept in CPU (min(max_in_cpu, partition) x 2 B)", pinned(true),
@@ -66,14 +69,16 @@ void DeepSpeedLines(const PlanInput& in, double p, std::vector<PlanLine>* lines)
   } else {
     add("16-bit gradient partitions", pinned(c.offload_optimizer.pin_memory), 2 * p, Kind::kGrad);
     if (od == OffloadDevice::kCpu) {
-      add("fp32 gradients (one per sub-group)", pinned(c.offload_optimizer.pin_memory), 4 * p, Kind::kGrad);
+      add("fp32 gradients (one per sub-group)", pinned(c.offload_optimizer.pin_memory), 4 * p,
+          Kind::kGrad);
     } else {
-      add("fp32 gradient buffer (largest sub-group)", Place::kHostPageable, 4 * sub_group, Kind::kGrad);
+      add("fp32 gradient buffer (largest sub-group)", Place::kHostPageable, 4 * sub_group,
+          Kind::kGrad);
     }
   }
   // fp32 master and Adam moments: plain CPU tensors even with pin_memory (stage3.py
   // _create_fp32_partitions, cpu_adam's zeros_like), or swapped on NVMe.
-  const Place opt_place = od == OffloadDevice::kNone ? Place::kGpu
+  const Place opt_place = od == OffloadDevice::kNone  ? Place::kGpu
                           : od == OffloadDevice::kCpu ? Place::kHostPageable
                                                       : Place::kNvme;
   add("fp32 master weights", opt_place, 4 * p, Kind::kMasterWeight);
@@ -114,7 +119,8 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
       bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
   if (param_nvme) {
     add("transfer pipeline's staging ring (4 x block_size)", Place::kHostPinned,
-        static_cast<double>(PipelineOptions{}.staging_buffers) * static_cast<double>(c.aio.block_size),
+        static_cast<double>(PipelineOptions{}.staging_buffers) *
+            static_cast<double>(c.aio.block_size),
         Kind::kSwapBuffer);
   }
 }
@@ -134,37 +140,45 @@ uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<
     (r >= dedicated_from ? dedicated : shared) += r;
   }
   const uint64_t regions = (shared + o.region_bytes - 1) / o.region_bytes;
-  const double cap = std::min(static_cast<double>(o.retain_limit_bytes),
-                              std::max(static_cast<double>(o.region_bytes), o.retain_fraction * static_cast<double>(live)));
+  const double cap = std::min(
+      static_cast<double>(o.retain_limit_bytes),
+      std::max(static_cast<double>(o.region_bytes), o.retain_fraction * static_cast<double>(live)));
   return dedicated + regions * o.region_bytes + std::min(transient, Bytes(cap));
 }
 
 // The plan without suggestions (they re-plan with changed settings).
 Result<PlanReport> Compute(const PlanInput& in) {
   if (!(in.params > 0) || in.params > 1e15) {
-    return Status::InvalidArgument("--params must be a positive number of parameters, at most 1e15");
+    return Status::InvalidArgument(
+        "--params must be a positive number of parameters, at most 1e15");
   }
   constexpr uint64_t kMaxBytes = 1ull << 60;  // an exbibyte: far past any machine, inside int64
   if (in.host_ram_bytes > kMaxBytes || in.nvme_bytes > kMaxBytes || in.gpu_mem_bytes > kMaxBytes) {
     return Status::InvalidArgument("--host-ram, --nvme and --gpu-mem must each be at most 1 EiB");
   }
   if (in.world_size == 0 || in.nodes == 0 || in.world_size % in.nodes != 0) {
-    return Status::InvalidArgument(StrCat("--world-size ", in.world_size, " must be a positive multiple of --nodes ", in.nodes));
+    return Status::InvalidArgument(StrCat("--world-size ", in.world_size,
+                                          " must be a positive multiple of --nodes ", in.nodes));
   }
-  if (in.host_ram_bytes == 0) return Status::InvalidArgument("--host-ram must be given (bytes per node, e.g. 1TiB)");
+  if (in.host_ram_bytes == 0)
+    return Status::InvalidArgument("--host-ram must be given (bytes per node, e.g. 1TiB)");
   const Config& c = in.config;
   if (c.any_nvme() && in.nvme_bytes == 0) {
-    return Status::InvalidArgument("the config offloads to nvme but --nvme is 0; give the NVMe bytes per node");
+    return Status::InvalidArgument(
+        "the config offloads to nvme but --nvme is 0; give the NVMe bytes per node");
   }
   if (!(in.gpu_reserve_fraction >= 0 && in.gpu_reserve_fraction < 1)) {
-    return Status::InvalidArgument(StrCat("--gpu-reserve ", in.gpu_reserve_fraction, " must be in [0, 1)"));
+    return Status::InvalidArgument(
+        StrCat("--gpu-reserve ", in.gpu_reserve_fraction, " must be in [0, 1)"));
   }
   PlanReport r;
   r.runtime = in.runtime;
   uint64_t committed_per_rank = 0;  // 0: as the steady state
-  const double ranks_per_node = static_cast<double>(in.world_size) / in.nodes;  // divisible: checked above
+  const double ranks_per_node =
+      static_cast<double>(in.world_size) / in.nodes;  // divisible: checked above
   if (in.runtime == Runtime::kTrainer) {
-    if (in.trainer_units.empty()) return Status::InvalidArgument("a trainer plan needs the model's units");
+    if (in.trainer_units.empty())
+      return Status::InvalidArgument("a trainer plan needs the model's units");
     uint64_t numel = 0, shard = 0, largest = 0;
     for (uint64_t u : in.trainer_units) {
       const uint64_t per_rank = (u + in.world_size - 1) / in.world_size;
@@ -173,7 +187,8 @@ Result<PlanReport> Compute(const PlanInput& in) {
       largest = std::max(largest, per_rank);
     }
     if (std::fabs(static_cast<double>(numel) - in.params) > 0.5) {
-      return Status::InvalidArgument(StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
+      return Status::InvalidArgument(
+          StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
     }
     TrainerLines(in, shard, &r.lines);
     // What stays in the arena between steps: per unit, the parameter and gradient partitions (host
@@ -187,10 +202,12 @@ Result<PlanReport> Compute(const PlanInput& in) {
       for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
     }
     uint32_t staging = allocator::IoEngineOptions{}.bounce_buffers;
-    if (c.offload_param.device == OffloadDevice::kNvme) staging += PipelineOptions{}.staging_buffers;
+    if (c.offload_param.device == OffloadDevice::kNvme)
+      staging += PipelineOptions{}.staging_buffers;
     for (uint32_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);
-    const uint64_t streamed = opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
+    const uint64_t streamed =
+        opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
     committed_per_rank = ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));
     r.checkpoint_gather_bytes = Bytes(4 * in.params);
     // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the
@@ -215,7 +232,8 @@ Result<PlanReport> Compute(const PlanInput& in) {
       r.nvme_by_kind_per_rank[k] += l.bytes_per_rank;
     }
   }
-  for (int k = 0; k < 4; ++k) r.per_node[k] = Bytes(static_cast<double>(r.per_rank[k]) * ranks_per_node);
+  for (int k = 0; k < 4; ++k)
+    r.per_node[k] = Bytes(static_cast<double>(r.per_rank[k]) * ranks_per_node);
   r.host_steady_per_node = r.per_node[1] + r.per_node[2];
   r.nvme_per_node = r.per_node[3];
   r.fork_extra_naive_per_node = Bytes(static_cast<double>(copied_per_rank) * ranks_per_node);
@@ -228,18 +246,21 @@ Result<PlanReport> Compute(const PlanInput& in) {
       r.host_steady_per_node + r.checkpoint_gather_bytes + r.fork_extra_naive_per_node;
   r.host_peak_spillway_per_node =
       r.host_committed_per_node + r.checkpoint_streamed_bytes + r.fork_extra_spillway_per_node;
-  r.host_headroom = static_cast<int64_t>(in.host_ram_bytes) - static_cast<int64_t>(r.host_peak_spillway_per_node);
+  r.host_headroom =
+      static_cast<int64_t>(in.host_ram_bytes) - static_cast<int64_t>(r.host_peak_spillway_per_node);
   r.nvme_headroom = static_cast<int64_t>(in.nvme_bytes) - static_cast<int64_t>(r.nvme_per_node);
   r.gpu_per_rank = r.per_rank[static_cast<int>(Place::kGpu)];
   bool gpu_fits = true;
   if (in.gpu_mem_bytes > 0) {
     r.gpu_reserve_bytes = Bytes(static_cast<double>(in.gpu_mem_bytes) * in.gpu_reserve_fraction);
-    r.gpu_headroom = static_cast<int64_t>(in.gpu_mem_bytes) - static_cast<int64_t>(r.gpu_reserve_bytes) -
+    r.gpu_headroom = static_cast<int64_t>(in.gpu_mem_bytes) -
+                     static_cast<int64_t>(r.gpu_reserve_bytes) -
                      static_cast<int64_t>(r.gpu_per_rank);
     gpu_fits = r.gpu_headroom >= 0;
   }
   r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0 && gpu_fits;
-  r.naive_fits = r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 && gpu_fits;
+  r.naive_fits =
+      r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 && gpu_fits;
   return r;
 }
 
@@ -247,10 +268,14 @@ Result<PlanReport> Compute(const PlanInput& in) {
 
 const char* PlaceName(Place place) {
   switch (place) {
-    case Place::kGpu: return "gpu";
-    case Place::kHostPinned: return "host pinned";
-    case Place::kHostPageable: return "host pageable";
-    case Place::kNvme: return "nvme";
+    case Place::kGpu:
+      return "gpu";
+    case Place::kHostPinned:
+      return "host pinned";
+    case Place::kHostPageable:
+      return "host pageable";
+    case Place::kNvme:
+      return "nvme";
   }
   return "?";
 }
@@ -280,8 +305,10 @@ Result<PlanReport> MakePlan(const PlanInput& input) {
          c.offload_optimizer.device = OffloadDevice::kNvme;
          c.offload_param.device = OffloadDevice::kNvme;
        }},
-      {"sub_group_size = 1e8 (smaller optimizer swap buffers)", [](Config& c) { c.sub_group_size = 100'000'000; }},
-      {"offload_optimizer.buffer_count = 2", [](Config& c) { c.offload_optimizer.buffer_count = 2; }},
+      {"sub_group_size = 1e8 (smaller optimizer swap buffers)",
+       [](Config& c) { c.sub_group_size = 100'000'000; }},
+      {"offload_optimizer.buffer_count = 2",
+       [](Config& c) { c.offload_optimizer.buffer_count = 2; }},
   };
   for (const Try& t : tries) {
     PlanInput changed = input;
@@ -289,7 +316,8 @@ Result<PlanReport> MakePlan(const PlanInput& input) {
     if (changed.config.any_nvme() && changed.nvme_bytes == 0) continue;
     auto alt = Compute(changed);
     if (alt.ok() && alt->fits) {
-      r->suggestions.push_back(StrCat(t.what, ": Spillway peak ", Gb(static_cast<double>(alt->host_peak_spillway_per_node)),
+      r->suggestions.push_back(StrCat(t.what, ": Spillway peak ",
+                                      Gb(static_cast<double>(alt->host_peak_spillway_per_node)),
                                       " per node"));
     }
   }
@@ -299,7 +327,8 @@ Result<PlanReport> MakePlan(const PlanInput& input) {
     more.nodes = nodes;
     auto alt = Compute(more);
     if (alt.ok() && alt->fits) {
-      r->suggestions.push_back(StrCat("--nodes ", nodes, " (", input.world_size / nodes, " ranks per node)"));
+      r->suggestions.push_back(
+          StrCat("--nodes ", nodes, " (", input.world_size / nodes, " ranks per node)"));
       break;
     }
   }
@@ -310,38 +339,47 @@ std::string PlanReport::ToString() const {
   std::ostringstream o;
   o << "state                                                  where           per rank\n";
   for (const PlanLine& l : lines) {
-    o << l.what << std::string(l.what.size() < 55 ? 55 - l.what.size() : 1, ' ') << PlaceName(l.place)
-      << std::string(16 - std::string(PlaceName(l.place)).size(), ' ') << Gb(static_cast<double>(l.bytes_per_rank)) << "\n";
+    o << l.what << std::string(l.what.size() < 55 ? 55 - l.what.size() : 1, ' ')
+      << PlaceName(l.place) << std::string(16 - std::string(PlaceName(l.place)).size(), ' ')
+      << Gb(static_cast<double>(l.bytes_per_rank)) << "\n";
   }
   o << "\nper node: gpu " << Gb(static_cast<double>(per_node[0])) << ", host pinned "
-    << Gb(static_cast<double>(per_node[1])) << ", host pageable " << Gb(static_cast<double>(per_node[2]))
-    << ", nvme " << Gb(static_cast<double>(per_node[3])) << "\n";
+    << Gb(static_cast<double>(per_node[1])) << ", host pageable "
+    << Gb(static_cast<double>(per_node[2])) << ", nvme " << Gb(static_cast<double>(per_node[3]))
+    << "\n";
   const bool trainer = runtime == Runtime::kTrainer;
   if (trainer) {
     o << "host arena after a step: " << Gb(static_cast<double>(host_committed_per_node))
       << " per node held from the OS (regions, the step's transients it keeps)\n";
     o << "end-of-epoch checkpoint: gathering the model to host would hold "
       << Gb(static_cast<double>(checkpoint_gather_bytes)) << " on node 0; Trainer::Save holds "
-      << Gb(static_cast<double>(checkpoint_streamed_bytes)) << " per node beyond the steady state\n";
+      << Gb(static_cast<double>(checkpoint_streamed_bytes))
+      << " per node beyond the steady state\n";
   } else {
-    o << "end-of-epoch checkpoint: DeepSpeed gathers " << Gb(static_cast<double>(checkpoint_gather_bytes))
-      << " into node 0's host memory; Spillway streams through " << Gb(static_cast<double>(checkpoint_streamed_bytes)) << "\n";
+    o << "end-of-epoch checkpoint: DeepSpeed gathers "
+      << Gb(static_cast<double>(checkpoint_gather_bytes))
+      << " into node 0's host memory; Spillway streams through "
+      << Gb(static_cast<double>(checkpoint_streamed_bytes)) << "\n";
   }
-  o << "fork of the trainer, first optimizer step after it: +" << Gb(static_cast<double>(fork_extra_naive_per_node))
-    << " per node without fork-safe arenas, +" << Gb(static_cast<double>(fork_extra_spillway_per_node)) << " with Spillway\n";
+  o << "fork of the trainer, first optimizer step after it: +"
+    << Gb(static_cast<double>(fork_extra_naive_per_node)) << " per node without fork-safe arenas, +"
+    << Gb(static_cast<double>(fork_extra_spillway_per_node)) << " with Spillway\n";
   o << "host peak per node: " << (trainer ? "without Spillway's arena " : "DeepSpeed defaults ")
     << Gb(static_cast<double>(host_peak_naive_per_node))
-    << (naive_fits ? " (fits)" : " (does not fit)") << ", Spillway " << Gb(static_cast<double>(host_peak_spillway_per_node)) << "\n";
+    << (naive_fits ? " (fits)" : " (does not fit)") << ", Spillway "
+    << Gb(static_cast<double>(host_peak_spillway_per_node)) << "\n";
   if (gpu_reserve_bytes > 0 && trainer) {
     o << "gpu: the trainer keeps no model states on the GPU between steps (its gathered unit and "
-         "activations are not modelled); reserve " << Gb(static_cast<double>(gpu_reserve_bytes)) << "\n";
+         "activations are not modelled); reserve "
+      << Gb(static_cast<double>(gpu_reserve_bytes)) << "\n";
   } else if (gpu_reserve_bytes > 0) {
     o << "gpu: model states " << Gb(static_cast<double>(gpu_per_rank)) << " per GPU + reserve "
       << Gb(static_cast<double>(gpu_reserve_bytes)) << " (activations, context; --gpu-reserve)"
       << (gpu_headroom >= 0 ? ": fits" : ": does not fit") << "\n";
   }
   o << "verdict: " << (fits ? "fits" : "does not fit") << " (host headroom "
-    << Gb(static_cast<double>(host_headroom)) << ", nvme headroom " << Gb(static_cast<double>(nvme_headroom));
+    << Gb(static_cast<double>(host_headroom)) << ", nvme headroom "
+    << Gb(static_cast<double>(nvme_headroom));
   if (gpu_reserve_bytes > 0) o << ", gpu headroom " << Gb(static_cast<double>(gpu_headroom));
   o << ")\n";
   for (const std::string& s : suggestions) o << "  would fit with " << s << "\n";

@@ -9,17 +9,20 @@
 
 namespace spillway::offload {
 
-Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(
-    allocator::HostArena* arena, allocator::NvmeArena* nvme, Device* device,
-    PipelineOptions options) {
+Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(allocator::HostArena* arena,
+                                                                   allocator::NvmeArena* nvme,
+                                                                   Device* device,
+                                                                   PipelineOptions options) {
   if (arena == nullptr || nvme == nullptr || device == nullptr) {
     return Status::InvalidArgument("TransferPipeline: arena, NVMe arena and device are required");
   }
   if (options.staging_buffers < 2 || options.chunk_bytes == 0 ||
       options.chunk_bytes % nvme->alignment() != 0) {
-    return Status::InvalidArgument(StrCat(
-        "TransferPipeline: chunk_bytes ", options.chunk_bytes, " must be a positive multiple of "
-        "the NVMe alignment ", nvme->alignment(), " (aio.block_size), and staging_buffers >= 2"));
+    return Status::InvalidArgument(StrCat("TransferPipeline: chunk_bytes ", options.chunk_bytes,
+                                          " must be a positive multiple of "
+                                          "the NVMe alignment ",
+                                          nvme->alignment(),
+                                          " (aio.block_size), and staging_buffers >= 2"));
   }
   std::unique_ptr<TransferPipeline> p(new TransferPipeline(arena, nvme, device, options));
   auto stream = device->NewStream();
@@ -56,7 +59,8 @@ class TransferPipeline::Driving {
   Status status(const char* call) const {
     if (entered_) return Status::Ok();
     return Status::FailedPrecondition(StrCat(
-        "TransferPipeline::", call, ": another thread is driving this pipeline (its staging ring "
+        "TransferPipeline::", call,
+        ": another thread is driving this pipeline (its staging ring "
         "and stream serve one call at a time); give each thread its own pipeline or serialise "
         "the calls"));
   }
@@ -124,10 +128,10 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
   if (error.ok()) error = synced;
   if (error.ok() && nvme_->checksum_enabled() && crc != *expected) {
     stats_.checksum_failures++;
-    error = Status::Make(StatusCode::kChecksumMismatch,
-                         StrCat("checksum mismatch streaming the extent at offset ", off, " (",
-                                FormatBytes(bytes), ") to ", device_->id().ToString(),
-                                ": the data on disk is corrupt"));
+    error = Status::Make(
+        StatusCode::kChecksumMismatch,
+        StrCat("checksum mismatch streaming the extent at offset ", off, " (", FormatBytes(bytes),
+               ") to ", device_->id().ToString(), ": the data on disk is corrupt"));
   }
   if (!error.ok()) {
     stats_.failures++;
@@ -158,9 +162,8 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
         writes[i - k].reset();
         if (!error.ok()) break;
       }
-      error = stream_->SubmitCopy(staging_[slot],
-                                 static_cast<const char*>(device_src) + i * chunk,
-                                 ChunkLength(i, bytes));
+      error = stream_->SubmitCopy(staging_[slot], static_cast<const char*>(device_src) + i * chunk,
+                                  ChunkLength(i, bytes));
       if (!error.ok()) break;
       auto ev = stream_->Record();
       if (!ev.ok()) {
@@ -194,7 +197,8 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
   if (error.ok()) error = synced;
   if (!error.ok()) {
     stats_.failures++;
-    return error.WithContext(StrCat(device_->id().ToString(), " -> NVMe transfer failed; the "
+    return error.WithContext(StrCat(device_->id().ToString(),
+                                    " -> NVMe transfer failed; the "
                                     "device source is unchanged and the NVMe extent is invalid"));
   }
   SPILLWAY_RETURN_IF_ERROR(nvme_->CommitWrite(off, bytes, crc, *generation));
@@ -208,8 +212,8 @@ Status TransferPipeline::HostToDevice(const void* host_src, void* device_dst, ui
   const uint64_t chunk = options_.chunk_bytes;
   for (uint64_t i = 0; i * chunk < bytes; ++i) {
     SPILLWAY_RETURN_IF_ERROR(stream_->SubmitCopy(static_cast<char*>(device_dst) + i * chunk,
-                                                static_cast<const char*>(host_src) + i * chunk,
-                                                ChunkLength(i, bytes)));
+                                                 static_cast<const char*>(host_src) + i * chunk,
+                                                 ChunkLength(i, bytes)));
   }
   SPILLWAY_RETURN_IF_ERROR(stream_->Synchronize());
   stats_.host_to_device_bytes += bytes;

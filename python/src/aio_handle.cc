@@ -5,9 +5,8 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
-
 #include <torch/extension.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <cstring>
@@ -21,8 +20,8 @@
 
 #include "errors.h"
 #include "py_arena.h"
-#include "spillway/base/log.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/base/log.h"
 
 namespace py = pybind11;
 
@@ -33,11 +32,13 @@ namespace {
 Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const char* what) {
   if (!t.defined()) return Status::InvalidArgument(StrCat(what, ": an undefined tensor"));
   if (!t.device().is_cpu()) {
-    return Status::InvalidArgument(StrCat(what, ": the tensor is on ", t.device().str(),
-                                          "; aio transfers need a CPU tensor (copy it with .cpu())"));
+    return Status::InvalidArgument(
+        StrCat(what, ": the tensor is on ", t.device().str(),
+               "; aio transfers need a CPU tensor (copy it with .cpu())"));
   }
   if (!t.is_contiguous()) {
-    return Status::InvalidArgument(StrCat(what, ": the tensor is not contiguous; pass t.contiguous()"));
+    return Status::InvalidArgument(
+        StrCat(what, ": the tensor is not contiguous; pass t.contiguous()"));
   }
   return std::make_pair(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
 }
@@ -47,12 +48,12 @@ Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const cha
 struct OpenFile {
   int fd = -1;
   int id = -1;
-  bool owned = true;     // we opened (or dup'd) it and close it
-  dev_t dev = 0;         // what the path named when it was opened (checked on every use)
+  bool owned = true;  // we opened (or dup'd) it and close it
+  dev_t dev = 0;      // what the path named when it was opened (checked on every use)
   ino_t ino = 0;
-  std::string key;       // the table key; empty for an fd op's private dup
+  std::string key;  // the table key; empty for an fd op's private dup
   uint64_t last_use = 0;
-  int users = 0;         // calls between lookup and submit, plus ops in flight
+  int users = 0;  // calls between lookup and submit, plus ops in flight
   bool in_table = true;
   std::shared_ptr<allocator::IoEngine> engine;  // it is registered here (outlives close())
 };
@@ -80,16 +81,20 @@ class AioHandle {
  public:
   AioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
             int intra_op_parallelism, std::shared_ptr<PyArena> arena, const std::string& backend)
-      : block_size_(block_size), queue_depth_(queue_depth), single_submit_(single_submit),
-        overlap_events_(overlap_events), intra_op_(intra_op_parallelism), arena_(std::move(arena)) {
+      : block_size_(block_size),
+        queue_depth_(queue_depth),
+        single_submit_(single_submit),
+        overlap_events_(overlap_events),
+        intra_op_(intra_op_parallelism),
+        arena_(std::move(arena)) {
     if (block_size == 0 || queue_depth <= 0 || intra_op_parallelism <= 0) {
-      Raise(Status::InvalidArgument(StrCat("aio_handle(block_size=", block_size, ", queue_depth=", queue_depth,
-                                           ", intra_op_parallelism=", intra_op_parallelism,
-                                           "): each must be positive")));
+      Raise(Status::InvalidArgument(
+          StrCat("aio_handle(block_size=", block_size, ", queue_depth=", queue_depth,
+                 ", intra_op_parallelism=", intra_op_parallelism, "): each must be positive")));
     }
     if (backend != "auto" && backend != "uring" && backend != "thread_pool") {
-      Raise(Status::InvalidArgument(StrCat("aio_handle(backend='", backend,
-                                           "'): one of 'auto', 'uring', 'thread_pool'")));
+      Raise(Status::InvalidArgument(
+          StrCat("aio_handle(backend='", backend, "'): one of 'auto', 'uring', 'thread_pool'")));
     }
     allocator::IoEngineOptions eo;
     eo.arena = arena_->get();
@@ -99,11 +104,13 @@ class AioHandle {
     eo.block_size = (block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
     eo.queue_depth = static_cast<uint32_t>(queue_depth);
     eo.force_thread_pool = backend == "thread_pool";
-    engine_ = std::shared_ptr<allocator::IoEngine>(Check(allocator::IoEngine::Create(eo)).release());
+    engine_ =
+        std::shared_ptr<allocator::IoEngine>(Check(allocator::IoEngine::Create(eo)).release());
     if (backend == "uring" && engine_->Stats().backend != allocator::IoBackend::kUring) {
-      Raise(Status::Make(StatusCode::kUnavailable,
-                         StrCat("aio_handle(backend='uring'): io_uring is not available here (",
-                                engine_->Stats().fallback_reason, "); use backend='auto' or 'thread_pool'")));
+      Raise(Status::Make(
+          StatusCode::kUnavailable,
+          StrCat("aio_handle(backend='uring'): io_uring is not available here (",
+                 engine_->Stats().fallback_reason, "); use backend='auto' or 'thread_pool'")));
     }
   }
   ~AioHandle() {
@@ -153,8 +160,12 @@ class AioHandle {
   int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
     return Transfer(b, f, -1, off, true, async, validate);
   }
-  int PwriteFd(const torch::Tensor& b, int fd, int64_t off) { return Transfer(b, "", fd, off, true, true, false); }
-  int PreadFd(const torch::Tensor& b, int fd, int64_t off) { return Transfer(b, "", fd, off, false, true, false); }
+  int PwriteFd(const torch::Tensor& b, int fd, int64_t off) {
+    return Transfer(b, "", fd, off, true, true, false);
+  }
+  int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
+    return Transfer(b, "", fd, off, false, true, false);
+  }
 
   // Waits for this handle's async ops: those it takes, and those other threads' wait() calls took
   // that were submitted before this call. Returns how many it took, -1 if any failed.
@@ -196,7 +207,8 @@ class AioHandle {
 
   torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
     CheckProcess();
-    if (num_elem < 0) Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
+    if (num_elem < 0)
+      Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
     torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
                                     allocator::Lifetime::kPersistent, 0);
     py::gil_scoped_release nogil;
@@ -246,10 +258,11 @@ class AioHandle {
   // ring thread and must not touch the parent's ring, fixed files or buffers.
   void CheckProcess() const {
     if (!process_.InOwner()) {
-      Raise(Status::FailedPrecondition(StrCat(
-          "aio_handle was made in process ", process_.pid(), " and this is a forked child (pid ",
-          ::getpid(), "); its ring and files belong to the parent. Make a new aio_handle in the "
-          "child")));
+      Raise(Status::FailedPrecondition(
+          StrCat("aio_handle was made in process ", process_.pid(),
+                 " and this is a forked child (pid ", ::getpid(),
+                 "); its ring and files belong to the parent. Make a new aio_handle in the "
+                 "child")));
     }
   }
 
@@ -258,8 +271,8 @@ class AioHandle {
   }
 
   // Returns 0 (async, submitted), the number of completed ops (sync: 1), or -1 with last_error.
-  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset, bool write,
-               bool async, bool validate) {
+  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
+               bool write, bool async, bool validate) {
     (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
     CheckProcess();
     auto bytes = TensorBytes(buffer, write ? "aio write" : "aio read");
@@ -268,7 +281,8 @@ class AioHandle {
     int rc = 0;
     {
       py::gil_scoped_release nogil;
-      rc = TransferNoGil(buffer, bytes->first, bytes->second, filename, fd, offset, write, async, &raise);
+      rc = TransferNoGil(buffer, bytes->first, bytes->second, filename, fd, offset, write, async,
+                         &raise);
     }
     if (!raise.ok()) Raise(raise);
     return rc;
@@ -280,14 +294,15 @@ class AioHandle {
     return -1;
   }
 
-  int TransferNoGil(const torch::Tensor& buffer, void* data, uint64_t n, const std::string& filename, int fd,
-                    int64_t offset, bool write, bool async, Status* raise) {
+  int TransferNoGil(const torch::Tensor& buffer, void* data, uint64_t n,
+                    const std::string& filename, int fd, int64_t offset, bool write, bool async,
+                    Status* raise) {
     const char* op = write ? "pwrite" : "pread";
     const std::string name = fd >= 0 ? StrCat("fd ", fd) : filename;
     if (offset < 0) return Fail(StrCat(op, " ", name, ": negative file offset ", offset));
     if (n % static_cast<uint64_t>(intra_op_) != 0) {
-      return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=", intra_op_,
-                         " (DeepSpeed's rule); pad the tensor or use 1"));
+      return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=",
+                         intra_op_, " (DeepSpeed's rule); pad the tensor or use 1"));
     }
     std::shared_ptr<allocator::IoEngine> engine;
     {
@@ -313,9 +328,10 @@ class AioHandle {
     } active{this};
     // Page-aligned requests on a named file go through O_DIRECT (DeepSpeed's mode: no page cache,
     // no double copy); others through a buffered descriptor, so no size or offset is refused.
-    const bool direct = fd < 0 && direct_ok_.load() && offset % kDirectAlign == 0 && n % kDirectAlign == 0 &&
+    const bool direct = fd < 0 && direct_ok_.load() && offset % kDirectAlign == 0 &&
+                        n % kDirectAlign == 0 &&
                         reinterpret_cast<uintptr_t>(data) % kDirectAlign == 0;
-    struct stat now{};  // the file as it is at this call (its size, for reads)
+    struct stat now {};  // the file as it is at this call (its size, for reads)
     Result<FilePtr> file = fd >= 0 ? DupFd(engine, fd, write ? nullptr : &now)
                                    : OpenNamed(engine, filename, write, direct, &now);
     if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
@@ -329,8 +345,9 @@ class AioHandle {
       Unpin(f);
       return async ? 0 : 1;
     }
-    Result<allocator::Ticket> t = write ? engine->SubmitWrite(f->id, static_cast<uint64_t>(offset), data, n)
-                                        : engine->SubmitRead(f->id, static_cast<uint64_t>(offset), data, n);
+    Result<allocator::Ticket> t =
+        write ? engine->SubmitWrite(f->id, static_cast<uint64_t>(offset), data, n)
+              : engine->SubmitRead(f->id, static_cast<uint64_t>(offset), data, n);
     if (!t.ok()) {
       Unpin(f);
       return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
@@ -350,8 +367,8 @@ class AioHandle {
     return 1;
   }
 
-  // Waits for `ops` without the lock; then retires them (seq done, file unpinned). Returns the first
-  // error as "<op> <file>: <status>", or "".
+  // Waits for `ops` without the lock; then retires them (seq done, file unpinned). Returns the
+  // first error as "<op> <file>: <status>", or "".
   std::string Finish(allocator::IoEngine* engine, std::vector<Pending>* ops) {
     std::string first_error;
     for (Pending& p : *ops) {
@@ -372,10 +389,12 @@ class AioHandle {
   // The caller's descriptor, dup'd at the time of the call: the op writes the file the number named
   // then, whatever the caller does with the number afterwards. Closed when the op finished.
   // `now`, when given, receives the file's fstat (reads need its size).
-  Result<FilePtr> DupFd(const std::shared_ptr<allocator::IoEngine>& engine, int fd, struct stat* now) {
+  Result<FilePtr> DupFd(const std::shared_ptr<allocator::IoEngine>& engine, int fd,
+                        struct stat* now) {
     const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) {
-      return Status::FromErrno(StatusCode::kInvalidArgument, errno, StrCat("fd ", fd, " is not an open descriptor"));
+      return Status::FromErrno(StatusCode::kInvalidArgument, errno,
+                               StrCat("fd ", fd, " is not an open descriptor"));
     }
     if (now != nullptr && ::fstat(dup, now) != 0) {
       const int err = errno;
@@ -388,8 +407,8 @@ class AioHandle {
   }
 
   // Registers `fd` (ours: closed on failure) and returns it pinned for the caller.
-  static Result<FilePtr> Register(const std::shared_ptr<allocator::IoEngine>& engine, int fd, std::string name,
-                                  uint32_t alignment) {
+  static Result<FilePtr> Register(const std::shared_ptr<allocator::IoEngine>& engine, int fd,
+                                  std::string name, uint32_t alignment) {
     auto id = engine->RegisterFile(fd, std::move(name), alignment);
     if (!id.ok()) {
       ::close(fd);
@@ -407,8 +426,9 @@ class AioHandle {
   // (st_dev/st_ino: a rename, an unlink or a re-creation since it was opened makes a new one);
   // else a new descriptor, entered in the table. Pinned for the caller (Unpin when done). `now`
   // receives the file's stat as of this call.
-  Result<FilePtr> OpenNamed(const std::shared_ptr<allocator::IoEngine>& engine, const std::string& filename,
-                            bool write, bool direct, struct stat* now) {
+  Result<FilePtr> OpenNamed(const std::shared_ptr<allocator::IoEngine>& engine,
+                            const std::string& filename, bool write, bool direct,
+                            struct stat* now) {
     const std::string key = StrCat(write ? "w" : "r", direct ? "d:" : ":", filename);
     FilePtr cached;
     {
@@ -421,7 +441,8 @@ class AioHandle {
       }
     }
     if (cached != nullptr) {
-      if (::stat(filename.c_str(), now) == 0 && now->st_dev == cached->dev && now->st_ino == cached->ino) {
+      if (::stat(filename.c_str(), now) == 0 && now->st_dev == cached->dev &&
+          now->st_ino == cached->ino) {
         return cached;
       }
       Retire(cached);  // the path names another file now (or none): leave the table
@@ -432,12 +453,14 @@ class AioHandle {
     if (fd < 0 && direct && errno == EINVAL) {
       // The filesystem has no O_DIRECT (tmpfs, some overlays): buffered from now on, said once.
       if (direct_ok_.exchange(false)) {
-        Log(LogLevel::kInfo, StrCat("aio_handle: ", filename, " does not support O_DIRECT; this handle "
+        Log(LogLevel::kInfo, StrCat("aio_handle: ", filename,
+                                    " does not support O_DIRECT; this handle "
                                     "uses buffered I/O from now on"));
       }
       return OpenNamed(engine, filename, write, false, now);
     }
-    if (fd < 0) return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", ErrnoText(errno)), errno);
+    if (fd < 0)
+      return Status::Make(StatusCode::kIoError, StrCat("cannot open: ", ErrnoText(errno)), errno);
     if (::fstat(fd, now) != 0) {
       const int err = errno;
       ::close(fd);
@@ -473,7 +496,8 @@ class AioHandle {
         if (lru == files_.end()) break;
         for (auto p = pending_.begin(); p != pending_.end();) {
           if (p->file == lru->second) {
-            early.push_back({p->ticket, p->seq, p->what, p->file, torch::Tensor(), true, false, Status()});
+            early.push_back(
+                {p->ticket, p->seq, p->what, p->file, torch::Tensor(), true, false, Status()});
             done_early_.push_back(std::move(*p));  // visible to wait()/close() from now on
             done_early_.back().done = true;
             done_early_.back().ready = false;
@@ -543,8 +567,9 @@ class AioHandle {
   void Release(const FilePtr& f) {
     const Status st = f->engine->UnregisterFile(f->id);
     if (!st.ok()) {
-      Log(LogLevel::kWarning, StrCat("aio_handle: unregistering ", f->key.empty() ? "an fd op's file" : f->key,
-                                     " failed: ", st.ToString()));
+      Log(LogLevel::kWarning,
+          StrCat("aio_handle: unregistering ", f->key.empty() ? "an fd op's file" : f->key,
+                 " failed: ", st.ToString()));
     }
     if (f->owned) ::close(f->fd);
   }
@@ -591,30 +616,34 @@ class AioHandle {
   std::atomic<bool> direct_ok_{true};
 
   std::mutex mu_;
-  std::condition_variable done_;                         // an op finished (outstanding_ shrank)
-  std::shared_ptr<allocator::IoEngine> engine_;       // guarded by mu_; null once closed
-  std::map<std::string, FilePtr> files_;                 // guarded by mu_
-  std::vector<Pending> pending_;                         // guarded by mu_: submitted, not taken by a wait
-  std::vector<Pending> done_early_;                      // guarded by mu_: completed by an eviction
-  bool closing_ = false;                                 // guarded by mu_: close() in progress
-  int active_ = 0;                                       // guarded by mu_: calls between engine copy and submit
-  std::set<uint64_t> outstanding_;                       // guarded by mu_: submitted, not finished
-  uint64_t next_seq_ = 0;                                // guarded by mu_
-  uint64_t use_clock_ = 0;                               // guarded by mu_
-  std::map<const void*, c10::Storage> locked_;           // guarded by mu_
-  std::string last_error_;                               // guarded by mu_
+  std::condition_variable done_;                 // an op finished (outstanding_ shrank)
+  std::shared_ptr<allocator::IoEngine> engine_;  // guarded by mu_; null once closed
+  std::map<std::string, FilePtr> files_;         // guarded by mu_
+  std::vector<Pending> pending_;                 // guarded by mu_: submitted, not taken by a wait
+  std::vector<Pending> done_early_;              // guarded by mu_: completed by an eviction
+  bool closing_ = false;                         // guarded by mu_: close() in progress
+  int active_ = 0;                  // guarded by mu_: calls between engine copy and submit
+  std::set<uint64_t> outstanding_;  // guarded by mu_: submitted, not finished
+  uint64_t next_seq_ = 0;           // guarded by mu_
+  uint64_t use_clock_ = 0;          // guarded by mu_
+  std::map<const void*, c10::Storage> locked_;  // guarded by mu_
+  std::string last_error_;                      // guarded by mu_
 };
 
 }  // namespace
 
-void BindAioHandle(py::module_& m, std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default) {
+void BindAioHandle(
+    py::module_& m,
+    std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default) {
   py::class_<AioHandle>(m, "aio_handle")
-      .def(py::init([arena_or_default](uint64_t bs, int qd, bool ss, bool oe, int iop, std::shared_ptr<PyArena> arena,
-                                       const std::string& backend) {
-             return std::make_unique<AioHandle>(bs, qd, ss, oe, iop, arena_or_default(std::move(arena)), backend);
+      .def(py::init([arena_or_default](uint64_t bs, int qd, bool ss, bool oe, int iop,
+                                       std::shared_ptr<PyArena> arena, const std::string& backend) {
+             return std::make_unique<AioHandle>(bs, qd, ss, oe, iop,
+                                                arena_or_default(std::move(arena)), backend);
            }),
-           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128, py::arg("single_submit") = false,
-           py::arg("overlap_events") = false, py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
+           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
+           py::arg("single_submit") = false, py::arg("overlap_events") = false,
+           py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
            py::arg("backend") = "auto")
       .def("get_block_size", &AioHandle::block_size)
       .def("get_queue_depth", &AioHandle::queue_depth)
@@ -629,24 +658,39 @@ void BindAioHandle(py::module_& m, std::function<std::shared_ptr<PyArena>(std::s
            py::arg("file_offset") = 0)
       .def("pread", &AioHandle::Pread, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
            py::arg("async"), py::arg("file_offset") = 0)
-      .def("pwrite", &AioHandle::Pwrite, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
-           py::arg("async"), py::arg("file_offset") = 0)
-      .def("sync_pread", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-             return h.Pread(b, f, false, false, o);
-           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("sync_pwrite", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-             return h.Pwrite(b, f, false, false, o);
-           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("async_pread", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-             return h.Pread(b, f, false, true, o);
-           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("async_pwrite", [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-             return h.Pwrite(b, f, false, true, o);
-           }, py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("async_pwrite", &AioHandle::PwriteFd, py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)
-      .def("async_pread", &AioHandle::PreadFd, py::arg("buffer"), py::arg("fd"), py::arg("file_offset") = 0)
+      .def("pwrite", &AioHandle::Pwrite, py::arg("buffer"), py::arg("filename"),
+           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+      .def(
+          "sync_pread",
+          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pread(b, f, false, false, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "sync_pwrite",
+          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pwrite(b, f, false, false, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "async_pread",
+          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pread(b, f, false, true, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "async_pwrite",
+          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pwrite(b, f, false, true, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("async_pwrite", &AioHandle::PwriteFd, py::arg("buffer"), py::arg("fd"),
+           py::arg("file_offset") = 0)
+      .def("async_pread", &AioHandle::PreadFd, py::arg("buffer"), py::arg("fd"),
+           py::arg("file_offset") = 0)
       .def("wait", &AioHandle::Wait)
-      .def("new_cpu_locked_tensor", &AioHandle::NewLockedTensor, py::arg("num_elem"), py::arg("example_tensor"))
+      .def("new_cpu_locked_tensor", &AioHandle::NewLockedTensor, py::arg("num_elem"),
+           py::arg("example_tensor"))
       .def("free_cpu_locked_tensor", &AioHandle::FreeLockedTensor)
       .def("is_pinned", &AioHandle::IsPinned)
       .def("close", &AioHandle::Close);

@@ -14,7 +14,8 @@ namespace spillway::python {
 
 // Defines spillway._spillway.aio_handle. `arena_or_default` maps the `arena=` argument (None: the
 // module's default pinned arena) to the arena its locked tensors come from.
-void BindAioHandle(pybind11::module_& m,
-                   std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default);
+void BindAioHandle(
+    pybind11::module_& m,
+    std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default);
 
 }  // namespace spillway::python

@@ -4,24 +4,24 @@
 // it can use one (Note [Process groups] in docs/engine.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "errors.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
-#include "spillway/allocator/io_engine.h"
-#include "spillway/trainer/collectives.h"
-#include "spillway/trainer/trainer.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/tiers.h"
+#include "spillway/trainer/collectives.h"
+#include "spillway/trainer/trainer.h"
 
 namespace py = pybind11;
 
@@ -55,8 +55,10 @@ struct TrainOutcome {
 // is an arithmetic sequence mod vocab with a random start and stride: learnable from the context,
 // so the loss falls well below ln(vocab) and a wrong gradient shows.
 torch::Tensor GlobalMicroBatch(const TrainRequest& q, int64_t step, int64_t k) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.data_seed + step * 100 + k));
-  const torch::Tensor start = torch::randint(0, q.model.vocab, {q.batch_rows, 1}, gen, torch::kInt64);
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.data_seed + step * 100 + k));
+  const torch::Tensor start =
+      torch::randint(0, q.model.vocab, {q.batch_rows, 1}, gen, torch::kInt64);
   const torch::Tensor stride = torch::randint(1, 4, {q.batch_rows, 1}, gen, torch::kInt64);
   const torch::Tensor pos = torch::arange(q.model.seq_len + 1, torch::kInt64).unsqueeze(0);
   return (start + stride * pos).remainder(q.model.vocab);
@@ -95,8 +97,9 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   out.rank = coll->rank();
   out.world_size = coll->world_size();
   // The data position is the step: micro-batches are a function of (data_seed, step, k).
-  const std::string position = StrCat(R"({"data_seed": )", q.data_seed, R"(, "batch_rows": )",
-                                      q.batch_rows, R"(, "micro_batches_per_rank": )", q.micro_batches, "}");
+  const std::string position =
+      StrCat(R"({"data_seed": )", q.data_seed, R"(, "batch_rows": )", q.batch_rows,
+             R"(, "micro_batches_per_rank": )", q.micro_batches, "}");
   if (!q.resume_dir.empty()) {
     engine::CheckpointOptions co;
     co.io = (*tiers)->io.get();
@@ -137,23 +140,31 @@ engine::GptConfig ModelFromDict(const py::dict& d) {
   for (auto item : d) {
     const std::string k = py::str(item.first);
     const int64_t v = item.second.cast<int64_t>();
-    if (k == "vocab") c.vocab = v;
-    else if (k == "d_model") c.d_model = v;
-    else if (k == "n_layer") c.n_layer = v;
-    else if (k == "n_head") c.n_head = v;
-    else if (k == "seq_len") c.seq_len = v;
-    else if (k == "seed") c.seed = static_cast<uint64_t>(v);
+    if (k == "vocab")
+      c.vocab = v;
+    else if (k == "d_model")
+      c.d_model = v;
+    else if (k == "n_layer")
+      c.n_layer = v;
+    else if (k == "n_head")
+      c.n_head = v;
+    else if (k == "seq_len")
+      c.seq_len = v;
+    else if (k == "seed")
+      c.seed = static_cast<uint64_t>(v);
     else {
-      Raise(Status::InvalidArgument(StrCat("model: unknown key '", k,
-                                           "'; the keys are vocab, d_model, n_layer, n_head, seq_len, seed")));
+      Raise(Status::InvalidArgument(
+          StrCat("model: unknown key '", k,
+                 "'; the keys are vocab, d_model, n_layer, n_head, seq_len, seed")));
     }
   }
   if (c.vocab < 2 || c.d_model < 1 || c.n_layer < 1 || c.n_head < 1 || c.seq_len < 1 ||
       c.d_model % c.n_head != 0) {
-    Raise(Status::InvalidArgument(StrCat("model: vocab ", c.vocab, ", d_model ", c.d_model, ", n_layer ",
-                                         c.n_layer, ", n_head ", c.n_head, ", seq_len ", c.seq_len,
-                                         " is not a model: every size must be positive, vocab at least 2, "
-                                         "and d_model a multiple of n_head")));
+    Raise(Status::InvalidArgument(
+        StrCat("model: vocab ", c.vocab, ", d_model ", c.d_model, ", n_layer ", c.n_layer,
+               ", n_head ", c.n_head, ", seq_len ", c.seq_len,
+               " is not a model: every size must be positive, vocab at least 2, "
+               "and d_model a multiple of n_head")));
   }
   return c;
 }
@@ -163,12 +174,13 @@ engine::GptConfig ModelFromDict(const py::dict& d) {
 void BindEngine(py::module_& m) {
   m.def(
       "_train_gpt",
-      [](const std::string& config_json, const py::dict& model, int64_t steps, int64_t micro_batches,
-         int64_t batch_rows, int64_t data_seed, const std::string& device, py::object group,
-         const std::string& save, const std::string& resume) {
+      [](const std::string& config_json, const py::dict& model, int64_t steps,
+         int64_t micro_batches, int64_t batch_rows, int64_t data_seed, const std::string& device,
+         py::object group, const std::string& save, const std::string& resume) {
         if (steps < 1 || micro_batches < 1 || batch_rows < 1) {
-          Raise(Status::InvalidArgument(StrCat("steps (", steps, "), micro_batches (", micro_batches,
-                                               ") and batch_rows (", batch_rows, ") must be at least 1")));
+          Raise(Status::InvalidArgument(StrCat("steps (", steps, "), micro_batches (",
+                                               micro_batches, ") and batch_rows (", batch_rows,
+                                               ") must be at least 1")));
         }
         TrainRequest q;
         q.config_json = config_json;
@@ -188,10 +200,10 @@ void BindEngine(py::module_& m) {
           try {
             pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
           } catch (const py::cast_error&) {
-            Raise(Status::InvalidArgument(
-                StrCat("group: expected a torch.distributed ProcessGroup (torch.distributed.group.WORLD "
-                       "after init_process_group(\"gloo\") or (\"cpu:gloo,cuda:nccl\")), got ",
-                       std::string(py::str(py::type::of(group))))));
+            Raise(Status::InvalidArgument(StrCat(
+                "group: expected a torch.distributed ProcessGroup (torch.distributed.group.WORLD "
+                "after init_process_group(\"gloo\") or (\"cpu:gloo,cuda:nccl\")), got ",
+                std::string(py::str(py::type::of(group))))));
           }
           coll = Check(engine::Collectives::FromProcessGroup(std::move(pg)));
         }
@@ -212,7 +224,8 @@ void BindEngine(py::module_& m) {
         d["nvme_live_bytes"] = o.nvme_live_bytes;
         d["host_escapes"] = o.host_escapes;
         d["start_step"] = o.start_step;
-        d["checkpoint"] = o.checkpoint.empty() ? py::object(py::none()) : py::object(py::str(o.checkpoint));
+        d["checkpoint"] =
+            o.checkpoint.empty() ? py::object(py::none()) : py::object(py::str(o.checkpoint));
         return d;
       },
       py::arg("config_json"), py::arg("model"), py::arg("steps"), py::arg("micro_batches"),

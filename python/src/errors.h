@@ -12,7 +12,8 @@
 namespace spillway::python {
 
 inline std::map<StatusCode, pybind11::object>& ExceptionTypes() {
-  static auto* types = new std::map<StatusCode, pybind11::object>();  // never destroyed: outlives the interpreter
+  static auto* types =
+      new std::map<StatusCode, pybind11::object>();  // never destroyed: outlives the interpreter
   return *types;
 }
 

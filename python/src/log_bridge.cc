@@ -4,13 +4,13 @@
 // Python thread that holds the GIL and waits for that lock. It appends the line to a bounded queue
 // under a leaf mutex and, when the queue was empty, asks the interpreter to deliver it
 // (Py_AddPendingCall, callable from any thread without the GIL). The main thread then runs
-// Deliver between two bytecodes, with the GIL and none of Spillway's locks held, and hands each line
-// to spillway/_log.py's emit. No thread of its own: a process that imports spillway stays
-// single-threaded for fork(). Lines logged while the main thread is inside a long call that released
-// the GIL (spillway.engine.train_gpt) arrive when it returns to Python. Error lines are written to
-// stderr at once as well (a process may abort or crash before Python runs again); emit is told, so
-// an unconfigured logger does not print them twice. At exit, and in a forked child until its Python
-// side routes it again, lines go to stderr as without the bridge.
+// Deliver between two bytecodes, with the GIL and none of Spillway's locks held, and hands each
+// line to spillway/_log.py's emit. No thread of its own: a process that imports spillway stays
+// single-threaded for fork(). Lines logged while the main thread is inside a long call that
+// released the GIL (spillway.engine.train_gpt) arrive when it returns to Python. Error lines are
+// written to stderr at once as well (a process may abort or crash before Python runs again); emit
+// is told, so an unconfigured logger does not print them twice. At exit, and in a forked child
+// until its Python side routes it again, lines go to stderr as without the bridge.
 #include "log_bridge.h"
 
 #include <Python.h>
@@ -42,10 +42,10 @@ struct Line {
 
 struct Queue {
   std::mutex mu;
-  std::deque<Line> lines;   // guarded by mu
-  uint64_t dropped = 0;     // guarded by mu
-  bool scheduled = false;   // guarded by mu: a Deliver is pending with the interpreter
-  bool closed = true;       // guarded by mu: no emit (not routed yet, or routed back at exit)
+  std::deque<Line> lines;  // guarded by mu
+  uint64_t dropped = 0;    // guarded by mu
+  bool scheduled = false;  // guarded by mu: a Deliver is pending with the interpreter
+  bool closed = true;      // guarded by mu: no emit (not routed yet, or routed back at exit)
 };
 
 Queue& TheQueue() {
@@ -75,7 +75,8 @@ bool Deliver() {
   if (dropped != 0) {
     lines.push_back(Line{LogLevel::kWarning,
                          std::to_string(dropped) + " log lines were dropped: more than " +
-                             std::to_string(kMaxQueued) + " were queued before Python's logging took them",
+                             std::to_string(kMaxQueued) +
+                             " were queued before Python's logging took them",
                          false});
   }
   // A strong reference of our own: a handler may release the GIL, and another thread may route
@@ -91,9 +92,11 @@ bool Deliver() {
     }
     PyObject* name = PyUnicode_FromString(LogLevelName(line.level));
     // A message is bytes from C++ (a path may not be UTF-8): undecodable bytes are replaced.
-    PyObject* msg = PyUnicode_DecodeUTF8(line.text.data(), static_cast<Py_ssize_t>(line.text.size()), "replace");
+    PyObject* msg = PyUnicode_DecodeUTF8(line.text.data(),
+                                         static_cast<Py_ssize_t>(line.text.size()), "replace");
     PyObject* r = name != nullptr && msg != nullptr
-                      ? PyObject_CallFunctionObjArgs(emit, name, msg, line.on_stderr ? Py_True : Py_False, nullptr)
+                      ? PyObject_CallFunctionObjArgs(emit, name, msg,
+                                                     line.on_stderr ? Py_True : Py_False, nullptr)
                       : nullptr;
     Py_XDECREF(msg);
     Py_XDECREF(name);
@@ -102,8 +105,8 @@ bool Deliver() {
       continue;
     }
     if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-      // The rest goes back to the queue, and a delivery is asked for again (the interpreter does not
-      // retry a pending call that failed); once closed, nobody would read the queue: to stderr.
+      // The rest goes back to the queue, and a delivery is asked for again (the interpreter does
+      // not retry a pending call that failed); once closed, nobody would read the queue: to stderr.
       bool schedule = false;
       {
         std::lock_guard<std::mutex> lock(q.mu);
@@ -112,7 +115,8 @@ bool Deliver() {
             if (!rest.on_stderr) LogToStderr(rest.level, rest.text);
           }
         } else {
-          q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()), std::make_move_iterator(lines.end()));
+          q.lines.insert(q.lines.begin(), std::make_move_iterator(lines.begin()),
+                         std::make_move_iterator(lines.end()));
           schedule = !q.scheduled;
           q.scheduled = true;
         }
@@ -130,7 +134,9 @@ bool Deliver() {
   return true;
 }
 
-int DeliverPending(void*) { return Deliver() ? 0 : -1; }  // -1: the exception is raised in the main thread
+int DeliverPending(void*) {
+  return Deliver() ? 0 : -1;
+}  // -1: the exception is raised in the main thread
 
 void Sink(LogLevel level, std::string_view message) {
   Queue& q = TheQueue();
@@ -184,51 +190,62 @@ void AfterForkInChild() {
 
 void BindLogBridge(py::module_& m) {
   if (LogEnabled(LogLevel::kError)) {
-    // Reads SPILLWAY_LOG now, before any line is logged: a value that names no level is said at import.
+    // Reads SPILLWAY_LOG now, before any line is logged: a value that names no level is said at
+    // import.
   }
   static std::once_flag atfork;
   std::call_once(atfork, [] { pthread_atfork(BeforeFork, AfterForkInParent, AfterForkInChild); });
-  m.def("_log_route", [](py::object emit) {
-    // One queue per process: only the main interpreter routes it (a sub-interpreter importing
-    // spillway leaves its lines on stderr).
-    if (PyInterpreterState_Get() != PyInterpreterState_Main()) return;
-    if (emit.is_none()) {
-      SetLogSink(nullptr);
-      {
-        std::lock_guard<std::mutex> lock(TheQueue().mu);
-        TheQueue().closed = true;
-      }
-      const bool ok = Deliver();  // what was queued, through the emit still set
-      Py_CLEAR(g_emit);
-      if (!ok) throw py::error_already_set();
-      return;
-    }
-    PyObject* old = g_emit;
-    g_emit = emit.release().ptr();
-    Py_XDECREF(old);
-    {
-      std::lock_guard<std::mutex> lock(TheQueue().mu);
-      TheQueue().closed = false;
-    }
-    SetLogSink(&Sink);
-  }, "Sends C++ log lines to emit(level, message, on_stderr) on the main thread (None: back to "
-     "stderr, after handing over what is queued).");
-  m.def("_log_flush", [] {
-    if (!Deliver()) throw py::error_already_set();
-  }, "Hands what is queued to emit now, on this thread.");
+  m.def(
+      "_log_route",
+      [](py::object emit) {
+        // One queue per process: only the main interpreter routes it (a sub-interpreter importing
+        // spillway leaves its lines on stderr).
+        if (PyInterpreterState_Get() != PyInterpreterState_Main()) return;
+        if (emit.is_none()) {
+          SetLogSink(nullptr);
+          {
+            std::lock_guard<std::mutex> lock(TheQueue().mu);
+            TheQueue().closed = true;
+          }
+          const bool ok = Deliver();  // what was queued, through the emit still set
+          Py_CLEAR(g_emit);
+          if (!ok) throw py::error_already_set();
+          return;
+        }
+        PyObject* old = g_emit;
+        g_emit = emit.release().ptr();
+        Py_XDECREF(old);
+        {
+          std::lock_guard<std::mutex> lock(TheQueue().mu);
+          TheQueue().closed = false;
+        }
+        SetLogSink(&Sink);
+      },
+      "Sends C++ log lines to emit(level, message, on_stderr) on the main thread (None: back to "
+      "stderr, after handing over what is queued).");
+  m.def(
+      "_log_flush",
+      [] {
+        if (!Deliver()) throw py::error_already_set();
+      },
+      "Hands what is queued to emit now, on this thread.");
   // A test seam: logs `message` at `level` through the C++ core, from a new C++ thread (as the ring
   // thread or the prefetcher would) or from the caller's.
-  // With `lines` > 1, logs "message 0" ... "message N-1" in one call (no delivery can come between).
-  m.def("_log_test_line", [](const std::string& level, const std::string& message, bool from_thread, int lines) {
-    const LogLevel l = ParseLogLevel(level).value_or(LogLevel::kWarning);
-    auto log = [&] {
-      if (lines <= 1) return Log(l, message);
-      for (int i = 0; i < lines; ++i) Log(l, message + " " + std::to_string(i));
-    };
-    if (!from_thread) return log();
-    py::gil_scoped_release nogil;
-    std::thread(log).join();
-  }, py::arg("level"), py::arg("message"), py::arg("from_thread"), py::arg("lines") = 1);
+  // With `lines` > 1, logs "message 0" ... "message N-1" in one call (no delivery can come
+  // between).
+  m.def(
+      "_log_test_line",
+      [](const std::string& level, const std::string& message, bool from_thread, int lines) {
+        const LogLevel l = ParseLogLevel(level).value_or(LogLevel::kWarning);
+        auto log = [&] {
+          if (lines <= 1) return Log(l, message);
+          for (int i = 0; i < lines; ++i) Log(l, message + " " + std::to_string(i));
+        };
+        if (!from_thread) return log();
+        py::gil_scoped_release nogil;
+        std::thread(log).join();
+      },
+      py::arg("level"), py::arg("message"), py::arg("from_thread"), py::arg("lines") = 1);
 }
 
 }  // namespace spillway::python

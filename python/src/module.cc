@@ -1,6 +1,6 @@
 // The `spillway._spillway` extension: Spillway's host arena for Python, the exceptions, and the
-// bindings of the parts in their own files (aio_handle.cc, torch_allocators.cc, engine.cc). Pure-Python parts
-// (exceptions, spillway.deepspeed, spillway.metrics) live in python/spillway/.
+// bindings of the parts in their own files (aio_handle.cc, torch_allocators.cc, engine.cc).
+// Pure-Python parts (exceptions, spillway.deepspeed, spillway.metrics) live in python/spillway/.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -11,22 +11,22 @@
 #include <utility>
 #include <vector>
 
-#include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/ledger.h"
-#include "spillway/base/log.h"
-#include "spillway/metrics/exporter.h"
 #include "aio_handle.h"
 #include "errors.h"
 #include "log_bridge.h"
 #include "py_arena.h"
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/ledger.h"
+#include "spillway/base/log.h"
+#include "spillway/metrics/exporter.h"
 #include "torch_allocators.h"
 
 namespace py = pybind11;
 using namespace spillway;
 using allocator::HostArena;
 using python::Check;
-using python::PyArena;
 using python::ExceptionTypes;
+using python::PyArena;
 using python::Raise;
 
 namespace {
@@ -76,7 +76,9 @@ std::shared_ptr<PyArena>& DefaultArena() {
 std::shared_ptr<PyArena> ArenaOrDefault(std::shared_ptr<PyArena> arena) {
   if (arena) return arena;
   auto& d = DefaultArena();
-  if (!d) d = std::make_shared<PyArena>(0, allocator::PinMode::kAuto, allocator::EscapePolicy::kReport, "python", nullptr);
+  if (!d)
+    d = std::make_shared<PyArena>(0, allocator::PinMode::kAuto, allocator::EscapePolicy::kReport,
+                                  "python", nullptr);
   return d;
 }
 
@@ -86,7 +88,8 @@ PYBIND11_MODULE(_spillway, m) {
   m.doc() = "Spillway: host-memory and NVMe offload for large-model training (C++ core)";
   py::module_ builtins = py::module_::import("builtins");
   py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
-  py::object error = py::reinterpret_steal<py::object>(PyErr_NewException("spillway.Error", base.ptr(), nullptr));
+  py::object error =
+      py::reinterpret_steal<py::object>(PyErr_NewException("spillway.Error", base.ptr(), nullptr));
   m.attr("Error") = error;
   auto make = [&](const char* name, StatusCode code, PyObject* extra) {
     py::tuple bases = extra != nullptr ? py::tuple(py::make_tuple(error, py::handle(extra)))
@@ -103,7 +106,8 @@ PYBIND11_MODULE(_spillway, m) {
     // spillway.install() now serves keeps catching it (docs/deepspeed.md).
     py::object torch_oom = py::module_::import("torch").attr("OutOfMemoryError");
     py::tuple bases = py::make_tuple(error, torch_oom, py::handle(PyExc_MemoryError));
-    py::object cls = py::reinterpret_steal<py::object>(PyErr_NewException("spillway.OverBudget", bases.ptr(), nullptr));
+    py::object cls = py::reinterpret_steal<py::object>(
+        PyErr_NewException("spillway.OverBudget", bases.ptr(), nullptr));
     m.attr("OverBudget") = cls;
     ExceptionTypes()[StatusCode::kOverBudget] = cls;
   }
@@ -118,45 +122,56 @@ PYBIND11_MODULE(_spillway, m) {
   make("ExternalError", StatusCode::kExternal, nullptr);
 
   py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
-      .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy, const std::string& name,
-                       std::shared_ptr<PyArena> share_ledger_with) {
+      .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy,
+                       const std::string& name, std::shared_ptr<PyArena> share_ledger_with) {
              const allocator::EscapePolicy p = Check(allocator::ParseEscapePolicy(policy));
              if (p == allocator::EscapePolicy::kReclaim) {
-               // Reclaim frees escaped allocations at a boundary; a Python tensor may still view one.
+               // Reclaim frees escaped allocations at a boundary; a Python tensor may still view
+               // one.
                Raise(Status::InvalidArgument(
-                   "HostArena(policy='reclaim'): a boundary would free memory that a live torch tensor "
+                   "HostArena(policy='reclaim'): a boundary would free memory that a live torch "
+                   "tensor "
                    "may still view. Use policy='report' (list escapes) or 'fail' (raise Escaped)"));
              }
-             return std::make_shared<PyArena>(budget_bytes,
-                                              pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable,
-                                              p, name, share_ledger_with);
+             return std::make_shared<PyArena>(
+                 budget_bytes, pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable,
+                 p, name, share_ledger_with);
            }),
            py::arg("budget_bytes") = 0, py::arg("pinned") = true, py::arg("policy") = "report",
            py::arg("name") = "python", py::arg("share_ledger_with") = nullptr)
-      .def("empty", [](PyArena& a, std::vector<int64_t> shape, py::object dtype, const std::string& kind,
-                       const std::string& lifetime, uint64_t owner) {
-             const c10::ScalarType st = dtype.is_none() ? c10::ScalarType::Float
-                                                        : torch::python::detail::py_object_to_dtype(dtype);
-             return a.Empty(shape, st, Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
-                            owner);
-           }, py::arg("shape"), py::arg("dtype") = py::none(), py::arg("kind") = "transient",
-           py::arg("lifetime") = "step", py::arg("owner") = 0)
+      .def(
+          "empty",
+          [](PyArena& a, std::vector<int64_t> shape, py::object dtype, const std::string& kind,
+             const std::string& lifetime, uint64_t owner) {
+            const c10::ScalarType st = dtype.is_none()
+                                           ? c10::ScalarType::Float
+                                           : torch::python::detail::py_object_to_dtype(dtype);
+            return a.Empty(shape, st, Check(allocator::ParseKind(kind)),
+                           Check(allocator::ParseLifetime(lifetime)), owner);
+          },
+          py::arg("shape"), py::arg("dtype") = py::none(), py::arg("kind") = "transient",
+          py::arg("lifetime") = "step", py::arg("owner") = 0)
       .def("owns", &PyArena::Owns)
-      .def("contains", [](const PyArena& a, uint64_t ptr, uint64_t bytes) {
-             return a.Contains(reinterpret_cast<const void*>(ptr), bytes);
-           }, py::arg("ptr"), py::arg("nbytes"))
+      .def(
+          "contains",
+          [](const PyArena& a, uint64_t ptr, uint64_t bytes) {
+            return a.Contains(reinterpret_cast<const void*>(ptr), bytes);
+          },
+          py::arg("ptr"), py::arg("nbytes"))
       .def_property_readonly("name", &PyArena::name)
       .def("stats", &ArenaStats)
-      .def("trim", [](PyArena& a) {
+      .def("trim",
+           [](PyArena& a) {
              py::gil_scoped_release nogil;
              return a.get()->Trim();
            })
       .def("_begin_epoch", [](PyArena& a, int64_t e) { Check(a.ledger().BeginEpoch(e)); })
-      .def("_end_epoch", [](PyArena& a) {
-        allocator::BoundaryReport r;
-        Check(a.ledger().EndEpoch(&r));
-        return ReportToDict(r);
-      })
+      .def("_end_epoch",
+           [](PyArena& a) {
+             allocator::BoundaryReport r;
+             Check(a.ledger().EndEpoch(&r));
+             return ReportToDict(r);
+           })
       .def("_begin_step", [](PyArena& a, int64_t s) { Check(a.ledger().BeginStep(s)); })
       .def("_end_step", [](PyArena& a) {
         allocator::BoundaryReport r;
@@ -164,16 +179,23 @@ PYBIND11_MODULE(_spillway, m) {
         return ReportToDict(r);
       });
   m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
-  m.def("set_log_level", [](const std::string& level) {
-    const std::optional<LogLevel> l = ParseLogLevel(level);
-    if (!l) Raise(Status::InvalidArgument(StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
-    SetLogLevel(*l);
-  }, "What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).");
+  m.def(
+      "set_log_level",
+      [](const std::string& level) {
+        const std::optional<LogLevel> l = ParseLogLevel(level);
+        if (!l)
+          Raise(Status::InvalidArgument(
+              StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
+        SetLogLevel(*l);
+      },
+      "What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).");
   python::BindLogBridge(m);
-  m.def("memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
-        "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
-  m.def("default_host_budget", [] { return allocator::DefaultHostBudget(); },
-        "3/4 of memory_limit_bytes(): what spillway.install()'s two arenas share by default.");
+  m.def(
+      "memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
+      "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
+  m.def(
+      "default_host_budget", [] { return allocator::DefaultHostBudget(); },
+      "3/4 of memory_limit_bytes(): what spillway.install()'s two arenas share by default.");
 
   python::BindAioHandle(m, [](std::shared_ptr<PyArena> a) { return ArenaOrDefault(std::move(a)); });
 
@@ -181,17 +203,23 @@ PYBIND11_MODULE(_spillway, m) {
       .def_property_readonly("port", &metrics::Exporter::port)
       .def_property_readonly("address", &metrics::Exporter::address)
       .def("render", &metrics::Exporter::Render)
-      .def("watch", [](metrics::Exporter& e, std::shared_ptr<PyArena> a) {
-             e.Watch(a->get());
-             e.Watch(&a->ledger());
-           }, py::keep_alive<1, 2>());
+      .def(
+          "watch",
+          [](metrics::Exporter& e, std::shared_ptr<PyArena> a) {
+            e.Watch(a->get());
+            e.Watch(&a->ledger());
+          },
+          py::keep_alive<1, 2>());
   python::BindEngine(m);
   python::BindOptim(m);
   python::BindTorchAllocators(m);
-  m.def("_serve", [](const std::string& address, const std::map<std::string, std::string>& labels) {
-    metrics::ExporterOptions o;
-    o.address = address;
-    o.const_labels.assign(labels.begin(), labels.end());
-    return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start(o)).release());
-  }, py::arg("address"), py::arg("labels") = std::map<std::string, std::string>{});
+  m.def(
+      "_serve",
+      [](const std::string& address, const std::map<std::string, std::string>& labels) {
+        metrics::ExporterOptions o;
+        o.address = address;
+        o.const_labels.assign(labels.begin(), labels.end());
+        return std::unique_ptr<metrics::Exporter>(Check(metrics::Exporter::Start(o)).release());
+      },
+      py::arg("address"), py::arg("labels") = std::map<std::string, std::string>{});
 }

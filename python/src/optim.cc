@@ -18,31 +18,42 @@ namespace py = pybind11;
 namespace spillway::python {
 namespace {
 
-Result<engine::DType> DTypeOf(const torch::Tensor& t, const std::string& what, const std::string& name) {
+Result<engine::DType> DTypeOf(const torch::Tensor& t, const std::string& what,
+                              const std::string& name) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return engine::DType::kFp32;
-    case torch::kBFloat16: return engine::DType::kBf16;
-    case torch::kFloat16: return engine::DType::kFp16;
+    case torch::kFloat32:
+      return engine::DType::kFp32;
+    case torch::kBFloat16:
+      return engine::DType::kBf16;
+    case torch::kFloat16:
+      return engine::DType::kFp16;
     default:
-      return Status::InvalidArgument(StrCat(name, ": ", what, " is ", c10::toString(t.scalar_type()),
-                                            "; Spillway's step takes float32, bfloat16 or float16"));
+      return Status::InvalidArgument(
+          StrCat(name, ": ", what, " is ", c10::toString(t.scalar_type()),
+                 "; Spillway's step takes float32, bfloat16 or float16"));
   }
 }
 
 // A CPU, contiguous tensor of `numel` elements, named in the error with the fix.
-Status CheckTensor(const torch::Tensor& t, const std::string& what, const std::string& name, int64_t numel) {
+Status CheckTensor(const torch::Tensor& t, const std::string& what, const std::string& name,
+                   int64_t numel) {
   if (!t.defined()) return Status::InvalidArgument(StrCat(name, ": ", what, " is undefined"));
   if (!t.device().is_cpu()) {
-    return Status::InvalidArgument(StrCat(name, ": ", what, " is on ", t.device().str(),
-                                          "; Spillway's host step runs on CPU tensors (offload the "
-                                          "optimizer to the CPU, or use torch.optim on the device)"));
+    return Status::InvalidArgument(
+        StrCat(name, ": ", what, " is on ", t.device().str(),
+               "; Spillway's host step runs on CPU tensors (offload the "
+               "optimizer to the CPU, or use torch.optim on the device)"));
   }
   if (!t.is_contiguous()) {
-    return Status::InvalidArgument(StrCat(name, ": ", what, " is not contiguous; pass .contiguous() storage"));
+    return Status::InvalidArgument(
+        StrCat(name, ": ", what, " is not contiguous; pass .contiguous() storage"));
   }
   if (t.numel() != numel) {
-    return Status::InvalidArgument(StrCat(name, ": ", what, " has ", t.numel(), " elements and the "
-                                          "master weights ", numel, "; the state does not belong to "
+    return Status::InvalidArgument(StrCat(name, ": ", what, " has ", t.numel(),
+                                          " elements and the "
+                                          "master weights ",
+                                          numel,
+                                          "; the state does not belong to "
                                           "this parameter (a state dict of another model?)"));
   }
   return Status::Ok();
@@ -56,10 +67,10 @@ class AdamKernel {
     opt_ = Check(engine::HostOptimizer::Create(o));
   }
 
-  void Update(const std::string& name, torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-              torch::Tensor grad, std::optional<torch::Tensor> param, uint64_t step, double lr, double beta1,
-              double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
-              double grad_scale) {
+  void Update(const std::string& name, torch::Tensor master, torch::Tensor exp_avg,
+              torch::Tensor exp_avg_sq, torch::Tensor grad, std::optional<torch::Tensor> param,
+              uint64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+              bool adamw_mode, bool bias_correction, double grad_scale) {
     const int64_t n = master.numel();
     Check(CheckTensor(master, "the master weights", name, n));
     if (n == 0) return;
@@ -69,9 +80,10 @@ class AdamKernel {
     for (auto [what, t] : {std::pair{"the master weights", &master}, std::pair{"exp_avg", &exp_avg},
                            std::pair{"exp_avg_sq", &exp_avg_sq}}) {
       if (t->scalar_type() != torch::kFloat32) {
-        Raise(Status::InvalidArgument(StrCat(name, ": ", what, " is ", c10::toString(t->scalar_type()),
-                                             "; Spillway's step keeps master weights and moments in "
-                                             "float32 (fp32_optimizer_states)")));
+        Raise(Status::InvalidArgument(
+            StrCat(name, ": ", what, " is ", c10::toString(t->scalar_type()),
+                   "; Spillway's step keeps master weights and moments in "
+                   "float32 (fp32_optimizer_states)")));
       }
     }
     Check(CheckTensor(grad, "the gradient", name, n));
@@ -88,7 +100,8 @@ class AdamKernel {
       g.param = param->data_ptr();
       g.param_dtype = Check(DTypeOf(*param, "the 16-bit copy", name));
       if (g.param_dtype == engine::DType::kFp32) {
-        Raise(Status::InvalidArgument(StrCat(name, ": the 16-bit copy is float32; pass a bfloat16 or "
+        Raise(Status::InvalidArgument(StrCat(name,
+                                             ": the 16-bit copy is float32; pass a bfloat16 or "
                                              "float16 tensor, or None")));
       }
     }
@@ -144,9 +157,10 @@ void BindOptim(py::module_& m) {
       .def(py::init<uint32_t>(), py::arg("threads") = 0)
       .def("update", &AdamKernel::Update, py::arg("name"), py::arg("master"), py::arg("exp_avg"),
            py::arg("exp_avg_sq"), py::arg("grad"), py::arg("param"), py::arg("step"), py::arg("lr"),
-           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
-           py::arg("bias_correction"), py::arg("grad_scale") = 1.0,
-           "One fused AdamW pass: the gradient times grad_scale, the fp32 master and moments updated, "
+           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("adamw_mode"), py::arg("bias_correction"), py::arg("grad_scale") = 1.0,
+           "One fused AdamW pass: the gradient times grad_scale, the fp32 master and moments "
+           "updated, "
            "the 16-bit copy (param, or None) written from the new master. step counts from 1.")
       .def("sum_of_squares", &AdamKernel::SumOfSquares, py::arg("name"), py::arg("grad"))
       .def_property_readonly("threads", &AdamKernel::threads)

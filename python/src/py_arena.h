@@ -24,8 +24,8 @@ class PyArena : public std::enable_shared_from_this<PyArena> {
   // A tensor over exact-size arena memory. The memory returns to the arena when the storage's last
   // reference dies and every event recorded on it through torch's host allocator has completed
   // (Note [Deferred free] in docs/python.md).
-  torch::Tensor Empty(const std::vector<int64_t>& shape, c10::ScalarType dtype, allocator::Kind kind,
-                      allocator::Lifetime lifetime, uint64_t owner);
+  torch::Tensor Empty(const std::vector<int64_t>& shape, c10::ScalarType dtype,
+                      allocator::Kind kind, allocator::Lifetime lifetime, uint64_t owner);
   bool Owns(const torch::Tensor& t) const;
   // Whether [ptr, ptr + bytes) is memory of this arena (any live allocation's pages).
   bool Contains(const void* ptr, uint64_t bytes) const { return arena_->Contains(ptr, bytes); }

@@ -3,14 +3,13 @@
 // docs/deepspeed.md has the design; the summary is in torch_allocators.h.
 #include "torch_allocators.h"
 
-#include <pthread.h>
-
-#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/TensorUtils.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <pthread.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
@@ -61,8 +60,9 @@ struct TagScope final : c10::DebugInfoBase {
 std::atomic<uint64_t> g_tag_serial{0};
 // Tag scopes open in the process, on any thread. Zero (the state outside training code) lets the
 // router forward without touching thread-local state: torch's ThreadLocalDebugInfo lives in
-// libc10.so, whose thread-locals cost a __tls_get_addr call (measured: ~4 ns on a 77 ns allocation).
-// A task torch launched inside a scope that outlives the scope's exit allocates untagged.
+// libc10.so, whose thread-locals cost a __tls_get_addr call (measured: ~4 ns on a 77 ns
+// allocation). A task torch launched inside a scope that outlives the scope's exit allocates
+// untagged.
 std::atomic<int64_t> g_open_scopes{0};
 
 const TagScope* CurrentTag() {
@@ -89,13 +89,13 @@ bool Forked() {
 struct Block {
   void* ptr = nullptr;
   uint64_t bytes = 0;
-  std::shared_ptr<PyArena> arena;            // keeps the arena (and its ledger) alive
-  bool pinned_allocator = false;             // made by the pinned allocator (host_memory_stats)
-  std::vector<c10::Stream> streams;          // streams that used it (record_event), no duplicates
-  std::vector<std::function<bool()>> events; // recorded at release; true once that work completed
-  bool pooled = false;                       // made while a CUDA-graph pool was being allocated to
+  std::shared_ptr<PyArena> arena;             // keeps the arena (and its ledger) alive
+  bool pinned_allocator = false;              // made by the pinned allocator (host_memory_stats)
+  std::vector<c10::Stream> streams;           // streams that used it (record_event), no duplicates
+  std::vector<std::function<bool()>> events;  // recorded at release; true once that work completed
+  bool pooled = false;                        // made while a CUDA-graph pool was being allocated to
   c10::MempoolId_t pool{0, 0};
-  bool used_in_pool = false;                 // record_event while pooled: a graph may use it
+  bool used_in_pool = false;  // record_event while pooled: a graph may use it
 };
 
 // How an event is recorded and queried: c10::Event on the stream's own device (CUDA's through
@@ -121,14 +121,14 @@ class Events {
 };
 
 struct BlockStats {
-  uint64_t live_blocks = 0, live_bytes = 0;          // handed out, storage alive
-  uint64_t deferred_blocks = 0, deferred_bytes = 0;  // storage dead, events pending
+  uint64_t live_blocks = 0, live_bytes = 0;              // handed out, storage alive
+  uint64_t deferred_blocks = 0, deferred_bytes = 0;      // storage dead, events pending
   uint64_t graph_held_blocks = 0, graph_held_bytes = 0;  // used in a graph pool: never reused
   uint64_t peak_live_bytes = 0;
   uint64_t allocations_total = 0, allocated_bytes_total = 0, freed_bytes_total = 0;
   uint64_t events_recorded_total = 0, deferred_frees_total = 0;
-  uint64_t event_errors_total = 0;                   // an event could not be recorded: block held
-  uint64_t foreign_record_events_total = 0;          // record_event calls for memory not ours
+  uint64_t event_errors_total = 0;           // an event could not be recorded: block held
+  uint64_t foreign_record_events_total = 0;  // record_event calls for memory not ours
 };
 
 // Thread-safe. mu_ guards the tables; no event record or query, no CUDA call and no arena call
@@ -202,9 +202,10 @@ class Blocks {
         events.push_back(events_.Record(s));
       } catch (const c10::Error& e) {
         // Without an event nobody can tell when the copy ends: hold the block for good, and say so.
-        std::fprintf(stderr, "spillway: recording an event for a freed pinned block failed; the block "
-                     "(%llu bytes) is held until exit: %s\n", static_cast<unsigned long long>(b->bytes),
-                     e.what_without_backtrace());
+        std::fprintf(stderr,
+                     "spillway: recording an event for a freed pinned block failed; the block "
+                     "(%llu bytes) is held until exit: %s\n",
+                     static_cast<unsigned long long>(b->bytes), e.what_without_backtrace());
         failed = true;
       }
     }
@@ -370,7 +371,8 @@ class Blocks {
   bool PoolReleased(c10::MempoolId_t id) const { return released_pools_.count(id) > 0; }  // mu_
   void Free(Block* b) {  // without mu_
     const Status st = b->arena->get()->Free(b->ptr);
-    if (!st.ok()) std::fprintf(stderr, "spillway: freeing a host block: %s\n", st.ToString().c_str());
+    if (!st.ok())
+      std::fprintf(stderr, "spillway: freeing a host block: %s\n", st.ToString().c_str());
     {
       std::lock_guard<std::mutex> lock(mu_);
       ForEach(b, [&](BlockStats& s) { s.freed_bytes_total += b->bytes; });
@@ -379,15 +381,15 @@ class Blocks {
   }
 
   mutable std::mutex mu_;
-  std::unordered_set<Block*> live_;            // guarded by mu_
-  std::vector<Block*> deferred_;               // guarded by mu_
-  std::vector<Block*> held_;                   // guarded by mu_: never freed (event errors)
+  std::unordered_set<Block*> live_;  // guarded by mu_
+  std::vector<Block*> deferred_;     // guarded by mu_
+  std::vector<Block*> held_;         // guarded by mu_: never freed (event errors)
   std::vector<std::pair<c10::MempoolId_t, std::function<bool(c10::Stream)>>> active_pools_;  // mu_
-  std::atomic<int> active_pool_count_{0};      // active_pools_.size(), written under mu_
-  std::unordered_map<c10::MempoolId_t, int, PoolIdHash> pool_uses_;        // guarded by mu_
-  std::unordered_set<c10::MempoolId_t, PoolIdHash> released_pools_;        // guarded by mu_
-  BlockStats stats_;                           // guarded by mu_: every block
-  BlockStats pinned_stats_;                    // guarded by mu_: the pinned allocator's blocks
+  std::atomic<int> active_pool_count_{0};  // active_pools_.size(), written under mu_
+  std::unordered_map<c10::MempoolId_t, int, PoolIdHash> pool_uses_;  // guarded by mu_
+  std::unordered_set<c10::MempoolId_t, PoolIdHash> released_pools_;  // guarded by mu_
+  BlockStats stats_;                                                 // guarded by mu_: every block
+  BlockStats pinned_stats_;  // guarded by mu_: the pinned allocator's blocks
   Events events_;
 };
 
@@ -399,10 +401,11 @@ void ReleaseBlock(void* ctx) {
 // Throws c10::OutOfMemoryError (torch.OutOfMemoryError in Python) over budget, with a message that
 // starts "spillway.OverBudget:" so the Python edge can re-raise it as spillway.OverBudget.
 void* ArenaAllocate(PyArena& arena, uint64_t bytes, const OwnerTag& tag, const char* what) {
-  TORCH_CHECK(!Forked(),
-              "spillway: ", what, " of ", bytes, " bytes in a process forked after spillway.install(): "
-              "Spillway's arenas are not mapped in a forked child (MADV_DONTFORK). Leave the "
-              "spillway.tag() scope before forking, or allocate in the child outside any tag scope");
+  TORCH_CHECK(
+      !Forked(), "spillway: ", what, " of ", bytes,
+      " bytes in a process forked after spillway.install(): "
+      "Spillway's arenas are not mapped in a forked child (MADV_DONTFORK). Leave the "
+      "spillway.tag() scope before forking, or allocate in the child outside any tag scope");
   Result<void*> r = arena.get()->Allocate(bytes, tag);
   // Parked blocks hold budget until their copies end: give back what has ended and try once more.
   if (!r.ok() && r.status().code() == StatusCode::kOverBudget && Blocks::Get().Poll() > 0) {
@@ -474,7 +477,8 @@ class CpuRouter final : public c10::Allocator {
 c10::Stream CurrentStream() {
   const c10::Stream host(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
   if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return host;  // a CPU build of torch
-  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const c10::impl::DeviceGuardImplInterface* impl =
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   // A CUDA build of torch on a machine without a usable GPU: getDevice() would throw (no driver).
   if (impl->deviceCount() == 0) return host;
   return impl->getStream(impl->getDevice());
@@ -498,7 +502,8 @@ class PinnedAllocator final : public at::HostAllocator {
     // its filter is the only thing that reads it.
     std::optional<c10::Stream> stream;
     if (Blocks::Get().PoolsActive()) stream = CurrentStream();
-    Block* b = Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, stream ? &*stream : nullptr);
+    Block* b =
+        Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, stream ? &*stream : nullptr);
     return {p, b, &ReleaseBlock, c10::Device(c10::DeviceType::CPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -544,7 +549,8 @@ class PinnedAllocator final : public at::HostAllocator {
   }
   // Note [Torch allocators] in docs/deepspeed.md: blocks made inside the bracket on a stream the
   // filter accepts belong to the pool (Blocks::BeginPool).
-  void begin_allocate_to_pool(c10::MempoolId_t pool_id, std::function<bool(c10::Stream)> filter) override {
+  void begin_allocate_to_pool(c10::MempoolId_t pool_id,
+                              std::function<bool(c10::Stream)> filter) override {
     Blocks::Get().BeginPool(pool_id, std::move(filter));
   }
   void end_allocate_to_pool(c10::MempoolId_t pool_id) override { Blocks::Get().EndPool(pool_id); }
@@ -598,7 +604,8 @@ Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, u
         "kept its place); start a new process to install again");
   }
   if (Forked()) {
-    return Status::FailedPrecondition("spillway.install() in a forked child: install in the parent");
+    return Status::FailedPrecondition(
+        "spillway.install() in a forked child: install in the parent");
   }
   if (small_bytes == 0) {
     return Status::InvalidArgument("spillway.install(small_bytes=0): must be at least 1 byte");
@@ -614,7 +621,9 @@ Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, u
   if (c10::GetCPUAllocator() != g_router) {
     return Status::FailedPrecondition(StrCat(
         "spillway.install(): torch kept its CPU allocator; another one is registered at a priority "
-        "above ", static_cast<int>(priority), ". Pass a higher priority= to spillway.install(). Nothing "
+        "above ",
+        static_cast<int>(priority),
+        ". Pass a higher priority= to spillway.install(). Nothing "
         "was installed"));
   }
   at::setHostAllocator(at::kCUDA, g_pinned, priority);
@@ -622,7 +631,9 @@ Status Install(std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, u
     c10::SetCPUAllocator(previous_cpu, priority);  // the router keeps serving what it handed out
     return Status::FailedPrecondition(StrCat(
         "spillway.install(): torch kept its pinned host allocator; another one is registered at a "
-        "priority above ", static_cast<int>(priority), ". Pass a higher priority= to "
+        "priority above ",
+        static_cast<int>(priority),
+        ". Pass a higher priority= to "
         "spillway.install(). Nothing was installed"));
   }
   g_installed = true;
@@ -661,7 +672,8 @@ py::dict BlockStatsDict(bool pinned_only) {
 
 PyArena::PyArena(uint64_t budget_bytes, allocator::PinMode pin, allocator::EscapePolicy policy,
                  const std::string& name, const std::shared_ptr<PyArena>& share_ledger_with)
-    : ledger_(share_ledger_with ? share_ledger_with->ledger_ : std::make_shared<allocator::Ledger>()) {
+    : ledger_(share_ledger_with ? share_ledger_with->ledger_
+                                : std::make_shared<allocator::Ledger>()) {
   allocator::HostArenaOptions o;
   o.name = name;
   o.budget_bytes = budget_bytes;
@@ -675,7 +687,9 @@ torch::Tensor PyArena::Empty(const std::vector<int64_t>& shape, c10::ScalarType 
                              Lifetime lifetime, uint64_t owner) {
   uint64_t numel = 1;
   for (int64_t d : shape) {
-    if (d < 0) Raise(Status::InvalidArgument(StrCat("arena.empty: negative dimension ", d, " in the shape")));
+    if (d < 0)
+      Raise(
+          Status::InvalidArgument(StrCat("arena.empty: negative dimension ", d, " in the shape")));
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) {
       Raise(Status::InvalidArgument("arena.empty: the shape's element count overflows 64 bits"));
     }
@@ -712,8 +726,9 @@ void BindTorchAllocators(py::module_& m) {
       .def_property_readonly("label", [](const TagScope& s) { return s.label; });
   m.def("_enter_tag", [](const std::string& kind, const std::string& lifetime, uint64_t owner) {
     auto scope = std::make_shared<TagScope>();
-    scope->tag = OwnerTag{Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
-                          owner, allocator::kProcessScope, "spillway.tag"};
+    scope->tag =
+        OwnerTag{Check(allocator::ParseKind(kind)), Check(allocator::ParseLifetime(lifetime)),
+                 owner, allocator::kProcessScope, "spillway.tag"};
     scope->label = StrCat(kind, "/", lifetime);
     scope->serial = ++g_tag_serial;
     c10::ThreadLocalDebugInfo::_push(kTagKind, scope);
@@ -723,21 +738,24 @@ void BindTorchAllocators(py::module_& m) {
   m.def("_exit_tag", [](const std::shared_ptr<TagScope>& scope) {
     const TagScope* current = CurrentTag();
     if (current != scope.get()) {
-      Raise(Status::FailedPrecondition(StrCat(
-          "spillway.tag('", scope->label, "') exited ",
-          current == nullptr ? std::string("while no tag scope is open on this thread")
-                             : StrCat("while spillway.tag('", current->label, "'), entered after it, is still open"),
-          "; exit tag scopes in the reverse order of entering them, on the thread that entered them. "
-          "Nothing was changed")));
+      Raise(Status::FailedPrecondition(
+          StrCat("spillway.tag('", scope->label, "') exited ",
+                 current == nullptr ? std::string("while no tag scope is open on this thread")
+                                    : StrCat("while spillway.tag('", current->label,
+                                             "'), entered after it, is still open"),
+                 "; exit tag scopes in the reverse order of entering them, on the thread that "
+                 "entered them. "
+                 "Nothing was changed")));
     }
     try {
       c10::ThreadLocalDebugInfo::_pop(kTagKind);
       g_open_scopes.fetch_sub(1, std::memory_order_relaxed);
     } catch (const c10::Error&) {
-      Raise(Status::FailedPrecondition(StrCat(
-          "spillway.tag('", scope->label, "') exited while another thread-local debug scope (a "
-          "profiler record, say) entered inside it is still open; close that one first. Nothing was "
-          "changed")));
+      Raise(Status::FailedPrecondition(StrCat("spillway.tag('", scope->label,
+                                              "') exited while another thread-local debug scope (a "
+                                              "profiler record, say) entered inside it is still "
+                                              "open; close that one first. Nothing was "
+                                              "changed")));
     }
   });
   m.def("_current_tag", []() -> py::object {
@@ -747,10 +765,11 @@ void BindTorchAllocators(py::module_& m) {
   });
   m.def("_forked_after_install", [] { return Forked(); });
 
-  m.def("_install", [](std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned, uint64_t small_bytes,
-                       int priority) {
+  m.def("_install", [](std::shared_ptr<PyArena> host, std::shared_ptr<PyArena> pinned,
+                       uint64_t small_bytes, int priority) {
     if (priority < 1 || priority > 255) {
-      Raise(Status::InvalidArgument(StrCat("spillway.install(priority=", priority, "): must be 1..255 "
+      Raise(Status::InvalidArgument(StrCat("spillway.install(priority=", priority,
+                                           "): must be 1..255 "
                                            "(torch's own allocators register at 0)")));
     }
     Check(Install(std::move(host), std::move(pinned), small_bytes, static_cast<uint8_t>(priority)));
@@ -776,28 +795,37 @@ void BindTorchAllocators(py::module_& m) {
   // Through torch's registry, as torch itself calls it: on a machine without a GPU, pin_memory()
   // cannot run, so the tests reach the pinned allocator here.
   m.def("_host_allocator_empty", [](int64_t bytes) {
-    if (bytes < 0) Raise(Status::InvalidArgument(StrCat("_host_allocator_empty(", bytes, "): negative size")));
+    if (bytes < 0)
+      Raise(Status::InvalidArgument(StrCat("_host_allocator_empty(", bytes, "): negative size")));
     at::HostAllocator* a = CurrentCudaHostAllocator();
-    if (a == nullptr) Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
+    if (a == nullptr)
+      Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
     return TensorOver(a->allocate(static_cast<size_t>(bytes)), bytes, a);
   });
   m.def("_host_allocator_record_event", [](const torch::Tensor& t) {
     at::HostAllocator* a = CurrentCudaHostAllocator();
-    if (a == nullptr) Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
+    if (a == nullptr)
+      Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
     const c10::DataPtr& d = t.storage().data_ptr();
-    return a->record_event(d.get(), d.get_context(), c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)));
+    return a->record_event(d.get(), d.get_context(),
+                           c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)));
   });
   m.def("_host_allocator_empty_cache", [] {
     if (at::HostAllocator* a = CurrentCudaHostAllocator()) a->empty_cache();
   });
   m.def("_host_allocator_pool", [](const std::string& what, int64_t a, int64_t b) {
     at::HostAllocator* h = CurrentCudaHostAllocator();
-    if (h == nullptr) Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
+    if (h == nullptr)
+      Raise(Status::FailedPrecondition("no pinned host allocator is registered for CUDA"));
     const c10::MempoolId_t id{static_cast<c10::CaptureId_t>(a), static_cast<c10::CaptureId_t>(b)};
-    if (what == "begin") h->begin_allocate_to_pool(id, [](c10::Stream) { return true; });
-    else if (what == "end") h->end_allocate_to_pool(id);
-    else if (what == "release") h->release_pool(id);
-    else Raise(Status::InvalidArgument("_host_allocator_pool: begin, end or release"));
+    if (what == "begin")
+      h->begin_allocate_to_pool(id, [](c10::Stream) { return true; });
+    else if (what == "end")
+      h->end_allocate_to_pool(id);
+    else if (what == "release")
+      h->release_pool(id);
+    else
+      Raise(Status::InvalidArgument("_host_allocator_pool: begin, end or release"));
   });
   m.def("_host_allocator_stats", [] {
     at::HostAllocator* a = CurrentCudaHostAllocator();
@@ -812,13 +840,14 @@ void BindTorchAllocators(py::module_& m) {
     d["num_host_free"] = s.num_host_free;
     return d;
   });
-  // Test seam (docs/deepspeed.md, Note [Deferred free]): without a GPU no copy is ever in flight, so
-  // tests stand in for one with events that complete when they say.
+  // Test seam (docs/deepspeed.md, Note [Deferred free]): without a GPU no copy is ever in flight,
+  // so tests stand in for one with events that complete when they say.
   m.def("_testing_manual_events", [](bool on) { Blocks::Get().events().SetManual(on); });
   m.def("_testing_complete_events", [] { Blocks::Get().events().CompleteManual(); });
   m.def("_poll_deferred", [] { return Blocks::Get().Poll(); });
   // For bench/compare_torch_allocators.py: nanoseconds per allocate + free pair through torch's
-  // current CPU allocator, timed in C++ so the interpreter's overhead does not hide the allocator's.
+  // current CPU allocator, timed in C++ so the interpreter's overhead does not hide the
+  // allocator's.
   m.def("_time_cpu_allocator", [](uint64_t bytes, uint64_t iters) {
     py::gil_scoped_release nogil;
     c10::Allocator* a = c10::GetCPUAllocator();

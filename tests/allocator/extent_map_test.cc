@@ -88,8 +88,8 @@ TEST(ExtentMapTest, ValidateCatchesAWrongCallerList) {
   ASSERT_TRUE(em.AddSpan(0, 64).ok());
   uint64_t a = *em.Allocate(8);
   EXPECT_TRUE(em.Validate({{a, 8}}).ok());
-  EXPECT_FALSE(em.Validate({{a, 4}}).ok());   // gap
-  EXPECT_FALSE(em.Validate({}).ok());         // a hole nobody owns
+  EXPECT_FALSE(em.Validate({{a, 4}}).ok());  // gap
+  EXPECT_FALSE(em.Validate({}).ok());        // a hole nobody owns
 }
 
 TEST(ExtentMapTest, SeededRandomWalkKeepsEveryInvariant) {
@@ -129,7 +129,8 @@ TEST(ExtentMapDeathTest, FreeingAFreeOrForeignRangeIsFatal) {
   const uint64_t a = *em.Allocate(10);
   const uint64_t b = *em.Allocate(10);
   em.Free(a, 10);
-  EXPECT_DEATH(em.Free(a, 10), "CHECK failed: .*ExtentMap::Free\\(4096, 10\\): overlaps the free extent");
+  EXPECT_DEATH(em.Free(a, 10),
+               "CHECK failed: .*ExtentMap::Free\\(4096, 10\\): overlaps the free extent");
   EXPECT_DEATH(em.Free(b, 95), "ExtentMap::Free\\(4106, 95\\): not inside one span");
   EXPECT_DEATH(em.Free(0, 10), "not inside one span");
 }

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "nvme_test_util.h"
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/process.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::allocator {
 namespace {
@@ -57,7 +57,8 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
       std::fprintf(stderr, "child: the tag still says owner\n");
       ++bad;
     }
-    expect(io.arena->Allocate(4096, Tag(Kind::kGrad, Lifetime::kStep)).status(), "HostArena::Allocate");
+    expect(io.arena->Allocate(4096, Tag(Kind::kGrad, Lifetime::kStep)).status(),
+           "HostArena::Allocate");
     expect(io.arena->Free(buf), "HostArena::Free");
     expect(io.arena->AllocationSize(buf).status(), "HostArena::AllocationSize");
     expect(io.engine->RegisterFile(0, "stdin", 512).status(), "IoEngine::RegisterFile");
@@ -67,7 +68,8 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
     expect(io.engine->Read(0, 0, buf, 4096), "IoEngine::Read");
     expect(io.engine->WaitAll(), "IoEngine::WaitAll");
     expect(io.engine->UnregisterFile(0), "IoEngine::UnregisterFile");
-    expect(nvme->Allocate(bytes, Tag(Kind::kParam, Lifetime::kPersistent)).status(), "NvmeArena::Allocate");
+    expect(nvme->Allocate(bytes, Tag(Kind::kParam, Lifetime::kPersistent)).status(),
+           "NvmeArena::Allocate");
     expect(nvme->Write(off, buf, bytes), "NvmeArena::Write");
     expect(nvme->Read(off, buf, bytes), "NvmeArena::Read");
     expect(nvme->SubmitReadRange(off, 0, buf, 4096).status(), "NvmeArena::SubmitReadRange");
@@ -86,7 +88,8 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status)) << "the child ended by signal " << WTERMSIG(status)
                                  << (WTERMSIG(status) == SIGALRM ? " (a call hung)" : "");
-  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0) << "a call did not refuse (see stderr)";
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0)
+      << "a call did not refuse (see stderr)";
   // The parent carries on: its data is intact, and it reads and writes as before.
   std::vector<char> back(bytes);
   ASSERT_TRUE(nvme->Read(off, back.data(), bytes).ok());
@@ -102,7 +105,9 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ForkRefusalTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "ThreadPool" : "IoUring"; });
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "ThreadPool" : "IoUring";
+                         });
 
 }  // namespace
 }  // namespace spillway::allocator

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
@@ -96,8 +96,8 @@ TEST(ForkSafetyTest, ArenaStateIsNotCopiedWhenTheParentWritesAfterFork) {
   auto p = arena->Allocate(kStateBytes, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
   ASSERT_TRUE(p.ok());
   ForkResult r = WriteAfterFork(static_cast<unsigned char*>(*p), kStateBytes);
-  std::printf("arena (dontfork): PSS growth %.1f MiB, write %.3f s\n",
-              r.pss_growth / double(kMiB), r.write_seconds);
+  std::printf("arena (dontfork): PSS growth %.1f MiB, write %.3f s\n", r.pss_growth / double(kMiB),
+              r.write_seconds);
   EXPECT_LT(r.pss_growth, static_cast<int64_t>(kStateBytes / 16));
   EXPECT_EQ(static_cast<unsigned char*>(*p)[kStateBytes - 1], 2);
 }
@@ -106,8 +106,8 @@ TEST(ForkSafetyTest, NegativeControlMallocStateIsCopied) {
   auto* state = static_cast<unsigned char*>(std::malloc(kStateBytes));
   ASSERT_NE(state, nullptr);
   ForkResult r = WriteAfterFork(state, kStateBytes);
-  std::printf("malloc (control): PSS growth %.1f MiB, write %.3f s\n",
-              r.pss_growth / double(kMiB), r.write_seconds);
+  std::printf("malloc (control): PSS growth %.1f MiB, write %.3f s\n", r.pss_growth / double(kMiB),
+              r.write_seconds);
   EXPECT_GT(r.pss_growth, static_cast<int64_t>(kStateBytes * 3 / 4));
   std::free(state);
 }

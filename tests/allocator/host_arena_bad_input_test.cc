@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
@@ -155,14 +155,15 @@ TEST_F(BadInputTest, BoundaryOutOfOrder) {
 TEST_F(BadInputTest, UnknownPolicyString) {
   auto p = ParseEscapePolicy("ignore");
   EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Has(p.status(), "unknown escape policy 'ignore'; allowed values: report, reclaim, fail"))
+  EXPECT_TRUE(
+      Has(p.status(), "unknown escape policy 'ignore'; allowed values: report, reclaim, fail"))
       << p.status().ToString();
   EXPECT_EQ(*ParseEscapePolicy("reclaim"), EscapePolicy::kReclaim);
   ExpectUnchanged();
 }
 
 TEST_F(BadInputTest, UnknownKindLifetimeAndPinModeStrings) {
-  EXPECT_TRUE(Has(ParseKind("weights").status(), "allowed values: param, grad")) ;
+  EXPECT_TRUE(Has(ParseKind("weights").status(), "allowed values: param, grad"));
   EXPECT_TRUE(Has(ParseLifetime("forever").status(), "persistent, epoch, step"));
   EXPECT_TRUE(Has(ParsePinMode("hugepage").status(), "auto, cuda, mlock, pageable"));
   EXPECT_TRUE(Has(ParseForkSafety("copy").status(), "dontfork, wipeonfork, inherit"));

@@ -10,13 +10,12 @@
 #include <thread>
 #include <vector>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
 namespace {
-
 
 int OpsPerRound() {
   const char* env = std::getenv("SPILLWAY_STRESS_OPS");
@@ -61,7 +60,8 @@ TEST(HostArenaStressTest, FourThreadsWithBoundariesScopesAndTrims) {
             } else if (p.status().code() == StatusCode::kOverBudget) {
               over_budget++;
             } else {
-              ASSERT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status().ToString();
+              ASSERT_EQ(p.status().code(), StatusCode::kFailedPrecondition)
+                  << p.status().ToString();
             }
           } else {
             size_t k = rng() % mine.size();

@@ -1,7 +1,9 @@
-// HostArena: exact sizes, the retained bound, Trim, pin modes, budget and spill, boundaries, scopes.
+// HostArena: exact sizes, the retained bound, Trim, pin modes, budget and spill, boundaries,
+// scopes.
 #include "spillway/allocator/host_arena.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -13,9 +15,8 @@
 #include <string>
 #include <thread>
 
-#include "test_util.h"
 #include "spillway/base/bytes.h"
-#include <unistd.h>
+#include "test_util.h"
 
 namespace spillway::allocator {
 namespace {
@@ -400,16 +401,23 @@ TEST_F(HostArenaTest, ClearingASpillHandlerRemovesOnlyItsOwnAndWaitsForACallInFl
   auto arena = MakeArena(o);
   int old_owner = 0, new_owner = 0;
   std::atomic<int> old_calls{0}, new_calls{0};
-  arena->SetSpillHandler([&](const HostArena::SpillRequest&) -> uint64_t { ++old_calls; return 0; }, &old_owner);
+  arena->SetSpillHandler(
+      [&](const HostArena::SpillRequest&) -> uint64_t {
+        ++old_calls;
+        return 0;
+      },
+      &old_owner);
   std::promise<void> entered, release;
   std::shared_future<void> released = release.get_future().share();
-  arena->SetSpillHandler([&](const HostArena::SpillRequest&) -> uint64_t {
-    if (new_calls++ == 0) {
-      entered.set_value();
-      released.wait();
-    }
-    return 0;
-  }, &new_owner);
+  arena->SetSpillHandler(
+      [&](const HostArena::SpillRequest&) -> uint64_t {
+        if (new_calls++ == 0) {
+          entered.set_value();
+          released.wait();
+        }
+        return 0;
+      },
+      &new_owner);
   arena->ClearSpillHandler(&old_owner);  // not the handler in force: nothing changes
   auto big = arena->Allocate(6 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
   ASSERT_TRUE(big.ok());
@@ -433,8 +441,9 @@ TEST_F(HostArenaTest, ClearingASpillHandlerRemovesOnlyItsOwnAndWaitsForACallInFl
   EXPECT_GE(new_calls.load(), 1);
   // Cleared: the next over-budget request calls no handler.
   const int before = new_calls.load();
-  EXPECT_EQ(arena->Allocate(4 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent)).status().code(),
-            StatusCode::kOverBudget);
+  EXPECT_EQ(
+      arena->Allocate(4 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent)).status().code(),
+      StatusCode::kOverBudget);
   EXPECT_EQ(new_calls.load(), before);
   ASSERT_TRUE(arena->Free(*big).ok());
 }
@@ -448,12 +457,14 @@ TEST_F(HostArenaTest, SpillHandlerMakesRoomBeforeTheBudgetErrorFires) {
   ASSERT_TRUE(victim.ok());
   HostArena::SpillRequest asked;
   int calls = 0;
-  arena->SetSpillHandler([&](const HostArena::SpillRequest& request) -> uint64_t {
-    ++calls;
-    asked = request;
-    // A real handler writes the partition to NVMe first; freeing it is what makes room.
-    return arena->Free(*victim).ok() ? 6 * kMiB : 0;
-  }, this);
+  arena->SetSpillHandler(
+      [&](const HostArena::SpillRequest& request) -> uint64_t {
+        ++calls;
+        asked = request;
+        // A real handler writes the partition to NVMe first; freeing it is what makes room.
+        return arena->Free(*victim).ok() ? 6 * kMiB : 0;
+      },
+      this);
   auto p = arena->Allocate(6 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(calls, 1);
@@ -666,8 +677,9 @@ TEST(MemoryLimitTest, NoLimitMeansPhysicalMemory) {
 TEST(MemoryLimitTest, CgroupV1MemoryController) {
   CgroupTree t;
   t.Write("/memory/docker/abc/memory.limit_in_bytes", "2147483648\n");
-  EXPECT_EQ(MemoryLimitBytes("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n", t.root(), kPhysical),
-            2ull << 30);
+  EXPECT_EQ(
+      MemoryLimitBytes("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n", t.root(), kPhysical),
+      2ull << 30);
 }
 
 TEST(MemoryLimitTest, AGarbledFileIsIgnoredNotTrusted) {
@@ -678,7 +690,8 @@ TEST(MemoryLimitTest, AGarbledFileIsIgnoredNotTrusted) {
 
 TEST(MemoryLimitTest, TheDefaultBudgetIsThreeQuartersOfTheLimit) {
   EXPECT_EQ(DefaultHostBudget(), MemoryLimitBytes() / 4 * 3);
-  EXPECT_LE(MemoryLimitBytes(), static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
+  EXPECT_LE(MemoryLimitBytes(),
+            static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
 }
 
 }  // namespace

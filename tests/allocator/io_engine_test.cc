@@ -5,12 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <chrono>
 #include <thread>
 
 #include "nvme_test_util.h"
@@ -149,10 +148,10 @@ TEST_P(IoEngineTest, FourThreadsShareTheEngine) {
   for (auto& th : threads) th.join();
 }
 
-// Regression: RegisterFile picked a free fixed-file slot, unlocked, updated the ring, then inserted,
-// so two threads registering at once could share a slot and write into each other's file; and
-// UnregisterFile freed the slot before clearing it. Each thread registers its own file, writes a
-// pattern only it uses, unregisters, and checks the file through its own descriptor.
+// Regression: RegisterFile picked a free fixed-file slot, unlocked, updated the ring, then
+// inserted, so two threads registering at once could share a slot and write into each other's file;
+// and UnregisterFile freed the slot before clearing it. Each thread registers its own file, writes
+// a pattern only it uses, unregisters, and checks the file through its own descriptor.
 TEST_P(IoEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
   std::vector<std::thread> threads;
   std::atomic<int> bad{0};
@@ -160,8 +159,8 @@ TEST_P(IoEngineTest, ThreadsRegisteringFilesAtOnceNeverShareASlot) {
     threads.emplace_back([&, t] {
       std::vector<char> src(64 * 1024);
       // The scratch files are O_DIRECT: the check's own pread needs an aligned buffer.
-      std::unique_ptr<char, decltype(&std::free)> dst(static_cast<char*>(std::aligned_alloc(4096, src.size())),
-                                                      &std::free);
+      std::unique_ptr<char, decltype(&std::free)> dst(
+          static_cast<char*>(std::aligned_alloc(4096, src.size())), &std::free);
       for (int round = 0; round < 200; ++round) {
         const int fd = testing::OpenScratch();
         if (fd < 0) return;
@@ -192,7 +191,8 @@ TEST_P(IoEngineTest, MisalignedFileOffsetIsRefused) {
   std::vector<char> buf(4096);
   auto t = rig_->engine->SubmitWrite(file_, 100, buf.data(), buf.size());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Has(t.status(), "multiple of the direct-I/O alignment 4096")) << t.status().ToString();
+  EXPECT_TRUE(Has(t.status(), "multiple of the direct-I/O alignment 4096"))
+      << t.status().ToString();
 }
 
 TEST_P(IoEngineTest, TicketsAreWaitedForOnce) {
@@ -448,7 +448,8 @@ TEST(IoEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
   ASSERT_FALSE(st.ok());
   EXPECT_TRUE(Has(st, "retired")) << st.ToString();
   EXPECT_TRUE(Has(st, "may be closed")) << st.ToString();
-  EXPECT_EQ(rig.engine->SubmitWrite(*a, 0, a_bytes, kMiB).status().code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(rig.engine->SubmitWrite(*a, 0, a_bytes, kMiB).status().code(),
+            StatusCode::kInvalidArgument)
       << "the unregistered id must name nothing";
   ASSERT_EQ(close(a_fd), 0);
 
@@ -471,7 +472,8 @@ TEST(IoEngineRingTest, AFailedUnregisterRetiresTheSlotAndTheFdMayBeClosed) {
 TEST(IoEngineRingTest, WithoutSparseRegistrationTheRingRunsWithPlainFiles) {
   {
     RingRig probe(nullptr);
-    if (!probe.uring()) GTEST_SKIP() << "no io_uring here: " << probe.engine->Stats().fallback_reason;
+    if (!probe.uring())
+      GTEST_SKIP() << "no io_uring here: " << probe.engine->Stats().fallback_reason;
   }
   IoFaults faults;
   faults.sparse_registration_errno = EINVAL;

@@ -2,7 +2,6 @@
 // boundaries across tiers, and the faults that matter: EIO, ENOSPC, a file size limit, a missing or
 // read-only directory, and a corrupted byte on disk. In every case: a clear status, the host data
 // intact, and the arena usable afterwards.
-#include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/nvme_arena.h"
 
 #include <dirent.h>
@@ -14,6 +13,7 @@
 #include <cstring>
 
 #include "nvme_test_util.h"
+#include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 
@@ -189,8 +189,8 @@ TEST_P(NvmeArenaTest, ARangeWhoseEndWrapsIsRefusedByName) {
   EXPECT_TRUE(nvme_->Validate().ok());
 }
 
-// Filesystems without fallocate (older ZFS, NFSv3, some FUSE) answer EOPNOTSUPP: the swap file grows
-// with ftruncate instead, and the arena says so in its stats.
+// Filesystems without fallocate (older ZFS, NFSv3, some FUSE) answer EOPNOTSUPP: the swap file
+// grows with ftruncate instead, and the arena says so in its stats.
 TEST_P(NvmeArenaTest, WithoutFallocateTheSwapFileGrowsWithFtruncate) {
   NvmeArenaFaults faults;
   faults.fallocate_errno.store(EOPNOTSUPP);

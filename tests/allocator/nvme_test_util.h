@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "spillway/allocator/io_faults.h"
-#include "spillway/base/bytes.h"
-#include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/allocator/io_faults.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/bytes.h"
 #include "test_util.h"
 
 namespace spillway::allocator::testing {

@@ -13,13 +13,12 @@
 #include <string>
 
 #include "nvme_test_util.h"
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::allocator {
 namespace {
-
 
 // The kernel's "Locked:" bytes of the mapping that contains `p` (/proc/self/smaps).
 uint64_t LockedBytesOfMappingAt(const void* p) {
@@ -69,7 +68,8 @@ void ExpectPinnedAndFixed(PinMode mode) {
   const HostArenaStats hs = (*arena)->Stats();
   if (mode == PinMode::kMlock) {
     EXPECT_GE(hs.mlocked_bytes, bytes);
-    EXPECT_GE(LockedBytesOfMappingAt(*buf), bytes) << "the kernel does not count the region as locked";
+    EXPECT_GE(LockedBytesOfMappingAt(*buf), bytes)
+        << "the kernel does not count the region as locked";
   } else {
     EXPECT_GE(hs.cuda_registered_bytes, bytes);
   }
@@ -87,7 +87,8 @@ void ExpectPinnedAndFixed(PinMode mode) {
   testing::FillRandom(want.data(), bytes, 7);
   EXPECT_EQ(std::memcmp(want.data(), *buf, bytes), 0);
   const IoEngineStats st = (*engine)->Stats();
-  EXPECT_EQ(st.fixed_buffer_chunks, 8u) << "4 write and 4 read chunks of 1 MiB, each read/write_fixed";
+  EXPECT_EQ(st.fixed_buffer_chunks, 8u)
+      << "4 write and 4 read chunks of 1 MiB, each read/write_fixed";
   EXPECT_EQ(st.bounce_chunks, 0u);
   ASSERT_TRUE((*engine)->UnregisterFile(*file).ok());
   close(fd);

@@ -8,11 +8,10 @@
 #include <fstream>
 #include <string>
 
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::allocator::testing {
-
 
 // ASan and TSan intercept mlock as a no-op and reroute fork and signals; tests that observe the
 // kernel's view of those skip under them (the plain build runs them).

@@ -56,7 +56,9 @@ TEST(CheckDeathTest, ABrokenInvariantIsFatalWithDebugChecks) {
   Walked w;
   w.broken = true;
 #if SPILLWAY_DEBUG_CHECKS_ON
-  EXPECT_DEATH(w.Mutate(), "check_test.cc:[0-9]+: CHECK failed: Validate\\(\\): INTERNAL: Validate: the free list is not sorted");
+  EXPECT_DEATH(w.Mutate(),
+               "check_test.cc:[0-9]+: CHECK failed: Validate\\(\\): INTERNAL: Validate: the free "
+               "list is not sorted");
 #else
   w.Mutate();  // compiled out
   EXPECT_EQ(w.validations, 0);

@@ -33,7 +33,8 @@ TEST(StatusTest, FailureKeepsCodeMessageAndErrno) {
 }
 
 TEST(StatusTest, ContextIsPrefixedAndCodeAndErrnoSurvive) {
-  Status s = Status::FromErrno(StatusCode::kNoSpace, ENOSPC, "write").WithContext("swapping out 12");
+  Status s =
+      Status::FromErrno(StatusCode::kNoSpace, ENOSPC, "write").WithContext("swapping out 12");
   EXPECT_EQ(s.code(), StatusCode::kNoSpace);
   EXPECT_EQ(s.sys_error(), ENOSPC);
   EXPECT_EQ(s.message().rfind("swapping out 12: write: ", 0), 0u) << s.message();

@@ -1,9 +1,9 @@
-// Crash safety of `spillway train --save`: the real program is SIGKILLed in the middle of its second
-// save (between tensors, halfway through a tensor, after a file, before the manifest, before the
-// rename, before `latest` moves), through the SPILLWAY_TEST_KILL_SAVE_AT seam. The first checkpoint
-// must still be what `latest` names, and resuming from it must end where an uninterrupted run ends:
-// every tensor's CRC32C in the final manifests is equal, so the states are equal bit for bit.
-// (The seam is the CLI's; the kill is a real SIGKILL of the real process.)
+// Crash safety of `spillway train --save`: the real program is SIGKILLed in the middle of its
+// second save (between tensors, halfway through a tensor, after a file, before the manifest, before
+// the rename, before `latest` moves), through the SPILLWAY_TEST_KILL_SAVE_AT seam. The first
+// checkpoint must still be what `latest` names, and resuming from it must end where an
+// uninterrupted run ends: every tensor's CRC32C in the final manifests is equal, so the states are
+// equal bit for bit. (The seam is the CLI's; the kill is a real SIGKILL of the real process.)
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -31,7 +31,8 @@ Outcome Spillway(const std::string& env, const std::string& args) {
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof(buf), p)) r.out.append(buf, n);
   const int st = pclose(p);
-  r.killed = (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) || (WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGKILL);
+  r.killed = (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) ||
+             (WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGKILL);
   r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
@@ -72,9 +73,11 @@ std::string* KilledSaveTest::reference_dir_ = nullptr;
 TEST_P(KilledSaveTest, ThePreviousCheckpointLoadsAndResumesExactly) {
   const auto [point, nth] = GetParam();
   const std::string dir = Dir(std::string(point) + std::to_string(nth));
-  Outcome killed = Spillway(std::string("SPILLWAY_TEST_KILL_SAVE_AT=") + point + ":" + std::to_string(nth),
-                            kTrain + " --epochs 2 --save-every-epoch --keep 0 --save " + dir);
-  ASSERT_TRUE(killed.killed) << "the seam did not fire at " << point << ":" << nth << "\n" << killed.out;
+  Outcome killed =
+      Spillway(std::string("SPILLWAY_TEST_KILL_SAVE_AT=") + point + ":" + std::to_string(nth),
+               kTrain + " --epochs 2 --save-every-epoch --keep 0 --save " + dir);
+  ASSERT_TRUE(killed.killed) << "the seam did not fire at " << point << ":" << nth << "\n"
+                             << killed.out;
   // `latest` still names the first epoch's checkpoint, complete.
   const nlohmann::json before = LatestManifest(dir);
   ASSERT_FALSE(before.is_discarded()) << "latest does not name a readable manifest";
@@ -101,23 +104,26 @@ TEST_P(KilledSaveTest, ThePreviousCheckpointLoadsAndResumesExactly) {
 
 INSTANTIATE_TEST_SUITE_P(
     SecondSave, KilledSaveTest,
-    ::testing::Values(std::pair{"header", 2},                          // the file has its header only
-                      std::pair{"tensor", kTensorsPerSave + 3},        // between tensors
-                      std::pair{"tensor-half", kTensorsPerSave + 9},   // in the middle of a file
-                      std::pair{"file", 2},                            // the file is complete
+    ::testing::Values(std::pair{"header", 2},                    // the file has its header only
+                      std::pair{"tensor", kTensorsPerSave + 3},  // between tensors
+                      std::pair{"tensor-half", kTensorsPerSave + 9},  // in the middle of a file
+                      std::pair{"file", 2},                           // the file is complete
                       std::pair{"manifest", 2}, std::pair{"rename", 2}, std::pair{"latest", 2}),
-    [](const auto& info) {
-      std::string n = std::string(info.param.first) + "_" + std::to_string(info.param.second);
+    [](const auto& test_param) {
+      std::string n =
+          std::string(test_param.param.first) + "_" + std::to_string(test_param.param.second);
       for (char& c : n) c = c == '-' ? '_' : c;
       return n;
     });
 
 TEST(KilledSaveControl, AResumeFromTheWrongEpochDoesNotMatch) {
   // The CRC comparison can fail: a run resumed from epoch 2's checkpoint trained one epoch fewer.
-  const std::string dir = Dir("control"), resumed_dir = Dir("control-resumed"), ref = Dir("control-ref");
+  const std::string dir = Dir("control"), resumed_dir = Dir("control-resumed"),
+                    ref = Dir("control-ref");
   ASSERT_EQ(Spillway("", kTrain + " --epochs 3 --save " + ref).exit_code, 0);
   ASSERT_EQ(Spillway("", kTrain + " --epochs 1 --save " + dir).exit_code, 0);
-  ASSERT_EQ(Spillway("", kTrain + " --epochs 2 --resume " + dir + " --save " + resumed_dir).exit_code, 0);
+  ASSERT_EQ(
+      Spillway("", kTrain + " --epochs 2 --resume " + dir + " --save " + resumed_dir).exit_code, 0);
   const nlohmann::json got = LatestManifest(resumed_dir), want = LatestManifest(ref);
   EXPECT_NE(got["ranks"][0]["tensors"]["unit.1.master"]["crc32c"],
             want["ranks"][0]["tensors"]["unit.1.master"]["crc32c"]);

@@ -1,8 +1,8 @@
 // The `spillway` program as a user runs it: exit codes, output, and errors for bad flags, missing
 // files and impossible inputs.
 #include <gtest/gtest.h>
-#include <unistd.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -38,7 +38,7 @@ TEST(CliTest, PlanYi34BOnOneNodeFitsWithSpillway) {
       "offload_param": {"device": "cpu", "pin_memory": true},
       "offload_optimizer": {"device": "cpu", "pin_memory": true}}})");
   Outcome r = Spillway("plan --params 34e9 --world-size 8 --nodes 1 --config " + cfg +
-                   " --host-ram 1TiB --nvme 4TiB");
+                       " --host-ram 1TiB --nvme 4TiB");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("verdict: fits"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("DeepSpeed defaults 1156.0 GB (does not fit)"), std::string::npos) << r.out;
@@ -47,7 +47,8 @@ TEST(CliTest, PlanYi34BOnOneNodeFitsWithSpillway) {
 TEST(CliTest, PlanThatDoesNotFitExitsOneAndSaysWhatWould) {
   const std::string cfg = WriteConfig("tight.json", R"({"zero_optimization": {"stage": 3,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}, "offload_param": {"device": "cpu"}}})");
-  Outcome r = Spillway("plan --params 34e9 --world-size 8 --config " + cfg + " --host-ram 256GiB --nvme 4TiB");
+  Outcome r = Spillway("plan --params 34e9 --world-size 8 --config " + cfg +
+                       " --host-ram 256GiB --nvme 4TiB");
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("would fit with sub_group_size = 1e8"), std::string::npos) << r.out;
 }
@@ -57,8 +58,10 @@ TEST(CliTest, PlanRefusesAModelItsGpusCannotHoldAndNamesTheOffloadThatFits) {
   // less the 25% reserve.
   Outcome r = Spillway("plan --params 34e9 --world-size 8 --host-ram 2TiB --gpu-mem 80GB");
   EXPECT_EQ(r.status, 1) << r.out;
-  EXPECT_NE(r.out.find("gpu: model states 68.0 GB per GPU + reserve 20.0 GB"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("would fit with zero_optimization.offload_optimizer.device = \"cpu\""), std::string::npos)
+  EXPECT_NE(r.out.find("gpu: model states 68.0 GB per GPU + reserve 20.0 GB"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("would fit with zero_optimization.offload_optimizer.device = \"cpu\""),
+            std::string::npos)
       << r.out;
   r = Spillway("plan --params 34e9 --world-size 8 --host-ram 2TiB --gpu-mem 0");
   EXPECT_EQ(r.status, 0) << r.out;
@@ -69,7 +72,8 @@ TEST(CliTest, PlanRefusesAModelItsGpusCannotHoldAndNamesTheOffloadThatFits) {
 TEST(CliTest, PlanTheTrainerFromItsModelFlags) {
   // 2 blocks of width 64 with the corpus's vocabulary: the units' sum, all on the host (pinned, the
   // default config's pin_memory), the parameters on NVMe too.
-  Outcome r = Spillway("plan --trainer --layers 2 --d-model 64 --heads 4 --seq-len 32 --host-ram 8GiB --nvme 8GiB");
+  Outcome r = Spillway(
+      "plan --trainer --layers 2 --d-model 64 --heads 4 --seq-len 32 --host-ram 8GiB --nvme 8GiB");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("spillway train's trainer"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("host copies of the parameters (cached)"), std::string::npos) << r.out;
@@ -98,11 +102,13 @@ TEST(CliTest, BadFlagsMissingFilesAndBadValuesAreClearErrors) {
   EXPECT_NE(r.out.find("/nonexistent/ds.json"), std::string::npos) << r.out;
   r = Spillway("plan --params lots --host-ram 1TiB");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.out.find("--params 'lots' is not a positive number of parameters"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--params 'lots' is not a positive number of parameters"), std::string::npos)
+      << r.out;
   r = Spillway("plan --params 7e9 --host-ram 1TiB --world-size 8 --nodes 3");
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("must be a positive multiple of --nodes 3"), std::string::npos) << r.out;
-  const std::string bad = WriteConfig("bad.json", R"({"zero_optimization": {"stage": 3}, "spillway": {"colour": 1}})");
+  const std::string bad =
+      WriteConfig("bad.json", R"({"zero_optimization": {"stage": 3}, "spillway": {"colour": 1}})");
   r = Spillway("plan --params 7e9 --host-ram 1TiB --config " + bad);
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("spillway.colour"), std::string::npos) << r.out;
@@ -116,9 +122,12 @@ TEST(CliTest, BadFlagsMissingFilesAndBadValuesAreClearErrors) {
 }  // namespace
 
 TEST(CliTest, TrainAndLeakSuiteRefuseBadInputWithExitTwo) {
-  Outcome r = Spillway("leak-suite --scenario no-such-thing --out " + ::testing::TempDir() + "/leak");
+  Outcome r =
+      Spillway("leak-suite --scenario no-such-thing --out " + ::testing::TempDir() + "/leak");
   EXPECT_EQ(r.status, 2) << r.out;
-  EXPECT_NE(r.out.find("'no-such-thing' is not a scenario; choose from fork-cow"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("'no-such-thing' is not a scenario; choose from fork-cow"),
+            std::string::npos)
+      << r.out;
   r = Spillway("leak-suite --list");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("budget-pressure"), std::string::npos) << r.out;

@@ -1,6 +1,6 @@
-// The forking data loader with real fork()ed workers and real socket pairs: batches are the corpus rows the
-// (seed, epoch) picked, in the same order for any number of workers; workers are new processes
-// every epoch; a worker that dies is an error naming it; bad options are refused.
+// The forking data loader with real fork()ed workers and real socket pairs: batches are the corpus
+// rows the (seed, epoch) picked, in the same order for any number of workers; workers are new
+// processes every epoch; a worker that dies is an error naming it; bad options are refused.
 #include "spillway/cli/fork_loader.h"
 
 #include <gtest/gtest.h>
@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-
 #include <fstream>
 #include <set>
 #include <string>
@@ -97,9 +96,12 @@ TEST(ForkLoaderTest, EveryEpochForksNewWorkersAndDrawsNewBatches) {
     }
     std::vector<int64_t> rows(o.batch_size * l->row_elems());
     ASSERT_TRUE(l->Next(rows.data()).ok());
-    if (e == 0) first.push_back(rows);
-    else EXPECT_NE(rows, first[0]) << "epoch " << e << " drew epoch 0's batch";
-    ASSERT_TRUE(l->EndEpoch().ok());  // three batches left unread: the workers are killed and reaped
+    if (e == 0)
+      first.push_back(rows);
+    else
+      EXPECT_NE(rows, first[0]) << "epoch " << e << " drew epoch 0's batch";
+    ASSERT_TRUE(
+        l->EndEpoch().ok());  // three batches left unread: the workers are killed and reaped
     for (pid_t p : seen) EXPECT_NE(kill(p, 0), 0) << "worker " << p << " outlived its epoch";
   }
   EXPECT_EQ(l->stats().forks, 9u);
@@ -112,7 +114,8 @@ TEST(ForkLoaderTest, AWorkerThatDiesIsNamedAndTheEpochIsClosed) {
   o.seq_len = 1000;
   // A batch four times what a worker's socket holds, so the victim cannot have sent all of it.
   // (With 100 KiB batches in a 208 KiB socket, batch 1 sometimes arrived whole.)
-  o.batch_size = std::max<uint32_t>(64, static_cast<uint32_t>(4 * SocketSendBufferBytes() / (1001 * 8)) + 1);
+  o.batch_size =
+      std::max<uint32_t>(64, static_cast<uint32_t>(4 * SocketSendBufferBytes() / (1001 * 8)) + 1);
   auto l = std::move(ForkingLoader::Create(&corpus, o).value());
   ASSERT_TRUE(l->BeginEpoch(0, 6).ok());
   const pid_t victim = l->worker_pids()[1];

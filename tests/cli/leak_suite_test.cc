@@ -32,9 +32,9 @@ TEST(LeakSuiteTest, PeakGrowthIsEachEpochsPeakOverItsStart) {
 }
 
 TEST(LeakSuiteTest, EveryScenarioOfTheIssueIsRegisteredInOrder) {
-  const char* want[] = {"fork-cow",       "pinned-pow2",      "bounce-leak",
-                        "swapped-alive",  "engine-rebuild",   "epoch-checkpoint",
-                        "accum-remainder", "step-exception",  "budget-pressure"};
+  const char* want[] = {"fork-cow",        "pinned-pow2",    "bounce-leak",
+                        "swapped-alive",   "engine-rebuild", "epoch-checkpoint",
+                        "accum-remainder", "step-exception", "budget-pressure"};
   const auto& all = LeakScenarios();
   ASSERT_EQ(all.size(), 9u);
   for (size_t i = 0; i < all.size(); ++i) {

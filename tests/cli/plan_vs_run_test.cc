@@ -3,8 +3,10 @@
 // epoch boundary (the ledger), the host arena's committed bytes (what an inherited arena's fork
 // copies), and what the end-of-epoch save holds beyond the steady state (the host arena's live
 // peak during Trainer::Save). Each within 10% of the plan, or equal where the plan says 0. The
-// process-level fork cost is printed beside the plan's (see the test for why it is not held to 10%).
+// process-level fork cost is printed beside the plan's (see the test for why it is not held to
+// 10%).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -15,16 +17,13 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "spillway/base/bytes.h"
-#include "spillway/cli/train_job.h"
 #include "spillway/base/status.h"
+#include "spillway/cli/train_job.h"
 #include "spillway/offload/planner.h"
 
 namespace spillway::cli {
 namespace {
-
 
 struct PlannedRun {
   offload::PlanReport plan;
@@ -32,7 +31,8 @@ struct PlannedRun {
 };
 
 std::string Dir(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/plan_vs_run_" + name + "_" + std::to_string(getpid());
+  const std::string d =
+      ::testing::TempDir() + "/plan_vs_run_" + name + "_" + std::to_string(getpid());
   std::filesystem::remove_all(d);
   std::filesystem::create_directories(d);
   return d;
@@ -40,11 +40,14 @@ std::string Dir(const std::string& name) {
 
 // A model whose state (20 bytes per parameter, about 7.3M parameters) is large against the fork's
 // other costs (the trainer's heap and the workers' own pages, tens of MiB).
-void WriteConfig(const std::string& path, const std::string& offload, const std::string& fork_safety) {
+void WriteConfig(const std::string& path, const std::string& offload,
+                 const std::string& fork_safety) {
   std::ofstream(path) << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
       "zero_optimization": {"stage": 3, "sub_group_size": 1000000,
-        "offload_optimizer": {"device": ")" << offload << R"(", "nvme_path": "/unused", "pin_memory": true},
-        "offload_param": {"device": ")" << offload << R"(", "nvme_path": "/unused", "pin_memory": true}},
+        "offload_optimizer": {"device": ")"
+                      << offload << R"(", "nvme_path": "/unused", "pin_memory": true},
+        "offload_param": {"device": ")"
+                      << offload << R"(", "nvme_path": "/unused", "pin_memory": true}},
       "aio": {"block_size": 1048576, "queue_depth": 8},
       "spillway": {"host_budget_bytes": "2GiB", "nvme_budget_bytes": "2GiB", "fork_safety": ")"
                       << fork_safety << R"("}})";
@@ -58,9 +61,10 @@ constexpr const char* kModelFlags = "--layers 4 --d-model 384 --heads 4 --seq-le
 double ForkCostOfAProcess(const std::string& offload, const std::string& fork_safety) {
   const std::string dir = Dir("cli_" + offload + "_" + fork_safety);
   WriteConfig(dir + "/ds.json", offload, fork_safety);
-  const std::string cmd = StrCat(SPILLWAY_BINARY, " train --config ", dir, "/ds.json --swap-dir ", dir,
-                                 " --epochs 2 --steps 2 --workers 1 --threads 2 --sample 0 --metrics off ",
-                                 kModelFlags, " 2>&1");
+  const std::string cmd =
+      StrCat(SPILLWAY_BINARY, " train --config ", dir, "/ds.json --swap-dir ", dir,
+             " --epochs 2 --steps 2 --workers 1 --threads 2 --sample 0 --metrics off ", kModelFlags,
+             " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
   EXPECT_NE(p, nullptr);
   std::string out;
@@ -72,11 +76,14 @@ double ForkCostOfAProcess(const std::string& offload, const std::string& fork_sa
   const std::string key = "the fork cost ";
   const size_t at = out.rfind(key);  // the last epoch's
   EXPECT_NE(at, std::string::npos) << out;
-  return at == std::string::npos ? 0.0 : std::strtod(out.c_str() + at + key.size(), nullptr) * static_cast<double>(kMiB);
+  return at == std::string::npos
+             ? 0.0
+             : std::strtod(out.c_str() + at + key.size(), nullptr) * static_cast<double>(kMiB);
 }
 
 // The job's options for `offload` (none, cpu, nvme) and `fork_safety`, its config written in `dir`.
-TrainJobOptions Options(const std::string& offload, const std::string& fork_safety, const std::string& dir) {
+TrainJobOptions Options(const std::string& offload, const std::string& fork_safety,
+                        const std::string& dir) {
   TrainJobOptions o;
   o.epochs = 2;
   o.steps_per_epoch = 2;
@@ -127,12 +134,14 @@ const allocator::TierReport* Tier(const EpochSummary& e, const std::string& name
 }
 
 void ExpectWithinTenPercent(double planned, double measured, const std::string& what) {
-  std::printf("  %-34s plan %9.2f MiB  run %9.2f MiB  (%+.1f%%)\n", what.c_str(), planned / static_cast<double>(kMiB),
-              measured / static_cast<double>(kMiB), planned == 0 ? 0.0 : 100.0 * (measured - planned) / planned);
+  std::printf("  %-34s plan %9.2f MiB  run %9.2f MiB  (%+.1f%%)\n", what.c_str(),
+              planned / static_cast<double>(kMiB), measured / static_cast<double>(kMiB),
+              planned == 0 ? 0.0 : 100.0 * (measured - planned) / planned);
   if (planned == 0) {
     EXPECT_EQ(measured, 0) << what;
   } else {
-    EXPECT_LE(std::fabs(measured - planned), 0.1 * planned) << what << ": plan " << planned << ", run " << measured;
+    EXPECT_LE(std::fabs(measured - planned), 0.1 * planned)
+        << what << ": plan " << planned << ", run " << measured;
   }
 }
 
@@ -156,8 +165,8 @@ TEST_P(PlanVsRunTest, ThePlanIsWithinTenPercentOfTheRun) {
                            std::string("host ") + allocator::KindName(kind));
   }
   const allocator::TierReport* nvme = Tier(last, "nvme");
-  ExpectWithinTenPercent(static_cast<double>(plan.nvme_per_node), nvme ? static_cast<double>(nvme->live_bytes) : 0.0,
-                         "nvme");
+  ExpectWithinTenPercent(static_cast<double>(plan.nvme_per_node),
+                         nvme ? static_cast<double>(nvme->live_bytes) : 0.0, "nvme");
 
   // What the arena holds from the OS (mapped and pinned whole), which an inherited arena's fork
   // copies page for page.
@@ -179,15 +188,19 @@ TEST_P(PlanVsRunTest, ThePlanIsWithinTenPercentOfTheRun) {
   // than a fork-safe one's. Second epoch (the first also pays for first touches), fresh processes.
   const double dontfork = ForkCostOfAProcess(offload, "dontfork");
   const double inherit = ForkCostOfAProcess(offload, "inherit");
-  std::printf("  fork cost: dontfork %+.2f MiB, inherit %+.2f MiB; inherit - dontfork %.2f MiB against "
-              "the plan's %.2f MiB\n", dontfork / static_cast<double>(kMiB), inherit / static_cast<double>(kMiB), (inherit - dontfork) / static_cast<double>(kMiB),
-              inherit_plan.fork_extra_spillway_per_node / static_cast<double>(kMiB));
+  std::printf(
+      "  fork cost: dontfork %+.2f MiB, inherit %+.2f MiB; inherit - dontfork %.2f MiB against "
+      "the plan's %.2f MiB\n",
+      dontfork / static_cast<double>(kMiB), inherit / static_cast<double>(kMiB),
+      (inherit - dontfork) / static_cast<double>(kMiB),
+      inherit_plan.fork_extra_spillway_per_node / static_cast<double>(kMiB));
   EXPECT_GT(inherit, dontfork);
 
   // The save.
   ASSERT_EQ(safe.result.checkpoints.size(), 1u);
   const auto& save = safe.result.checkpoints[0];
-  std::printf("  save: tree anonymous PSS %+.2f MiB\n", save.peak_extra_pss_bytes / static_cast<double>(kMiB));
+  std::printf("  save: tree anonymous PSS %+.2f MiB\n",
+              save.peak_extra_pss_bytes / static_cast<double>(kMiB));
   ExpectWithinTenPercent(static_cast<double>(plan.checkpoint_streamed_bytes),
                          static_cast<double>(save.peak_extra_host_bytes), "save, host arena peak");
 }

@@ -1,6 +1,6 @@
 // The leak detector's ground truth checked against a mechanism with a known answer: after fork(),
-// a parent that rewrites N MiB of ordinary memory grows the tree's summed PSS by N MiB (the copies),
-// and the same memory under MADV_DONTFORK does not. Real processes, real /proc.
+// a parent that rewrites N MiB of ordinary memory grows the tree's summed PSS by N MiB (the
+// copies), and the same memory under MADV_DONTFORK does not. Real processes, real /proc.
 #include "spillway/cli/proc_memory.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +15,8 @@ namespace {
 
 constexpr size_t kBytes = 64ull << 20;
 
-// Tree anonymous-PSS growth when the parent rewrites a touched region while a forked child holds it.
+// Tree anonymous-PSS growth when the parent rewrites a touched region while a forked child holds
+// it.
 int64_t CowGrowth(bool dontfork) {
   void* p = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   EXPECT_NE(p, MAP_FAILED);
@@ -48,8 +49,8 @@ int64_t CowGrowth(bool dontfork) {
 
 TEST(ProcMemoryTest, CopyOnWriteAfterForkShowsAsTreePssGrowth) {
   const int64_t grown = CowGrowth(/*dontfork=*/false);
-  std::printf("ordinary memory: tree anonymous PSS grew %.1f MiB after rewriting %zu MiB\n", grown / 1048576.0,
-              kBytes >> 20);
+  std::printf("ordinary memory: tree anonymous PSS grew %.1f MiB after rewriting %zu MiB\n",
+              grown / 1048576.0, kBytes >> 20);
   EXPECT_GT(grown, static_cast<int64_t>(kBytes) * 9 / 10);
   EXPECT_LT(grown, static_cast<int64_t>(kBytes) * 11 / 10);
 }

@@ -1,19 +1,17 @@
 // The main job end to end, in process: real forked loader workers, a real NVMe swap file, the real
-// exporter scraped over HTTP mid-run. It learns (the loss falls), nothing escapes, host and NVMe live
-// bytes are flat across epoch boundaries, and bad input is refused with what to change.
+// exporter scraped over HTTP mid-run. It learns (the loss falls), nothing escapes, host and NVMe
+// live bytes are flat across epoch boundaries, and bad input is refused with what to change.
 #include "spillway/cli/train_job.h"
 
 #include <gtest/gtest.h>
-
-#include <filesystem>
-#include <fstream>
-#include <string>
-#include <vector>
-
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
 
 #include "../metrics/http_util.h"
 #include "spillway/metrics/exporter.h"
@@ -33,7 +31,8 @@ class SwapDirs : public ::testing::Environment {
     for (const std::string& d : dirs()) std::filesystem::remove_all(d);
   }
 };
-[[maybe_unused]] ::testing::Environment* const kSwapDirs = ::testing::AddGlobalTestEnvironment(new SwapDirs);
+[[maybe_unused]] ::testing::Environment* const kSwapDirs =
+    ::testing::AddGlobalTestEnvironment(new SwapDirs);
 
 TrainJobOptions Small() {
   TrainJobOptions o;
@@ -51,7 +50,8 @@ TrainJobOptions Small() {
   // One directory per test and process: ctest runs these tests in parallel, and two jobs must not
   // share swap files.
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  o.swap_dir = ::testing::TempDir() + "/train_job_swap_" + info->name() + "_" + std::to_string(getpid());
+  o.swap_dir =
+      ::testing::TempDir() + "/train_job_swap_" + info->name() + "_" + std::to_string(getpid());
   std::filesystem::create_directories(o.swap_dir);
   SwapDirs::dirs().push_back(o.swap_dir);
   return o;
@@ -101,7 +101,9 @@ TEST(TrainJobTest, LearnsWithFlatMemoryAndLiveMetrics) {
   EXPECT_NE(scraped.find("spillway_epoch 2"), std::string::npos) << scraped;
   EXPECT_NE(scraped.find("tier=\"nvme\""), std::string::npos) << scraped;
   // The parameters reach the compute device through the transfer pipeline, which the job exports.
-  EXPECT_NE(scraped.find("spillway_transfer_bytes_total{direction=\"nvme_to_device\"}"), std::string::npos) << scraped;
+  EXPECT_NE(scraped.find("spillway_transfer_bytes_total{direction=\"nvme_to_device\"}"),
+            std::string::npos)
+      << scraped;
   EXPECT_EQ(r->sample.size(), std::string("This License ").size() + 20);
 }
 
@@ -121,7 +123,8 @@ TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
   o.model.n_layer = 4;
   o.model.n_head = 8;
   o.config_path = o.swap_dir + "/small-batch.json";
-  std::ofstream(o.config_path) << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+  std::ofstream(o.config_path)
+      << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                             "offload_param": {"device": "nvme", "nvme_path": "/unused"}},
       "aio": {"block_size": 1048576, "queue_depth": 8},
@@ -131,7 +134,8 @@ TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->checkpoints.size(), 1u);
   int64_t params = 0;
-  for (int64_t u = 0; u < engine::gpt::Units(o.model); ++u) params += engine::gpt::UnitNumel(o.model, u);
+  for (int64_t u = 0; u < engine::gpt::Units(o.model); ++u)
+    params += engine::gpt::UnitNumel(o.model, u);
   const int64_t model_bytes = params * 4, bound = (8 + 4) << 20;
   std::printf("save of a %.1f MiB model (x4 states): tree anonymous PSS peak %+.2f MiB\n",
               model_bytes / 1048576.0, r->checkpoints[0].peak_extra_pss_bytes / 1048576.0);
@@ -141,7 +145,8 @@ TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
   ASSERT_TRUE(before.ok());
   PeakSampler sampler(getpid());
   {
-    // Fresh pages (glibc would serve a vector from heap it kept from the training, already counted).
+    // Fresh pages (glibc would serve a vector from heap it kept from the training, already
+    // counted).
     void* gathered = mmap(nullptr, static_cast<size_t>(model_bytes), PROT_READ | PROT_WRITE,
                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     ASSERT_NE(gathered, MAP_FAILED);
@@ -152,7 +157,8 @@ TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
   }
   auto peak = sampler.Stop();
   ASSERT_TRUE(peak.ok());
-  const int64_t control = static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
+  const int64_t control =
+      static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
   std::printf("control, gather to host: %+.2f MiB\n", control / 1048576.0);
   EXPECT_GE(control, model_bytes * 9 / 10);
   EXPECT_GT(control, bound);
@@ -179,7 +185,8 @@ TEST(TrainJobTest, BadInputSaysWhatToChange) {
   o.data_path = "/nonexistent/licence.txt";
   auto r = RunTrainJob(o);
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("--data /nonexistent/licence.txt: cannot open"), std::string::npos);
+  EXPECT_NE(r.status().message().find("--data /nonexistent/licence.txt: cannot open"),
+            std::string::npos);
 
   o = Small();
   o.metrics_address = "off";
@@ -189,7 +196,8 @@ TEST(TrainJobTest, BadInputSaysWhatToChange) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("set it to 3"), std::string::npos) << r.status().message();
 
-  std::ofstream(o.config_path) << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}})";
+  std::ofstream(o.config_path)
+      << R"({"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}})";
   r = RunTrainJob(o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("implements \"Adam\" and \"AdamW\""), std::string::npos);

@@ -116,13 +116,17 @@ void RunAgainstTorch(Isa isa, bool adamw, double max_norm, float loss_scale, Dri
 
   std::unique_ptr<torch::optim::Optimizer> ref;
   if (adamw) {
-    ref = std::make_unique<torch::optim::AdamW>(
-        model->parameters(),
-        torch::optim::AdamWOptions(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay));
+    ref = std::make_unique<torch::optim::AdamW>(model->parameters(),
+                                                torch::optim::AdamWOptions(c.lr)
+                                                    .betas({c.beta1, c.beta2})
+                                                    .eps(c.eps)
+                                                    .weight_decay(c.weight_decay));
   } else {
-    ref = std::make_unique<torch::optim::Adam>(
-        model->parameters(),
-        torch::optim::AdamOptions(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay));
+    ref = std::make_unique<torch::optim::Adam>(model->parameters(),
+                                               torch::optim::AdamOptions(c.lr)
+                                                   .betas({c.beta1, c.beta2})
+                                                   .eps(c.eps)
+                                                   .weight_decay(c.weight_decay));
   }
   std::vector<SubGroup> groups = Groups(mir);
   for (int step = 1; step <= 60; ++step) {
@@ -178,7 +182,8 @@ TEST_P(AdamWTorchTest, MatchesTorchAdamWithL2WeightDecay) {
 std::string PathName(const ::testing::TestParamInfo<Isa>& p) { return IsaName(p.param); }
 
 INSTANTIATE_TEST_SUITE_P(Paths, AdamWTorchTest,
-                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16),
+                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512,
+                                           Isa::kAvx512Bf16),
                          PathName);
 
 }  // namespace

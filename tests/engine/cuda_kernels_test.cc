@@ -124,7 +124,8 @@ TEST_F(CudaKernelsTest, TheNormIsExactAtEveryAlignmentAndLength) {
         std::memcpy(&host[i * 4], &f[i], 4);
         value[i] = f[i];
       } else {
-        const uint16_t h = dt == DType::kBf16 ? kernels::Bf16FromFloat(f[i]) : kernels::F16FromFloat(f[i]);
+        const uint16_t h =
+            dt == DType::kBf16 ? kernels::Bf16FromFloat(f[i]) : kernels::F16FromFloat(f[i]);
         std::memcpy(&host[i * 2], &h, 2);
         value[i] = dt == DType::kBf16 ? kernels::FloatFromBf16(h) : kernels::FloatFromF16(h);
       }
@@ -147,7 +148,8 @@ TEST_F(CudaKernelsTest, TheNormIsExactAtEveryAlignmentAndLength) {
       auto r = cuda::SumOfSquares(&odd, 1);
       ASSERT_FALSE(r.ok());
       EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-      EXPECT_NE(r.status().message().find("not aligned"), std::string::npos) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("not aligned"), std::string::npos)
+          << r.status().ToString();
     }
   }
 }
@@ -187,13 +189,16 @@ TEST_F(CudaKernelsTest, ScaleCastEveryDtypePairAtEveryAlignment) {
             std::vector<uint8_t> poison(max_n * eo, 0xA5);
             auto* d_out = static_cast<uint8_t*>(ToDevice(poison.data(), poison.size()));
             ASSERT_TRUE(cuda::ScaleCast(d_in + off_in * DTypeBytes(di), di, d_out + off_out * eo,
-                                        dout, n, scale).ok());
+                                        dout, n, scale)
+                            .ok());
             std::vector<uint8_t> got(poison.size());
-            ASSERT_EQ(cudaMemcpy(got.data(), d_out, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+            ASSERT_EQ(cudaMemcpy(got.data(), d_out, got.size(), cudaMemcpyDeviceToHost),
+                      cudaSuccess);
             for (size_t i = 0; i < max_n; ++i) {
               std::vector<uint8_t> want(eo, 0xA5);  // outside [off_out, off_out + n): untouched
               if (i >= off_out && i < off_out + n) {
-                encode(dout, decode(di, &in[(i - off_out + off_in) * DTypeBytes(di)]) * scale, want.data());
+                encode(dout, decode(di, &in[(i - off_out + off_in) * DTypeBytes(di)]) * scale,
+                       want.data());
               }
               ASSERT_EQ(std::memcmp(&got[i * eo], want.data(), eo), 0)
                   << DTypeName(di) << "->" << DTypeName(dout) << " in+" << off_in << " out+"

@@ -2,10 +2,12 @@
 // against an independent per-element reference, loss-scaling skips, clipping, the streamed
 // pieces, the unfused baseline and every error. Comparison with libtorch's AdamW is in
 // adamw_torch_test.cc.
+#include "spillway/engine/host_optimizer.h"
+
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -14,15 +16,14 @@
 
 #include "optimizer_test_util.h"
 #include "spillway/engine/cpu_features.h"
-#include "spillway/engine/host_optimizer.h"
 
 namespace spillway::engine {
 namespace {
 
 using testing::GroupBuffers;
 
-std::unique_ptr<HostOptimizer> MakeOptimizer(Isa isa, uint32_t threads = 2,
-                                             AdamWConfig adam = {}, uint64_t chunk = 1 << 12) {
+std::unique_ptr<HostOptimizer> MakeOptimizer(Isa isa, uint32_t threads = 2, AdamWConfig adam = {},
+                                             uint64_t chunk = 1 << 12) {
   HostOptimizerOptions o;
   o.isa = isa;
   o.threads = threads;
@@ -143,8 +144,8 @@ TEST(HostOptimizerTest, EverySimdPathMatchesTheScalarPathBitForBit) {
         auto want = ref->Step({&sg, 1}, so);
         ASSERT_TRUE(want.ok()) << want.status().ToString();
         for (size_t i = 0; i < bufs.size(); ++i) {
-          SCOPED_TRACE(StrCat(IsaName(isas[i + 1]), " ", PairName(pair), " adamw=", adamw,
-                              " step ", step));
+          SCOPED_TRACE(
+              StrCat(IsaName(isas[i + 1]), " ", PairName(pair), " adamw=", adamw, " step ", step));
           bufs[i].FillGrad(500 + step, sigma);
           SubGroup g = bufs[i].View();
           auto got = opts[i]->Step({&g, 1}, so);
@@ -161,7 +162,8 @@ TEST(HostOptimizerTest, EverySimdPathMatchesTheScalarPathBitForBit) {
 
 TEST(HostOptimizerTest, ResultsDoNotDependOnTheThreadCountOrChunkSize) {
   constexpr uint64_t kN = 100'003;
-  GroupBuffers a(kN, DType::kBf16, DType::kBf16, true, 3), b(kN, DType::kBf16, DType::kBf16, true, 3);
+  GroupBuffers a(kN, DType::kBf16, DType::kBf16, true, 3),
+      b(kN, DType::kBf16, DType::kBf16, true, 3);
   auto one = MakeOptimizer(Isa::kAuto, 1, {}, 1 << 16);
   auto many = MakeOptimizer(Isa::kAuto, 4, {}, 1 << 10);
   for (uint64_t step = 1; step <= 3; ++step) {
@@ -185,7 +187,8 @@ TEST(HostOptimizerTest, TheNormIsTheGlobalL2NormOfTheUnscaledGradientsInDouble) 
   GroupBuffers c(33, DType::kFp16, DType::kFp16, true, 3);
   long double want = 0;
   for (GroupBuffers* g : {&a, &b, &c}) {
-    for (uint64_t i = 0; i < g->numel; ++i) want += static_cast<long double>(g->GradAt(i)) * g->GradAt(i);
+    for (uint64_t i = 0; i < g->numel; ++i)
+      want += static_cast<long double>(g->GradAt(i)) * g->GradAt(i);
   }
   for (Isa isa : SupportedIsas()) {
     auto opt = MakeOptimizer(isa);
@@ -218,7 +221,8 @@ TEST(HostOptimizerTest, InfOrNanGradientsSkipTheStepAndLeaveTheStateUntouched) {
         const GroupBuffers before = b;
         // One bad element in the padded tail, where a sloppy tail would miss it.
         const uint32_t bits32 = nan ? 0x7FC00000u : 0x7F800000u;
-        const uint16_t bits16 = gd == DType::kBf16 ? (nan ? 0x7FC0 : 0x7F80) : (nan ? 0x7E00 : 0x7C00);
+        const uint16_t bits16 =
+            gd == DType::kBf16 ? (nan ? 0x7FC0 : 0x7F80) : (nan ? 0x7E00 : 0x7C00);
         b.SetGradBits(4999, bits32, bits16);
         auto r = opt->Step({&g, 1});
         ASSERT_TRUE(r.ok());
@@ -283,12 +287,14 @@ TEST(HostOptimizerTest, TheStreamedPiecesEqualOneStep) {
     for (const SubGroup& g : gb) ASSERT_TRUE(b->Update(g, *plan).ok());
     // Summing per-group partials regroups the norm's additions; allow the last bits.
     EXPECT_NEAR(plan->grad_norm, r->grad_norm, 1e-12 * r->grad_norm);
-    EXPECT_FLOAT_EQ(static_cast<float>(plan->combined_scale), static_cast<float>(r->combined_scale));
+    EXPECT_FLOAT_EQ(static_cast<float>(plan->combined_scale),
+                    static_cast<float>(r->combined_scale));
   }
   for (int i = 0; i < 4; ++i) {
     // Equal up to the float rounding of the clip factor (identical when it rounds the same).
     for (uint64_t k = 0; k < whole[i].numel; ++k) {
-      ASSERT_NEAR(whole[i].master[k], pieces[i].master[k], 1e-6f * (1 + std::fabs(whole[i].master[k])));
+      ASSERT_NEAR(whole[i].master[k], pieces[i].master[k],
+                  1e-6f * (1 + std::fabs(whole[i].master[k])));
     }
   }
   EXPECT_EQ(b->Stats().steps, 3u);
@@ -299,7 +305,8 @@ TEST(HostOptimizerTest, TheStreamedPiecesEqualOneStep) {
 // step counter and config are neither read nor moved.
 TEST(HostOptimizerTest, UpdateWithTheCallersStepAndConfigEqualsUpdate) {
   constexpr uint64_t kN = 30'001;
-  GroupBuffers a(kN, DType::kBf16, DType::kBf16, true, 61), b(kN, DType::kBf16, DType::kBf16, true, 61);
+  GroupBuffers a(kN, DType::kBf16, DType::kBf16, true, 61),
+      b(kN, DType::kBf16, DType::kBf16, true, 61);
   auto planner = MakeOptimizer(Isa::kAuto);
   HostOptimizerOptions other;
   other.adam.lr = 0.5;  // must not be used by UpdateWith
@@ -315,7 +322,8 @@ TEST(HostOptimizerTest, UpdateWithTheCallersStepAndConfigEqualsUpdate) {
     auto plan = planner->Plan(*planner->SumOfSquares(a.View()), so);
     ASSERT_TRUE(plan.ok());
     ASSERT_TRUE(planner->Update(a.View(), *plan).ok());
-    ASSERT_TRUE((*caller)->UpdateWith(b.View(), planner->config(), plan->step, plan->combined_scale).ok());
+    ASSERT_TRUE(
+        (*caller)->UpdateWith(b.View(), planner->config(), plan->step, plan->combined_scale).ok());
   }
   EXPECT_EQ(std::memcmp(a.master.data(), b.master.data(), kN * 4), 0);
   EXPECT_EQ(std::memcmp(a.exp_avg_sq.data(), b.exp_avg_sq.data(), kN * 4), 0);
@@ -338,7 +346,8 @@ TEST(HostOptimizerTest, UpdateWithTheCallersStepAndConfigEqualsUpdate) {
 
 TEST(HostOptimizerTest, TheUnfusedSequenceComputesTheSameStepForFp32Gradients) {
   constexpr uint64_t kN = 30'001;
-  GroupBuffers fused(kN, DType::kFp32, DType::kBf16, true, 8), unfused(kN, DType::kFp32, DType::kBf16, true, 8);
+  GroupBuffers fused(kN, DType::kFp32, DType::kBf16, true, 8),
+      unfused(kN, DType::kFp32, DType::kBf16, true, 8);
   auto a = MakeOptimizer(Isa::kAuto), b = MakeOptimizer(Isa::kAuto);
   StepOptions so;
   so.loss_scale = 128.0;
@@ -365,10 +374,13 @@ TEST(HostOptimizerTest, ConversionsRoundToNearestEvenAndKeepSpecialValues) {
                           std::bit_cast<float>(0x3F818000u),  // bf16 tie, odd below: up
                           std::bit_cast<float>(0x3F808001u),  // just above a tie: up
                           std::numeric_limits<float>::max(),  // rounds to bf16 inf
-                          1e-40f, -1e-40f,                    // fp32 denormals
-                          INFINITY, -INFINITY,
-                          65504.0f, 65520.0f,                 // fp16 max, and the first to overflow
-                          1e-7f,                              // an fp16 denormal (2 * 2^-24)
+                          1e-40f,
+                          -1e-40f,  // fp32 denormals
+                          INFINITY,
+                          -INFINITY,
+                          65504.0f,
+                          65520.0f,  // fp16 max, and the first to overflow
+                          1e-7f,     // an fp16 denormal (2 * 2^-24)
                           -0.0f,
                           std::bit_cast<float>(0x7F800001u)};  // a signalling NaN: quieted
   const uint16_t want_bf16[] = {0x3F80, 0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x0000, 0x8000,
@@ -513,8 +525,10 @@ TEST(HostOptimizerTest, TheBestPathIsChosenFromCpuidAtRunTime) {
   std::fclose(cpuinfo);
   const size_t end = text.find("\n\n");
   const std::string first = text.substr(0, end);
-  auto has = [&](const char* flag) { return first.find(StrCat(" ", flag, " ")) != std::string::npos ||
-                                            first.find(StrCat(" ", flag, "\n")) != std::string::npos; };
+  auto has = [&](const char* flag) {
+    return first.find(StrCat(" ", flag, " ")) != std::string::npos ||
+           first.find(StrCat(" ", flag, "\n")) != std::string::npos;
+  };
   EXPECT_EQ(f.avx2, has("avx2"));
   EXPECT_EQ(f.avx512f, has("avx512f"));
   EXPECT_EQ(f.avx512_bf16, has("avx512_bf16"));

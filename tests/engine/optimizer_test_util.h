@@ -27,8 +27,15 @@ struct GroupBuffers {
   std::vector<unsigned char> grad, param;
 
   GroupBuffers(uint64_t n, DType g, DType p, bool has_param, uint64_t seed)
-      : numel(n), grad_dtype(g), param_dtype(p), with_param(has_param),
-        master(n), exp_avg(n), exp_avg_sq(n), grad(n * DTypeBytes(g)), param(n * DTypeBytes(p)) {
+      : numel(n),
+        grad_dtype(g),
+        param_dtype(p),
+        with_param(has_param),
+        master(n),
+        exp_avg(n),
+        exp_avg_sq(n),
+        grad(n * DTypeBytes(g)),
+        param(n * DTypeBytes(p)) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> w(0.0f, 1.0f);
     for (uint64_t i = 0; i < n; ++i) master[i] = w(rng);

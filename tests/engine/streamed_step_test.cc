@@ -48,9 +48,12 @@ Model MakeModel(offload::PartitionStore& store) {
     g.name = StrCat("group ", i);
     g.numel = m.host[i].numel;
     const uint64_t bytes = g.numel * 4;
-    g.master = *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kMasterWeight}, bytes);
-    g.exp_avg = *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kExpAvg}, bytes);
-    g.exp_avg_sq = *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kExpAvgSq}, bytes);
+    g.master =
+        *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kMasterWeight}, bytes);
+    g.exp_avg =
+        *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kExpAvg}, bytes);
+    g.exp_avg_sq =
+        *store.Register(PartitionKey{0, static_cast<uint32_t>(i), StateKind::kExpAvgSq}, bytes);
     auto h = store.Acquire(g.master, Access::kReadWrite);
     EXPECT_TRUE(h.ok()) << h.status().ToString();
     std::memcpy(*h->Data(), m.host[i].master.data(), bytes);

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -34,16 +34,18 @@ constexpr int kAccum = 2;
 // A trainer on its own store, arenas and engine.
 struct TrainRun {
   explicit TrainRun(const std::string& offload, GptConfig model = SmallGpt(),
-               allocator::IoFaults* faults = nullptr)
+                    allocator::IoFaults* faults = nullptr)
       // The product's prefetch window (spillway.prefetch_partitions' default).
-      : model_(model), rig(ParseOrDie(Json(offload.c_str(), offload.c_str())), 256 * kMiB, true, faults, 2) {
+      : model_(model),
+        rig(ParseOrDie(Json(offload.c_str(), offload.c_str())), 256 * kMiB, true, faults, 2) {
     TrainerOptions o;
     o.model = model;
     o.adam = Adam();
     o.max_grad_norm = 0.5;
     o.optimizer_threads = 2;
     trainer = std::move(Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), &rig.ledger,
-                                        allocator::kProcessScope).value());
+                                        allocator::kProcessScope)
+                            .value());
     EXPECT_TRUE(rig.ledger.BeginEpoch(0).ok());
   }
   std::vector<double> Train(int from, int to) {
@@ -57,7 +59,8 @@ struct TrainRun {
   }
   std::vector<torch::Tensor> Weights() {
     std::vector<torch::Tensor> w;
-    for (int64_t u = 0; u < gpt::Units(trainer_model()); ++u) w.push_back(trainer->GatherUnit(u).value());
+    for (int64_t u = 0; u < gpt::Units(trainer_model()); ++u)
+      w.push_back(trainer->GatherUnit(u).value());
     return w;
   }
   CheckpointOptions Options() {
@@ -74,7 +77,8 @@ struct TrainRun {
 };
 
 std::string FreshDir(const std::string& name) {
-  const std::string d = allocator::testing::NvmeTestDir() + "/ckpt-" + std::to_string(getpid()) + "-" + name;
+  const std::string d =
+      allocator::testing::NvmeTestDir() + "/ckpt-" + std::to_string(getpid()) + "-" + name;
   fs::remove_all(d);
   return d;
 }
@@ -170,7 +174,8 @@ TEST(CheckpointTest, TheFormatIsSafetensorsWithAManifestAndOldCheckpointsGo) {
   EXPECT_EQ(t.size(), 4u * gpt::Units(SmallGpt()) + 1);
   EXPECT_EQ(t["unit.1.exp_avg"]["dtype"], "F32");
   // Readable without Spillway's writer: the reader checks the header against the file size.
-  auto reader = checkpoint::FileReader::Open(ckpt + "/rank-00000-of-00001.safetensors", run.rig.engine.get());
+  auto reader =
+      checkpoint::FileReader::Open(ckpt + "/rank-00000-of-00001.safetensors", run.rig.engine.get());
   ASSERT_TRUE(reader.ok()) << reader.status().ToString();
   const checkpoint::TensorRecord* param = (*reader)->Find("unit.0.param");
   ASSERT_NE(param, nullptr);
@@ -228,13 +233,15 @@ class BadCheckpointTest : public ::testing::Test {
     before_ = target_.Weights();
   }
   void TearDown() override { fs::remove_all(dir_); }
-  void ExpectRefused(StatusCode code, const std::vector<std::string>& says, TrainRun* run = nullptr) {
+  void ExpectRefused(StatusCode code, const std::vector<std::string>& says,
+                     TrainRun* run = nullptr) {
     TrainRun& r = run ? *run : target_;
     auto st = r.trainer->Load(dir_, r.Options());
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.status().code(), code) << st.status().ToString();
     for (const std::string& s : says) {
-      EXPECT_NE(st.status().message().find(s), std::string::npos) << "missing '" << s << "' in: " << st.status().message();
+      EXPECT_NE(st.status().message().find(s), std::string::npos)
+          << "missing '" << s << "' in: " << st.status().message();
     }
     if (run == nullptr) {
       ExpectSameWeights(target_.Weights(), before_);
@@ -245,7 +252,8 @@ class BadCheckpointTest : public ::testing::Test {
     }
   }
   // Rewrites the rank file with `edit` applied to each tensor's spec and bytes.
-  void RewriteRankFile(const std::function<void(checkpoint::TensorSpec&, std::vector<char>&)>& edit) {
+  void RewriteRankFile(
+      const std::function<void(checkpoint::TensorSpec&, std::vector<char>&)>& edit) {
     auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
     ASSERT_TRUE(reader.ok());
     std::vector<checkpoint::TensorSpec> specs;
@@ -263,8 +271,12 @@ class BadCheckpointTest : public ::testing::Test {
     for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
     ASSERT_TRUE((*w)->Finish().ok());
   }
-  nlohmann::json Manifest() { return nlohmann::json::parse(std::ifstream(ckpt_ + "/manifest.json")); }
-  void WriteManifest(const nlohmann::json& m) { std::ofstream(ckpt_ + "/manifest.json") << m.dump(); }
+  nlohmann::json Manifest() {
+    return nlohmann::json::parse(std::ifstream(ckpt_ + "/manifest.json"));
+  }
+  void WriteManifest(const nlohmann::json& m) {
+    std::ofstream(ckpt_ + "/manifest.json") << m.dump();
+  }
 
   std::string dir_, ckpt_, file_;
   TrainRun target_{"cpu"};
@@ -289,14 +301,16 @@ TEST_F(BadCheckpointTest, AFlippedByteIsCaughtByItsCrcAndNamesTheTensor) {
   f.seekp(static_cast<std::streamoff>(8 + header + begin + 37));
   f.write(&c, 1);
   f.close();
-  ExpectRefused(StatusCode::kChecksumMismatch, {file_, "tensor 'unit.1.master'", "CRC32C", "older checkpoint"});
+  ExpectRefused(StatusCode::kChecksumMismatch,
+                {file_, "tensor 'unit.1.master'", "CRC32C", "older checkpoint"});
 }
 
 TEST_F(BadCheckpointTest, AWrongWorldSizeIsRefused) {
   nlohmann::json m = Manifest();
   m["world_size"] = 2;
   WriteManifest(m);
-  ExpectRefused(StatusCode::kInvalidArgument, {"written by 2 rank(s); this run has 1", "--nproc-per-node 2"});
+  ExpectRefused(StatusCode::kInvalidArgument,
+                {"written by 2 rank(s); this run has 1", "--nproc-per-node 2"});
 }
 
 TEST_F(BadCheckpointTest, AMissingRankFileIsRefused) {
@@ -319,7 +333,8 @@ TEST_F(BadCheckpointTest, ADtypeOrShapeThatDisagreesWithTheTrainerIsRefused) {
       s.shape[0] *= 2;
     }
   });
-  ExpectRefused(StatusCode::kInvalidArgument, {file_, "tensor 'unit.2.param'", "F16", "this trainer needs F32"});
+  ExpectRefused(StatusCode::kInvalidArgument,
+                {file_, "tensor 'unit.2.param'", "F16", "this trainer needs F32"});
 }
 
 TEST_F(BadCheckpointTest, ADamagedManifestOrLatestOrNoCheckpointIsRefused) {
@@ -391,7 +406,8 @@ TEST(CheckpointTest, SaveRefusesBadOptions) {
   EXPECT_NE(st.status().message().find("JSON object"), std::string::npos) << st.status().message();
   o = CheckpointOptions{};
   st = run.trainer->Save(FreshDir("bad-options"), o);
-  EXPECT_NE(st.status().message().find("io_uring engine"), std::string::npos) << st.status().message();
+  EXPECT_NE(st.status().message().find("io_uring engine"), std::string::npos)
+      << st.status().message();
   fs::remove_all(FreshDir("bad-options"));
 }
 

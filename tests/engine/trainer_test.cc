@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "../offload/store_test_util.h"
-#include "trainer_test_util.h"
 #include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/offload/tiers.h"
+#include "trainer_test_util.h"
 
 namespace spillway::engine {
 namespace {
@@ -44,7 +44,10 @@ struct Reference {
       flats.push_back(gpt::InitUnit(c, u).to(device).requires_grad_(true));
     }
     const AdamWConfig a = Adam();
-    torch::optim::AdamW opt(flats, torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
+    torch::optim::AdamW opt(flats, torch::optim::AdamWOptions(a.lr)
+                                       .betas({a.beta1, a.beta2})
+                                       .eps(a.eps)
+                                       .weight_decay(a.weight_decay));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
       double loss = 0;
@@ -110,8 +113,10 @@ void ExpectMatchesPlainLibtorch(const std::string& device, torch::Device compute
   }
   allocator::BoundaryReport epoch;
   ASSERT_TRUE(rig.ledger.EndEpoch(&epoch).ok());
-  std::printf("offload %s, math on %s: worst relative difference from plain libtorch after %d steps: %.3g\n",
-              device.c_str(), compute.str().c_str(), kSteps, worst);
+  std::printf(
+      "offload %s, math on %s: worst relative difference from plain libtorch after %d steps: "
+      "%.3g\n",
+      device.c_str(), compute.str().c_str(), kSteps, worst);
 }
 
 class TrainerOffloadTest : public ::testing::TestWithParam<const char*> {};
@@ -124,14 +129,19 @@ TEST_P(TrainerOffloadTest, MatchesPlainLibtorchTraining) {
 // tests carry the `gpu` label.
 class TrainerCudaTest : public ::testing::TestWithParam<const char*> {};
 TEST_P(TrainerCudaTest, MatchesPlainLibtorchTrainingOnTheGpu) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device visible to libtorch (this libtorch: CPU build or no GPU)";
+  if (!torch::cuda::is_available())
+    GTEST_SKIP() << "needs a CUDA device visible to libtorch (this libtorch: CPU build or no GPU)";
   ExpectMatchesPlainLibtorch(GetParam(), torch::Device(torch::kCUDA, 0));
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, TrainerOffloadTest, ::testing::Values("none", "cpu", "nvme"),
-                         [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
+                         [](const ::testing::TestParamInfo<const char*>& p) {
+                           return std::string(p.param);
+                         });
 INSTANTIATE_TEST_SUITE_P(Gpu, TrainerCudaTest, ::testing::Values("none", "cpu", "nvme"),
-                         [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
+                         [](const ::testing::TestParamInfo<const char*>& p) {
+                           return std::string(p.param);
+                         });
 
 TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
   EXPECT_EQ(*ResolveComputeDevice("cpu"), torch::Device(torch::kCPU));
@@ -139,26 +149,31 @@ TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
   auto negative = ResolveComputeDevice("auto", -1);
   ASSERT_FALSE(negative.ok());
   EXPECT_NE(negative.status().message().find("LOCAL_RANK"), std::string::npos);
-  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda0", "", "cuda:99999999999999999999", "autox"}) {
+  for (const char* bad :
+       {"gpu", "cuda:", "cuda:x", "cuda0", "", "cuda:99999999999999999999", "autox"}) {
     auto r = ResolveComputeDevice(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(r.status().message().find("auto, cpu, cuda, cuda:N"), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("auto, cpu, cuda, cuda:N"), std::string::npos)
+        << r.status().ToString();
   }
   if (torch::cuda::is_available()) {
     EXPECT_EQ(*ResolveComputeDevice("auto"), torch::Device(torch::kCUDA, 0));
     EXPECT_EQ(*ResolveComputeDevice("cuda"), torch::Device(torch::kCUDA, 0));
     auto r = ResolveComputeDevice("cuda:99");
     ASSERT_FALSE(r.ok());
-    EXPECT_NE(r.status().message().find("does not exist"), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("does not exist"), std::string::npos)
+        << r.status().ToString();
     // Each local rank takes its own GPU; one past the last GPU has none and is told so.
     const int count = static_cast<int>(torch::cuda::device_count());
     EXPECT_EQ(*ResolveComputeDevice("auto", count - 1), torch::Device(torch::kCUDA, count - 1));
-    EXPECT_EQ(*ResolveComputeDevice("cuda:0", count), torch::Device(torch::kCUDA, 0));  // named wins
+    EXPECT_EQ(*ResolveComputeDevice("cuda:0", count),
+              torch::Device(torch::kCUDA, 0));  // named wins
     for (const char* spec : {"auto", "cuda"}) {
       auto none = ResolveComputeDevice(spec, count);
       ASSERT_FALSE(none.ok());
-      EXPECT_NE(none.status().message().find("one rank per GPU"), std::string::npos) << none.status().ToString();
+      EXPECT_NE(none.status().message().find("one rank per GPU"), std::string::npos)
+          << none.status().ToString();
     }
   } else {
     EXPECT_EQ(*ResolveComputeDevice("auto"), torch::Device(torch::kCPU));
@@ -166,7 +181,8 @@ TEST(TrainerTest, TheComputeDeviceIsResolvedOrRefusedNeverSilentlyChanged) {
     auto r = ResolveComputeDevice("cuda");
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
-    EXPECT_NE(r.status().message().find("sees no CUDA device"), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("sees no CUDA device"), std::string::npos)
+        << r.status().ToString();
     // A trainer told to compute on a GPU it cannot use refuses to start.
     StoreRig rig(ParseOrDie(Json("cpu", "cpu")), 64 * kMiB);
     auto coll = Collectives::Create(DistEnv{});
@@ -201,9 +217,11 @@ TEST(CollectivesTest, TensorFormsCheckShapesAndNameTheMissingBackend) {
   EXPECT_TRUE(torch::equal(untouched, torch::full({9}, 7.0f)));
   st = coll->ReduceScatterSum(torch::zeros({8}, torch::kFloat64), back);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("full must be a defined, contiguous float32"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("full must be a defined, contiguous float32"), std::string::npos)
+      << st.ToString();
   st = coll->AllGather(torch::zeros({16}).slice(0, 0, 16, 2), full);
-  EXPECT_NE(st.message().find("shard must be a defined, contiguous"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("shard must be a defined, contiguous"), std::string::npos)
+      << st.ToString();
   st = coll->AllGather(torch::Tensor(), full);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   if (torch::cuda::is_available()) {
@@ -226,8 +244,9 @@ TEST(TrainerTest, WorldSizeTwoEqualsWorldSizeOne) {
                  << " [the comparison runs on a Gloo group made by torch.distributed instead: "
                     "tests/python/test_engine.py, label python]";
   }
-  FAIL() << "this build has gloo headers: the two-process comparison for a group made in C++ is not "
-            "written (tests/python/test_engine.py runs it on torch.distributed's group)";
+  FAIL()
+      << "this build has gloo headers: the two-process comparison for a group made in C++ is not "
+         "written (tests/python/test_engine.py runs it on torch.distributed's group)";
 }
 
 // Two trainers on their own stores from the same start: `failed` is made to fail, `clean` is not;
@@ -238,9 +257,11 @@ class TwinTrainers : public ::testing::Test {
     o_.model = c;
     o_.adam = Adam();
     clean = std::move(Trainer::Create(o_, coll_.get(), clean_rig.store.get(), clean_rig.host.get(),
-                                      &clean_rig.ledger, 0).value());
-    failed = std::move(Trainer::Create(o_, coll_.get(), failed_rig.store.get(), failed_rig.host.get(),
-                                       &failed_rig.ledger, 0).value());
+                                      &clean_rig.ledger, 0)
+                          .value());
+    failed = std::move(Trainer::Create(o_, coll_.get(), failed_rig.store.get(),
+                                       failed_rig.host.get(), &failed_rig.ledger, 0)
+                           .value());
     ASSERT_TRUE(clean_rig.ledger.BeginEpoch(0).ok());
     ASSERT_TRUE(failed_rig.ledger.BeginEpoch(0).ok());
   }
@@ -269,8 +290,10 @@ TEST_F(TwinTrainers, ABadMicroBatchIsRefusedBeforeAnyRunsAndTheNextStepIsUnaffec
   // inside a micro-batch after another accumulated gradients is the next test's).
   auto r = failed->Step({Batch(c, 0, 0), torch::full({4, c.seq_len + 1}, c.vocab, torch::kInt64)});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("micro_batches[1] (token ids): token ids must be in [0, vocab=32)"),
-            std::string::npos) << r.status().message();
+  EXPECT_NE(
+      r.status().message().find("micro_batches[1] (token ids): token ids must be in [0, vocab=32)"),
+      std::string::npos)
+      << r.status().message();
   ExpectSameNextStep();
 }
 
@@ -285,20 +308,25 @@ TEST_F(TwinTrainers, ALibtorchExceptionBecomesAStatusAndTheStepIsAbandoned) {
   ASSERT_FALSE(r.ok());
   // libtorch's error, not a Spillway bug: kExternal, never kInternal.
   EXPECT_EQ(r.status().code(), StatusCode::kExternal);
-  EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos) << r.status().message();
-  EXPECT_NE(r.status().message().find("injected kernel failure"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("abandoned, nothing applied"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("injected kernel failure"), std::string::npos)
+      << r.status().message();
   calls = 0;
   failed->SetFaultHookForTesting([&](int64_t unit) {
     if (unit == 1 && ++calls == 2) {
-      throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, "injected: CUDA out of memory");
+      throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                                  "injected: CUDA out of memory");
     }
   });
   r = failed->Step({Batch(c, 0, 0), Batch(c, 0, 1)});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kOutOfMemory);
-  EXPECT_NE(r.status().message().find("smaller micro-batches"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("smaller micro-batches"), std::string::npos)
+      << r.status().message();
   failed->SetFaultHookForTesting(nullptr);
-  EXPECT_EQ(failed_rig.host->Stats().live_bytes, clean_rig.host->Stats().live_bytes);  // no gather buffer left
+  EXPECT_EQ(failed_rig.host->Stats().live_bytes,
+            clean_rig.host->Stats().live_bytes);  // no gather buffer left
   // Nothing of the two failed steps shows in the next one.
   ExpectSameNextStep();
 }
@@ -313,11 +341,14 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("multiple of n_head"), std::string::npos);
   o.model = SmallGpt();
-  auto t = std::move(Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), nullptr, 0).value());
+  auto t = std::move(
+      Trainer::Create(o, coll.get(), rig.store.get(), rig.host.get(), nullptr, 0).value());
   auto r = t->Step({torch::zeros({4, 17}, torch::kFloat32)});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("micro_batches[0] (token ids) is float; token ids are int64 (.long())"),
-            std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find(
+                "micro_batches[0] (token ids) is float; token ids are int64 (.long())"),
+            std::string::npos)
+      << r.status().message();
   r = t->Step({torch::full({4, 17}, 99, torch::kInt64)});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("[0, vocab=32)"), std::string::npos);
@@ -327,13 +358,17 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
   t->SetFaultHookForTesting([&](int64_t) { ++forwards; });
   r = t->Step({torch::zeros({4, 17}, torch::kInt64), torch::zeros({4, 17}, torch::kInt32)});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("micro_batches[1] (token ids) is int; token ids are int64"), std::string::npos)
+  EXPECT_NE(r.status().message().find("micro_batches[1] (token ids) is int; token ids are int64"),
+            std::string::npos)
       << r.status().message();
   EXPECT_EQ(forwards, 0);
-  r = t->Step({torch::zeros({4, 17}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kMeta))});
+  r = t->Step(
+      {torch::zeros({4, 17}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kMeta))});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("is on meta; token batches go on the cpu or on the compute device (cpu)"),
-            std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find(
+                "is on meta; token batches go on the cpu or on the compute device (cpu)"),
+            std::string::npos)
+      << r.status().message();
   EXPECT_EQ(forwards, 0);
   t->SetFaultHookForTesting(nullptr);
   r = t->Step({torch::zeros({4, 40}, torch::kInt64)});  // longer than seq_len
@@ -406,21 +441,24 @@ TEST(TrainerTest, AFailedOptimizerStepEndsTheStepAndTheNextStepRuns) {
 // `spillway train` builds: partitions spill to the spill arena Tiers makes for a config that homes
 // nothing on NVMe, and training is bit for bit the unbounded run's. With the trainer's schedule
 // the store moves no more NVMe bytes than without one (every next use equally far: it spills the
-// lowest-numbered partition) and than with LRU eviction; OPT is optimal for misses. Prefetching is off for the byte count (a
-// background prefetch can race a spill) and on for the equality check.
+// lowest-numbered partition) and than with LRU eviction; OPT is optimal for misses. Prefetching is
+// off for the byte count (a background prefetch can race a spill) and on for the equality check.
 struct BudgetRun {
   std::vector<double> losses;
   std::vector<torch::Tensor> weights;
   uint64_t io_bytes = 0, spills = 0;
 };
 
-BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool schedule, int prefetch,
-                           const char* eviction = "opt") {
+BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool schedule,
+                           int prefetch, const char* eviction = "opt") {
   const std::string json = StrCat(
       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
           "offload_optimizer": {"device": "cpu"}}, "aio": {"block_size": 262144},
-          "spillway": {"host_budget_bytes": ")", budget, R"(", "nvme_budget_bytes": "256MiB",
-          "prefetch_partitions": )", prefetch, R"(, "eviction": ")", eviction, R"(", "spill_path": ")", allocator::testing::NvmeTestDir(), R"("}})");
+          "spillway": {"host_budget_bytes": ")",
+      budget, R"(", "nvme_budget_bytes": "256MiB",
+          "prefetch_partitions": )",
+      prefetch, R"(, "eviction": ")", eviction, R"(", "spill_path": ")",
+      allocator::testing::NvmeTestDir(), R"("}})");
   auto tiers = offload::Tiers::Create(ParseOrDie(json));
   EXPECT_TRUE(tiers.ok()) << tiers.status().ToString();
   BudgetRun out;
@@ -446,7 +484,8 @@ BudgetRun TrainUnderBudget(const GptConfig& c, const std::string& budget, bool s
   const allocator::IoEngineStats after = (*tiers)->io->Stats();
   out.io_bytes = after.read_bytes + after.write_bytes - before.read_bytes - before.write_bytes;
   out.spills = (*tiers)->store->Stats().spills;
-  for (int64_t u = 0; u < gpt::Units(c); ++u) out.weights.push_back((*trainer)->GatherUnit(u).value());
+  for (int64_t u = 0; u < gpt::Units(c); ++u)
+    out.weights.push_back((*trainer)->GatherUnit(u).value());
   return out;
 }
 
@@ -467,14 +506,18 @@ TEST(TrainerTest, CpuOffloadUnderAQuarterBudgetSpillsAndTrainsTheSame) {
     EXPECT_GT(r->spills, 0u);
     EXPECT_EQ(r->losses, unbounded.losses);
     ASSERT_EQ(r->weights.size(), unbounded.weights.size());
-    for (size_t u = 0; u < r->weights.size(); ++u) EXPECT_TRUE(torch::equal(r->weights[u], unbounded.weights[u]));
+    for (size_t u = 0; u < r->weights.size(); ++u)
+      EXPECT_TRUE(torch::equal(r->weights[u], unbounded.weights[u]));
   }
-  std::printf("NVMe bytes per step under a quarter budget: schedule (OPT) %.2f MiB, LRU %.2f MiB, "
-              "no schedule (lowest id) %.2f MiB, schedule + prefetch 2 %.2f MiB; spills %llu / %llu / %llu / %llu\n",
-              opt.io_bytes / 4.0 / kMiB, lru.io_bytes / 4.0 / kMiB, lowest_id.io_bytes / 4.0 / kMiB,
-              prefetched.io_bytes / 4.0 / kMiB, static_cast<unsigned long long>(opt.spills),
-              static_cast<unsigned long long>(lru.spills), static_cast<unsigned long long>(lowest_id.spills),
-              static_cast<unsigned long long>(prefetched.spills));
+  std::printf(
+      "NVMe bytes per step under a quarter budget: schedule (OPT) %.2f MiB, LRU %.2f MiB, "
+      "no schedule (lowest id) %.2f MiB, schedule + prefetch 2 %.2f MiB; spills %llu / %llu / %llu "
+      "/ %llu\n",
+      opt.io_bytes / 4.0 / kMiB, lru.io_bytes / 4.0 / kMiB, lowest_id.io_bytes / 4.0 / kMiB,
+      prefetched.io_bytes / 4.0 / kMiB, static_cast<unsigned long long>(opt.spills),
+      static_cast<unsigned long long>(lru.spills),
+      static_cast<unsigned long long>(lowest_id.spills),
+      static_cast<unsigned long long>(prefetched.spills));
   EXPECT_LE(opt.io_bytes, lowest_id.io_bytes);
   EXPECT_LE(opt.io_bytes, lru.io_bytes);
 }
@@ -485,11 +528,11 @@ TEST(TrainerTest, CpuOffloadUnderAQuarterBudgetSpillsAndTrainsTheSame) {
 namespace spillway::engine {
 namespace {
 
-// Note [Trainer pipeline] (docs/engine.md): parameters homed on NVMe reach the compute device through the TransferPipeline
-// (here its CPU backend, the same schedule a GPU runs), the next unit's while this one computes.
-// Against the same run without a pipeline: the same losses and weights bit for bit, and the device
-// views were really filled, from the host copy while the budget keeps it and straight from NVMe
-// under a budget too small to.
+// Note [Trainer pipeline] (docs/engine.md): parameters homed on NVMe reach the compute device
+// through the TransferPipeline (here its CPU backend, the same schedule a GPU runs), the next
+// unit's while this one computes. Against the same run without a pipeline: the same losses and
+// weights bit for bit, and the device views were really filled, from the host copy while the budget
+// keeps it and straight from NVMe under a budget too small to.
 struct PipelineRun {
   std::vector<double> losses;
   std::vector<torch::Tensor> weights;
@@ -501,7 +544,8 @@ PipelineRun TrainParamsOnNvme(const GptConfig& c, const std::string& budget, boo
       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")",
       allocator::testing::NvmeTestDir(), R"("}, "offload_optimizer": {"device": "cpu"}},
           "aio": {"block_size": 262144},
-          "spillway": {"host_budget_bytes": ")", budget, R"(", "nvme_budget_bytes": "256MiB"}})");
+          "spillway": {"host_budget_bytes": ")",
+      budget, R"(", "nvme_budget_bytes": "256MiB"}})");
   const offload::Config config = ParseOrDie(json);
   auto tiers = offload::Tiers::Create(config);
   EXPECT_TRUE(tiers.ok()) << tiers.status().ToString();
@@ -529,7 +573,8 @@ PipelineRun TrainParamsOnNvme(const GptConfig& c, const std::string& budget, boo
     out.losses.push_back(r->loss);
     EXPECT_TRUE(r->boundary.clean()) << r->boundary.ToString();
   }
-  for (int64_t u = 0; u < gpt::Units(c); ++u) out.weights.push_back((*trainer)->GatherUnit(u).value());
+  for (int64_t u = 0; u < gpt::Units(c); ++u)
+    out.weights.push_back((*trainer)->GatherUnit(u).value());
   out.device_fills = (*tiers)->store->Stats().device_fills;
   if (pipeline) {
     out.nvme_to_device = (*tiers)->pipeline->stats().nvme_to_device_bytes.load();
@@ -556,9 +601,9 @@ TEST(TrainerTest, ParametersOnNvmeReachTheComputeDeviceThroughThePipeline) {
     }
     // Each micro-batch views every unit twice (forward, and backward's recompute).
     EXPECT_EQ(piped.device_fills, 3u * 2 * 2 * static_cast<uint64_t>(gpt::Units(c))) << budget;
-    std::printf("budget %s: %llu device views, %.2f MiB from NVMe, %.2f MiB from host copies\n", budget,
-                static_cast<unsigned long long>(piped.device_fills), piped.nvme_to_device / double(kMiB),
-                piped.host_to_device / double(kMiB));
+    std::printf("budget %s: %llu device views, %.2f MiB from NVMe, %.2f MiB from host copies\n",
+                budget, static_cast<unsigned long long>(piped.device_fills),
+                piped.nvme_to_device / double(kMiB), piped.host_to_device / double(kMiB));
     if (std::string(budget) == "8MiB") {
       EXPECT_GT(piped.nvme_to_device, 0u);
     } else {
@@ -581,10 +626,13 @@ TEST(TrainerTest, AFailedStepLeavesNoDeviceViewBehind) {
   TrainerOptions o;
   o.model = SmallGpt();
   o.adam = Adam();
-  o.pipeline = (*tiers)->OpenDevicePipeline(config, offload::DeviceId{offload::DeviceType::kCpu, 0}).value();
+  o.pipeline =
+      (*tiers)->OpenDevicePipeline(config, offload::DeviceId{offload::DeviceType::kCpu, 0}).value();
   ASSERT_NE(o.pipeline, nullptr);
   auto coll = Collectives::Create(DistEnv{});
-  auto t = std::move(Trainer::Create(o, coll->get(), (*tiers)->store.get(), (*tiers)->host.get(), nullptr, 0).value());
+  auto t = std::move(
+      Trainer::Create(o, coll->get(), (*tiers)->store.get(), (*tiers)->host.get(), nullptr, 0)
+          .value());
   // Unit 1's forward throws after unit 2's view was asked for ahead.
   t->SetFaultHookForTesting([](int64_t unit) {
     if (unit == 1) TORCH_CHECK(false, "injected kernel failure");
@@ -607,8 +655,12 @@ class CudaNamedCpuDevice final : public offload::Device {
   Result<void*> Allocate(uint64_t bytes) override { return cpu_->Allocate(bytes); }
   Status Free(void* p) override { return cpu_->Free(p); }
   Result<std::unique_ptr<offload::Stream>> NewStream() override { return cpu_->NewStream(); }
-  Status CopyToHost(void* h, const void* d, uint64_t n) override { return cpu_->CopyToHost(h, d, n); }
-  Status CopyFromHost(void* d, const void* h, uint64_t n) override { return cpu_->CopyFromHost(d, h, n); }
+  Status CopyToHost(void* h, const void* d, uint64_t n) override {
+    return cpu_->CopyToHost(h, d, n);
+  }
+  Status CopyFromHost(void* d, const void* h, uint64_t n) override {
+    return cpu_->CopyFromHost(d, h, n);
+  }
 
  private:
   std::unique_ptr<offload::Device> cpu_;
@@ -626,7 +678,8 @@ TEST(TrainerTest, APipelineToAnotherDeviceThanTheComputeDeviceIsRefused) {
   auto t = Trainer::Create(o, coll->get(), rig.store.get(), rig.host.get(), nullptr, 0);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(t.status().message().find("moves partitions to cuda:0 but the trainer computes on cpu"), std::string::npos)
+  EXPECT_NE(t.status().message().find("moves partitions to cuda:0 but the trainer computes on cpu"),
+            std::string::npos)
       << t.status().ToString();
 }
 

@@ -11,7 +11,6 @@
 
 namespace spillway::engine::testing {
 
-
 inline GptConfig SmallGpt() {
   GptConfig c;
   c.vocab = 32;

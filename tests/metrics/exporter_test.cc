@@ -4,9 +4,8 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
-
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -183,9 +182,7 @@ TEST(ExporterTest, PromtoolFindsNothingWrongWithTheExposition) {
   ASSERT_TRUE(rig.arena->Allocate(kMiB, Tag(Kind::kSwapBuffer, Lifetime::kStep)).ok());
   ASSERT_TRUE(rig.ledger.EndStep(nullptr).ok());
   const std::string path = ::testing::TempDir() + "/spillway-exposition.txt";
-  {
-    std::ofstream(path) << rig.exporter->Render();
-  }
+  { std::ofstream(path) << rig.exporter->Render(); }
   FILE* p = popen(("promtool check metrics < " + path + " 2>&1").c_str(), "r");
   std::string out;
   char buf[4096];

@@ -40,7 +40,8 @@ inline std::string RawRequest(int port, const std::string& raw) {
 }
 
 inline std::string HttpGet(int port, const std::string& path) {
-  return RawRequest(port, "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  return RawRequest(port,
+                    "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
 }
 
 inline std::string Body(const std::string& response) {

@@ -1,16 +1,16 @@
 // Note [Thread stack floor]: in a process with a large static TLS block (here 1 MiB from
 // big_tls.cc; libtorch_cuda on a GPU machine), a thread asking for CivetWeb's 100 KiB stack cannot
 // start; with Spillway's floor it can, and the exporter listens and serves.
-#include <dlfcn.h>
-#include <pthread.h>
+#include "thread_stack_floor.h"
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <cstdio>
 
 #include "http_util.h"
 #include "spillway/metrics/exporter.h"
-#include "thread_stack_floor.h"
 
 extern "C" int BigTlsTouch(int i);
 

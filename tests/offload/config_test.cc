@@ -82,8 +82,7 @@ TEST(ConfigTest, DeepSpeedKeysSpillwayDoesNotActOnAreListed) {
   auto c = Config::Parse(kZero3Nvme);
   ASSERT_TRUE(c.ok());
   const std::vector<std::string> expected = {
-      "optimizer.params.torch_adam", "bf16",
-      "zero_optimization.overlap_comm",
+      "optimizer.params.torch_adam", "bf16", "zero_optimization.overlap_comm",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
   for (const auto& k : expected) {
     EXPECT_NE(std::find(c->ignored_keys.begin(), c->ignored_keys.end(), k), c->ignored_keys.end())
@@ -153,14 +152,14 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         BadCase{"NotJson", R"({"aio": )", "not valid JSON"},
         BadCase{"NotAnObject", R"([1, 2])", "a DeepSpeed config is a JSON object"},
-        BadCase{"UnknownSpillwayKey", R"({"spillway": {"host_budget": 1}})",
-                "'spillway.host_budget': is not a Spillway setting; allowed keys: host_budget_bytes"},
+        BadCase{
+            "UnknownSpillwayKey", R"({"spillway": {"host_budget": 1}})",
+            "'spillway.host_budget': is not a Spillway setting; allowed keys: host_budget_bytes"},
         BadCase{"WrongType", R"({"aio": {"queue_depth": "deep"}})",
                 "'aio.queue_depth': is \"deep\"; expected a number"},
         BadCase{"NotWhole", R"({"aio": {"queue_depth": 2.5}})", "expected a whole number >= 1"},
         BadCase{"Zero", R"({"aio": {"queue_depth": 0}})", "'aio.queue_depth': is 0"},
-        BadCase{"BadDevice",
-                R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
+        BadCase{"BadDevice", R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
                 "allowed values: none, cpu, nvme"},
         BadCase{"NvmeWithoutPath",
                 R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",

@@ -15,13 +15,13 @@ const DeviceId kCuda0{DeviceType::kCuda, 0};
 const DeviceId kCuda1{DeviceType::kCuda, 1};
 
 Config OptimizerOn(const char* device) {
-  return *Config::Parse(StrCat(R"({"zero_optimization": {"offload_optimizer": {"device": ")",
-                               device, R"("}}})"));
+  return *Config::Parse(
+      StrCat(R"({"zero_optimization": {"offload_optimizer": {"device": ")", device, R"("}}})"));
 }
 
 TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
-  const Placement want = OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kGrad, kCuda0,
-                                                DType::kFloat32, 1000);
+  const Placement want =
+      OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kGrad, kCuda0, DType::kFloat32, 1000);
   EXPECT_EQ(want.device, kCpu);
   Status st = CheckPlacement({"fp32 grad partition 3", kCuda0, DType::kFloat32, 1000, true}, want);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
@@ -31,8 +31,8 @@ TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
 }
 
 TEST(DeviceGuardTest, WithoutOptimizerOffloadTheStateStaysOnTheRanksDevice) {
-  const Placement want = OptimizerStepPlacement(OptimizerOn("none"), StateKind::kExpAvg, kCuda1,
-                                                DType::kFloat32, 10);
+  const Placement want =
+      OptimizerStepPlacement(OptimizerOn("none"), StateKind::kExpAvg, kCuda1, DType::kFloat32, 10);
   EXPECT_EQ(want.device, kCuda1);
   EXPECT_TRUE(CheckPlacement({"exp_avg", kCuda1, DType::kFloat32, 10, true}, want).ok());
   Status other = CheckPlacement({"exp_avg", kCuda0, DType::kFloat32, 10, true}, want);
@@ -61,8 +61,8 @@ TEST(DeviceGuardTest, ADeviceScalarInHostMathIsTheDeepSpeed0141Bug) {
 TEST(DeviceGuardTest, TheAuditFindsAModelSpreadOverDevices) {
   std::vector<TensorDesc> model;
   for (int l = 0; l < 12; ++l) {
-    model.push_back({StrCat("layers.", l, ".weight"), l < 6 ? kCuda0 : kCuda1, DType::kBFloat16,
-                     100, true});
+    model.push_back(
+        {StrCat("layers.", l, ".weight"), l < 6 ? kCuda0 : kCuda1, DType::kBFloat16, 100, true});
   }
   auto findings = AuditPlacement(model, kCuda0);
   ASSERT_EQ(findings.size(), 6u);

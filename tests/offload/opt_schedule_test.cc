@@ -40,7 +40,7 @@ TEST(OptScheduleTest, AdvanceMovesTheCursorToTheNearestUseOfAPartitionUsedTwice)
   EXPECT_EQ(s.cursor(), 2u);
   EXPECT_EQ(s.NextUseDistance(0), 2u);  // wraps round to position 0
   EXPECT_EQ(s.NextUseDistance(2), 1u);
-  s.Advance(7);                          // not in the schedule: the cursor stays
+  s.Advance(7);  // not in the schedule: the cursor stays
   EXPECT_EQ(s.cursor(), 2u);
   EXPECT_TRUE(s.Validate().ok());
 }

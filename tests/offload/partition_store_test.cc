@@ -13,10 +13,10 @@
 
 #include "../allocator/nvme_test_util.h"
 #include "pausing_device.h"
-#include "store_test_util.h"
 #include "spillway/allocator/io_faults.h"
 #include "spillway/base/bytes.h"
 #include "spillway/offload/transfer_pipeline.h"
+#include "store_test_util.h"
 
 namespace spillway::offload {
 namespace {
@@ -86,8 +86,8 @@ INSTANTIATE_TEST_SUITE_P(Tiers, TierRoundTripTest,
 std::vector<uint64_t> Train(PartitionStore& store, int parts, int steps) {
   std::vector<PartitionId> ids;
   for (int i = 0; i < parts; ++i) {
-    ids.push_back(*store.Register({0, static_cast<uint32_t>(i), StateKind::kMasterWeight},
-                                  4 * kMiB));
+    ids.push_back(
+        *store.Register({0, static_cast<uint32_t>(i), StateKind::kMasterWeight}, 4 * kMiB));
   }
   EXPECT_TRUE(store.SetSchedule(ids).ok());
   for (int s = 0; s < steps; ++s) {
@@ -389,7 +389,8 @@ TEST(PartitionStoreTest, ASpillForALargeRequestFreesOneLargeVictimNotScatteredSm
 
   auto second = rig.store->Register({0, 65, StateKind::kExpAvg}, kLarge);
   ASSERT_TRUE(second.ok()) << second.status().ToString();
-  EXPECT_EQ(rig.store->Stats().spills - spills_before, 1u) << "small partitions were spilled for nothing";
+  EXPECT_EQ(rig.store->Stats().spills - spills_before, 1u)
+      << "small partitions were spilled for nothing";
   EXPECT_FALSE(rig.store->resident(*large));
   for (PartitionId id : small) EXPECT_TRUE(rig.store->resident(id)) << id;
 }
@@ -460,7 +461,8 @@ TEST(PartitionStoreTest, AFailedRegisterCanBeRetriedOnceThereIsRoom) {
   auto b = rig.store->Register({0, 1, StateKind::kExpAvg}, 4 * kMiB);
   ASSERT_EQ(b.status().code(), StatusCode::kOverBudget);
   auto retry = rig.store->Register({0, 1, StateKind::kExpAvg}, 4 * kMiB);
-  EXPECT_EQ(retry.status().code(), StatusCode::kOverBudget) << retry.status().ToString();  // still no room
+  EXPECT_EQ(retry.status().code(), StatusCode::kOverBudget)
+      << retry.status().ToString();  // still no room
   auto smaller = rig.store->Register({0, 1, StateKind::kExpAvg}, 4096);
   // There is no room for a second 4 MiB partition, but a page fits under the budget's slack, or
   // else fails for the budget again: either way it is never refused as "already registered".
@@ -610,7 +612,8 @@ namespace {
 TEST(PartitionStoreTest, ASpillWaitsForAnotherThreadsSpillInsteadOfFailing) {
   StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), kBounce + 4 * kMiB);
   PartitionId ids[3];
-  for (uint32_t g = 0; g < 3; ++g) ids[g] = *rig.store->Register({0, g, StateKind::kParam}, 4 * kMiB);
+  for (uint32_t g = 0; g < 3; ++g)
+    ids[g] = *rig.store->Register({0, g, StateKind::kParam}, 4 * kMiB);
   {
     auto h = rig.store->Acquire(ids[0]);  // resident and dirty: the next swap-in spills it
     ASSERT_TRUE(h.ok()) << h.status().ToString();
@@ -824,7 +827,8 @@ TEST(PartitionStoreTest, AHandleThatOutlivesItsStore) {
   Handle h = std::move(rig.store->Acquire(id).value());
   rig.store.reset();
   EXPECT_EQ(h.Data().status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(Has(h.Data().status(), "outlived its PartitionStore")) << h.Data().status().ToString();
+  EXPECT_TRUE(Has(h.Data().status(), "outlived its PartitionStore"))
+      << h.Data().status().ToString();
   h = Handle();  // releasing it touches nothing
   EXPECT_TRUE(rig.host->Validate().ok());
 #endif

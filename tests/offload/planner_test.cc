@@ -1,7 +1,7 @@
 // The capacity planner against numbers computed by hand (in the comments), including Yi-34B on one
 // 8-GPU node: the run fits in steady state, does not fit with DeepSpeed's end-of-epoch gather plus
-// the copy-on-write of a DataLoader fork, and fits with Spillway's streamed save and fork-safe arena.
-// The trainer's plan against measured runs is tests/cli/plan_vs_run_test.cc.
+// the copy-on-write of a DataLoader fork, and fits with Spillway's streamed save and fork-safe
+// arena. The trainer's plan against measured runs is tests/cli/plan_vs_run_test.cc.
 #include "spillway/offload/planner.h"
 
 #include <gtest/gtest.h>
@@ -43,14 +43,16 @@ TEST(PlannerTest, Yi34BOnOneEightGpuNodeWithCpuOffload) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   // Per rank p = 34e9 / 8 = 4.25e9 elements. Pinned (torch's cudaHostAlloc): the 16-bit parameter
   // buffer 2p, the 16-bit gradient partitions 2p, the fp32 gradients 4p = 34e9 B. Pageable even
-  // with pin_memory: fp32 master, exp_avg, exp_avg_sq 4p each = 51e9 B. 85e9 per rank, 680e9 per node.
+  // with pin_memory: fp32 master, exp_avg, exp_avg_sq 4p each = 51e9 B. 85e9 per rank, 680e9 per
+  // node.
   ASSERT_EQ(r->lines.size(), 6u);
   EXPECT_EQ(r->per_rank[static_cast<int>(Place::kHostPinned)], 34'000'000'000u);
   EXPECT_EQ(r->per_rank[static_cast<int>(Place::kHostPageable)], 51'000'000'000u);
   EXPECT_EQ(r->per_node[static_cast<int>(Place::kGpu)], 0u);
   EXPECT_EQ(r->host_steady_per_node, 680'000'000'000u);
   EXPECT_EQ(r->host_by_kind_per_rank[static_cast<size_t>(allocator::Kind::kGrad)], 25'500'000'000u);
-  EXPECT_EQ(r->host_by_kind_per_rank[static_cast<size_t>(allocator::Kind::kOptimizerState)], 34'000'000'000u);
+  EXPECT_EQ(r->host_by_kind_per_rank[static_cast<size_t>(allocator::Kind::kOptimizerState)],
+            34'000'000'000u);
   // DeepSpeed: + full 16-bit model on node 0 (2 x 34e9 = 68e9) + the fork's copy of every private
   // page, the pageable 8 x 51e9 = 408e9 (the pinned ones are a shared mapping): 1156e9 B > 1 TiB
   // (1099.5e9 B).
@@ -215,7 +217,8 @@ TEST(PlannerTest, ImpossibleInputsNameTheFlag) {
   in.host_ram_bytes = kTiB;
   auto r = MakePlan(in);
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("--world-size 8 must be a positive multiple of --nodes 3"), std::string::npos);
+  EXPECT_NE(r.status().message().find("--world-size 8 must be a positive multiple of --nodes 3"),
+            std::string::npos);
   in.nodes = 1;
   in.params = 0;
   EXPECT_NE(MakePlan(in).status().message().find("--params"), std::string::npos);
@@ -223,7 +226,8 @@ TEST(PlannerTest, ImpossibleInputsNameTheFlag) {
   in.host_ram_bytes = 0;
   EXPECT_NE(MakePlan(in).status().message().find("--host-ram"), std::string::npos);
   in.host_ram_bytes = kTiB;
-  in.config = Parse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})");
+  in.config = Parse(
+      R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})");
   EXPECT_NE(MakePlan(in).status().message().find("--nvme is 0"), std::string::npos);
 }
 

@@ -7,16 +7,15 @@
 #include <string>
 
 #include "../allocator/nvme_test_util.h"
-#include "spillway/allocator/io_faults.h"
-#include "spillway/base/bytes.h"
 #include "spillway/allocator/host_arena.h"
-#include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/allocator/io_faults.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/bytes.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
 
 namespace spillway::offload::testing {
-
 
 inline Config ParseOrDie(const std::string& json) {
   auto c = Config::Parse(json);

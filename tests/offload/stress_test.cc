@@ -16,11 +16,11 @@
 #include <thread>
 #include <vector>
 
-#include "store_test_util.h"
 #include "spillway/base/bytes.h"
 #include "spillway/offload/device.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
+#include "store_test_util.h"
 
 namespace spillway::offload {
 namespace {
@@ -74,7 +74,8 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
   store.set_memory_wait(std::chrono::minutes(2));  // a slow sanitizer run is not a failure
   auto device = std::move(Device::OpenCpu().value());
   auto pipe = std::move(
-      TransferPipeline::Create(rig.host.get(), rig.nvme.get(), device.get(), {64 * 1024, 3}).value());
+      TransferPipeline::Create(rig.host.get(), rig.nvme.get(), device.get(), {64 * 1024, 3})
+          .value());
   store.AttachDevice(pipe.get());
 
   std::vector<PartitionId> ids;
@@ -154,10 +155,12 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
         } else if (dice < 55) {  // a new version through a device view (fill, write back)
           auto dv = store.Acquire(id, Access::kReadWrite, Tier::kDevice);
           if (!check(dv.status(), "Acquire on the device")) break;
-          if (!check(device->CopyToHost(scratch.data(), *dv->Data(), kPartBytes), "device read")) break;
+          if (!check(device->CopyToHost(scratch.data(), *dv->Data(), kPartBytes), "device read"))
+            break;
           verify(scratch.data(), kPartBytes, id, version[k], "device view");
           Fill(scratch.data(), kPartBytes, id, ++version[k]);
-          if (!check(device->CopyFromHost(*dv->Data(), scratch.data(), kPartBytes), "device write")) break;
+          if (!check(device->CopyFromHost(*dv->Data(), scratch.data(), kPartBytes), "device write"))
+            break;
           if (!check(store.Release(*dv), "device write-back")) break;
           n.device++;
         } else if (dice < 62) {
@@ -171,8 +174,8 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
         } else if (dice < 82) {  // host arena buffers: allocate and fill, or check and free
           if (buffers.size() < 3 && rng() % 2 == 0) {
             const uint64_t bytes = 1 + rng() % (192 * 1024);
-            auto p = rig.host->Allocate(bytes, {allocator::Kind::kGrad,
-                                                allocator::Lifetime::kPersistent, 0});
+            auto p = rig.host->Allocate(
+                bytes, {allocator::Kind::kGrad, allocator::Lifetime::kPersistent, 0});
             if (p.ok()) {
               const uint64_t obj = next_object++;
               Fill(*p, bytes, obj, 1);
@@ -193,8 +196,8 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
           const int what = static_cast<int>(rng() % 3);
           if (extents.size() < 3 && what == 0) {
             const uint64_t bytes = 4096 + rng() % (128 * 1024);
-            auto off = rig.nvme->Allocate(bytes, {allocator::Kind::kSwapBuffer,
-                                                  allocator::Lifetime::kPersistent, 0});
+            auto off = rig.nvme->Allocate(
+                bytes, {allocator::Kind::kSwapBuffer, allocator::Lifetime::kPersistent, 0});
             if (!check(off.status(), "NvmeArena::Allocate")) break;
             std::vector<char> data(bytes);
             const uint64_t obj = next_object++;
@@ -248,17 +251,22 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
     verify(*h->Data(), kPartBytes, ids[k], version[k], "final read");
   }
   const StoreStats s = store.Stats();
-  std::printf("stress: seed %llu, %.1f s: %llu ops (%llu writes, %llu reads, %llu device, %llu "
-              "evicts, %llu flushes, %llu host buffer ops, %llu extent ops, %llu boundaries); "
-              "store: %llu spills, %llu swap-ins, %llu prefetches, %llu memory waits\n",
-              static_cast<unsigned long long>(seed), seconds,
-              static_cast<unsigned long long>(n.ops.load()), static_cast<unsigned long long>(n.writes.load()),
-              static_cast<unsigned long long>(n.reads.load()), static_cast<unsigned long long>(n.device.load()),
-              static_cast<unsigned long long>(n.evicts.load()), static_cast<unsigned long long>(n.flushes.load()),
-              static_cast<unsigned long long>(n.host_buffers.load()), static_cast<unsigned long long>(n.extents.load()),
-              static_cast<unsigned long long>(n.boundaries.load()), static_cast<unsigned long long>(s.spills),
-              static_cast<unsigned long long>(s.swap_ins), static_cast<unsigned long long>(s.prefetches),
-              static_cast<unsigned long long>(s.memory_waits));
+  std::printf(
+      "stress: seed %llu, %.1f s: %llu ops (%llu writes, %llu reads, %llu device, %llu "
+      "evicts, %llu flushes, %llu host buffer ops, %llu extent ops, %llu boundaries); "
+      "store: %llu spills, %llu swap-ins, %llu prefetches, %llu memory waits\n",
+      static_cast<unsigned long long>(seed), seconds, static_cast<unsigned long long>(n.ops.load()),
+      static_cast<unsigned long long>(n.writes.load()),
+      static_cast<unsigned long long>(n.reads.load()),
+      static_cast<unsigned long long>(n.device.load()),
+      static_cast<unsigned long long>(n.evicts.load()),
+      static_cast<unsigned long long>(n.flushes.load()),
+      static_cast<unsigned long long>(n.host_buffers.load()),
+      static_cast<unsigned long long>(n.extents.load()),
+      static_cast<unsigned long long>(n.boundaries.load()),
+      static_cast<unsigned long long>(s.spills), static_cast<unsigned long long>(s.swap_ins),
+      static_cast<unsigned long long>(s.prefetches),
+      static_cast<unsigned long long>(s.memory_waits));
   EXPECT_GT(s.spills, 0u);
   EXPECT_GT(n.device.load(), 0u);
   EXPECT_TRUE(rig.host->Validate().ok());

@@ -20,9 +20,10 @@ TEST(TiersTest, NvmeIsMadeWhereTheConfigPlacesSomethingAndToSpillCpuOffload) {
   EXPECT_NE((*with)->store, nullptr);
 
   // cpu offload: a spill arena (an empty swap file until the host budget is full).
-  auto spill = Tiers::Create(ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+  auto spill = Tiers::Create(
+      ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
       "offload_optimizer": {"device": "cpu"}}, "spillway": {"spill_path": ")" +
-                                       allocator::testing::NvmeTestDir() + R"("}})"));
+                 allocator::testing::NvmeTestDir() + R"("}})"));
   ASSERT_TRUE(spill.ok()) << spill.status().ToString();
   ASSERT_NE((*spill)->nvme, nullptr);
   EXPECT_EQ((*spill)->nvme->Stats().capacity_bytes, 0u) << "nothing is written before a spill";
@@ -34,11 +35,14 @@ TEST(TiersTest, NvmeIsMadeWhereTheConfigPlacesSomethingAndToSpillCpuOffload) {
 }
 
 TEST(TiersTest, ASpillPathThatCannotHoldASwapFileIsNamed) {
-  auto t = Tiers::Create(ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+  auto t = Tiers::Create(
+      ParseOrDie(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
       "spillway": {"spill_path": "/proc/spillway-cannot-be-here"}})"));
   ASSERT_FALSE(t.ok());
-  EXPECT_NE(t.status().message().find("the spill arena in /proc/spillway-cannot-be-here (spillway.spill_path)"),
-            std::string::npos) << t.status().ToString();
+  EXPECT_NE(t.status().message().find(
+                "the spill arena in /proc/spillway-cannot-be-here (spillway.spill_path)"),
+            std::string::npos)
+      << t.status().ToString();
 }
 
 TEST(TiersTest, TheStoreReportsToTheOneLedger) {

@@ -80,7 +80,8 @@ TEST(Crc32cTest, TheStandardCheckValueAndExtension) {
 
 TEST(TransferPipelineTest, RoundTripsOfOddSizes) {
   PipeRig rig;
-  for (uint64_t bytes : {uint64_t{4096}, uint64_t{100}, kMiB, 10 * kMiB + kMiB / 2 + 12, 3 * kMiB}) {
+  for (uint64_t bytes :
+       {uint64_t{4096}, uint64_t{100}, kMiB, 10 * kMiB + kMiB / 2 + 12, 3 * kMiB}) {
     RoundTrip(rig, bytes, bytes);
   }
   EXPECT_EQ(rig.pipe->stats().failures.load(), 0u);
@@ -195,8 +196,10 @@ TEST(TransferPipelineTest, BadRangesAndOptionsAreRefused) {
   PipeRig rig;
   auto off = rig.nvme->Allocate(kMiB, {allocator::Kind::kParam, allocator::Lifetime::kPersistent});
   std::vector<char> buf(kMiB);
-  EXPECT_TRUE(Has(rig.nvme->SubmitReadRange(*off, 100, buf.data(), 4096).status(), "must start on"));
-  EXPECT_TRUE(Has(rig.nvme->SubmitReadRange(*off, 0, buf.data(), 2 * kMiB).status(), "must start on"));
+  EXPECT_TRUE(
+      Has(rig.nvme->SubmitReadRange(*off, 100, buf.data(), 4096).status(), "must start on"));
+  EXPECT_TRUE(
+      Has(rig.nvme->SubmitReadRange(*off, 0, buf.data(), 2 * kMiB).status(), "must start on"));
   EXPECT_EQ(rig.pipe->NvmeToDevice(*off, kMiB, buf.data()).code(),
             StatusCode::kFailedPrecondition);  // never written
   auto bad = TransferPipeline::Create(rig.io.arena.get(), rig.nvme.get(), rig.device, {1000, 4});

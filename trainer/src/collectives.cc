@@ -1,8 +1,9 @@
 // Collectives over c10d ProcessGroupGloo. See collectives.h.
 #include "spillway/trainer/collectives.h"
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "torch_compat.h"
 
@@ -70,10 +71,10 @@ Result<DistEnv> DistEnvFromEnvironment() {
 }
 
 struct Collectives::Impl {
-  c10::intrusive_ptr<c10d::Store> store;   // Create(env) only
+  c10::intrusive_ptr<c10d::Store> store;         // Create(env) only
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // FromProcessGroup only
-  c10::intrusive_ptr<c10d::Backend> cpu;   // null at world size 1 without a group
-  c10::intrusive_ptr<c10d::Backend> cuda;  // FromProcessGroup, when the group has one
+  c10::intrusive_ptr<c10d::Backend> cpu;         // null at world size 1 without a group
+  c10::intrusive_ptr<c10d::Backend> cuda;        // FromProcessGroup, when the group has one
   std::string name = "single";
 };
 
@@ -129,10 +130,12 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
 #if !SPILLWAY_GLOO
   return Status::Make(
       StatusCode::kUnavailable,
-      StrCat("world size ", env.world_size, " needs c10d's ProcessGroupGloo, but this build has no ",
+      StrCat("world size ", env.world_size,
+             " needs c10d's ProcessGroupGloo, but this build has no ",
              "gloo headers (the torch CPU wheel does not ship them); configure with ",
              "-DSPILLWAY_GLOO_INCLUDE_DIR=<gloo headers of the commit bundled in libtorch>, run ",
-             "the trainer on torch.distributed's Gloo group through Python (torchrun -m spillway.engine), ",
+             "the trainer on torch.distributed's Gloo group through Python (torchrun -m "
+             "spillway.engine), ",
              "or run with WORLD_SIZE=1"));
 #else
   Status st = Guard("creating the Gloo process group", [&] {
@@ -150,9 +153,10 @@ Result<std::unique_ptr<Collectives>> Collectives::Create(const DistEnv& env) {
     c->impl_->name = "gloo";
   });
   if (!st.ok()) {
-    return Status::Make(st.code(), StrCat(st.message(), " (rank ", env.rank, " of ", env.world_size,
-                                          ", store ", env.master_addr, ":", env.master_port,
-                                          "; check MASTER_ADDR/MASTER_PORT and that every rank started)"));
+    return Status::Make(
+        st.code(), StrCat(st.message(), " (rank ", env.rank, " of ", env.world_size, ", store ",
+                          env.master_addr, ":", env.master_port,
+                          "; check MASTER_ADDR/MASTER_PORT and that every rank started)"));
   }
   return c;
 #endif
@@ -173,8 +177,8 @@ Status CheckPair(const char* what, const char* big_name, const torch::Tensor& bi
     }
   }
   if (big.device() != small.device()) {
-    return Status::InvalidArgument(StrCat(what, ": ", big_name, " is on ", big.device().str(), " and ",
-                                          small_name, " on ", small.device().str(),
+    return Status::InvalidArgument(StrCat(what, ": ", big_name, " is on ", big.device().str(),
+                                          " and ", small_name, " on ", small.device().str(),
                                           "; both must be on the same device"));
   }
   if (big.numel() != small.numel() * world) {
@@ -192,10 +196,11 @@ Result<c10d::Backend*> Collectives::BackendFor(const char* what, const torch::Te
   const c10::Device device = shard.device();
   if (device.is_cpu()) return impl_->cpu.get();  // null: world size 1 without a group
   if (device.is_cuda() && impl_->cuda) return impl_->cuda.get();
-  return Status::FailedPrecondition(StrCat(
-      what, " on ", device.str(), " tensors, but the process group (", impl_->name,
-      ") has no backend for ", c10::DeviceTypeName(device.type()), "; make it with ",
-      "init_process_group(\"cpu:gloo,cuda:nccl\") to run collectives on the GPU, or pass host tensors"));
+  return Status::FailedPrecondition(
+      StrCat(what, " on ", device.str(), " tensors, but the process group (", impl_->name,
+             ") has no backend for ", c10::DeviceTypeName(device.type()), "; make it with ",
+             "init_process_group(\"cpu:gloo,cuda:nccl\") to run collectives on the GPU, or pass "
+             "host tensors"));
 }
 
 Status Collectives::AllGather(const torch::Tensor& shard, const torch::Tensor& full) {

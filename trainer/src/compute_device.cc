@@ -9,7 +9,8 @@ namespace spillway::engine {
 
 Result<c10::Device> ResolveComputeDevice(const std::string& spec, int local_rank) {
   const auto not_a_device = [&] {
-    return Status::InvalidArgument(StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
+    return Status::InvalidArgument(
+        StrCat("compute device '", spec, "' is not one of auto, cpu, cuda, cuda:N"));
   };
   if (spec == "cpu") return torch::Device(torch::kCPU);
   if (local_rank < 0) {
@@ -20,7 +21,8 @@ Result<c10::Device> ResolveComputeDevice(const std::string& spec, int local_rank
   long index = local_rank;  // auto, cuda: one GPU per local rank, as torchrun lays ranks out
   const bool named = spec.rfind("cuda:", 0) == 0;
   if (named) {
-    if (spec.size() == 5 || spec.size() > 9 || spec.find_first_not_of("0123456789", 5) != std::string::npos) {
+    if (spec.size() == 5 || spec.size() > 9 ||
+        spec.find_first_not_of("0123456789", 5) != std::string::npos) {
       return not_a_device();
     }
     index = std::strtol(spec.c_str() + 5, nullptr, 10);
@@ -28,20 +30,22 @@ Result<c10::Device> ResolveComputeDevice(const std::string& spec, int local_rank
     return not_a_device();
   }
   if (!cuda) {
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("compute device '", spec, "' asked for, but libtorch sees no CUDA device ",
-                               "(a CPU build of torch, no driver, or no GPU); use auto or cpu"));
+    return Status::Make(
+        StatusCode::kUnavailable,
+        StrCat("compute device '", spec, "' asked for, but libtorch sees no CUDA device ",
+               "(a CPU build of torch, no driver, or no GPU); use auto or cpu"));
   }
   const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
   if (index >= count) {
     if (!named) {
       return Status::InvalidArgument(StrCat(
-          "compute device '", spec, "' is the GPU of local rank ", local_rank, ", but libtorch sees ",
-          count, " CUDA device(s); run at most one rank per GPU on a node (torchrun --nproc-per-node ",
+          "compute device '", spec, "' is the GPU of local rank ", local_rank,
+          ", but libtorch sees ", count,
+          " CUDA device(s); run at most one rank per GPU on a node (torchrun --nproc-per-node ",
           count, "), or name the device (cuda:N) or cpu"));
     }
-    return Status::InvalidArgument(StrCat("compute device '", spec, "' does not exist: libtorch sees ",
-                                          count, " CUDA device(s)"));
+    return Status::InvalidArgument(StrCat(
+        "compute device '", spec, "' does not exist: libtorch sees ", count, " CUDA device(s)"));
   }
   return torch::Device(torch::kCUDA, static_cast<torch::DeviceIndex>(index));
 }

@@ -18,14 +18,17 @@ struct Shape {
 
 std::vector<Shape> Layout(const GptConfig& c, int64_t unit) {
   const int64_t d = c.d_model, h = 4 * c.d_model;
-  if (unit == 0) return {{"wte", {c.vocab, d}, Shape::kNormal}, {"wpe", {c.seq_len, d}, Shape::kNormal}};
+  if (unit == 0)
+    return {{"wte", {c.vocab, d}, Shape::kNormal}, {"wpe", {c.seq_len, d}, Shape::kNormal}};
   if (unit == c.n_layer + 1) {
-    return {{"lnf_w", {d}, Shape::kOnes}, {"lnf_b", {d}, Shape::kZeros}, {"lm_w", {c.vocab, d}, Shape::kNormal}};
+    return {{"lnf_w", {d}, Shape::kOnes},
+            {"lnf_b", {d}, Shape::kZeros},
+            {"lm_w", {c.vocab, d}, Shape::kNormal}};
   }
-  return {{"ln1_w", {d}, Shape::kOnes},        {"ln1_b", {d}, Shape::kZeros},
+  return {{"ln1_w", {d}, Shape::kOnes},          {"ln1_b", {d}, Shape::kZeros},
           {"qkv_w", {3 * d, d}, Shape::kNormal}, {"qkv_b", {3 * d}, Shape::kZeros},
           {"proj_w", {d, d}, Shape::kNormal},    {"proj_b", {d}, Shape::kZeros},
-          {"ln2_w", {d}, Shape::kOnes},        {"ln2_b", {d}, Shape::kZeros},
+          {"ln2_w", {d}, Shape::kOnes},          {"ln2_b", {d}, Shape::kZeros},
           {"fc_w", {h, d}, Shape::kNormal},      {"fc_b", {h}, Shape::kZeros},
           {"fc2_w", {d, h}, Shape::kNormal},     {"fc2_b", {d}, Shape::kZeros}};
 }
@@ -93,7 +96,8 @@ torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& fla
   att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
   const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
   const torch::Tensor h = x + torch::linear(y, p[4], p[5]);
-  const torch::Tensor m = torch::linear(torch::gelu(torch::linear(torch::layer_norm(h, {d}, p[6], p[7]), p[8], p[9])), p[10], p[11]);
+  const torch::Tensor m = torch::linear(
+      torch::gelu(torch::linear(torch::layer_norm(h, {d}, p[6], p[7]), p[8], p[9])), p[10], p[11]);
   return h + m;
 }
 

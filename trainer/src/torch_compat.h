@@ -3,9 +3,8 @@
 // docs/python.md, "Torch versions".
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "spillway/base/log.h"
 #include "spillway/base/status.h"
@@ -23,8 +22,9 @@ inline c10::intrusive_ptr<c10d::Backend> BackendFor(c10d::ProcessGroup& pg, c10:
     if (what.find("No backend type associated with device type") == std::string::npos) {
       // Not the "none" answer: a backend that exists and failed. The trainer then runs its
       // collectives on the host, and says why.
-      Log(LogLevel::kWarning, StrCat("the process group's ", c10::DeviceTypeName(type),
-                                     " backend is unusable (", what, "): collectives run on the host"));
+      Log(LogLevel::kWarning,
+          StrCat("the process group's ", c10::DeviceTypeName(type), " backend is unusable (", what,
+                 "): collectives run on the host"));
     }
     return {};
   }

@@ -3,11 +3,11 @@
 
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <thread>
-#include <cstdlib>
-#include <cstring>
 
 #include "catch_torch.h"
 #include "spillway/base/log.h"
@@ -29,17 +29,19 @@ Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
                  offload::PartitionStore* store, allocator::HostArena* arena,
                  allocator::Ledger* ledger, allocator::ScopeId scope,
                  std::unique_ptr<HostOptimizer> optimizer)
-    : options_(options), coll_(collectives), store_(store), arena_(arena), ledger_(ledger),
-      scope_(scope), optimizer_(std::move(optimizer)) {}
+    : options_(options),
+      coll_(collectives),
+      store_(store),
+      arena_(arena),
+      ledger_(ledger),
+      scope_(scope),
+      optimizer_(std::move(optimizer)) {}
 
 Trainer::~Trainer() = default;
 
-Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
-                                                 Collectives* collectives,
-                                                 offload::PartitionStore* store,
-                                                 allocator::HostArena* arena,
-                                                 allocator::Ledger* ledger,
-                                                 allocator::ScopeId scope) {
+Result<std::unique_ptr<Trainer>> Trainer::Create(
+    const TrainerOptions& options, Collectives* collectives, offload::PartitionStore* store,
+    allocator::HostArena* arena, allocator::Ledger* ledger, allocator::ScopeId scope) {
   const GptConfig& m = options.model;
   if (collectives == nullptr || store == nullptr || arena == nullptr) {
     return Status::InvalidArgument("Trainer needs collectives, a partition store and a host arena");
@@ -47,27 +49,32 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
   if (m.vocab < 2 || m.d_model < 1 || m.n_layer < 0 || m.n_head < 1 || m.seq_len < 1 ||
       m.d_model % m.n_head != 0) {
     return Status::InvalidArgument(StrCat("GPT config vocab=", m.vocab, " d_model=", m.d_model,
-                                          " n_layer=", m.n_layer, " n_head=", m.n_head, " seq_len=",
-                                          m.seq_len, " is impossible; d_model must be a multiple of "
+                                          " n_layer=", m.n_layer, " n_head=", m.n_head,
+                                          " seq_len=", m.seq_len,
+                                          " is impossible; d_model must be a multiple of "
                                           "n_head and every size positive"));
   }
-  if (options.compute.is_cuda() && (!torch::cuda::is_available() ||
-                                    options.compute.index() >= static_cast<int64_t>(torch::cuda::device_count()))) {
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("the trainer's compute device ", options.compute.str(),
-                               " is not usable by this libtorch; resolve it with ResolveComputeDevice(\"auto\")"));
+  if (options.compute.is_cuda() &&
+      (!torch::cuda::is_available() ||
+       options.compute.index() >= static_cast<int64_t>(torch::cuda::device_count()))) {
+    return Status::Make(
+        StatusCode::kUnavailable,
+        StrCat("the trainer's compute device ", options.compute.str(),
+               " is not usable by this libtorch; resolve it with ResolveComputeDevice(\"auto\")"));
   }
   if (!options.compute.is_cpu() && !options.compute.is_cuda()) {
-    return Status::InvalidArgument(StrCat("compute device ", options.compute.str(), " is not supported; use cpu or cuda"));
+    return Status::InvalidArgument(
+        StrCat("compute device ", options.compute.str(), " is not supported; use cpu or cuda"));
   }
   if (options.pipeline != nullptr) {
     // The device guard: the device views the pipeline fills must be on the compute device.
     const offload::DeviceId want = ToDeviceId(options.compute);
     const offload::DeviceId have = options.pipeline->device()->id();
     if (!(have == want)) {
-      return Status::InvalidArgument(StrCat("TrainerOptions::pipeline moves partitions to ", have.ToString(),
-                                            " but the trainer computes on ", want.ToString(),
-                                            "; open the pipeline on the compute device (Tiers::OpenDevicePipeline)"));
+      return Status::InvalidArgument(
+          StrCat("TrainerOptions::pipeline moves partitions to ", have.ToString(),
+                 " but the trainer computes on ", want.ToString(),
+                 "; open the pipeline on the compute device (Tiers::OpenDevicePipeline)"));
     }
     store->AttachDevice(options.pipeline);
   }
@@ -76,7 +83,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& options,
   oo.threads = options.optimizer_threads;
   auto opt = HostOptimizer::Create(oo);
   if (!opt.ok()) return opt.status();
-  std::unique_ptr<Trainer> t(new Trainer(options, collectives, store, arena, ledger, scope, std::move(*opt)));
+  std::unique_ptr<Trainer> t(
+      new Trainer(options, collectives, store, arena, ledger, scope, std::move(*opt)));
   SPILLWAY_RETURN_IF_ERROR(t->Init());
   return t;
 }
@@ -91,10 +99,11 @@ Status Trainer::Init() {
     const auto key = [&](offload::StateKind k) {
       return offload::PartitionKey{static_cast<uint32_t>(rank), static_cast<uint32_t>(u), k};
     };
-    offload::PartitionId* ids[] = {&unit.param, &unit.grad, &unit.master, &unit.exp_avg, &unit.exp_avg_sq};
+    offload::PartitionId* ids[] = {&unit.param, &unit.grad, &unit.master, &unit.exp_avg,
+                                   &unit.exp_avg_sq};
     const offload::StateKind kinds[] = {offload::StateKind::kParam, offload::StateKind::kGrad,
-                                        offload::StateKind::kMasterWeight, offload::StateKind::kExpAvg,
-                                        offload::StateKind::kExpAvgSq};
+                                        offload::StateKind::kMasterWeight,
+                                        offload::StateKind::kExpAvg, offload::StateKind::kExpAvgSq};
     for (int k = 0; k < 5; ++k) {
       auto id = store_->Register(key(kinds[k]), bytes);
       if (!id.ok()) return id.status();
@@ -118,10 +127,9 @@ Status Trainer::Init() {
 Result<torch::Tensor> Trainer::Gather(int64_t u) {
   const Unit& unit = units_[u];
   const uint64_t full_elems = static_cast<uint64_t>(unit.shard * coll_->world_size());
-  auto buf = arena_->Allocate(full_elems * 4, allocator::OwnerTag{allocator::Kind::kTransient,
-                                                                  allocator::Lifetime::kStep,
-                                                                  static_cast<uint64_t>(u), scope_,
-                                                                  SPILLWAY_SITE});
+  auto buf = arena_->Allocate(
+      full_elems * 4, allocator::OwnerTag{allocator::Kind::kTransient, allocator::Lifetime::kStep,
+                                          static_cast<uint64_t>(u), scope_, SPILLWAY_SITE});
   if (!buf.ok()) return buf.status();
   allocator::HostArena* arena = arena_;
   // Freed back to the arena when the last reference (autograd's included) dies.
@@ -134,8 +142,8 @@ Result<torch::Tensor> Trainer::Gather(int64_t u) {
       torch::kFloat32);
   auto v = store_->Acquire(unit.param, offload::Access::kRead);
   if (!v.ok()) return v.status();
-  Status st = coll_->AllGather(static_cast<const float*>(v->data()), static_cast<uint64_t>(unit.shard),
-                               static_cast<float*>(*buf));
+  Status st = coll_->AllGather(static_cast<const float*>(v->data()),
+                               static_cast<uint64_t>(unit.shard), static_cast<float*>(*buf));
   SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
   SPILLWAY_RETURN_IF_ERROR(st);
   return full.narrow(0, 0, unit.numel);
@@ -164,7 +172,8 @@ Result<torch::Tensor> Trainer::DeviceShard(int64_t u) {
         *data, {unit.shard},
         [handle, store](void*) {
           Status st = store->Release(*handle);
-          if (!st.ok()) Log(LogLevel::kError, StrCat("releasing a parameter's device view: ", st.ToString()));
+          if (!st.ok())
+            Log(LogLevel::kError, StrCat("releasing a parameter's device view: ", st.ToString()));
         },
         torch::TensorOptions().dtype(torch::kFloat32).device(options_.compute));
     return Status::Ok();
@@ -207,14 +216,14 @@ class Trainer::AheadThread {
         tasks_.pop_front();
         lock.unlock();
         task();  // an exception reaches the future
-      }  // the task goes before the lock is taken again
+      }          // the task goes before the lock is taken again
       lock.lock();
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::packaged_task<Result<torch::Tensor>()>> tasks_;  // guarded by mu_
-  bool stop_ = false;                                                 // guarded by mu_
+  bool stop_ = false;                                              // guarded by mu_
   std::thread thread_;
 };
 
@@ -227,7 +236,9 @@ struct TakeAhead {
     if (!f.valid()) return;
     try {
       Result<torch::Tensor> unused = f.get();  // the view dies here, on this thread
-      if (!unused.ok()) Log(LogLevel::kWarning, StrCat("a transfer ahead of an abandoned unit: ", unused.status().ToString()));
+      if (!unused.ok())
+        Log(LogLevel::kWarning,
+            StrCat("a transfer ahead of an abandoned unit: ", unused.status().ToString()));
     } catch (const std::exception& e) {
       Log(LogLevel::kWarning, StrCat("a transfer ahead of an abandoned unit threw: ", e.what()));
     }
@@ -241,11 +252,13 @@ std::future<Result<torch::Tensor>> Trainer::ShardAhead(int64_t u) {
   return ahead_->Submit([this, u] { return DeviceShard(u); });
 }
 
-Result<torch::Tensor> Trainer::GatherToCompute(int64_t u, std::future<Result<torch::Tensor>>* ahead) {
+Result<torch::Tensor> Trainer::GatherToCompute(int64_t u,
+                                               std::future<Result<torch::Tensor>>* ahead) {
   if (OnPipeline(u)) {
-    // Note [Trainer pipeline] in docs/engine.md: this rank's shard came NVMe (or its host copy) -> pinned staging -> device
-    // while the previous unit computed; only the all-gather is left.
-    Result<torch::Tensor> shard = ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u);
+    // Note [Trainer pipeline] in docs/engine.md: this rank's shard came NVMe (or its host copy) ->
+    // pinned staging -> device while the previous unit computed; only the all-gather is left.
+    Result<torch::Tensor> shard =
+        ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u);
     if (!shard.ok()) return shard.status();
     const Unit& unit = units_[u];
     if (coll_->world_size() == 1) return shard->narrow(0, 0, unit.numel);  // the view lives as long
@@ -295,10 +308,10 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   mine = mine.to(torch::kCPU);  // blocking; ordered after the collective by its wait()
   auto v = store_->Acquire(unit.grad, offload::Access::kReadWrite);
   if (!v.ok()) return v.status();
-  torch::from_blob(v->data(), {unit.shard}, torch::kFloat32).add_(mine, 1.0 / static_cast<double>(world));
+  torch::from_blob(v->data(), {unit.shard}, torch::kFloat32)
+      .add_(mine, 1.0 / static_cast<double>(world));
   return store_->Release(*v);
 }
-
 
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
   const GptConfig& c = options_.model;  // CheckMicroBatches has checked `tokens`
@@ -409,7 +422,8 @@ Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) 
   // Pass 2: update each unit and zero its gradient for the next step.
   for (const Unit& unit : units_) {
     std::vector<offload::Handle> views;
-    for (offload::PartitionId id : {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+    for (offload::PartitionId id :
+         {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
       auto v = store_->Acquire(id, offload::Access::kReadWrite);
       if (!v.ok()) return v.status();
       views.push_back(std::move(*v));
@@ -456,12 +470,14 @@ std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const 
       order.push_back(unit.param);
     }
     for (const Unit& unit : units_) {
-      for (offload::PartitionId id : {unit.master, unit.exp_avg, unit.exp_avg_sq}) order.push_back(id);
+      for (offload::PartitionId id : {unit.master, unit.exp_avg, unit.exp_avg_sq})
+        order.push_back(id);
     }
   } else {
     for (const Unit& unit : units_) order.push_back(unit.grad);  // the norm
     for (const Unit& unit : units_) {
-      for (offload::PartitionId id : {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
+      for (offload::PartitionId id :
+           {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
         order.push_back(id);
       }
     }
@@ -482,7 +498,8 @@ Status Trainer::ZeroGrads() {
 // Note [Guard] in docs/engine.md: every micro-batch, before any of them runs.
 Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batches) const {
   if (micro_batches.empty()) {
-    return Status::InvalidArgument("Step needs at least one micro-batch (gradient accumulation steps >= 1)");
+    return Status::InvalidArgument(
+        "Step needs at least one micro-batch (gradient accumulation steps >= 1)");
   }
   const GptConfig& c = options_.model;
   const offload::DeviceId compute = ToDeviceId(options_.compute);
@@ -491,14 +508,17 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
     const std::string name = StrCat("micro_batches[", i, "] (token ids)");
     if (!tokens.defined()) return Status::InvalidArgument(StrCat(name, " is an undefined tensor"));
     if (!tokens.device().is_cpu() && !tokens.device().is_cuda()) {
-      return Status::InvalidArgument(StrCat(name, " is on ", tokens.device().str(), "; token batches go on the cpu or on the compute device (",
-                                            options_.compute.str(), ")"));
+      return Status::InvalidArgument(StrCat(
+          name, " is on ", tokens.device().str(),
+          "; token batches go on the cpu or on the compute device (", options_.compute.str(), ")"));
     }
     if (tokens.layout() != torch::kStrided) {
-      return Status::InvalidArgument(StrCat(name, " is ", tokens.layout(), "; token batches are dense tensors (.to_dense())"));
+      return Status::InvalidArgument(
+          StrCat(name, " is ", tokens.layout(), "; token batches are dense tensors (.to_dense())"));
     }
     if (tokens.scalar_type() != torch::kInt64) {
-      return Status::InvalidArgument(StrCat(name, " is ", tokens.dtype(), "; token ids are int64 (.long())"));
+      return Status::InvalidArgument(
+          StrCat(name, " is ", tokens.dtype(), "; token ids are int64 (.long())"));
     }
     // The device guard: on the host (the loader's memory) or on the compute device.
     const offload::TensorDesc desc{name, ToDeviceId(tokens.device()), offload::DType::kInt64,
@@ -507,22 +527,27 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
     want.device = desc.device.type == offload::DeviceType::kCpu ? desc.device : compute;
     want.dtype = offload::DType::kInt64;
     want.numel = desc.numel;
-    want.decided_by = StrCat("the trainer's compute device (TrainerOptions::compute = ", options_.compute.str(),
-                             "; token batches may also come from host memory)");
+    want.decided_by =
+        StrCat("the trainer's compute device (TrainerOptions::compute = ", options_.compute.str(),
+               "; token batches may also come from host memory)");
     SPILLWAY_RETURN_IF_ERROR(offload::CheckPlacement(desc, want));
-    if (tokens.dim() != 2 || tokens.size(0) < 1 || tokens.size(1) < 2 || tokens.size(1) - 1 > c.seq_len) {
-      return Status::InvalidArgument(StrCat(name, " must be [B, T + 1] with B >= 1 and 1 <= T <= seq_len=",
-                                            c.seq_len, "; got ", tokens.sizes()));
+    if (tokens.dim() != 2 || tokens.size(0) < 1 || tokens.size(1) < 2 ||
+        tokens.size(1) - 1 > c.seq_len) {
+      return Status::InvalidArgument(
+          StrCat(name, " must be [B, T + 1] with B >= 1 and 1 <= T <= seq_len=", c.seq_len,
+                 "; got ", tokens.sizes()));
     }
     if (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c.vocab) {
-      return Status::InvalidArgument(StrCat(name, ": token ids must be in [0, vocab=", c.vocab, ")"));
+      return Status::InvalidArgument(
+          StrCat(name, ": token ids must be in [0, vocab=", c.vocab, ")"));
     }
   }
   return Status::Ok();
 }
 
 Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_batches) {
-  SPILLWAY_RETURN_IF_ERROR(CatchTorch("checking the micro-batches", [&] { return CheckMicroBatches(micro_batches); }));
+  SPILLWAY_RETURN_IF_ERROR(
+      CatchTorch("checking the micro-batches", [&] { return CheckMicroBatches(micro_batches); }));
   if (!out_of_step_.ok()) return out_of_step_;
   if (options_.schedule && micro_batches.size() != scheduled_micro_batches_) {
     SPILLWAY_RETURN_IF_ERROR(store_->SetSchedule(Schedule(micro_batches.size())));
@@ -564,23 +589,23 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
       (void)optimizer_->Unplan(planned);  // no unit used that Adam step: the next step reuses it
     }
     std::string what =
-        applied == 0 ? std::string("failed in the optimizer before any unit took the step")
-        : applied == n
-            ? StrCat("failed in the optimizer after all ", n, " units took the step (Adam step ",
-                     optimizer_->step(), ")")
-            : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
-                     " took the step (Adam step ", optimizer_->step(), "); units ", applied, "..",
-                     n - 1, " did not");
+        applied == 0   ? std::string("failed in the optimizer before any unit took the step")
+        : applied == n ? StrCat("failed in the optimizer after all ", n,
+                                " units took the step (Adam step ", optimizer_->step(), ")")
+                       : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
+                                " took the step (Adam step ", optimizer_->step(), "); units ",
+                                applied, "..", n - 1, " did not");
     if (coll_->world_size() > 1) {
       // The other ranks may have taken the step and be in the next collective: the group is out
       // of step, and going on would pair mismatched collectives. Every later Step says so.
-      what += ". The ranks are out of step (the others may have applied it): restart the group "
-              "from a checkpoint";
+      what +=
+          ". The ranks are out of step (the others may have applied it): restart the group "
+          "from a checkpoint";
       Status st = end_failed(report.status(), what, true);
-      out_of_step_ = Status::FailedPrecondition(StrCat("Step: an earlier optimizer step failed on "
-                                                       "this rank with world size ",
-                                                       coll_->world_size(), " (", st.message(),
-                                                       ")"));
+      out_of_step_ =
+          Status::FailedPrecondition(StrCat("Step: an earlier optimizer step failed on "
+                                            "this rank with world size ",
+                                            coll_->world_size(), " (", st.message(), ")"));
       return st;
     }
     what += ". The gradients are zeroed and the ledger step closed: the next step runs";
@@ -589,8 +614,10 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
   r.report = *report;
   auto global = coll_->AllReduceSum(loss * scale);
   if (!global.ok()) {
-    Status st = end_failed(global.status(), "was applied, but the loss all-reduce failed (the "
-                           "ledger step is closed; steps() counts it)", false);
+    Status st = end_failed(global.status(),
+                           "was applied, but the loss all-reduce failed (the "
+                           "ledger step is closed; steps() counts it)",
+                           false);
     ++steps_;
     return st;
   }
@@ -602,7 +629,8 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
 
 Result<torch::Tensor> Trainer::GatherUnit(int64_t unit) {
   if (unit < 0 || unit >= static_cast<int64_t>(units_.size())) {
-    return Status::InvalidArgument(StrCat("unit ", unit, " does not exist (", units_.size(), " units)"));
+    return Status::InvalidArgument(
+        StrCat("unit ", unit, " does not exist (", units_.size(), " units)"));
   }
   torch::Tensor out;
   Status st = CatchTorch("gathering a unit", [&]() -> Status {

@@ -2,8 +2,9 @@
 // Note [Checkpoint].
 //
 // Layout of a checkpoint directory DIR:
-//   DIR/latest                          the name of the newest complete checkpoint, replaced atomically
-//   DIR/step-00000128/manifest.json     world size, model, steps, the caller's state, every tensor's
+//   DIR/latest                          the name of the newest complete checkpoint, replaced
+//   atomically DIR/step-00000128/manifest.json     world size, model, steps, the caller's state,
+//   every tensor's
 //                                       dtype, shape, offsets and CRC32C, per rank
 //   DIR/step-00000128/rank-00000-of-00002.safetensors   rank 0's partitions
 //   DIR/.tmp-step-00000192/             a save in progress (or one that was killed): never loaded
@@ -53,7 +54,8 @@ Status UsePartition(offload::PartitionStore& store, offload::PartitionId id, off
   SPILLWAY_RETURN_IF_ERROR(st);
   if (passing) {
     if (Status e = store.Evict(id); !e.ok()) {
-      Log(LogLevel::kWarning, StrCat("checkpoint ", what, ": partition ", id, " stays cached in host memory (", e.ToString(), ")"));
+      Log(LogLevel::kWarning, StrCat("checkpoint ", what, ": partition ", id,
+                                     " stays cached in host memory (", e.ToString(), ")"));
     }
   }
   return Status::Ok();
@@ -86,15 +88,17 @@ std::string SidecarFile(int rank, int world) {
 }
 
 json ModelJson(const GptConfig& c) {
-  return {{"vocab", c.vocab}, {"d_model", c.d_model}, {"n_layer", c.n_layer},
+  return {{"vocab", c.vocab},   {"d_model", c.d_model}, {"n_layer", c.n_layer},
           {"n_head", c.n_head}, {"seq_len", c.seq_len}, {"seed", c.seed}};
 }
 
 json RecordsJson(const std::vector<TensorRecord>& records) {
   json t = json::object();
   for (const TensorRecord& r : records) {
-    t[r.spec.name] = {{"dtype", r.spec.dtype}, {"shape", r.spec.shape},
-                      {"data_offsets", {r.begin, r.end}}, {"crc32c", r.crc32c}};
+    t[r.spec.name] = {{"dtype", r.spec.dtype},
+                      {"shape", r.spec.shape},
+                      {"data_offsets", {r.begin, r.end}},
+                      {"crc32c", r.crc32c}};
   }
   return t;
 }
@@ -112,8 +116,9 @@ Status Fs(const std::string& what, Fn fn) {
     fn();
     return Status::Ok();
   } catch (const fs::filesystem_error& e) {
-    return Status::FromErrno(e.code().value() == ENOSPC ? StatusCode::kNoSpace : StatusCode::kIoError,
-                             e.code().value(), StrCat(what, ": ", e.what()));
+    return Status::FromErrno(
+        e.code().value() == ENOSPC ? StatusCode::kNoSpace : StatusCode::kIoError, e.code().value(),
+        StrCat(what, ": ", e.what()));
   }
 }
 
@@ -123,9 +128,10 @@ bool WellFormed(const json& m) {
     return o.contains(k) && o[k].is_number_unsigned() &&
            o[k].get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
   };
-  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() || !unsigned_field(m, "version") ||
-      !unsigned_field(m, "world_size") || !unsigned_field(m, "step") || !unsigned_field(m, "adam_step") ||
-      !m.contains("model") || !m["model"].is_object() || !m.contains("extra") || !m["extra"].is_object() ||
+  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() ||
+      !unsigned_field(m, "version") || !unsigned_field(m, "world_size") ||
+      !unsigned_field(m, "step") || !unsigned_field(m, "adam_step") || !m.contains("model") ||
+      !m["model"].is_object() || !m.contains("extra") || !m["extra"].is_object() ||
       !m.contains("ranks") || !m["ranks"].is_array()) {
     return false;
   }
@@ -154,7 +160,8 @@ Status GuardJson(const std::string& what, Fn fn) {
     return fn();
   } catch (const json::exception& e) {
     return Status::Make(StatusCode::kChecksumMismatch,
-                        StrCat(what, ": unexpected JSON (", e.what(), "); the checkpoint is damaged: "
+                        StrCat(what, ": unexpected JSON (", e.what(),
+                               "); the checkpoint is damaged: "
                                "load an older checkpoint or restore this one from a copy"));
   } catch (const std::exception& e) {
     return Status::Internal(StrCat(what, ": ", e.what()));
@@ -174,9 +181,10 @@ Result<std::string> ResolveCheckpoint(const std::string& dir) {
   if (fs::exists(fs::path(dir) / kManifest, ec)) return dir;
   const std::string latest = (fs::path(dir) / kLatest).string();
   if (!fs::exists(latest, ec)) {
-    return Status::InvalidArgument(StrCat("checkpoint directory ", dir, " holds no checkpoint (no ",
-                                          kLatest, " file, no ", kManifest, "): give the directory "
-                                          "that was passed to save, or one of its step-N directories"));
+    return Status::InvalidArgument(StrCat(
+        "checkpoint directory ", dir, " holds no checkpoint (no ", kLatest, " file, no ", kManifest,
+        "): give the directory "
+        "that was passed to save, or one of its step-N directories"));
   }
   auto name = checkpoint::ReadSmallFile(latest, 4096);
   if (!name.ok()) return name.status();
@@ -184,8 +192,10 @@ Result<std::string> ResolveCheckpoint(const std::string& dir) {
   while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
   if (n.empty() || n.find('/') != std::string::npos || n[0] == '.') {
     return Status::Make(StatusCode::kChecksumMismatch,
-                        StrCat(latest, " holds '", n, "', not a checkpoint name; the file is damaged: "
-                               "load one of ", dir, "'s step-N directories directly"));
+                        StrCat(latest, " holds '", n,
+                               "', not a checkpoint name; the file is damaged: "
+                               "load one of ",
+                               dir, "'s step-N directories directly"));
   }
   const std::string path = (fs::path(dir) / n).string();
   if (!fs::exists(fs::path(path) / kManifest, ec)) {
@@ -228,7 +238,9 @@ std::vector<TensorSpec> Trainer::CheckpointSpecs(uint64_t rng_bytes) const {
   std::vector<TensorSpec> specs;
   for (size_t u = 0; u < units_.size(); ++u) {
     for (const char* what : kSavedStates) {
-      specs.push_back({StrCat("unit.", u, ".", what), "F32", {units_[u].shard},
+      specs.push_back({StrCat("unit.", u, ".", what),
+                       "F32",
+                       {units_[u].shard},
                        static_cast<uint64_t>(units_[u].shard) * 4});
     }
   }
@@ -241,7 +253,8 @@ Status Trainer::Agree(const Status& local, const char* what) {
   if (!local.ok()) return local.WithContext(what);
   if (!failed.ok()) return failed.status().WithContext(what);
   if (*failed > 0) {
-    return Status::FailedPrecondition(StrCat(what, " failed on ", *failed, " other rank(s) (their "
+    return Status::FailedPrecondition(StrCat(what, " failed on ", *failed,
+                                             " other rank(s) (their "
                                              "errors say why); this rank's part succeeded"));
   }
   return Status::Ok();
@@ -263,10 +276,12 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     st = Status::FailedPrecondition(StrCat("Save refused: this trainer's state is not one step's (",
                                            out_of_step_.message(), ")"));
   } else if (!extra.is_object()) {
-    st = Status::InvalidArgument(StrCat("CheckpointOptions::extra_json must be a JSON object; got '",
-                                        o.extra_json.substr(0, 80), "'"));
+    st =
+        Status::InvalidArgument(StrCat("CheckpointOptions::extra_json must be a JSON object; got '",
+                                       o.extra_json.substr(0, 80), "'"));
   } else if (o.keep < 0) {
-    st = Status::InvalidArgument(StrCat("CheckpointOptions::keep = ", o.keep, "; use 0 (keep all) or more"));
+    st = Status::InvalidArgument(
+        StrCat("CheckpointOptions::keep = ", o.keep, "; use 0 (keep all) or more"));
   } else if (rank == 0) {
     st = Fs(StrCat("creating ", tmp), [&] {
       fs::create_directories(dir);
@@ -283,9 +298,9 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     // The save's order is not the step's: no prefetching on its account.
     offload::PartitionStore::OffSchedule off_schedule(*store_);
     const torch::Tensor rng = RngState();
-    auto writer = checkpoint::FileWriter::Create((fs::path(tmp) / RankFile(rank, world)).string(),
-                                                 CheckpointSpecs(static_cast<uint64_t>(rng.numel())),
-                                                 o.io, o.fault_hook);
+    auto writer = checkpoint::FileWriter::Create(
+        (fs::path(tmp) / RankFile(rank, world)).string(),
+        CheckpointSpecs(static_cast<uint64_t>(rng.numel())), o.io, o.fault_hook);
     if (!writer.ok()) return writer.status();
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
@@ -315,23 +330,25 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
         auto text = checkpoint::ReadSmallFile(sidecar);
         if (!text.ok()) return text.status();
         json t = json::parse(*text, nullptr, false);
-        if (!t.is_object()) return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
+        if (!t.is_object())
+          return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
         files.push_back({{"file", RankFile(r, world)}, {"tensors", std::move(t)}});
       }
       const GptConfig& m = options_.model;
-      json manifest = {{"format", kFormat},
-                       {"version", kVersion},
-                       {"world_size", world},
-                       {"step", steps_},
-                       {"adam_step", optimizer_->step()},
-                       {"model", ModelJson(m)},
-                       {"dtypes", {{"param", "F32"}, {"master", "F32"}, {"exp_avg", "F32"},
-                                   {"exp_avg_sq", "F32"}}},
-                       {"extra", extra},
-                       {"ranks", std::move(files)}};
+      json manifest = {
+          {"format", kFormat},
+          {"version", kVersion},
+          {"world_size", world},
+          {"step", steps_},
+          {"adam_step", optimizer_->step()},
+          {"model", ModelJson(m)},
+          {"dtypes",
+           {{"param", "F32"}, {"master", "F32"}, {"exp_avg", "F32"}, {"exp_avg_sq", "F32"}}},
+          {"extra", extra},
+          {"ranks", std::move(files)}};
       hook("manifest");
-      SPILLWAY_RETURN_IF_ERROR(checkpoint::WriteFileDurably((fs::path(tmp) / kManifest).string(),
-                                                            manifest.dump(1)));
+      SPILLWAY_RETURN_IF_ERROR(
+          checkpoint::WriteFileDurably((fs::path(tmp) / kManifest).string(), manifest.dump(1)));
       SPILLWAY_RETURN_IF_ERROR(Fs("removing the per-rank checksum lists", [&] {
         for (int r = 0; r < world; ++r) fs::remove(fs::path(tmp) / SidecarFile(r, world));
       }));
@@ -339,9 +356,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       std::error_code ec;
       while (fs::exists(fs::path(dir) / final_name, ec)) final_name = StrCat(name, ".", ++suffix);
       hook("rename");
-      SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"), [&] {
-        fs::rename(tmp, fs::path(dir) / final_name);
-      }));
+      SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"),
+                                  [&] { fs::rename(tmp, fs::path(dir) / final_name); }));
       SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(dir));
       hook("latest");
       SPILLWAY_RETURN_IF_ERROR(
@@ -372,7 +388,8 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
 
   // 1. Read-only: find it, check it against this trainer, checksum every byte of this rank's file.
   Status st = GuardJson(StrCat("loading the checkpoint in ", dir), [&]() -> Status {
-    if (o.io == nullptr) return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
+    if (o.io == nullptr)
+      return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
     auto path = ResolveCheckpoint(dir);
     if (!path.ok()) return path.status();
     info.path = *path;
@@ -382,11 +399,13 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     manifest = json::parse(*text, nullptr, false);
     const auto damaged = [&](const std::string& what) {
       return Status::Make(StatusCode::kChecksumMismatch,
-                          StrCat(mpath, ": ", what, "; the manifest is damaged: load an older "
+                          StrCat(mpath, ": ", what,
+                                 "; the manifest is damaged: load an older "
                                  "checkpoint or restore this one from a copy"));
     };
     if (!WellFormed(manifest) || manifest["format"] != kFormat) {
-      return damaged(StrCat("not a ", kFormat, " manifest, or a field is missing or of the wrong type"));
+      return damaged(
+          StrCat("not a ", kFormat, " manifest, or a field is missing or of the wrong type"));
     }
     if (manifest["version"] != kVersion) {
       return Status::InvalidArgument(StrCat(mpath, ": format version ", manifest["version"].dump(),
@@ -402,14 +421,15 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     const json mine = ModelJson(options_.model);
     for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
       if (manifest["model"][k] != mine[k]) {
-        return Status::InvalidArgument(StrCat(
-            "checkpoint ", *path, " is of a model with ", k, " = ", manifest["model"][k].dump(),
-            "; this trainer's has ", mine[k].dump(), ": create the trainer with the checkpoint's model ",
-            manifest["model"].dump()));
+        return Status::InvalidArgument(
+            StrCat("checkpoint ", *path, " is of a model with ", k, " = ",
+                   manifest["model"][k].dump(), "; this trainer's has ", mine[k].dump(),
+                   ": create the trainer with the checkpoint's model ", manifest["model"].dump()));
       }
     }
     if (manifest["ranks"].size() != static_cast<size_t>(world)) {
-      return damaged(StrCat("it lists ", manifest["ranks"].size(), " rank files for world size ", world));
+      return damaged(
+          StrCat("it lists ", manifest["ranks"].size(), " rank files for world size ", world));
     }
     const json& entry = manifest["ranks"][static_cast<size_t>(rank)];
     if (entry.at("file") != RankFile(rank, world)) {
@@ -423,38 +443,45 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     if (rng == nullptr) return damaged(StrCat(file, " has no tensor '", kRngTensor, "'"));
     const uint64_t rng_bytes = static_cast<uint64_t>(RngState().numel());
     if (rng->spec.bytes != rng_bytes) {
-      return Status::InvalidArgument(StrCat(
-          "checkpoint file ", file, ", tensor '", kRngTensor, "': ", rng->spec.bytes, " bytes of torch "
-          "CPU generator state, this libtorch's is ", rng_bytes, ": it was saved by another torch "
-          "version; resume with the torch it was saved with"));
+      return Status::InvalidArgument(StrCat("checkpoint file ", file, ", tensor '", kRngTensor,
+                                            "': ", rng->spec.bytes,
+                                            " bytes of torch "
+                                            "CPU generator state, this libtorch's is ",
+                                            rng_bytes,
+                                            ": it was saved by another torch "
+                                            "version; resume with the torch it was saved with"));
     }
     uint64_t biggest = 0;
     for (const TensorSpec& want : CheckpointSpecs(rng->spec.bytes)) {
       const TensorRecord* got = reader->Find(want.name);
-      const json& m = entry.at("tensors").contains(want.name) ? entry.at("tensors").at(want.name) : json();
+      const json& m =
+          entry.at("tensors").contains(want.name) ? entry.at("tensors").at(want.name) : json();
       if (got == nullptr || !m.is_object()) {
-        return Status::InvalidArgument(StrCat("checkpoint file ", file, " has no tensor '", want.name,
-                                              "', which this trainer needs: it was saved by a "
-                                              "different trainer; load a checkpoint of this model"));
+        return Status::InvalidArgument(
+            StrCat("checkpoint file ", file, " has no tensor '", want.name,
+                   "', which this trainer needs: it was saved by a "
+                   "different trainer; load a checkpoint of this model"));
       }
       if (got->spec.dtype != want.dtype || got->spec.shape != want.shape) {
-        return Status::InvalidArgument(StrCat("checkpoint file ", file, ", tensor '", want.name, "': ",
-                                              got->spec.dtype, " ", json(got->spec.shape).dump(),
-                                              " in the file, this trainer needs ", want.dtype, " ",
-                                              json(want.shape).dump(), ": load a checkpoint of this model"));
+        return Status::InvalidArgument(
+            StrCat("checkpoint file ", file, ", tensor '", want.name, "': ", got->spec.dtype, " ",
+                   json(got->spec.shape).dump(), " in the file, this trainer needs ", want.dtype,
+                   " ", json(want.shape).dump(), ": load a checkpoint of this model"));
       }
-      if (m.value("dtype", "") != got->spec.dtype || m.value("shape", json()) != json(got->spec.shape) ||
+      if (m.value("dtype", "") != got->spec.dtype ||
+          m.value("shape", json()) != json(got->spec.shape) ||
           m.value("data_offsets", json()) != json({got->begin, got->end})) {
-        return damaged(StrCat("its entry for tensor '", want.name, "' disagrees with the header of ", file));
+        return damaged(
+            StrCat("its entry for tensor '", want.name, "' disagrees with the header of ", file));
       }
       records.push_back(got);
       crcs.push_back(static_cast<uint32_t>(m.at("crc32c").get<uint64_t>()));
       biggest = std::max(biggest, got->spec.bytes);
     }
     const uint64_t scratch_bytes = std::max<uint64_t>(1, std::min(biggest, kScratchBytes));
-    auto scratch = arena_->Allocate(scratch_bytes, allocator::OwnerTag{allocator::Kind::kCheckpoint,
-                                                                       allocator::Lifetime::kStep, 0,
-                                                                       scope_, SPILLWAY_SITE});
+    auto scratch = arena_->Allocate(
+        scratch_bytes, allocator::OwnerTag{allocator::Kind::kCheckpoint, allocator::Lifetime::kStep,
+                                           0, scope_, SPILLWAY_SITE});
     if (!scratch.ok()) return scratch.status().WithContext("the checkpoint's checksum buffer");
     Status checked;
     for (size_t i = 0; i < records.size() && checked.ok(); ++i) {
@@ -462,11 +489,12 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
       if (!crc.ok()) {
         checked = crc.status();
       } else if (*crc != crcs[i]) {
-        checked = Status::Make(StatusCode::kChecksumMismatch,
-                               StrCat("checkpoint file ", file, ", tensor '", records[i]->spec.name,
-                                      "': its bytes have CRC32C ", Hex(*crc), ", the manifest says ",
-                                      Hex(crcs[i]), ": the file is damaged; load an older checkpoint "
-                                      "or restore this one from a copy"));
+        checked = Status::Make(
+            StatusCode::kChecksumMismatch,
+            StrCat("checkpoint file ", file, ", tensor '", records[i]->spec.name,
+                   "': its bytes have CRC32C ", Hex(*crc), ", the manifest says ", Hex(crcs[i]),
+                   ": the file is damaged; load an older checkpoint "
+                   "or restore this one from a copy"));
       }
     }
     SPILLWAY_RETURN_IF_ERROR(arena_->Free(*scratch));
@@ -480,8 +508,9 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   if (!sum.ok()) return sum.status();
   if (!sum_sq.ok()) return sum_sq.status();
   if (st.ok() && (*sum != my_step * world || *sum_sq != my_step * my_step * world)) {
-    st = Status::FailedPrecondition(StrCat("the ranks found different checkpoints in ", dir, " (this rank: ",
-                                           info.path, "); was a save running? load a step-N directory"));
+    st = Status::FailedPrecondition(StrCat("the ranks found different checkpoints in ", dir,
+                                           " (this rank: ", info.path,
+                                           "); was a save running? load a step-N directory"));
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint load: checking it"));
 
@@ -525,9 +554,9 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   Status agreed = Agree(st, "checkpoint load: restoring the state");
   if (!agreed.ok()) {
     // This rank's state, or another's, is partly the checkpoint's: no step may run on it.
-    out_of_step_ = Status::FailedPrecondition(StrCat(
-        "a checkpoint load failed after it began overwriting the trainers' state (",
-        agreed.message(), "): create new trainers and load again"));
+    out_of_step_ = Status::FailedPrecondition(
+        StrCat("a checkpoint load failed after it began overwriting the trainers' state (",
+               agreed.message(), "): create new trainers and load again"));
     return agreed;
   }
   return info;

@@ -30,10 +30,9 @@ inline Status ToStatus(cudaError_t err, std::string_view what,
   if (err == cudaSuccess) return Status::Ok();
   ConsumeError();
   if (err == cudaErrorMemoryAllocation) code = StatusCode::kOutOfMemory;
-  return Status::Make(code,
-                      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")",
-                             fix),
-                      static_cast<int>(err));
+  return Status::Make(
+      code, StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")", fix),
+      static_cast<int>(err));
 }
 
 // Whether the calling thread has a current CUDA context. cudaGetDevice answers 0 on a thread that
@@ -46,8 +45,8 @@ inline bool ThreadHasContext() {
   static const CtxGetCurrent get = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
       ConsumeError();
       fn = nullptr;
@@ -73,8 +72,8 @@ class DeviceScope {
       err = cudaSetDevice(device);
       switched_ = err == cudaSuccess && had_context;
     }
-    status_ = ToStatus(err, StrCat("making CUDA device ", device, " current"),
-                       StatusCode::kUnavailable);
+    status_ =
+        ToStatus(err, StrCat("making CUDA device ", device, " current"), StatusCode::kUnavailable);
   }
   ~DeviceScope() {
     if (switched_ && cudaSetDevice(previous_) != cudaSuccess) ConsumeError();

@@ -1,6 +1,7 @@
 // ExtentMap: exact-size, best-fit extent allocation with coalescing over a set of disjoint spans.
-// Spans are address ranges the owner obtained elsewhere (mmap'd host regions, ranges of a swap file).
-// It knows nothing about memory or files; HostArena and NvmeArena wrap it with a lock and the OS.
+// Spans are address ranges the owner obtained elsewhere (mmap'd host regions, ranges of a swap
+// file). It knows nothing about memory or files; HostArena and NvmeArena wrap it with a lock and
+// the OS.
 #pragma once
 
 #include <cstdint>
@@ -39,12 +40,12 @@ class ExtentMap {
   Status RemoveSpan(uint64_t base);
 
   // Best fit: the smallest free extent that holds `size` (lowest address among equals), provided it
-  // is no larger than `max_extent`. The extent is split and the remainder stays free. Returns nullopt
-  // when no free extent fits.
+  // is no larger than `max_extent`. The extent is split and the remainder stays free. Returns
+  // nullopt when no free extent fits.
   std::optional<uint64_t> Allocate(uint64_t size, uint64_t max_extent = UINT64_MAX);
   // Returns [base, base+size) to the free set and coalesces it with free neighbours in its span.
-  // The caller guarantees it is an extent returned by Allocate with that size (the arenas check this
-  // against their live table before calling).
+  // The caller guarantees it is an extent returned by Allocate with that size (the arenas check
+  // this against their live table before calling).
   void Free(uint64_t base, uint64_t size);
 
   // The span that contains `addr`, or null.
@@ -84,8 +85,8 @@ class ExtentMap {
   void EraseFree(std::map<uint64_t, Free_>::iterator it);
   void NoteUsed(Span& span, int64_t delta_bytes, int64_t delta_count);
 
-  std::map<uint64_t, Span> spans_;                     // by base
-  std::map<uint64_t, Free_> free_by_addr_;             // by extent base
+  std::map<uint64_t, Span> spans_;                        // by base
+  std::map<uint64_t, Free_> free_by_addr_;                // by extent base
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, base)
   uint64_t empty_count_ = 0;
   uint64_t span_bytes_ = 0;

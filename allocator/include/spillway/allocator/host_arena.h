@@ -1,6 +1,6 @@
 // HostArena: page-locked host memory in exact-size extents, fork-safe, budgeted, every byte owned.
-// Regions are anonymous mappings pinned as a unit (cudaHostRegister or mlock) and marked so a forked
-// child neither shares nor copies them. See docs/allocator.md.
+// Regions are anonymous mappings pinned as a unit (cudaHostRegister or mlock) and marked so a
+// forked child neither shares nor copies them. See docs/allocator.md.
 #pragma once
 
 #include <array>
@@ -63,9 +63,9 @@ struct HostArenaFaults {
 };
 
 struct HostArenaOptions {
-  std::string name = "host";           // tier name in reports and metrics
-  uint64_t budget_bytes = 0;           // hard cap on bytes held from the OS; 0 = DefaultHostBudget()
-  uint64_t region_bytes = 32ull << 20; // smaller requests share regions of this size
+  std::string name = "host";  // tier name in reports and metrics
+  uint64_t budget_bytes = 0;  // hard cap on bytes held from the OS; 0 = DefaultHostBudget()
+  uint64_t region_bytes = 32ull << 20;  // smaller requests share regions of this size
   // Empty regions kept for reuse (Note [Retained cache]): at most
   //   min(retain_limit_bytes, max(region_bytes, retain_fraction * live_bytes)).
   // Independently, the cache never raises the high-water mark: when a new region would lift
@@ -84,9 +84,9 @@ struct HostArenaOptions {
   PinMode pin = PinMode::kAuto;
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
-  bool capture_backtraces = false;     // record a backtrace per allocation (slow; for leak hunts)
-  Ledger* ledger = nullptr;            // null = Ledger::Default()
-  HostArenaFaults* faults = nullptr;   // test seam
+  bool capture_backtraces = false;    // record a backtrace per allocation (slow; for leak hunts)
+  Ledger* ledger = nullptr;           // null = Ledger::Default()
+  HostArenaFaults* faults = nullptr;  // test seam
 };
 
 struct HostArenaStats : LiveStats {
@@ -94,26 +94,26 @@ struct HostArenaStats : LiveStats {
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
   uint64_t budget_bytes = 0;
-  uint64_t retain_limit_bytes = 0;     // the absolute cap (see HostArenaOptions)
-  uint64_t retain_limit_now_bytes = 0; // the cap in force at this live size
+  uint64_t retain_limit_bytes = 0;      // the absolute cap (see HostArenaOptions)
+  uint64_t retain_limit_now_bytes = 0;  // the cap in force at this live size
   // Regions are mapped and pinned whole, so reserved == committed (Note [Regions]).
   uint64_t reserved_bytes = 0;
   uint64_t committed_bytes = 0;
-  uint64_t pinned_bytes = 0;           // cuda_registered_bytes + mlocked_bytes
+  uint64_t pinned_bytes = 0;  // cuda_registered_bytes + mlocked_bytes
   uint64_t cuda_registered_bytes = 0;
   uint64_t mlocked_bytes = 0;
-  uint64_t retained_bytes = 0;         // empty regions kept for reuse (<= retain limit)
-  uint64_t fragment_bytes = 0;         // free bytes inside regions that hold live extents
+  uint64_t retained_bytes = 0;  // empty regions kept for reuse (<= retain limit)
+  uint64_t fragment_bytes = 0;  // free bytes inside regions that hold live extents
   uint64_t regions = 0;
   uint64_t peak_committed_bytes = 0;
   // Monotonic counters (the owner-side ones are in LiveStats).
   uint64_t region_map_count = 0;
   uint64_t region_unmap_count = 0;
-  uint64_t trim_count = 0;             // Trim() calls and automatic trims
+  uint64_t trim_count = 0;  // Trim() calls and automatic trims
   uint64_t trimmed_bytes = 0;
   uint64_t over_budget_count = 0;
   uint64_t spill_calls = 0;
-  uint64_t spilled_bytes = 0;          // what spill handlers said they freed
+  uint64_t spilled_bytes = 0;  // what spill handlers said they freed
 };
 
 // Thread-safe. One mutex guards the extent map and the tables; it is never held across a syscall,
@@ -191,8 +191,7 @@ class HostArena final : public Tier {
   Status Validate() const;
 
   const std::string& tier_name() const override { return options_.name; }
-  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
-                         TierReport* out) override;
+  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step, TierReport* out) override;
   void ReleaseScope(ScopeId scope, TierReport* out) override;
 
   Ledger& ledger() const { return *ledger_; }
@@ -228,24 +227,23 @@ class HostArena final : public Tier {
 
   const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu_;
-  ExtentMap extents_;                          // guarded by mu_
-  std::map<uint64_t, Region> regions_;         // guarded by mu_; by base address
+  ExtentMap extents_;                   // guarded by mu_
+  std::map<uint64_t, Region> regions_;  // guarded by mu_; by base address
   // Observers: their own mutex, never held while calling one (callbacks_in_flight_ counts those).
   std::mutex observers_mu_;
   ForkSafeCondition observers_idle_;
-  std::vector<RegionObserver*> observers_;     // guarded by observers_mu_
-  int callbacks_in_flight_ = 0;                // guarded by observers_mu_
+  std::vector<RegionObserver*> observers_;                        // guarded by observers_mu_
+  int callbacks_in_flight_ = 0;                                   // guarded by observers_mu_
   void NotifyObservers(bool mapped, void* base, uint64_t bytes);  // without mu_
-  std::unique_ptr<LiveTable> live_;            // guarded by mu_ (owner records, tombstones)
-  uint64_t pending_map_bytes_ = 0;             // guarded by mu_: regions being mapped right now
-  uint64_t need_peak_bytes_ = 0;               // guarded by mu_: peak of held minus retained
-  uint64_t pending_unmap_bytes_ = 0;           // guarded by mu_: detached, not yet unmapped
-  SpillHandler spill_handler_;                 // guarded by mu_ (copied out before calling)
-  const void* spill_owner_ = nullptr;          // guarded by mu_
-  int spill_calls_in_flight_ = 0;              // guarded by mu_
-  ForkSafeCondition spill_idle_;         // spill_calls_in_flight_ reached 0
-  HostArenaStats stats_;                       // guarded by mu_
-
+  std::unique_ptr<LiveTable> live_;    // guarded by mu_ (owner records, tombstones)
+  uint64_t pending_map_bytes_ = 0;     // guarded by mu_: regions being mapped right now
+  uint64_t need_peak_bytes_ = 0;       // guarded by mu_: peak of held minus retained
+  uint64_t pending_unmap_bytes_ = 0;   // guarded by mu_: detached, not yet unmapped
+  SpillHandler spill_handler_;         // guarded by mu_ (copied out before calling)
+  const void* spill_owner_ = nullptr;  // guarded by mu_
+  int spill_calls_in_flight_ = 0;      // guarded by mu_
+  ForkSafeCondition spill_idle_;       // spill_calls_in_flight_ reached 0
+  HostArenaStats stats_;               // guarded by mu_
 };
 
 }  // namespace spillway::allocator

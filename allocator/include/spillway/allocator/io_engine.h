@@ -24,14 +24,14 @@ enum class IoBackend : uint8_t { kUring = 0, kThreadPool };
 const char* IoBackendName(IoBackend backend);
 
 struct IoEngineOptions {
-  uint32_t queue_depth = 32;           // chunks in flight at most
-  uint64_t block_size = 1ull << 20;    // chunk size
-  bool sqpoll = false;                 // IORING_SETUP_SQPOLL (liburing handles NEED_WAKEUP)
-  bool force_thread_pool = false;      // use the fallback backend (to test it, or by choice)
-  uint32_t pool_threads = 4;           // fallback backend threads
-  uint32_t bounce_buffers = 8;         // bounded bounce pool for buffers outside the arena
-  HostArena* arena = nullptr;          // required: fixed buffers and the bounce pool come from it
-  IoFaults* faults = nullptr;          // test seam
+  uint32_t queue_depth = 32;         // chunks in flight at most
+  uint64_t block_size = 1ull << 20;  // chunk size
+  bool sqpoll = false;               // IORING_SETUP_SQPOLL (liburing handles NEED_WAKEUP)
+  bool force_thread_pool = false;    // use the fallback backend (to test it, or by choice)
+  uint32_t pool_threads = 4;         // fallback backend threads
+  uint32_t bounce_buffers = 8;       // bounded bounce pool for buffers outside the arena
+  HostArena* arena = nullptr;        // required: fixed buffers and the bounce pool come from it
+  IoFaults* faults = nullptr;        // test seam
 };
 
 // Latency buckets (seconds, upper bounds) of per-chunk completions; the last bucket is +Inf.
@@ -40,27 +40,27 @@ inline constexpr std::array<double, 12> kIoLatencyBuckets = {
 
 struct IoEngineStats {
   IoBackend backend = IoBackend::kUring;
-  std::string fallback_reason;           // why the thread pool runs, when it does
-  std::string registration;              // ring tables: "sparse", or "plain files, no fixed buffers (why)"
-  uint64_t ring_failures = 0;            // io_uring_submit_and_wait failed: the ring stopped
-  std::string ring_error;                // that failure, when there was one
-  uint64_t sqe_shortages = 0;            // chunks deferred because no SQE was free
-  uint64_t read_bytes = 0;               // completed, by requests that succeeded or not
+  std::string fallback_reason;  // why the thread pool runs, when it does
+  std::string registration;     // ring tables: "sparse", or "plain files, no fixed buffers (why)"
+  uint64_t ring_failures = 0;   // io_uring_submit_and_wait failed: the ring stopped
+  std::string ring_error;       // that failure, when there was one
+  uint64_t sqe_shortages = 0;   // chunks deferred because no SQE was free
+  uint64_t read_bytes = 0;      // completed, by requests that succeeded or not
   uint64_t write_bytes = 0;
-  uint64_t read_ops = 0;                 // chunk completions
+  uint64_t read_ops = 0;  // chunk completions
   uint64_t write_ops = 0;
-  uint64_t requests = 0;                 // Read/Write calls accepted
+  uint64_t requests = 0;  // Read/Write calls accepted
   uint64_t failed_requests = 0;
-  uint64_t in_flight_chunks = 0;         // gauge
-  uint64_t queued_requests = 0;          // gauge: accepted, not yet complete
-  uint64_t fixed_buffer_chunks = 0;      // chunks that used a registered buffer
-  uint64_t bounce_chunks = 0;            // chunks staged through the bounce pool
+  uint64_t in_flight_chunks = 0;     // gauge
+  uint64_t queued_requests = 0;      // gauge: accepted, not yet complete
+  uint64_t fixed_buffer_chunks = 0;  // chunks that used a registered buffer
+  uint64_t bounce_chunks = 0;        // chunks staged through the bounce pool
   uint64_t bounce_bytes = 0;
-  uint64_t retries = 0;                  // EINTR / EAGAIN resubmissions
-  uint64_t short_resubmits = 0;          // short transfers whose rest was resubmitted
-  uint64_t registered_regions = 0;       // gauge: arena regions registered as fixed buffers
-  uint64_t registration_failures = 0;    // regions that could not be registered (served unfixed)
-  std::array<uint64_t, kIoLatencyBuckets.size() + 1> read_latency{};   // per-chunk histogram
+  uint64_t retries = 0;                // EINTR / EAGAIN resubmissions
+  uint64_t short_resubmits = 0;        // short transfers whose rest was resubmitted
+  uint64_t registered_regions = 0;     // gauge: arena regions registered as fixed buffers
+  uint64_t registration_failures = 0;  // regions that could not be registered (served unfixed)
+  std::array<uint64_t, kIoLatencyBuckets.size() + 1> read_latency{};  // per-chunk histogram
   std::array<uint64_t, kIoLatencyBuckets.size() + 1> write_latency{};
   double read_latency_sum_seconds = 0;
   double write_latency_sum_seconds = 0;

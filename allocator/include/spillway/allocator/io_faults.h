@@ -17,7 +17,7 @@ struct IoFaults {
   // Ring only. The next io_uring_submit_and_wait is not made and reports -submit_errno instead
   // (its SQEs stay unsubmitted, as when the call really fails).
   std::atomic<int> submit_errno{0};
-  std::atomic<int> null_sqes{0};     // the next N io_uring_get_sqe calls return null
+  std::atomic<int> null_sqes{0};  // the next N io_uring_get_sqe calls return null
   // Ring only. The next fixed-file slot clear in UnregisterFile fails with -unregister_errno.
   std::atomic<int> unregister_errno{0};
   // Read once at Create: sparse table registration fails with this errno (a kernel before 5.19).

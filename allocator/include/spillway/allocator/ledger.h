@@ -28,10 +28,10 @@ struct Escape {
   ScopeId scope = kProcessScope;
   std::string scope_name;
   uint64_t bytes = 0;
-  uint64_t address = 0;       // host address or NVMe file offset
-  int64_t birth_epoch = -1;   // -1: before the first epoch
-  int64_t birth_step = -1;    // -1: before the first step
-  std::string site;           // "file:line" or a symbolized backtrace; empty when not recorded
+  uint64_t address = 0;      // host address or NVMe file offset
+  int64_t birth_epoch = -1;  // -1: before the first epoch
+  int64_t birth_step = -1;   // -1: before the first step
+  std::string site;          // "file:line" or a symbolized backtrace; empty when not recorded
   bool reclaimed = false;
 };
 
@@ -44,7 +44,7 @@ struct TierReport {
   KindBytes live_by_kind{};
   LifetimeBytes live_by_lifetime{};
   uint64_t committed_bytes = 0;
-  uint64_t escape_count = 0;    // exact, even when `escapes` is cut short
+  uint64_t escape_count = 0;  // exact, even when `escapes` is cut short
   uint64_t escaped_bytes = 0;
   uint64_t reclaimed_count = 0;
   uint64_t reclaimed_bytes = 0;
@@ -79,9 +79,10 @@ class Tier {
  public:
   virtual ~Tier() = default;
   virtual const std::string& tier_name() const = 0;
-  // Finds allocations that outlived the boundary that just ended (lifetime step for a step boundary,
-  // step or epoch for an epoch boundary, born at or before `epoch`/`step`), applies the tier's policy,
-  // and fills `out`. Returns kEscaped under the `fail` policy when there were escapes.
+  // Finds allocations that outlived the boundary that just ended (lifetime step for a step
+  // boundary, step or epoch for an epoch boundary, born at or before `epoch`/`step`), applies the
+  // tier's policy, and fills `out`. Returns kEscaped under the `fail` policy when there were
+  // escapes.
   virtual Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
                                  TierReport* out) = 0;
   // Frees every allocation owned by `scope` and fills out->reclaimed_*.
@@ -111,8 +112,8 @@ class Ledger {
 
   // Scopes group owners (one engine instance, one optimizer). Ids are never reused.
   Result<ScopeId> CreateScope(std::string_view name);
-  // Frees everything the scope owns in every attached tier. Later use of the scope, or a Free of one
-  // of its old pointers, is an error that names the scope.
+  // Frees everything the scope owns in every attached tier. Later use of the scope, or a Free of
+  // one of its old pointers, is an error that names the scope.
   Result<ScopeReleaseReport> ReleaseScope(ScopeId scope);
   bool scope_live(ScopeId scope) const;
   bool scope_exists(ScopeId scope) const;
@@ -134,15 +135,15 @@ class Ledger {
  private:
   enum : uint8_t { kScopeUnused = 0, kScopeLive = 1, kScopeReleased = 2 };
   Status RunBoundary(BoundaryKind kind, int64_t epoch, int64_t step, BoundaryReport* report);
-  std::vector<Tier*> PinTiers();   // copies the tier list and marks a boundary in flight
+  std::vector<Tier*> PinTiers();  // copies the tier list and marks a boundary in flight
   void UnpinTiers();
 
   const ProcessTag process_;  // Note [Fork]: refuses in a forked child
   mutable std::mutex mu_;
   ForkSafeCondition tiers_idle_;
-  std::vector<Tier*> tiers_;             // guarded by mu_
-  int active_walks_ = 0;                 // guarded by mu_: boundaries/releases walking tiers_
-  std::vector<std::string> scope_names_; // guarded by mu_; index = ScopeId
+  std::vector<Tier*> tiers_;              // guarded by mu_
+  int active_walks_ = 0;                  // guarded by mu_: boundaries/releases walking tiers_
+  std::vector<std::string> scope_names_;  // guarded by mu_; index = ScopeId
   std::array<std::atomic<uint8_t>, kMaxScopes> scope_state_{};  // lock-free liveness
   std::atomic<int64_t> epoch_{-1};
   std::atomic<int64_t> step_{-1};

@@ -4,20 +4,20 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
 #include "spillway/allocator/extent_map.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/io_engine.h"
 
 namespace spillway::allocator {
 
@@ -34,29 +34,30 @@ struct NvmeArenaOptions {
   uint64_t budget_bytes = 0;           // the most the swap file may grow to; required
   uint64_t grow_bytes = 256ull << 20;  // fallocate step
   EscapePolicy policy = EscapePolicy::kReport;
-  bool checksum = true;                // CRC32C per extent, verified on read
-  Ledger* ledger = nullptr;            // null = Ledger::Default()
-  NvmeArenaFaults* faults = nullptr;   // test seam
+  bool checksum = true;               // CRC32C per extent, verified on read
+  Ledger* ledger = nullptr;           // null = Ledger::Default()
+  NvmeArenaFaults* faults = nullptr;  // test seam
 };
 
 struct NvmeArenaStats : LiveStats {
   EscapePolicy policy = EscapePolicy::kReport;
   uint64_t budget_bytes = 0;
-  uint64_t capacity_bytes = 0;         // the file's preallocated size
-  uint64_t free_bytes = 0;             // inside the file, not allocated
+  uint64_t capacity_bytes = 0;  // the file's preallocated size
+  uint64_t free_bytes = 0;      // inside the file, not allocated
   uint64_t peak_capacity_bytes = 0;
-  uint32_t alignment = 0;              // direct-I/O granule in force
+  uint32_t alignment = 0;  // direct-I/O granule in force
   bool direct_io = true;
   bool checksum = true;
   uint64_t grow_count = 0;
-  bool grows_without_fallocate = false; // the filesystem refused fallocate: ftruncate grows the file
+  bool grows_without_fallocate =
+      false;  // the filesystem refused fallocate: ftruncate grows the file
   uint64_t over_budget_count = 0;
   uint64_t no_space_count = 0;
   uint64_t checksum_failures = 0;
   uint64_t write_failures = 0;
   uint64_t read_failures = 0;
-  uint64_t written_bytes = 0;          // through Write (verified complete)
-  uint64_t read_bytes = 0;             // through Read (checksum verified)
+  uint64_t written_bytes = 0;  // through Write (verified complete)
+  uint64_t read_bytes = 0;     // through Read (checksum verified)
 };
 
 // Thread-safe. mu_ guards the extent map, the live table and the checksum table; it is never held
@@ -88,7 +89,8 @@ class NvmeArena final : public Tier {
   // The checksum an extent's data must have; FAILED_PRECONDITION when it holds no valid data.
   // Checking it is the caller's job (it sees the chunks in order: Crc32cExtend).
   Result<uint32_t> ExpectedChecksum(uint64_t offset, uint64_t bytes) const;
-  Result<Ticket> SubmitReadRange(uint64_t offset, uint64_t range_offset, void* dst, uint64_t length);
+  Result<Ticket> SubmitReadRange(uint64_t offset, uint64_t range_offset, void* dst,
+                                 uint64_t length);
   // A chunked write: BeginWrite invalidates the extent and returns the write's generation,
   // SubmitWriteRange queues pieces, CommitWrite records the checksum of the whole once every piece
   // completed (or leaves it invalid on error). An extent freed, re-allocated or written again
@@ -96,7 +98,7 @@ class NvmeArena final : public Tier {
   // records nothing, so an old write never validates a new owner's extent.
   Result<uint64_t> BeginWrite(uint64_t offset, uint64_t bytes);
   Result<Ticket> SubmitWriteRange(uint64_t offset, uint64_t range_offset, const void* src,
-                            uint64_t length);
+                                  uint64_t length);
   Status CommitWrite(uint64_t offset, uint64_t bytes, uint32_t crc, uint64_t generation);
   // Collects a SubmitReadRange or SubmitWriteRange ticket (IoEngine::Wait).
   Status Wait(Ticket ticket) { return engine_->Wait(ticket); }
@@ -109,13 +111,12 @@ class NvmeArena final : public Tier {
   int fd_for_testing() const { return fd_; }
 
   const std::string& tier_name() const override { return options_.name; }
-  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step,
-                         TierReport* out) override;
+  Status CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step, TierReport* out) override;
   void ReleaseScope(ScopeId scope, TierReport* out) override;
 
  private:
   struct Check {
-    bool valid = false;   // the last write completed
+    bool valid = false;  // the last write completed
     uint32_t crc = 0;
     uint64_t generation = 0;  // of the allocation or write that last set it
   };
@@ -143,14 +144,14 @@ class NvmeArena final : public Tier {
 
   const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child
   mutable std::mutex mu_;
-  ForkSafeCondition grown_cv_;             // a growth finished
+  ForkSafeCondition grown_cv_;                  // a growth finished
   std::atomic<bool> without_fallocate_{false};  // set once fallocate said EOPNOTSUPP
-  bool growing_ = false;                         // guarded by mu_: one fallocate at a time
-  ExtentMap extents_;                            // guarded by mu_: one span, the whole file
-  std::unique_ptr<LiveTable> live_;              // guarded by mu_
-  std::unordered_map<uint64_t, Check> checks_;   // guarded by mu_: by extent offset
-  uint64_t next_generation_ = 0;                 // guarded by mu_
-  NvmeArenaStats stats_;                         // guarded by mu_
+  bool growing_ = false;                        // guarded by mu_: one fallocate at a time
+  ExtentMap extents_;                           // guarded by mu_: one span, the whole file
+  std::unique_ptr<LiveTable> live_;             // guarded by mu_
+  std::unordered_map<uint64_t, Check> checks_;  // guarded by mu_: by extent offset
+  uint64_t next_generation_ = 0;                // guarded by mu_
+  NvmeArenaStats stats_;                        // guarded by mu_
 };
 
 }  // namespace spillway::allocator

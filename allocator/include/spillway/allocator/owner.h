@@ -12,13 +12,13 @@ namespace spillway::allocator {
 
 // What the bytes are. Bounded on purpose: these are Prometheus label values.
 enum class Kind : uint8_t {
-  kParam = 0,        // 16-bit parameter partition
-  kGrad,             // gradient partition
-  kMasterWeight,     // fp32 master weights
-  kOptimizerState,   // Adam moments
-  kSwapBuffer,       // staging / bounce buffers for NVMe I/O
-  kCheckpoint,       // checkpoint streaming buffers
-  kTransient,        // gather buffers and other per-step scratch
+  kParam = 0,       // 16-bit parameter partition
+  kGrad,            // gradient partition
+  kMasterWeight,    // fp32 master weights
+  kOptimizerState,  // Adam moments
+  kSwapBuffer,      // staging / bounce buffers for NVMe I/O
+  kCheckpoint,      // checkpoint streaming buffers
+  kTransient,       // gather buffers and other per-step scratch
 };
 inline constexpr int kKindCount = 7;
 
@@ -42,17 +42,17 @@ Result<Kind> ParseKind(std::string_view name);
 Result<Lifetime> ParseLifetime(std::string_view name);
 Result<EscapePolicy> ParseEscapePolicy(std::string_view name);
 
-// A named owner group, e.g. one engine instance. Releasing a scope frees everything it owns in every
-// tier. Scope 0 is the process scope and is never released.
+// A named owner group, e.g. one engine instance. Releasing a scope frees everything it owns in
+// every tier. Scope 0 is the process scope and is never released.
 using ScopeId = uint32_t;
 inline constexpr ScopeId kProcessScope = 0;
 
 struct OwnerTag {
   Kind kind = Kind::kTransient;
   Lifetime lifetime = Lifetime::kStep;
-  uint64_t owner_id = 0;          // chosen by the caller, e.g. a partition id
+  uint64_t owner_id = 0;  // chosen by the caller, e.g. a partition id
   ScopeId scope = kProcessScope;
-  const char* site = nullptr;     // static string with static storage (SPILLWAY_SITE), or null
+  const char* site = nullptr;  // static string with static storage (SPILLWAY_SITE), or null
 };
 
 // Fixed-size per-kind / per-lifetime byte counters used by every stats struct.

@@ -39,8 +39,8 @@ class Pow2CachingPolicy {
 
   Result<void*> Alloc(uint64_t bytes) {
     if (bytes == 0 || bytes > (uint64_t{1} << 62)) {
-      return Status::InvalidArgument(StrCat("Pow2CachingPolicy::Alloc(", bytes,
-                                            "): size must be in [1, 2^62]"));
+      return Status::InvalidArgument(
+          StrCat("Pow2CachingPolicy::Alloc(", bytes, "): size must be in [1, 2^62]"));
     }
     const uint64_t rounded = Rounded(bytes);
     auto& bin = free_[rounded];
@@ -73,8 +73,8 @@ class Pow2CachingPolicy {
   uint64_t held_bytes() const { return held_; }
 
  private:
-  std::map<uint64_t, std::vector<void*>> free_;   // rounded size -> cached blocks
-  std::unordered_map<void*, uint64_t> size_;      // every block ever mapped -> rounded size
+  std::map<uint64_t, std::vector<void*>> free_;  // rounded size -> cached blocks
+  std::unordered_map<void*, uint64_t> size_;     // every block ever mapped -> rounded size
   uint64_t held_ = 0;
 };
 

@@ -22,6 +22,8 @@ constexpr uint64_t RoundDown(uint64_t v, uint64_t granule) { return v / granule 
 std::string FormatBytes(uint64_t bytes);
 
 // bytes / 2^20 as a double, for tables and reports ("12.34" MiB).
-constexpr double ToMiB(uint64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kMiB); }
+constexpr double ToMiB(uint64_t bytes) {
+  return static_cast<double>(bytes) / static_cast<double>(kMiB);
+}
 
 }  // namespace spillway

@@ -1,8 +1,8 @@
 // Assertions at three cost levels (docs/base.md, Note [Check levels]):
 //
 //   SPILLWAY_CHECK(cond) << "context";   always on, in every build. For conditions that, if false,
-//                                        would let a byte land in the wrong place: an offset past an
-//                                        extent, a slot index out of range, a count that went
+//                                        would let a byte land in the wrong place: an offset past
+//                                        an extent, a slot index out of range, a count that went
 //                                        negative. Costs one compare.
 //   SPILLWAY_DCHECK(cond) << "context";  debug builds only (NDEBUG unset). For invariants on hot
 //                                        paths that the tests exercise. Compiled out, operands
@@ -16,7 +16,8 @@
 //                                        Validate takes the object's own lock.
 //
 // A failed check prints "spillway fatal: file:line: CHECK failed: cond: context" on stderr and
-// aborts. Checks are for bugs in Spillway; input from a caller or a file is validated with a Status.
+// aborts. Checks are for bugs in Spillway; input from a caller or a file is validated with a
+// Status.
 #pragma once
 
 #include <sstream>
@@ -58,7 +59,8 @@ struct Voidify {
 template <typename T>
 void ValidateOrDie(const T& obj, const char* file, int line) {
   const Status valid = obj.Validate();
-  if (!valid.ok()) [[unlikely]] CheckFailure(file, line, "Validate()") << valid.ToString();
+  if (!valid.ok()) [[unlikely]]
+    CheckFailure(file, line, "Validate()") << valid.ToString();
 }
 
 // SPILLWAY_VALIDATE_ON_EXIT's guard.
@@ -79,10 +81,10 @@ class ValidateOnExit {
 }  // namespace spillway::internal
 
 // NOLINTBEGIN(bugprone-macro-parentheses): `<< context` after it must reach the CheckFailure
-#define SPILLWAY_CHECK(cond)                          \
-  (__builtin_expect(static_cast<bool>(cond), 1))      \
-      ? (void)0                                       \
-      : ::spillway::internal::Voidify() &             \
+#define SPILLWAY_CHECK(cond)                     \
+  (__builtin_expect(static_cast<bool>(cond), 1)) \
+      ? (void)0                                  \
+      : ::spillway::internal::Voidify() &        \
             ::spillway::internal::CheckFailure(__FILE__, __LINE__, #cond)
 // NOLINTEND(bugprone-macro-parentheses)
 
@@ -98,9 +100,9 @@ class ValidateOnExit {
 #define SPILLWAY_DEBUG_CHECKS_ON 1
 #define SPILLWAY_VALIDATE(obj) ::spillway::internal::ValidateOrDie((obj), __FILE__, __LINE__)
 // NOLINTNEXTLINE(bugprone-macro-parentheses): a declaration cannot be parenthesised
-#define SPILLWAY_VALIDATE_ON_EXIT(obj)                        \
-  const ::spillway::internal::ValidateOnExit SPILLWAY_CONCAT( \
-      _spillway_validate_on_exit_, __LINE__)((obj), __FILE__, __LINE__)
+#define SPILLWAY_VALIDATE_ON_EXIT(obj)                                                    \
+  const ::spillway::internal::ValidateOnExit SPILLWAY_CONCAT(_spillway_validate_on_exit_, \
+                                                             __LINE__)((obj), __FILE__, __LINE__)
 #else
 #define SPILLWAY_DEBUG_CHECKS_ON 0
 #define SPILLWAY_VALIDATE(obj) \
@@ -108,4 +110,3 @@ class ValidateOnExit {
   } while (false)
 #define SPILLWAY_VALIDATE_ON_EXIT(obj) static_cast<void>(0)
 #endif
-

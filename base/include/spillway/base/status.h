@@ -98,9 +98,10 @@ std::string ErrnoText(int err);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
-    if (status_.ok()) status_ = Status::Internal("Result constructed from an OK status without a value");
+    if (status_.ok())
+      status_ = Status::Internal("Result constructed from an OK status without a value");
   }
 
   bool ok() const { return status_.ok(); }
@@ -118,11 +119,13 @@ class [[nodiscard]] Result {
 
  private:
   std::optional<T>& Checked() {
-    if (!status_.ok()) [[unlikely]] DieOnValueOfError(status_);
+    if (!status_.ok()) [[unlikely]]
+      DieOnValueOfError(status_);
     return value_;
   }
   const std::optional<T>& Checked() const {
-    if (!status_.ok()) [[unlikely]] DieOnValueOfError(status_);
+    if (!status_.ok()) [[unlikely]]
+      DieOnValueOfError(status_);
     return value_;
   }
 
@@ -145,10 +148,10 @@ std::string StrCat(const Args&... args) {
 // A static "file:line" string for OwnerTag::site.
 #define SPILLWAY_SITE (__FILE__ ":" SPILLWAY_STRINGIZE(__LINE__))
 
-#define SPILLWAY_RETURN_IF_ERROR(expr)   \
-  do {                                   \
-    ::spillway::Status _st = (expr);     \
-    if (!_st.ok()) return _st;           \
+#define SPILLWAY_RETURN_IF_ERROR(expr) \
+  do {                                 \
+    ::spillway::Status _st = (expr);   \
+    if (!_st.ok()) return _st;         \
   } while (0)
 
 #define SPILLWAY_CONCAT_INNER(a, b) a##b

@@ -29,17 +29,17 @@
 namespace spillway::cli {
 
 struct LoaderOptions {
-  uint32_t workers = 2;      // processes forked per epoch (>= 1)
-  uint32_t batch_size = 8;   // sequences per batch
-  uint32_t seq_len = 64;     // tokens per sequence; each row carries seq_len + 1 (the targets)
+  uint32_t workers = 2;          // processes forked per epoch (>= 1)
+  uint32_t batch_size = 8;       // sequences per batch
+  uint32_t seq_len = 64;         // tokens per sequence; each row carries seq_len + 1 (the targets)
   uint32_t prefetch_factor = 2;  // batches a worker may run ahead (DataLoader's default)
   uint64_t seed = 1;
   int timeout_seconds = 60;  // a worker silent this long is an error naming it
 };
 
 struct LoaderStats {
-  uint64_t forks = 0;     // worker processes started, over all epochs
-  uint64_t batches = 0;   // delivered
+  uint64_t forks = 0;    // worker processes started, over all epochs
+  uint64_t batches = 0;  // delivered
 };
 
 class ForkingLoader {
@@ -52,8 +52,8 @@ class ForkingLoader {
   ForkingLoader(const ForkingLoader&) = delete;
   ForkingLoader& operator=(const ForkingLoader&) = delete;
 
-  // Forks the workers for `epoch`, which will deliver `batches` batches. FAILED_PRECONDITION when an
-  // epoch is already open. On error no worker is left running.
+  // Forks the workers for `epoch`, which will deliver `batches` batches. FAILED_PRECONDITION when
+  // an epoch is already open. On error no worker is left running.
   Status BeginEpoch(int64_t epoch, uint64_t batches);
   // The next batch: batch_size rows of seq_len + 1 token ids, row-major, into `rows`
   // (batch_size * (seq_len + 1) elements). A worker that died or went silent is an error naming it,

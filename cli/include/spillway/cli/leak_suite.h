@@ -14,10 +14,10 @@
 namespace spillway::cli {
 
 struct LeakPoint {
-  int64_t step = 0;      // global step (x axis)
+  int64_t step = 0;  // global step (x axis)
   int64_t epoch = 0;
-  bool boundary = false; // taken at an epoch boundary
-  double bytes = 0;      // the scenario's detector (ledger live bytes, arena committed, tree PSS)
+  bool boundary = false;  // taken at an epoch boundary
+  double bytes = 0;       // the scenario's detector (ledger live bytes, arena committed, tree PSS)
 };
 
 struct LeakSeries {
@@ -35,13 +35,13 @@ struct LeakSeries {
 
 struct ScenarioOutcome {
   std::string name;
-  std::string detector;    // what `bytes` measures
+  std::string detector;  // what `bytes` measures
   int64_t epochs = 0;
   LeakSeries spillway, control;
   double spillway_growth = 0, control_growth = 0;  // bytes per epoch, by the scenario's rule
-  double tolerance = 0;    // Spillway passes at or below it; the control must exceed 4x it
+  double tolerance = 0;  // Spillway passes at or below it; the control must exceed 4x it
   bool pass = false;
-  std::string failure;     // set by a scenario whose own check failed (e.g. losses differ)
+  std::string failure;             // set by a scenario whose own check failed (e.g. losses differ)
   std::vector<std::string> notes;  // what else was measured (step times, losses, escape sites)
 };
 
@@ -56,7 +56,7 @@ struct ScenarioInfo {
   const char* name;
   const char* summary;
   Result<ScenarioOutcome> (*run)(const LeakSuiteOptions& options);  // null: not in this build
-  const char* unavailable;  // why run is null
+  const char* unavailable;                                          // why run is null
 };
 
 // Every scenario, in the order.

@@ -1,7 +1,8 @@
 // Memory of a process tree as the kernel accounts it: Rss and Pss summed over a process and all its
-// descendants, from /proc/<pid>/smaps_rollup. Pss divides each shared page among its sharers, so the
-// sum over a tree counts every physical page once; a copy-on-write copy after fork() shows up as
-// growth of the sum. This is the leak detector's ground truth, independent of Spillway's own books.
+// descendants, from /proc/<pid>/smaps_rollup. Pss divides each shared page among its sharers, so
+// the sum over a tree counts every physical page once; a copy-on-write copy after fork() shows up
+// as growth of the sum. This is the leak detector's ground truth, independent of Spillway's own
+// books.
 #pragma once
 
 #include <sys/types.h>
@@ -27,8 +28,8 @@ struct TreeMemory {
   uint32_t processes = 0;
 };
 
-// `pid` and its descendants (found through /proc/<pid>/task/<tid>/children). A descendant that exits
-// while being read is skipped; `pid` itself missing is INVALID_ARGUMENT, and a kernel without
+// `pid` and its descendants (found through /proc/<pid>/task/<tid>/children). A descendant that
+// exits while being read is skipped; `pid` itself missing is INVALID_ARGUMENT, and a kernel without
 // Pss_Anon in smaps_rollup (before Linux 5.9) is UNAVAILABLE.
 Result<TreeMemory> ProcessTreeMemory(pid_t pid);
 
@@ -37,7 +38,8 @@ Result<TreeMemory> ProcessTreeMemory(pid_t pid);
 // such as a checkpoint save.
 class PeakSampler {
  public:
-  explicit PeakSampler(pid_t pid, std::chrono::milliseconds interval = std::chrono::milliseconds(2));
+  explicit PeakSampler(pid_t pid,
+                       std::chrono::milliseconds interval = std::chrono::milliseconds(2));
   ~PeakSampler();
   PeakSampler(const PeakSampler&) = delete;
   PeakSampler& operator=(const PeakSampler&) = delete;

@@ -13,8 +13,8 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/status.h"
 #include "spillway/cli/proc_memory.h"
-#include "spillway/trainer/trainer.h"
 #include "spillway/offload/planner.h"
+#include "spillway/trainer/trainer.h"
 
 namespace spillway::cli {
 
@@ -23,19 +23,19 @@ namespace spillway::cli {
 extern const char* const kDefaultTrainConfig;
 
 struct TrainJobOptions {
-  std::string config_path;      // empty: kDefaultTrainConfig
+  std::string config_path;  // empty: kDefaultTrainConfig
   std::string data_path = "/usr/share/common-licenses/GPL-3";
   int64_t epochs = 3;
   int64_t steps_per_epoch = 64;  // optimizer steps; each takes gradient_accumulation_steps batches
   uint32_t workers = 2;          // data-loader processes forked per epoch
   std::string metrics_address;   // empty: the config's spillway.metrics_address; "off": none
-  std::string swap_dir;          // empty: the config's nvme_path, or a fresh directory under $TMPDIR
+  std::string swap_dir;  // empty: the config's nvme_path, or a fresh directory under $TMPDIR
   engine::GptConfig model = DefaultModel();
-  uint32_t threads = 0;          // optimizer threads; 0: one per core
-  std::string device = "auto";   // forward/backward: auto (CUDA when present), cpu, cuda, cuda:N
+  uint32_t threads = 0;         // optimizer threads; 0: one per core
+  std::string device = "auto";  // forward/backward: auto (CUDA when present), cpu, cuda, cuda:N
   bool progress = true;
   std::FILE* out = stdout;
-  int sample_chars = 100;        // greedy sample printed at the end; 0: none
+  int sample_chars = 100;  // greedy sample printed at the end; 0: none
   // Checkpoints (Note [Checkpoint] in docs/checkpoint.md). save_dir: a checkpoint after the last
   // epoch, or after every epoch with save_every_epoch. resume_dir: the run goes on from the
   // checkpoint there (its `latest`, or a step-N directory) with the epoch after the saved one, up
@@ -44,7 +44,8 @@ struct TrainJobOptions {
   bool save_every_epoch = false;
   std::string resume_dir;
   int keep_checkpoints = 2;
-  engine::checkpoint::FaultHook checkpoint_fault_hook;  // test seam (the CLI's SPILLWAY_TEST_KILL_SAVE_AT)
+  engine::checkpoint::FaultHook
+      checkpoint_fault_hook;  // test seam (the CLI's SPILLWAY_TEST_KILL_SAVE_AT)
 
   struct StepEvent {
     int64_t epoch = 0, step = 0;  // step within the epoch
@@ -71,16 +72,16 @@ struct EpochSummary {
   int64_t steps = 0;
   double mean_loss = 0.0;
   double tokens_per_second = 0.0;
-  double first_step_seconds = 0.0;   // the step right after the workers were forked
+  double first_step_seconds = 0.0;  // the step right after the workers were forked
   double median_step_seconds = 0.0;
-  TreeMemory tree_before_fork;       // just before the epoch's workers were forked
-  TreeMemory tree_at_first_step;     // after the first optimizer step; the workers are alive
-  TreeMemory tree_at_boundary;       // workers reaped
+  TreeMemory tree_before_fork;    // just before the epoch's workers were forked
+  TreeMemory tree_at_first_step;  // after the first optimizer step; the workers are alive
+  TreeMemory tree_at_boundary;    // workers reaped
   allocator::BoundaryReport boundary;
   // Since the previous epoch boundary (the first epoch: since the job started training).
   int64_t host_live_growth = 0;
   int64_t nvme_live_growth = 0;
-  int64_t pss_growth = 0;            // tree anonymous PSS, boundary over boundary
+  int64_t pss_growth = 0;  // tree anonymous PSS, boundary over boundary
   // What the fork cost: tree anonymous PSS at the first step minus before the fork. Copy-on-write
   // copies of state the first step wrote land here (the Yi-34B mechanism). Anonymous PSS, as the
   // leak detectors use: total PSS also moves when unrelated processes map the same libraries.

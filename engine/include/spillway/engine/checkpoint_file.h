@@ -1,7 +1,7 @@
-// Checkpoint files: safetensors written and read through the io_uring engine, tensor by tensor, with
-// a CRC32C per tensor, and the durable small-file and directory operations an atomic checkpoint is
-// built from. Torch-free; the trainer's Save/Load (trainer.h) lay checkpoints out with these.
-// See docs/checkpoint.md.
+// Checkpoint files: safetensors written and read through the io_uring engine, tensor by tensor,
+// with a CRC32C per tensor, and the durable small-file and directory operations an atomic
+// checkpoint is built from. Torch-free; the trainer's Save/Load (trainer.h) lay checkpoints out
+// with these. See docs/checkpoint.md.
 //
 // safetensors (https://huggingface.co/docs/safetensors): 8 bytes of little-endian header length,
 // a JSON header naming each tensor's dtype, shape and [begin, end) offsets into the data that
@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include "spillway/base/status.h"
 #include "spillway/allocator/io_engine.h"
+#include "spillway/base/status.h"
 
 namespace spillway::engine::checkpoint {
 

@@ -27,8 +27,8 @@ struct NormResult {
 // driver, no device).
 Status Available();
 
-// Total memory of the current CUDA device (cudaMemGetInfo), for `spillway plan --gpu-mem`'s default;
-// UNAVAILABLE as Available() says.
+// Total memory of the current CUDA device (cudaMemGetInfo), for `spillway plan --gpu-mem`'s
+// default; UNAVAILABLE as Available() says.
 Result<uint64_t> DeviceMemoryBytes();
 
 // One pass over every tensor on `stream` (a cudaStream_t; null = the legacy default stream).

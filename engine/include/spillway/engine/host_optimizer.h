@@ -25,20 +25,20 @@ struct AdamWConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;
-  bool adamw_mode = true;       // decoupled weight decay (AdamW); false: L2 added to the gradient
+  bool adamw_mode = true;  // decoupled weight decay (AdamW); false: L2 added to the gradient
   bool bias_correction = true;
 };
 
 // One sub-group's buffers, all `numel` elements long and not overlapping one another.
 struct SubGroup {
-  std::string_view name;            // for error messages ("layer3.exp_avg group 7")
+  std::string_view name;  // for error messages ("layer3.exp_avg group 7")
   uint64_t numel = 0;
-  float* master = nullptr;          // fp32 master weights (updated)
-  float* exp_avg = nullptr;         // (updated)
-  float* exp_avg_sq = nullptr;      // (updated)
-  const void* grad = nullptr;       // gradients, still multiplied by the loss scale
+  float* master = nullptr;      // fp32 master weights (updated)
+  float* exp_avg = nullptr;     // (updated)
+  float* exp_avg_sq = nullptr;  // (updated)
+  const void* grad = nullptr;   // gradients, still multiplied by the loss scale
   DType grad_dtype = DType::kFp32;
-  void* param = nullptr;            // parameter copy written from the new master; null: none
+  void* param = nullptr;  // parameter copy written from the new master; null: none
   DType param_dtype = DType::kBf16;
 };
 
@@ -95,7 +95,8 @@ class HostOptimizer {
   // step counted from 1, `grad_scale` multiplies every gradient element (the combined
   // unscale-and-clip factor). Neither this optimizer's step counter nor its config is used or
   // changed. On an error nothing was updated.
-  Status UpdateWith(const SubGroup& group, const AdamWConfig& adam, uint64_t step, double grad_scale);
+  Status UpdateWith(const SubGroup& group, const AdamWConfig& adam, uint64_t step,
+                    double grad_scale);
   // Takes back a plan no group was updated with (the step failed before the first Update), so
   // the next plan reuses its Adam step number. FAILED_PRECONDITION if a later plan was made.
   Status Unplan(const StepReport& plan);

@@ -25,16 +25,16 @@ struct StreamedGroup {
   offload::PartitionId exp_avg_sq = 0;  // fp32
   const void* grad = nullptr;           // host gradients (still loss-scaled)
   DType grad_dtype = DType::kFp32;
-  void* param = nullptr;                // host parameter copy written by the step; may be null
+  void* param = nullptr;  // host parameter copy written by the step; may be null
   DType param_dtype = DType::kBf16;
 };
 
 struct StreamStats {
-  uint64_t groups = 0;             // groups that took the step (also when the step fails)
-  uint64_t evictions = 0;          // NVMe-homed groups written back behind the update
-  uint64_t update_ns = 0;          // time in the fused update
-  uint64_t wait_read_ns = 0;       // time the update loop waited for a swap-in
-  uint64_t wait_write_ns = 0;      // time it waited for a write-back (bounded in-flight state)
+  uint64_t groups = 0;         // groups that took the step (also when the step fails)
+  uint64_t evictions = 0;      // NVMe-homed groups written back behind the update
+  uint64_t update_ns = 0;      // time in the fused update
+  uint64_t wait_read_ns = 0;   // time the update loop waited for a swap-in
+  uint64_t wait_write_ns = 0;  // time it waited for a write-back (bounded in-flight state)
   uint64_t total_ns = 0;
 };
 

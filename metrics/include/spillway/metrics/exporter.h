@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/io_engine.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/offload/partition_store.h"
 #include "spillway/offload/transfer_pipeline.h"
@@ -26,7 +26,7 @@ namespace spillway::metrics {
 
 struct ExporterOptions {
   std::string address = "127.0.0.1:9464";  // host:port; port 0 picks a free one
-  bool enabled = true;                      // false: serve nothing (Render still works)
+  bool enabled = true;                     // false: serve nothing (Render still works)
   // Labels added to every sample, e.g. {"rank", "3"} so the ranks of one job can be told apart.
   // Keep them few and bounded (Prometheus conventions): never an id that changes per run.
   std::vector<std::pair<std::string, std::string>> const_labels;

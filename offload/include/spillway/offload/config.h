@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/io_engine.h"
 
 namespace spillway::offload {
 
@@ -23,7 +23,7 @@ struct OffloadParamConfig {  // zero_optimization.offload_param
   OffloadDevice device = OffloadDevice::kNone;
   std::string nvme_path;
   uint64_t buffer_count = 5;
-  uint64_t buffer_size = 100'000'000;  // elements
+  uint64_t buffer_size = 100'000'000;   // elements
   uint64_t max_in_cpu = 1'000'000'000;  // elements
   bool pin_memory = false;
 };
@@ -61,14 +61,15 @@ struct TrainingConfig {
   double weight_decay = 0.0;                 // optimizer.params.weight_decay
 };
 
-// Which resident partition the store spills first over the host budget. kOpt: the one whose next use
-// under the trainer's schedule is furthest away (Belady's OPT; without a schedule every partition
-// ties and the lowest-numbered goes). kLru: the one acquired longest ago, for comparison with OPT.
+// Which resident partition the store spills first over the host budget. kOpt: the one whose next
+// use under the trainer's schedule is furthest away (Belady's OPT; without a schedule every
+// partition ties and the lowest-numbered goes). kLru: the one acquired longest ago, for comparison
+// with OPT.
 enum class Eviction : uint8_t { kOpt, kLru };
 
-struct SpillwayConfig {  // spillway (ours)
-  uint64_t host_budget_bytes = 0;   // 0: 3/4 of physical memory
-  uint64_t nvme_budget_bytes = 0;   // 0: 90% of the free space at nvme_path, found at start
+struct SpillwayConfig {            // spillway (ours)
+  uint64_t host_budget_bytes = 0;  // 0: 3/4 of physical memory
+  uint64_t nvme_budget_bytes = 0;  // 0: 90% of the free space at nvme_path, found at start
   allocator::EscapePolicy host_escape_policy = allocator::EscapePolicy::kReport;
   allocator::EscapePolicy nvme_escape_policy = allocator::EscapePolicy::kReport;
   std::string metrics_address = "127.0.0.1:9464";  // "off" disables the exporter
@@ -95,7 +96,7 @@ struct Config {
   int zero_stage = 0;
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
-  uint64_t sub_group_size = 1'000'000'000;  // elements
+  uint64_t sub_group_size = 1'000'000'000;     // elements
   uint64_t prefetch_bucket_size = 50'000'000;  // zero_optimization.stage3_prefetch_bucket_size
   AioConfig aio;
   TrainingConfig training;

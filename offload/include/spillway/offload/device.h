@@ -1,7 +1,7 @@
 // Device / Stream / Event: the one seam between offload/ (and engine/) and an accelerator. The CUDA
-// backend allocates with cudaMalloc and copies on a non-blocking stream with events; the CPU backend
-// gives "device memory" as a separate host buffer and runs each stream's copies in order on a worker
-// thread, so the same schedule runs, and is tested, on machines without a GPU.
+// backend allocates with cudaMalloc and copies on a non-blocking stream with events; the CPU
+// backend gives "device memory" as a separate host buffer and runs each stream's copies in order on
+// a worker thread, so the same schedule runs, and is tested, on machines without a GPU.
 #pragma once
 
 #include <cstdint>

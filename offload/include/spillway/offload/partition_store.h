@@ -18,11 +18,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "spillway/offload/opt_schedule.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
 #include "spillway/offload/config.h"
+#include "spillway/offload/opt_schedule.h"
 
 namespace spillway::offload {
 
@@ -83,13 +83,13 @@ enum class Access : uint8_t { kRead, kReadWrite };
 
 struct StoreStats {
   uint64_t partitions = 0;
-  uint64_t resident_bytes = 0;     // host copies held now
-  uint64_t nvme_bytes = 0;         // NVMe extents held now
+  uint64_t resident_bytes = 0;  // host copies held now
+  uint64_t nvme_bytes = 0;      // NVMe extents held now
   uint64_t swap_ins = 0;
   uint64_t swap_in_bytes = 0;
-  uint64_t spills = 0;             // host copies written out (if dirty) and dropped under budget
+  uint64_t spills = 0;  // host copies written out (if dirty) and dropped under budget
   uint64_t spill_bytes = 0;
-  uint64_t spill_writes = 0;       // of those, how many needed a write (dirty or never written)
+  uint64_t spill_writes = 0;  // of those, how many needed a write (dirty or never written)
   uint64_t flush_writes = 0;
   uint64_t live_handles = 0;
   uint64_t refused_releases = 0;   // double releases and released-handle uses
@@ -176,7 +176,8 @@ class PartitionStore {
   // Held by accesses outside the step's order (a checkpoint's save or load): while one lives, an
   // Acquire neither moves the schedule's cursor nor prefetches, so the partitions the schedule
   // says come next are not swapped in (and left resident) on account of the save. The constructor
-  // drops the queued prefetches and waits for the one in flight. Movable only by scope; thread-safe.
+  // drops the queued prefetches and waits for the one in flight. Movable only by scope;
+  // thread-safe.
   class OffSchedule {
    public:
     explicit OffSchedule(PartitionStore& store);
@@ -207,19 +208,19 @@ class PartitionStore {
     PartitionKey key;
     uint64_t bytes = 0;
     Tier home = Tier::kHost;
-    void* host = nullptr;          // host copy, or null
-    uint64_t nvme_off = kNoExtent; // NVMe extent, or kNoExtent
-    bool nvme_valid = false;       // the NVMe copy holds the latest data
-    bool dirty = false;            // the host copy is newer than the NVMe copy
-    uint32_t pins = 0;             // live handles
-    bool busy = false;             // being swapped in, spilled, or moved to or from the device
-    std::thread::id busy_by;       // the one thread that set busy (and clears it)
-    uint32_t write_pins = 0;       // of `pins`, host handles with write access: Flush skips it
-    bool tombstone = false;        // its Register failed: the id stays, the key is free again
-    void* device = nullptr;        // device view while device handles are live
-    uint32_t device_pins = 0;      // of `pins`, how many are device handles
+    void* host = nullptr;           // host copy, or null
+    uint64_t nvme_off = kNoExtent;  // NVMe extent, or kNoExtent
+    bool nvme_valid = false;        // the NVMe copy holds the latest data
+    bool dirty = false;             // the host copy is newer than the NVMe copy
+    uint32_t pins = 0;              // live handles
+    bool busy = false;              // being swapped in, spilled, or moved to or from the device
+    std::thread::id busy_by;        // the one thread that set busy (and clears it)
+    uint32_t write_pins = 0;        // of `pins`, host handles with write access: Flush skips it
+    bool tombstone = false;         // its Register failed: the id stays, the key is free again
+    void* device = nullptr;         // device view while device handles are live
+    uint32_t device_pins = 0;       // of `pins`, how many are device handles
     bool device_dirty = false;
-    uint64_t last_use = 0;         // use_clock_ at its last Acquire or prefetch (Eviction::kLru)
+    uint64_t last_use = 0;  // use_clock_ at its last Acquire or prefetch (Eviction::kLru)
   };
   static constexpr uint64_t kNoExtent = std::numeric_limits<uint64_t>::max();
   // Its bytes are somewhere: a host copy or an extent. False for a tombstone and for a partition
@@ -271,21 +272,21 @@ class PartitionStore {
   const allocator::ProcessTag process_;  // a forked child's destructor leaks (Note [Fork])
   mutable std::mutex mu_;
   allocator::ForkSafeCondition busy_cv_;
-  std::vector<Part> parts_;                  // guarded by mu_; index = PartitionId
-  OptSchedule schedule_;                     // guarded by mu_: SetSchedule's order and cursor
-  uint64_t use_clock_ = 0;                   // guarded by mu_: Acquires so far
-  uint32_t off_schedule_ = 0;                // guarded by mu_: live OffSchedule scopes
+  std::vector<Part> parts_;    // guarded by mu_; index = PartitionId
+  OptSchedule schedule_;       // guarded by mu_: SetSchedule's order and cursor
+  uint64_t use_clock_ = 0;     // guarded by mu_: Acquires so far
+  uint32_t off_schedule_ = 0;  // guarded by mu_: live OffSchedule scopes
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
-  uint64_t next_handle_id_ = 1;              // guarded by mu_
-  StoreStats stats_;                         // guarded by mu_
-  TransferPipeline* pipeline_ = nullptr;     // guarded by mu_; set once by AttachDevice
+  uint64_t next_handle_id_ = 1;                            // guarded by mu_
+  StoreStats stats_;                                       // guarded by mu_
+  TransferPipeline* pipeline_ = nullptr;  // guarded by mu_; set once by AttachDevice
   const uint32_t prefetch_window_;
-  std::vector<PartitionId> prefetch_queue_;  // guarded by mu_
-  bool prefetch_running_ = false;            // guarded by mu_: the thread is swapping one in
-  bool stopping_ = false;                    // guarded by mu_
+  std::vector<PartitionId> prefetch_queue_;   // guarded by mu_
+  bool prefetch_running_ = false;             // guarded by mu_: the thread is swapping one in
+  bool stopping_ = false;                     // guarded by mu_
   allocator::ForkSafeCondition prefetch_cv_;  // work queued, or the queue drained
   std::thread prefetcher_;
-  std::thread::id prefetcher_id_;            // set by Create before Spill can run; then const
+  std::thread::id prefetcher_id_;                  // set by Create before Spill can run; then const
   std::chrono::milliseconds memory_wait_{10'000};  // guarded by mu_
   StoreHooks* hooks_ = nullptr;                    // test seam; set before use
   std::mutex pipe_mu_;                             // serialises calls into pipeline_ (I/O held)

@@ -23,13 +23,13 @@ namespace spillway::offload {
 enum class Accelerator : uint8_t { kCuda = 0, kCpu };
 
 enum class Runtime : uint8_t {
-  kDeepSpeed = 0,   // a DeepSpeed ZeRO-3 run under `config`
-  kTrainer,         // `spillway train`'s reference trainer (engine/trainer.h) under `config`
+  kDeepSpeed = 0,  // a DeepSpeed ZeRO-3 run under `config`
+  kTrainer,        // `spillway train`'s reference trainer (engine/trainer.h) under `config`
 };
 
 struct PlanInput {
-  double params = 0;            // model parameters (34e9 for Yi-34B)
-  uint32_t world_size = 1;      // ranks (one per GPU)
+  double params = 0;        // model parameters (34e9 for Yi-34B)
+  uint32_t world_size = 1;  // ranks (one per GPU)
   uint32_t nodes = 1;
   uint64_t host_ram_bytes = 0;  // per node
   uint64_t nvme_bytes = 0;      // per node (0: no NVMe)
@@ -50,7 +50,7 @@ enum class Place : uint8_t { kGpu = 0, kHostPinned, kHostPageable, kNvme };
 const char* PlaceName(Place place);
 
 struct PlanLine {
-  std::string what;        // "fp32 master weights", "param swap buffers", ...
+  std::string what;  // "fp32 master weights", "param swap buffers", ...
   Place place = Place::kGpu;
   uint64_t bytes_per_rank = 0;
   allocator::Kind kind = allocator::Kind::kParam;  // the ledger's kind for these bytes
@@ -62,8 +62,8 @@ struct PlanLine {
 struct PlanReport {
   Runtime runtime = Runtime::kDeepSpeed;
   std::vector<PlanLine> lines;
-  uint64_t per_rank[4] = {};  // by Place
-  uint64_t per_node[4] = {};  // by Place (ranks per node x per rank)
+  uint64_t per_rank[4] = {};                     // by Place
+  uint64_t per_node[4] = {};                     // by Place (ranks per node x per rank)
   allocator::KindBytes host_by_kind_per_rank{};  // host places only, by the ledger's kind
   allocator::KindBytes nvme_by_kind_per_rank{};
   uint64_t host_steady_per_node = 0;
@@ -94,14 +94,14 @@ struct PlanReport {
   uint64_t host_peak_naive_per_node = 0;     // steady + checkpoint gather + fork copy
   uint64_t host_peak_spillway_per_node = 0;  // committed + streamed checkpoint + fork copy (0)
   uint64_t nvme_per_node = 0;
-  uint64_t gpu_per_rank = 0;         // model states on each GPU
-  uint64_t gpu_reserve_bytes = 0;    // gpu_mem x gpu_reserve_fraction (0: not checked)
-  bool fits = false;            // Spillway's peak fits host RAM, the NVMe need fits the disk and
-                                // each GPU's states fit beside the reserve
-  int64_t host_headroom = 0;    // host_ram - Spillway peak (negative: short by that much)
+  uint64_t gpu_per_rank = 0;       // model states on each GPU
+  uint64_t gpu_reserve_bytes = 0;  // gpu_mem x gpu_reserve_fraction (0: not checked)
+  bool fits = false;               // Spillway's peak fits host RAM, the NVMe need fits the disk and
+                                   // each GPU's states fit beside the reserve
+  int64_t host_headroom = 0;       // host_ram - Spillway peak (negative: short by that much)
   int64_t nvme_headroom = 0;
-  int64_t gpu_headroom = 0;     // gpu_mem - reserve - states (0 when not checked)
-  bool naive_fits = false;      // the same run with DeepSpeed's default behaviour
+  int64_t gpu_headroom = 0;              // gpu_mem - reserve - states (0 when not checked)
+  bool naive_fits = false;               // the same run with DeepSpeed's default behaviour
   std::vector<std::string> suggestions;  // settings that make it fit, when it does not
 
   std::string ToString() const;  // the table `spillway plan` prints

@@ -6,10 +6,10 @@
 #include <memory>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/io_engine.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/device.h"
 #include "spillway/offload/device_guard.h"

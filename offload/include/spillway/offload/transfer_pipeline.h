@@ -38,8 +38,7 @@ class TransferPipeline {
  public:
   static Result<std::unique_ptr<TransferPipeline>> Create(allocator::HostArena* staging_arena,
                                                           allocator::NvmeArena* nvme,
-                                                          Device* device,
-                                                          PipelineOptions options);
+                                                          Device* device, PipelineOptions options);
   ~TransferPipeline();
   TransferPipeline(const TransferPipeline&) = delete;
   TransferPipeline& operator=(const TransferPipeline&) = delete;

@@ -2,8 +2,10 @@
 // gradients, all-reduce of the squared-norm partials, on c10d's ProcessGroupGloo from libtorch. Two
 // ways to get one (Note [Process groups] in docs/engine.md):
 //  - Create(env): a ProcessGroupGloo over a TCPStore at MASTER_ADDR:MASTER_PORT, made here. This
-//    needs gloo's headers at build time, which the torch wheels do not ship (SPILLWAY_GLOO_INCLUDE_DIR).
-//  - FromProcessGroup(pg): the group `torch.distributed.init_process_group("gloo")` made, handed over
+//    needs gloo's headers at build time, which the torch wheels do not ship
+//    (SPILLWAY_GLOO_INCLUDE_DIR).
+//  - FromProcessGroup(pg): the group `torch.distributed.init_process_group("gloo")` made, handed
+//  over
 //    by the Python module (spillway.engine). Needs only c10d's own headers, so it works with every
 //    torch wheel; `torchrun` sets the same variables for it.
 // World size 1 needs no process group. No home-made transport. Built with the torch half of the
@@ -16,12 +18,12 @@
 // while the host-side sums (the gradient norm, the loss) stay on gloo.
 #pragma once
 
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <c10/core/DeviceType.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include "spillway/base/status.h"
 
@@ -31,7 +33,7 @@ class Tensor;
 namespace c10d {
 class Backend;
 class ProcessGroup;
-}
+}  // namespace c10d
 
 namespace spillway::engine {
 
@@ -58,7 +60,8 @@ class Collectives {
   // size 1 is used as given (its collectives are copies made by the backend), so the device path
   // runs on a single GPU too. A null group, or one without a CPU backend (NCCL alone), is
   // INVALID_ARGUMENT naming it.
-  static Result<std::unique_ptr<Collectives>> FromProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  static Result<std::unique_ptr<Collectives>> FromProcessGroup(
+      c10::intrusive_ptr<c10d::ProcessGroup> pg);
   ~Collectives();
   Collectives(const Collectives&) = delete;
   Collectives& operator=(const Collectives&) = delete;
@@ -89,7 +92,8 @@ class Collectives {
   explicit Collectives(const DistEnv& env);
   // Checks full/shard (sizes, dtype, device) and returns the backend of their device; null where
   // the collective is a copy (world size 1, no group).
-  Result<c10d::Backend*> BackendFor(const char* what, const at::Tensor& full, const at::Tensor& shard);
+  Result<c10d::Backend*> BackendFor(const char* what, const at::Tensor& full,
+                                    const at::Tensor& shard);
   DistEnv env_;
   std::unique_ptr<Impl> impl_;
 };

@@ -1,5 +1,6 @@
 // The reference ZeRO-3 trainer (libtorch): the GPT of model.h, each unit's flat fp32 parameter
-// vector partitioned across ranks in the PartitionStore. Per micro-batch: for each unit gather -> forward
+// vector partitioned across ranks in the PartitionStore. Per micro-batch: for each unit gather ->
+// forward
 // -> release (activation checkpoints at unit boundaries only); backward in reverse, recomputing
 // each unit from its checkpoint, reduce-scattering its gradient into this rank's partition;
 // gradient accumulation over micro-batches; then the host optimizer step (streamed from NVMe when
@@ -17,9 +18,9 @@
 #include <vector>
 
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/status.h"
-#include "spillway/allocator/io_engine.h"
 #include "spillway/engine/checkpoint_file.h"
 #include "spillway/engine/host_optimizer.h"
 #include "spillway/engine/streamed_step.h"
@@ -43,8 +44,8 @@ struct TrainerOptions {
   double max_grad_norm = 0.0;  // 0: no clipping
   // The path from NVMe to `compute` (offload::Tiers::OpenDevicePipeline makes it): parameters
   // homed on NVMe reach the compute device through it, the next unit's while this one computes
-  // (Note [Trainer pipeline] in docs/engine.md). Its device must be `compute`. Null: every parameter is
-  // gathered in host memory and copied to `compute` from there.
+  // (Note [Trainer pipeline] in docs/engine.md). Its device must be `compute`. Null: every
+  // parameter is gathered in host memory and copied to `compute` from there.
   offload::TransferPipeline* pipeline = nullptr;
   // Hands the store each step's access order (Note [Schedule] in docs/engine.md), so that it
   // spills the partition used furthest ahead and swaps the next ones in ahead of use. Off: the
@@ -57,8 +58,8 @@ struct TrainerOptions {
 };
 
 struct TrainStepResult {
-  double loss = 0.0;  // mean over micro-batches and ranks
-  StepReport report;  // the optimizer's
+  double loss = 0.0;                   // mean over micro-batches and ranks
+  StepReport report;                   // the optimizer's
   allocator::BoundaryReport boundary;  // the ledger's EndStep report (empty without a ledger)
   StreamStats stream;                  // when the optimizer state streamed from NVMe
 };
@@ -87,18 +88,15 @@ class Trainer {
  public:
   // The store decides each state's home from the DeepSpeed config it was created with. The
   // ledger may be null. Every pointer must outlive the trainer.
-  static Result<std::unique_ptr<Trainer>> Create(const TrainerOptions& options,
-                                                 Collectives* collectives,
-                                                 offload::PartitionStore* store,
-                                                 allocator::HostArena* arena,
-                                                 allocator::Ledger* ledger,
-                                                 allocator::ScopeId scope);
+  static Result<std::unique_ptr<Trainer>> Create(
+      const TrainerOptions& options, Collectives* collectives, offload::PartitionStore* store,
+      allocator::HostArena* arena, allocator::Ledger* ledger, allocator::ScopeId scope);
   ~Trainer();
 
   // One optimizer step over this rank's micro-batches (int64 tokens [B, T + 1], T <= seq_len, on
   // the cpu or the compute device; gradients are averaged over all of them and over ranks). Every
-  // micro-batch is checked by the device guard before any runs. A micro-batch that fails abandons the
-  // step: nothing is applied, its gradients are zeroed, and the ledger step is closed. A failed
+  // micro-batch is checked by the device guard before any runs. A micro-batch that fails abandons
+  // the step: nothing is applied, its gradients are zeroed, and the ledger step is closed. A failed
   // optimizer step ends the same way, and its error says which units already took the step.
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
   // The full parameters of one unit, on the host (an all-gather: call it on every rank).
@@ -106,7 +104,9 @@ class Trainer {
   HostOptimizer& optimizer() { return *optimizer_; }
   // Fault-injection seam for tests: called with the unit index before each unit's forward; what
   // it throws takes the path a libtorch exception takes (the step is abandoned with a status).
-  void SetFaultHookForTesting(std::function<void(int64_t unit)> hook) { fault_hook_ = std::move(hook); }
+  void SetFaultHookForTesting(std::function<void(int64_t unit)> hook) {
+    fault_hook_ = std::move(hook);
+  }
   // Where the per-unit all-gather and reduce-scatter run: on the compute device when it is a GPU
   // and the group has a CUDA backend (NCCL), else on the host (Note [Device collectives]).
   torch::Device collectives_device() const {
@@ -141,7 +141,8 @@ class Trainer {
   Status Init();
   Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
   // On options_.compute. `ahead`, when valid, is this unit's DeviceShard started earlier.
-  Result<torch::Tensor> GatherToCompute(int64_t unit, std::future<Result<torch::Tensor>>* ahead = nullptr);
+  Result<torch::Tensor> GatherToCompute(int64_t unit,
+                                        std::future<Result<torch::Tensor>>* ahead = nullptr);
   // Whether unit `u`'s parameters come through the pipeline (homed on NVMe, a pipeline given, and
   // a gather that can run where the shard lands).
   bool OnPipeline(int64_t u) const;
