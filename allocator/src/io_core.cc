@@ -35,9 +35,8 @@ IoCore::IoCore(IoEngineOptions opts) : options(opts) {
   for (int i = kBufferSlots - 1; i >= 0; --i) free_buffer_slots.push_back(i);
 }
 
-Result<Ticket> IoCore::Enqueue(IoOp op, int file_id, uint64_t offset, char* buffer,
-                               uint64_t bytes) {
-  const char* verb = op == IoOp::kRead ? "SubmitRead" : "SubmitWrite";
+Result<Ticket> IoCore::Enqueue(IoOp op, const char* verb, int file_id, uint64_t offset,
+                               char* buffer, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process.Check("IoEngine", verb));
   if (buffer == nullptr || bytes == 0) {
     return Status::InvalidArgument(StrCat(verb, ": null buffer or 0 bytes"));

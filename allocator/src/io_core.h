@@ -1,10 +1,10 @@
 // IoCore: the I/O engine's requests, chunks and tickets, shared by both backends. A request (one
-// Read or Write) is cut into chunks of at most block_size, at most queue_depth of them in flight;
-// a chunk outside the arena's registered regions, or off the file's alignment, is staged through
-// a bounce buffer. The backend performs each chunk and hands its result to CompleteChunk, which
-// retries EINTR/EAGAIN, resubmits the rest of a short transfer, and completes the request after
-// its last chunk. Private to spillway::allocator: IoEngine (io_engine.cc) is its public face.
-// Note [Ticket lifecycle] in docs/nvme.md.
+// transfer, blocking or submitted) is cut into chunks of at most block_size, at most queue_depth of
+// them in flight; a chunk outside the arena's registered regions, or off the file's alignment, is
+// staged through a bounce buffer. The backend performs each chunk and hands its result to
+// CompleteChunk, which retries EINTR/EAGAIN, resubmits the rest of a short transfer, and completes
+// the request after its last chunk. Private to spillway::allocator: IoEngine (io_engine.cc) is its
+// public face. Note [Ticket lifecycle] in docs/nvme.md.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +72,9 @@ struct IoCore {
 
   // Queues a request and wakes the backend. Refused in a forked child, after a ring failure, and
   // while stopping.
-  Result<Ticket> Enqueue(IoOp op, int file_id, uint64_t offset, char* buffer, uint64_t bytes);
+  // `verb` names the public call in errors (Read, SubmitRead, ...).
+  Result<Ticket> Enqueue(IoOp op, const char* verb, int file_id, uint64_t offset, char* buffer,
+                         uint64_t bytes);
 
   // Backend side. Cuts the next chunk, or returns null when nothing can be cut now (empty queue,
   // depth reached, or no bounce buffer free). `use_fixed_slots`: name fixed files and buffers.

@@ -264,12 +264,13 @@ Status IoEngine::UnregisterFile(int file_id) {
 
 Result<Ticket> IoEngine::SubmitWrite(int file_id, uint64_t offset, const void* buffer,
                                      uint64_t bytes) {
-  return core_->Enqueue(IoOp::kWrite, file_id, offset,
+  return core_->Enqueue(IoOp::kWrite, "SubmitWrite", file_id, offset,
                         static_cast<char*>(const_cast<void*>(buffer)), bytes);
 }
 
 Result<Ticket> IoEngine::SubmitRead(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
-  return core_->Enqueue(IoOp::kRead, file_id, offset, static_cast<char*>(buffer), bytes);
+  return core_->Enqueue(IoOp::kRead, "SubmitRead", file_id, offset, static_cast<char*>(buffer),
+                        bytes);
 }
 
 Status IoEngine::Wait(Ticket ticket) {
@@ -318,14 +319,13 @@ Status IoEngine::WaitAll() {
 }
 
 Status IoEngine::Write(int file_id, uint64_t offset, const void* buffer, uint64_t bytes) {
-  SPILLWAY_RETURN_IF_ERROR(core_->process.Check("IoEngine", "Write"));
-  auto t = SubmitWrite(file_id, offset, buffer, bytes);
+  auto t = core_->Enqueue(IoOp::kWrite, "Write", file_id, offset,
+                          static_cast<char*>(const_cast<void*>(buffer)), bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 
 Status IoEngine::Read(int file_id, uint64_t offset, void* buffer, uint64_t bytes) {
-  SPILLWAY_RETURN_IF_ERROR(core_->process.Check("IoEngine", "Read"));
-  auto t = SubmitRead(file_id, offset, buffer, bytes);
+  auto t = core_->Enqueue(IoOp::kRead, "Read", file_id, offset, static_cast<char*>(buffer), bytes);
   return t.ok() ? Wait(*t) : t.status();
 }
 

@@ -780,14 +780,12 @@ Status PartitionStore::Release(Handle& handle) {
 
 void PartitionStore::QueuePrefetchLocked() {
   if (prefetch_window_ == 0 || schedule_.size() == 0) return;
-  // The window of schedule entries after the cursor: O(window) per Acquire.
-  std::vector<PartitionId> upcoming;
-  schedule_.Upcoming(prefetch_window_, &upcoming);
-  prefetch_queue_.clear();
-  for (PartitionId id : upcoming) {
-    // Never a host copy of a partition whose device view is live: it would be stale.
-    if (parts_[id].host == nullptr && parts_[id].device == nullptr) prefetch_queue_.push_back(id);
-  }
+  // The window of schedule entries after the cursor: O(window) per Acquire, in the queue's own
+  // storage. Not those already in, nor one whose device view is live (a host copy would be stale).
+  schedule_.Upcoming(prefetch_window_, &prefetch_queue_);
+  std::erase_if(prefetch_queue_, [this](PartitionId id) {
+    return parts_[id].host != nullptr || parts_[id].device != nullptr;
+  });
   if (!prefetch_queue_.empty()) prefetch_cv_.notify_all();
 }
 

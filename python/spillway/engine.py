@@ -1,4 +1,4 @@
-"""spillway.engine: Spillway's ZeRO-3 reference trainer (C++, engine/trainer.h) driven from Python.
+"""spillway.engine: Spillway's ZeRO-3 reference trainer (C++, trainer/trainer.h) driven from Python.
 
 Its reason to exist is the process group. The trainer's collectives are c10d's ProcessGroupGloo
 from libtorch, but the torch wheels ship c10d's headers without gloo's, so C++ cannot construct one

@@ -49,7 +49,7 @@ struct IoEngineStats {
   uint64_t write_bytes = 0;
   uint64_t read_ops = 0;  // chunk completions
   uint64_t write_ops = 0;
-  uint64_t requests = 0;  // Read/Write calls accepted
+  uint64_t requests = 0;  // transfers accepted, blocking or submitted
   uint64_t failed_requests = 0;
   uint64_t in_flight_chunks = 0;     // gauge
   uint64_t queued_requests = 0;      // gauge: accepted, not yet complete

@@ -56,6 +56,7 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
 
   // The partition's memory, for as long as the handle is held; null once released or moved from.
+  // Unchecked: a handle that outlived its store still shows the freed address (Data() refuses).
   void* data() const { return data_; }
   // The same, checked: an error status naming the partition for a released handle, or for one
   // that outlived its store.
@@ -261,7 +262,6 @@ class PartitionStore {
   Status ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device, bool* ok);
   Status FillDevice(PartitionId id);       // without mu_; `id` is busy
   Status WriteBackDevice(PartitionId id);  // without mu_; `id` is busy
-  // mu_ held: schedule distance from the cursor to the next use of `id`.
 
   const Config config_;
   allocator::HostArena* const host_;
