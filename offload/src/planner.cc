@@ -127,9 +127,10 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
 
 uint64_t PageRound(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 
-// The reference trainer's host arena after a step, packed the way HostArena packs (Note
-// [Regions] in docs/allocator.md): `resident` are the allocations alive between steps, `transient`
-// the step's largest set alive at once, which the retained cache keeps mapped up to its cap.
+// The reference trainer's host arena after a step, packed the way HostArena packs
+// (Note [Regions] in docs/allocator.md): `resident` are the allocations alive between steps,
+// `transient` the step's largest set alive at once, which the retained cache keeps mapped up to its
+// cap.
 uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<uint64_t>& resident,
                         uint64_t transient) {
   const uint64_t dedicated_from = o.region_bytes / std::max<uint64_t>(o.dedicated_divisor, 1);

@@ -82,9 +82,9 @@ bool Forked() {
 
 // An allocation handed to torch with a context that torch passes back to record_event: blocks of
 // the pinned allocator and tensors from HostArena.empty(). The memory goes back to its arena when
-// the storage dies and the work queued on every stream that used it has completed (Note
-// [Deferred free]). As in torch's CachingHostAllocator, record_event only notes the stream; one
-// event per stream is recorded when the storage dies, so a buffer copied every step does not
+// the storage dies and the work queued on every stream that used it has completed
+// (Note [Deferred free]). As in torch's CachingHostAllocator, record_event only notes the stream;
+// one event per stream is recorded when the storage dies, so a buffer copied every step does not
 // collect events.
 struct Block {
   void* ptr = nullptr;

@@ -1,7 +1,8 @@
-// The main job: `spillway train`. Trains the reference trainer's GPT-style model (trainer/trainer.h)
-// as a character-level language model on a text file, with ZeRO-3 offload from a DeepSpeed config,
-// a data loader that forks its workers every epoch (fork_loader.h), the Prometheus exporter, a
-// progress line per epoch and a boundary report at every epoch end. Note [Main job] in docs/cli.md.
+// The main job: `spillway train`. Trains the reference trainer's GPT-style model
+// (trainer/trainer.h) as a character-level language model on a text file, with ZeRO-3 offload from
+// a DeepSpeed config, a data loader that forks its workers every epoch (fork_loader.h), the
+// Prometheus exporter, a progress line per epoch and a boundary report at every epoch end.
+// Note [Main job] in docs/cli.md.
 #pragma once
 
 #include <cstdint>
