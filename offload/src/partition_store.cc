@@ -6,10 +6,11 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "device_views.h"
+#include "prefetcher.h"
 #include "spillway/base/bytes.h"
 #include "spillway/base/check.h"
 #include "spillway/base/log.h"
-#include "spillway/offload/transfer_pipeline.h"
 
 namespace spillway::offload {
 
@@ -130,8 +131,9 @@ Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& con
   PartitionStore* raw = store.get();
   // The thread first: Spill reads prefetcher_'s id, and the handler makes Spill reachable.
   if (prefetch_window > 0) {
-    store->prefetcher_ = std::thread([raw] { raw->PrefetchLoop(); });
-    store->prefetcher_id_ = store->prefetcher_.get_id();
+    store->prefetcher_ =
+        std::make_unique<Prefetcher>([raw](PartitionId id) { raw->PrefetchOne(id); });
+    store->prefetcher_id_ = store->prefetcher_->thread_id();
   }
   host->SetSpillHandler(
       [raw](const allocator::HostArena::SpillRequest& request) { return raw->Spill(request); },
@@ -147,19 +149,15 @@ PartitionStore::PartitionStore(const Config& config, allocator::HostArena* host,
 PartitionStore::~PartitionStore() {
   alive_->store(false, std::memory_order_release);
   if (!process_.InOwner()) {
-    // A forked child has no prefetch thread to join, and the parent's memory is not its to free.
-    // NOLINTNEXTLINE(bugprone-unhandled-exception-at-new): a child that cannot allocate here ends
-    if (prefetcher_.joinable()) new std::thread(std::move(prefetcher_));  // leaked on purpose
+    // The parent's memory is not a forked child's to free (the prefetcher leaks its thread).
     return;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    prefetch_queue_.clear();
   }
-  prefetch_cv_.notify_all();
-  busy_cv_.notify_all();  // a Spill waiting for memory gives up
-  if (prefetcher_.joinable()) prefetcher_.join();
+  busy_cv_.notify_all();           // a Spill waiting for memory gives up
+  prefetcher_.reset();             // drops the queue, waits for the swap-in in flight
   host_->ClearSpillHandler(this);  // only ours; waits for a Spill call in flight
   std::lock_guard<std::mutex> lock(mu_);
   if (!live_handles_.empty()) {
@@ -167,7 +165,7 @@ PartitionStore::~PartitionStore() {
                                    " live handles; their memory is freed now"));
   }
   for (Part& p : parts_) {
-    if (p.device != nullptr && pipeline_ != nullptr) (void)pipeline_->device()->Free(p.device);
+    if (p.device != nullptr) (void)views_->Free(p.device);
     if (p.host != nullptr) (void)host_->Free(p.host);
     if (p.nvme_off != kNoExtent) (void)nvme_->Free(p.nvme_off);
   }
@@ -269,13 +267,14 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
     }
   }
   SPILLWAY_RETURN_IF_ERROR(schedule_.Set(std::move(order), parts_.size()));
-  prefetch_queue_.clear();  // positions of the old schedule
+  if (prefetcher_ != nullptr) prefetcher_->Clear();  // positions of the old schedule
   return Status::Ok();
 }
 
 void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
+  auto views = std::make_unique<DeviceViews>(pipeline);
   std::lock_guard<std::mutex> lock(mu_);
-  pipeline_ = pipeline;
+  views_ = std::move(views);
 }
 
 void PartitionStore::set_memory_wait(std::chrono::milliseconds wait) {
@@ -357,7 +356,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
           "Acquire: a view is host or device memory; kNvme is a home "
           "tier, not a view");
     }
-    if (device && pipeline_ == nullptr) {
+    if (device && views_ == nullptr) {
       return Status::FailedPrecondition(
           "Acquire on the device tier: no device attached; call AttachDevice with a pipeline");
     }
@@ -430,92 +429,57 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
 }
 
 Status PartitionStore::FillDevice(PartitionId id) {
-  TransferPipeline* pipe;
-  void* host;
-  uint64_t bytes, off;
-  bool valid;
+  DeviceViews* views;
+  DeviceViews::Copies from;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pipe = pipeline_;
-    host = parts_[id].host;
-    bytes = parts_[id].bytes;
-    off = parts_[id].nvme_off;
-    valid = parts_[id].nvme_valid;
+    const Part& p = parts_[id];
+    views = views_.get();
+    from = {.host = p.host, .nvme_off = p.nvme_off, .nvme_valid = p.nvme_valid, .bytes = p.bytes};
   }
-  auto dev = pipe->device()->Allocate(bytes);
-  if (!dev.ok()) return dev.status();
-  Status st;
-  std::unique_lock<std::mutex> pipe_lock(pipe_mu_);  // one thread drives the pipeline at a time
-  if (host != nullptr) {
-    st = pipe->HostToDevice(host, *dev, bytes);  // the host copy is the newest
-  } else if (valid) {
-    st = pipe->NvmeToDevice(off, bytes, *dev);  // straight from NVMe, no host copy made
-  } else {
-    std::vector<char> zeros(bytes, 0);  // never written: a fresh partition reads as zeros
-    st = pipe->device()->CopyFromHost(*dev, zeros.data(), bytes);
-  }
-  pipe_lock.unlock();
-  if (!st.ok()) {
-    (void)pipe->device()->Free(*dev);
-    return st;
-  }
+  SPILLWAY_ASSIGN_OR_RETURN(void* view, views->Fill(from));
   std::lock_guard<std::mutex> lock(mu_);
-  parts_[id].device = *dev;
+  parts_[id].device = view;
   parts_[id].device_dirty = false;
   stats_.device_fills++;
   return Status::Ok();
 }
 
 Status PartitionStore::WriteBackDevice(PartitionId id) {
-  TransferPipeline* pipe;
-  void *host, *dev;
+  DeviceViews* views;
+  void *host, *view;
   uint64_t bytes, off;
   bool dirty;
   allocator::OwnerTag tag;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Part& p = parts_[id];
-    pipe = pipeline_;
+    views = views_.get();
     host = p.host;
-    dev = p.device;
+    view = p.device;
     bytes = p.bytes;
     off = p.nvme_off;
     dirty = p.device_dirty;
     tag = Tag(id);
   }
-  Status st;
-  bool to_nvme = false;
-  // One thread drives the pipeline at a time; a clean view (a read) has nothing to copy, so its
-  // release does not wait for another thread's transfer.
-  std::unique_lock<std::mutex> pipe_lock(pipe_mu_, std::defer_lock);
-  if (dirty) pipe_lock.lock();
-  if (dirty && host != nullptr) {
-    st = pipe->device()->CopyToHost(host, dev, bytes);
-  } else if (dirty) {
-    if (off == kNoExtent) {
-      pipe_lock.unlock();  // an allocation is not a pipeline call
-      auto r = nvme_ != nullptr ? nvme_->Allocate(bytes, tag)
-                                : Result<uint64_t>(Status::FailedPrecondition(
-                                      "no NVMe arena and no host copy to write the device view "
-                                      "back to"));
-      if (!r.ok()) return r.status();
-      off = *r;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        parts_[id].nvme_off = off;
-      }
-      pipe_lock.lock();
+  const bool to_nvme = dirty && host == nullptr;
+  if (to_nvme && off == kNoExtent) {
+    if (nvme_ == nullptr) {
+      return Status::FailedPrecondition(
+          "no NVMe arena and no host copy to write the device view back to");
     }
-    st = pipe->DeviceToNvme(dev, off, bytes);
-    to_nvme = true;
+    SPILLWAY_ASSIGN_OR_RETURN(off, nvme_->Allocate(bytes, tag));
+    std::lock_guard<std::mutex> lock(mu_);
+    parts_[id].nvme_off = off;
   }
-  if (pipe_lock.owns_lock()) pipe_lock.unlock();
-  if (!st.ok()) {
-    // The device view is the only good copy: keep it, so a later release can retry.
-    return st.WithContext(
-        StrCat("writing back the device view of ", Describe(id), "; the device copy is kept"));
+  if (dirty) {
+    if (Status st = views->WriteBack(view, host, off, bytes); !st.ok()) {
+      // The device view is the only good copy: keep it, so a later release can retry.
+      return st.WithContext(
+          StrCat("writing back the device view of ", Describe(id), "; the device copy is kept"));
+    }
   }
-  if (Status f = pipe->device()->Free(dev); !f.ok()) {
+  if (Status f = views->Free(view); !f.ok()) {
     // The bytes are safe (written back or clean); only the device memory is lost to this process.
     Log(LogLevel::kError, StrCat("freeing the device view of ", Describe(id), ": ", f.ToString()));
   }
@@ -779,53 +743,48 @@ Status PartitionStore::Release(Handle& handle) {
 }
 
 void PartitionStore::QueuePrefetchLocked() {
-  if (prefetch_window_ == 0 || schedule_.size() == 0) return;
-  // The window of schedule entries after the cursor: O(window) per Acquire, in the queue's own
-  // storage. Not those already in, nor one whose device view is live (a host copy would be stale).
-  schedule_.Upcoming(prefetch_window_, &prefetch_queue_);
-  std::erase_if(prefetch_queue_, [this](PartitionId id) {
+  if (prefetcher_ == nullptr || schedule_.size() == 0) return;
+  // The window of schedule entries after the cursor: O(window) per Acquire, in storage the
+  // prefetcher hands back. Not those already in, nor one whose device view is live (a host copy
+  // would be stale).
+  schedule_.Upcoming(prefetch_window_, &prefetch_next_);
+  std::erase_if(prefetch_next_, [this](PartitionId id) {
     return parts_[id].host != nullptr || parts_[id].device != nullptr;
   });
-  if (!prefetch_queue_.empty()) prefetch_cv_.notify_all();
+  prefetcher_->Replace(&prefetch_next_);
 }
 
-void PartitionStore::PrefetchLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    prefetch_cv_.wait(lock, [this] { return stopping_ || !prefetch_queue_.empty(); });
-    if (stopping_) return;
-    const PartitionId id = prefetch_queue_.front();
-    prefetch_queue_.erase(prefetch_queue_.begin());
+void PartitionStore::PrefetchOne(PartitionId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     Part& p = parts_[id];
     // Already there, someone is on it, or its device view is live (a host copy would be stale).
-    if (p.host != nullptr || p.busy || p.device != nullptr || p.device_pins > 0) continue;
-    MarkBusy(p);
-    prefetch_running_ = true;
-    lock.unlock();
-    Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
-    lock.lock();
-    ClearBusyLocked(id);
-    prefetch_running_ = false;
-    if (st.ok()) {
-      parts_[id].last_use = ++use_clock_;  // brought in for a use: LRU must not spill it first
-      stats_.prefetches++;
-    } else {
-      stats_.prefetch_failures++;  // the Acquire that needs it will retry and report the error
+    if (stopping_ || p.host != nullptr || p.busy || p.device != nullptr || p.device_pins > 0) {
+      return;
     }
-    prefetch_cv_.notify_all();
+    MarkBusy(p);
+  }
+  Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
+  std::lock_guard<std::mutex> lock(mu_);
+  ClearBusyLocked(id);
+  if (st.ok()) {
+    parts_[id].last_use = ++use_clock_;  // brought in for a use: LRU must not spill it first
+    stats_.prefetches++;
+  } else {
+    stats_.prefetch_failures++;  // the Acquire that needs it will retry and report the error
   }
 }
 
 void PartitionStore::DrainPrefetch() {
-  std::unique_lock<std::mutex> lock(mu_);
-  prefetch_cv_.wait(lock, [this] { return prefetch_queue_.empty() && !prefetch_running_; });
+  if (prefetcher_ != nullptr) prefetcher_->Drain();
 }
 
 PartitionStore::OffSchedule::OffSchedule(PartitionStore& store) : store_(store) {
-  std::unique_lock<std::mutex> lock(store_.mu_);
-  store_.off_schedule_++;
-  store_.prefetch_queue_.clear();
-  store_.prefetch_cv_.wait(lock, [this] { return !store_.prefetch_running_; });
+  {
+    std::lock_guard<std::mutex> lock(store_.mu_);
+    store_.off_schedule_++;  // from here no Acquire queues a prefetch
+  }
+  if (store_.prefetcher_ != nullptr) store_.prefetcher_->Cancel();  // without mu_: it waits
 }
 
 PartitionStore::OffSchedule::~OffSchedule() {

@@ -27,6 +27,8 @@
 namespace spillway::offload {
 
 class TransferPipeline;  // transfer_pipeline.h
+class DeviceViews;       // private: offload/src/device_views.h
+class Prefetcher;        // private: offload/src/prefetcher.h
 
 enum class StateKind : uint8_t { kParam = 0, kGrad, kMasterWeight, kExpAvg, kExpAvgSq };
 const char* StateKindName(StateKind kind);
@@ -230,7 +232,9 @@ class PartitionStore {
 
   PartitionStore(const Config& config, allocator::HostArena* host, allocator::NvmeArena* nvme,
                  allocator::ScopeId scope, uint32_t prefetch_window);
-  void PrefetchLoop();
+  // On the prefetcher's thread, without mu_: swaps `id` in unless it is there, busy, or has a
+  // live device view (a host copy would be stale); counts the outcome.
+  void PrefetchOne(PartitionId id);
   // mu_ held: queues the next prefetch_window_ partitions of the schedule after the cursor.
   void QueuePrefetchLocked();
   allocator::OwnerTag Tag(PartitionId id) const;
@@ -279,17 +283,14 @@ class PartitionStore {
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;                            // guarded by mu_
   StoreStats stats_;                                       // guarded by mu_
-  TransferPipeline* pipeline_ = nullptr;  // guarded by mu_; set once by AttachDevice
+  std::unique_ptr<DeviceViews> views_;  // guarded by mu_; made once by AttachDevice
   const uint32_t prefetch_window_;
-  std::vector<PartitionId> prefetch_queue_;   // guarded by mu_
-  bool prefetch_running_ = false;             // guarded by mu_: the thread is swapping one in
-  bool stopping_ = false;                     // guarded by mu_
-  allocator::ForkSafeCondition prefetch_cv_;  // work queued, or the queue drained
-  std::thread prefetcher_;
-  std::thread::id prefetcher_id_;                  // set by Create before Spill can run; then const
+  std::vector<PartitionId> prefetch_next_;  // guarded by mu_: the window handed to prefetcher_
+  bool stopping_ = false;                   // guarded by mu_: the destructor has begun
+  std::unique_ptr<Prefetcher> prefetcher_;  // null without a window; made by Create, then const
+  std::thread::id prefetcher_id_;           // its thread; set by Create before Spill can run
   std::chrono::milliseconds memory_wait_{10'000};  // guarded by mu_
   StoreHooks* hooks_ = nullptr;                    // test seam; set before use
-  std::mutex pipe_mu_;                             // serialises calls into pipeline_ (I/O held)
   const std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
 };
 
