@@ -149,8 +149,7 @@ int main(int argc, char** argv) {
               roof / 1e9);
 
   // 2. The norm, checked, then timed (it synchronizes: host clock).
-  auto norm = [&](const void* base, engine::DType dt, uint64_t esize, double ref,
-                  const char* name) {
+  auto norm = [&](const void* base, DType dt, uint64_t esize, double ref, const char* name) {
     std::vector<engine::cuda::DeviceTensor> ts(tensors);
     for (int t = 0; t < tensors; ++t) {
       ts[t] = {static_cast<const char*>(base) + t * per * esize, per, dt};
@@ -173,13 +172,12 @@ int main(int argc, char** argv) {
                 bw / 1e9, bw / roof, rel);
     return bw;
   };
-  const double norm32 = norm(d32, engine::DType::kFp32, 4, ref32, "norm fp32 (multi-tensor)");
-  const double norm16 = norm(d16, engine::DType::kBf16, 2, ref16, "norm bf16 (multi-tensor)");
+  const double norm32 = norm(d32, DType::kFp32, 4, ref32, "norm fp32 (multi-tensor)");
+  const double norm16 = norm(d16, DType::kBf16, 2, ref16, "norm bf16 (multi-tensor)");
 
   // 3. Unscale+clip+cast, fused (one pass) vs unfused (scale in place, then cast).
   const float scale = 0.37f;
-  Must(engine::cuda::ScaleCast(d32, engine::DType::kFp32, d16b, engine::DType::kBf16, used, scale,
-                               stream));
+  Must(engine::cuda::ScaleCast(d32, DType::kFp32, d16b, DType::kBf16, used, scale, stream));
   {
     std::vector<uint16_t> got(used);
     Check(cudaMemcpy(got.data(), d16b, used * 2, cudaMemcpyDeviceToHost), "download bf16");
@@ -189,15 +187,14 @@ int main(int argc, char** argv) {
     }
   }
   const double t_fused = TimeDevice(stream, reps, [&] {
-    Must(engine::cuda::ScaleCast(d32, engine::DType::kFp32, d16b, engine::DType::kBf16, used, scale,
-                                 stream));
+    Must(engine::cuda::ScaleCast(d32, DType::kFp32, d16b, DType::kBf16, used, scale, stream));
   });
   // The unfused sequence works on a copy so that repeated runs do not shrink the data to zero.
   Check(cudaMemcpy(d32b, d32, used * 4, cudaMemcpyDeviceToDevice), "copy");
   const double t_unfused = TimeDevice(stream, reps, [&] {
-    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d32b, engine::DType::kFp32, used, 1.0f,
+    Must(engine::cuda::ScaleCast(d32b, DType::kFp32, d32b, DType::kFp32, used, 1.0f,
                                  stream));  // the unscale/clip pass, in place
-    Must(engine::cuda::ScaleCast(d32b, engine::DType::kFp32, d16b, engine::DType::kBf16, used, 1.0f,
+    Must(engine::cuda::ScaleCast(d32b, DType::kFp32, d16b, DType::kBf16, used, 1.0f,
                                  stream));  // the cast pass
   });
   const double fused_bw = used * 6.0 / t_fused;

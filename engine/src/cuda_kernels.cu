@@ -260,7 +260,7 @@ Result<NormResult> SumOfSquares(const DeviceTensor* tensors, size_t count, void*
   uint64_t chunks = 0;
   for (size_t t = 0; t < count; ++t) {
     const DeviceTensor& d = tensors[t];
-    if (d.data == nullptr || d.numel == 0 || static_cast<unsigned>(d.dtype) > 2) {
+    if (d.data == nullptr || d.numel == 0 || !IsFloatingDType(d.dtype)) {
       return Status::InvalidArgument(
           StrCat("device tensor ", t, " is empty, null or of an unknown dtype"));
     }
@@ -312,8 +312,10 @@ Status ScaleCast(const void* in, DType in_dtype, void* out, DType out_dtype, uin
   if (in == nullptr || out == nullptr || numel == 0) {
     return Status::InvalidArgument("ScaleCast: null buffer or numel 0");
   }
-  if (static_cast<unsigned>(in_dtype) > 2 || static_cast<unsigned>(out_dtype) > 2) {
-    return Status::InvalidArgument("ScaleCast: unknown dtype; use fp32, bf16 or fp16");
+  if (!IsFloatingDType(in_dtype) || !IsFloatingDType(out_dtype)) {
+    return Status::InvalidArgument(StrCat("ScaleCast: ", DTypeName(in_dtype), " to ",
+                                          DTypeName(out_dtype),
+                                          "; both must be float32, bfloat16 or float16"));
   }
   if (in == out && in_dtype != out_dtype) {
     return Status::InvalidArgument("ScaleCast: in place needs the same dtype on both sides");

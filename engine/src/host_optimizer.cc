@@ -49,20 +49,6 @@ std::vector<Task> Split(std::span<const SubGroup> groups, uint64_t chunk) {
 
 }  // namespace
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFp32:
-      return "fp32";
-    case DType::kBf16:
-      return "bf16";
-    case DType::kFp16:
-      return "fp16";
-  }
-  return "?";
-}
-
-uint64_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
-
 namespace {
 // The hyperparameters' domains; `where` prefixes the message ("" or "<group>: ").
 Status CheckConfig(const AdamWConfig& a, std::string_view where) {
@@ -130,9 +116,10 @@ Status HostOptimizer::Check(const SubGroup& g, bool needs_state) const {
     return Status::InvalidArgument(StrCat(GroupName(g), " has numel 0; register non-empty groups"));
   }
   if (g.grad == nullptr) return Status::InvalidArgument(StrCat(GroupName(g), " has no gradient"));
-  if (static_cast<unsigned>(g.grad_dtype) > 2 || static_cast<unsigned>(g.param_dtype) > 2) {
-    return Status::InvalidArgument(
-        StrCat(GroupName(g), " has an unknown dtype; use fp32, bf16 or fp16"));
+  if (!IsFloatingDType(g.grad_dtype) || !IsFloatingDType(g.param_dtype)) {
+    return Status::InvalidArgument(StrCat(
+        GroupName(g), " has gradient dtype ", DTypeName(g.grad_dtype), " and 16-bit copy dtype ",
+        DTypeName(g.param_dtype), "; both must be float32, bfloat16 or float16"));
   }
   if (!needs_state) return Status::Ok();
   struct Range {

@@ -3,16 +3,6 @@
 
 namespace spillway::offload {
 
-const char* DTypeName(DType dtype) {
-  static const char* kNames[] = {"float32", "float16", "bfloat16", "uint8", "int64"};
-  return kNames[static_cast<int>(dtype)];
-}
-
-uint64_t DTypeBytes(DType dtype) {
-  static const uint64_t kBytes[] = {4, 2, 2, 1, 8};
-  return kBytes[static_cast<int>(dtype)];
-}
-
 std::string DeviceId::ToString() const {
   return type == DeviceType::kCpu ? "cpu" : StrCat("cuda:", index);
 }

@@ -18,15 +18,14 @@ namespace py = pybind11;
 namespace spillway::python {
 namespace {
 
-Result<engine::DType> DTypeOf(const torch::Tensor& t, const std::string& what,
-                              const std::string& name) {
+Result<DType> DTypeOf(const torch::Tensor& t, const std::string& what, const std::string& name) {
   switch (t.scalar_type()) {
     case torch::kFloat32:
-      return engine::DType::kFp32;
+      return DType::kFp32;
     case torch::kBFloat16:
-      return engine::DType::kBf16;
+      return DType::kBf16;
     case torch::kFloat16:
-      return engine::DType::kFp16;
+      return DType::kFp16;
     default:
       return Status::InvalidArgument(
           StrCat(name, ": ", what, " is ", c10::toString(t.scalar_type()),
@@ -99,7 +98,7 @@ class AdamKernel {
       Check(CheckTensor(*param, "the 16-bit copy", name, n));
       g.param = param->data_ptr();
       g.param_dtype = Check(DTypeOf(*param, "the 16-bit copy", name));
-      if (g.param_dtype == engine::DType::kFp32) {
+      if (g.param_dtype == DType::kFp32) {
         Raise(Status::InvalidArgument(StrCat(name,
                                              ": the 16-bit copy is float32; pass a bfloat16 or "
                                              "float16 tensor, or None")));

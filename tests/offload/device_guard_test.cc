@@ -21,9 +21,9 @@ Config OptimizerOn(const char* device) {
 
 TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
   const Placement want =
-      OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kGrad, kCuda0, DType::kFloat32, 1000);
+      OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kGrad, kCuda0, DType::kFp32, 1000);
   EXPECT_EQ(want.device, kCpu);
-  Status st = CheckPlacement({"fp32 grad partition 3", kCuda0, DType::kFloat32, 1000, true}, want);
+  Status st = CheckPlacement({"fp32 grad partition 3", kCuda0, DType::kFp32, 1000, true}, want);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(st, "tensor 'fp32 grad partition 3': it is on cuda:0 but must be on cpu"))
       << st.ToString();
@@ -32,17 +32,17 @@ TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
 
 TEST(DeviceGuardTest, WithoutOptimizerOffloadTheStateStaysOnTheRanksDevice) {
   const Placement want =
-      OptimizerStepPlacement(OptimizerOn("none"), StateKind::kExpAvg, kCuda1, DType::kFloat32, 10);
+      OptimizerStepPlacement(OptimizerOn("none"), StateKind::kExpAvg, kCuda1, DType::kFp32, 10);
   EXPECT_EQ(want.device, kCuda1);
-  EXPECT_TRUE(CheckPlacement({"exp_avg", kCuda1, DType::kFloat32, 10, true}, want).ok());
-  Status other = CheckPlacement({"exp_avg", kCuda0, DType::kFloat32, 10, true}, want);
+  EXPECT_TRUE(CheckPlacement({"exp_avg", kCuda1, DType::kFp32, 10, true}, want).ok());
+  Status other = CheckPlacement({"exp_avg", kCuda0, DType::kFp32, 10, true}, want);
   EXPECT_TRUE(Has(other, "on cuda:0 but must be on cuda:1")) << other.ToString();
 }
 
 TEST(DeviceGuardTest, DtypeSizeAndContiguityAreCheckedTogether) {
   const Placement want = OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kMasterWeight,
-                                                kCuda0, DType::kFloat32, 64);
-  Status st = CheckPlacement({"master", kCpu, DType::kBFloat16, 32, false}, want);
+                                                kCuda0, DType::kFp32, 64);
+  Status st = CheckPlacement({"master", kCpu, DType::kBf16, 32, false}, want);
   EXPECT_TRUE(Has(st, "it is bfloat16 but must be float32")) << st.ToString();
   EXPECT_TRUE(Has(st, "it has 32 elements but the partition has 64")) << st.ToString();
   EXPECT_TRUE(Has(st, "not contiguous")) << st.ToString();
@@ -62,7 +62,7 @@ TEST(DeviceGuardTest, TheAuditFindsAModelSpreadOverDevices) {
   std::vector<TensorDesc> model;
   for (int l = 0; l < 12; ++l) {
     model.push_back(
-        {StrCat("layers.", l, ".weight"), l < 6 ? kCuda0 : kCuda1, DType::kBFloat16, 100, true});
+        {StrCat("layers.", l, ".weight"), l < 6 ? kCuda0 : kCuda1, DType::kBf16, 100, true});
   }
   auto findings = AuditPlacement(model, kCuda0);
   ASSERT_EQ(findings.size(), 6u);

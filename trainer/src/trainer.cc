@@ -521,11 +521,11 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
           StrCat(name, " is ", tokens.dtype(), "; token ids are int64 (.long())"));
     }
     // The device guard: on the host (the loader's memory) or on the compute device.
-    const offload::TensorDesc desc{name, ToDeviceId(tokens.device()), offload::DType::kInt64,
+    const offload::TensorDesc desc{name, ToDeviceId(tokens.device()), DType::kInt64,
                                    static_cast<uint64_t>(tokens.numel()), true};
     offload::Placement want;
     want.device = desc.device.type == offload::DeviceType::kCpu ? desc.device : compute;
-    want.dtype = offload::DType::kInt64;
+    want.dtype = DType::kInt64;
     want.numel = desc.numel;
     want.decided_by =
         StrCat("the trainer's compute device (TrainerOptions::compute = ", options_.compute.str(),

@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "spillway/base/dtype.h"
 #include "spillway/base/status.h"
-#include "spillway/engine/dtype.h"
 
 namespace spillway::engine::cuda {
 

@@ -13,9 +13,9 @@
 #include <string>
 #include <string_view>
 
+#include "spillway/base/dtype.h"
 #include "spillway/base/status.h"
 #include "spillway/engine/cpu_features.h"
-#include "spillway/engine/dtype.h"
 
 namespace spillway::engine {
 

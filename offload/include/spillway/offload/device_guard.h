@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "spillway/base/dtype.h"
 #include "spillway/base/status.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/partition_store.h"
@@ -16,9 +17,6 @@
 namespace spillway::offload {
 
 enum class DeviceType : uint8_t { kCpu = 0, kCuda };
-enum class DType : uint8_t { kFloat32 = 0, kFloat16, kBFloat16, kUInt8, kInt64 };
-const char* DTypeName(DType dtype);
-uint64_t DTypeBytes(DType dtype);
 
 struct DeviceId {
   DeviceType type = DeviceType::kCpu;
@@ -33,7 +31,7 @@ struct DeviceId {
 struct TensorDesc {
   std::string name;  // "model.layers.3.mlp.up_proj.weight", or a partition description
   DeviceId device;
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFp32;
   uint64_t numel = 0;
   bool contiguous = true;
 };
@@ -41,7 +39,7 @@ struct TensorDesc {
 // Where a partition's data must be for the work at hand, and why.
 struct Placement {
   DeviceId device;
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFp32;
   uint64_t numel = 0;
   std::string decided_by;  // "zero_optimization.offload_optimizer.device = \"cpu\""
 };
