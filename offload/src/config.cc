@@ -179,7 +179,13 @@ class Reader {
         Bytes(v, p, &c.nvme_budget_bytes);
       else if (k == "retain_limit_bytes")
         Bytes(v, p, &c.retain_limit_bytes);
-      else if (k == "escape_policy") {
+      else if (k == "host_region_bytes")
+        Bytes(v, p, &c.host_region_bytes);
+      else if (k == "bounce_buffers") {
+        if (Count(v, p, 1, &c.bounce_buffers) && c.bounce_buffers > 1024) {
+          Fail(p, StrCat("is ", c.bounce_buffers, "; at most 1024 bounce buffers"));
+        }
+      } else if (k == "escape_policy") {
         if (v.is_object()) {
           for (const auto& [tier, pv] : v.items()) {
             if (tier == "host")
@@ -237,7 +243,8 @@ class Reader {
         Fail(p,
              "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
              "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
-             "retain_limit_bytes, peak_slack, spill_path, prefetch_partitions, eviction");
+             "retain_limit_bytes, peak_slack, host_region_bytes, bounce_buffers, spill_path, "
+             "prefetch_partitions, eviction");
       }
     }
   }
@@ -490,6 +497,7 @@ allocator::HostArenaOptions Config::HostArenaOptions() const {
   o.capture_backtraces = spillway.capture_backtraces;
   o.retain_limit_bytes = spillway.retain_limit_bytes;
   o.peak_slack = spillway.peak_slack;
+  o.region_bytes = spillway.host_region_bytes;
   return o;
 }
 
@@ -499,6 +507,7 @@ allocator::IoEngineOptions Config::EngineOptions(allocator::HostArena* arena) co
   o.block_size = aio.block_size;
   o.queue_depth = static_cast<uint32_t>(aio.queue_depth);
   o.pool_threads = static_cast<uint32_t>(std::max<uint64_t>(aio.intra_op_parallelism, 1));
+  o.bounce_buffers = static_cast<uint32_t>(spillway.bounce_buffers);  // at most 1024 (Parse)
   return o;
 }
 

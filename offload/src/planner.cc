@@ -114,9 +114,9 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
   const Place opt = opt_nvme ? Place::kNvme : opt_host;
   add("fp32 master weights", opt, 4 * s, Kind::kMasterWeight);
   add("Adam exp_avg and exp_avg_sq", opt, 8 * s, Kind::kOptimizerState);
-  const double bounce = static_cast<double>(allocator::IoEngineOptions{}.bounce_buffers);
-  add("I/O engine bounce pool (8 x block_size)", Place::kHostPinned,
-      bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
+  const double bounce = static_cast<double>(c.spillway.bounce_buffers);
+  add(StrCat("I/O engine bounce pool (", c.spillway.bounce_buffers, " x block_size)"),
+      Place::kHostPinned, bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
   if (param_nvme) {
     add("transfer pipeline's staging ring (4 x block_size)", Place::kHostPinned,
         static_cast<double>(PipelineOptions{}.staging_buffers) *
@@ -202,10 +202,10 @@ Result<PlanReport> Compute(const PlanInput& in) {
       const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
       for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
     }
-    uint32_t staging = allocator::IoEngineOptions{}.bounce_buffers;
+    uint64_t staging = c.spillway.bounce_buffers;
     if (c.offload_param.device == OffloadDevice::kNvme)
       staging += PipelineOptions{}.staging_buffers;
-    for (uint32_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
+    for (uint64_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);
     const uint64_t streamed =
         opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;

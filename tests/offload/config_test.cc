@@ -132,6 +132,17 @@ TEST(ConfigTest, PrefetchAndSpillSettings) {
   EXPECT_EQ(c->spillway.eviction, Eviction::kLru);
 }
 
+TEST(ConfigTest, RegionAndBounceSettingsReachTheArenaAndTheEngine) {
+  auto c = Config::Parse("{}");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->HostArenaOptions().region_bytes, allocator::HostArenaOptions{}.region_bytes);
+  EXPECT_EQ(c->EngineOptions(nullptr).bounce_buffers, allocator::IoEngineOptions{}.bounce_buffers);
+  c = Config::Parse(R"({"spillway": {"host_region_bytes": "2MiB", "bounce_buffers": 1}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->HostArenaOptions().region_bytes, 2u << 20);
+  EXPECT_EQ(c->EngineOptions(nullptr).bounce_buffers, 1u);
+}
+
 struct BadCase {
   const char* name;
   const char* json;
@@ -197,6 +208,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"NegativeClip", R"({"gradient_clipping": -1})", "expected a finite number >= 0"},
         BadCase{"TooMuchPrefetch", R"({"spillway": {"prefetch_partitions": 5000}})",
                 "'spillway.prefetch_partitions': is 5000; at most 1024"},
+        BadCase{"NoBounceBuffers", R"({"spillway": {"bounce_buffers": 0}})",
+                "'spillway.bounce_buffers': is 0"},
+        BadCase{"TooManyBounceBuffers", R"({"spillway": {"bounce_buffers": 5000}})",
+                "'spillway.bounce_buffers': is 5000; at most 1024"},
+        BadCase{"ZeroRegion", R"({"spillway": {"host_region_bytes": 0}})",
+                "'spillway.host_region_bytes': is 0"},
         BadCase{"UnknownEviction", R"({"spillway": {"eviction": "fifo"}})",
                 "'spillway.eviction': is \"fifo\"; expected \"opt\""},
         BadCase{"SpillPathNotAString", R"({"spillway": {"spill_path": 3}})",

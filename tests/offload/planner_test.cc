@@ -157,6 +157,12 @@ TEST(PlannerTest, TheTrainersPlanPartitionsEachUnitAndStreamsItsSaveOneSlotAtATi
   // The save brings in one optimizer partition at a time: the largest, 3 elements x 4 B, per rank.
   EXPECT_EQ(r->checkpoint_streamed_bytes, 4u * 12);
   EXPECT_EQ(r->checkpoint_gather_bytes, 68u);
+  // spillway.bounce_buffers sizes the engine's pool: 2 x 1 MiB + the pipeline's 4 x 1 MiB.
+  PlanInput two = in;
+  two.config.spillway.bounce_buffers = 2;
+  auto r2 = MakePlan(two);
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  EXPECT_EQ(r2->host_by_kind_per_rank[static_cast<size_t>(Kind::kSwapBuffer)], 6u << 20);
   // Units that do not add up to --params are refused.
   in.trainer_units = {10, 8};
   EXPECT_NE(MakePlan(in).status().message().find("not --params"), std::string::npos);

@@ -78,6 +78,10 @@ struct SpillwayConfig {            // spillway (ours)
   bool capture_backtraces = false;
   uint64_t retain_limit_bytes = allocator::HostArenaOptions{}.retain_limit_bytes;
   double peak_slack = allocator::HostArenaOptions{}.peak_slack;
+  // The host arena's shared regions (smaller requests share them) and the I/O engine's bounce
+  // buffers (block_size each, from the arena, for buffers outside it): small runs lower both.
+  uint64_t host_region_bytes = allocator::HostArenaOptions{}.region_bytes;
+  uint64_t bounce_buffers = allocator::IoEngineOptions{}.bounce_buffers;
   // Where partitions spill over the host budget when the config offloads to "cpu" and homes nothing
   // on NVMe: a swap file in this directory (its budget: nvme_budget_bytes, else 90% of the free
   // space there). Empty: $TMPDIR, else /var/tmp.
