@@ -1,5 +1,6 @@
-// The leak suite's runner: the registry, growth rules, the table, CSV files and gnuplot PNGs.
-// Scenarios live in leak_scenarios*.cc. Note [Leak suite] in docs/leak-suite.md.
+// The leak suite's runner: growth rules, each scenario's trial (its Spillway run, its control, its
+// verdict) and the pass rule, the table, CSV files and gnuplot PNGs. The scenarios and their
+// registry live in leak/. Note [Leak suite] in docs/leak-suite.md.
 #include "spillway/cli/leak_suite.h"
 
 #include <sys/wait.h>
@@ -11,7 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "leak_scenarios.h"
+#include "leak/scenario.h"
 
 namespace spillway::cli {
 
@@ -48,40 +49,19 @@ double LeakSeries::PeakGrowthPerEpoch() const {
   return epochs == 0 ? 0 : sum / epochs;
 }
 
-const std::vector<ScenarioInfo>& LeakScenarios() {
-#if SPILLWAY_WITH_TORCH
-#define SPILLWAY_TORCH_SCENARIO(fn) &leak::fn, nullptr
-#else
-#define SPILLWAY_TORCH_SCENARIO(fn) \
-  nullptr, "this build has no libtorch (run scripts/install-deps and rebuild)"
-#endif
-  static const std::vector<ScenarioInfo> kAll = {
-      {"fork-cow",
-       "data-loader workers re-forked every epoch; the first step writes all optimizer state",
-       &leak::ForkCow, nullptr},
-      {"pinned-pow2",
-       "buffer sizes vary across epochs; a power-of-two cache never gives memory back",
-       &leak::PinnedPow2, nullptr},
-      {"bounce-leak", "I/O from pageable buffers through bounce buffers, epoch after epoch",
-       &leak::BounceLeak, nullptr},
-      {"swapped-alive", "parameters swapped to NVMe and back every step", &leak::SwappedAlive,
-       nullptr},
-      {"engine-rebuild", "the trainer created and destroyed 10 times in one process (RLHF)",
-       SPILLWAY_TORCH_SCENARIO(EngineRebuild)},
-      {"epoch-checkpoint", "a checkpoint saved at every epoch end", &leak::EpochCheckpoint,
-       nullptr},
-      {"accum-remainder", "10 micro-batches per epoch, accumulation over 4",
-       SPILLWAY_TORCH_SCENARIO(AccumRemainder)},
-      {"step-exception", "a layer fails in the middle of a step",
-       SPILLWAY_TORCH_SCENARIO(StepException)},
-      {"budget-pressure", "host budget at a quarter of the states",
-       SPILLWAY_TORCH_SCENARIO(BudgetPressure)},
-  };
-#undef SPILLWAY_TORCH_SCENARIO
-  return kAll;
-}
-
 namespace {
+
+// One trial of `s`: the Spillway run, then the control, then the verdict.
+Result<ScenarioOutcome> RunScenario(const Scenario& s, const LeakSuiteOptions& options) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<leak::Trial> trial, s.start(options));
+  ScenarioOutcome out;
+  out.name = s.name;
+  out.detector = s.detector;
+  SPILLWAY_RETURN_IF_ERROR(trial->Spillway(&out));
+  SPILLWAY_RETURN_IF_ERROR(trial->Control(&out));
+  trial->Verdict(&out);
+  return out;
+}
 
 std::string Mib(double bytes) {
   char b[32];
@@ -155,8 +135,7 @@ Status Plot(const std::string& csv, const std::string& png, const ScenarioOutcom
 Result<int> RunLeakSuite(const LeakSuiteOptions& options, const std::vector<std::string>& only) {
   const auto& all = LeakScenarios();
   for (const auto& name : only) {
-    if (std::none_of(all.begin(), all.end(),
-                     [&](const ScenarioInfo& s) { return name == s.name; })) {
+    if (std::none_of(all.begin(), all.end(), [&](const Scenario& s) { return name == s.name; })) {
       std::string names;
       for (const auto& s : all) names += StrCat(names.empty() ? "" : ", ", s.name);
       return Status::InvalidArgument(
@@ -175,20 +154,19 @@ Result<int> RunLeakSuite(const LeakSuiteOptions& options, const std::vector<std:
   int failed = 0;
   for (const auto& s : all) {
     if (!only.empty() && std::find(only.begin(), only.end(), s.name) == only.end()) continue;
-    if (s.run == nullptr) {
+    if (s.start == nullptr) {
       skipped.push_back(StrCat(s.name, ": ", s.unavailable));
       continue;
     }
     std::fprintf(out, "running %-16s %s ...\n", s.name, s.summary);
     std::fflush(out);
-    auto r = s.run(options);
+    auto r = RunScenario(s, options);
     if (!r.ok()) {
       ++failed;
       std::fprintf(out, "  %s FAILED TO RUN: %s\n", s.name, r.status().ToString().c_str());
       continue;
     }
     ScenarioOutcome& o = *r;
-    o.name = s.name;
     o.pass = o.failure.empty() && o.spillway_growth <= o.tolerance && o.spillway.escapes == 0 &&
              o.control_growth > 4 * std::max(o.tolerance, 4096.0);
     for (const auto& n : o.notes) std::fprintf(out, "  %s\n", n.c_str());

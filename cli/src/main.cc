@@ -226,8 +226,8 @@ int main(int argc, char** argv) {
   if (leak->parsed()) {
     if (list) {
       for (const auto& s : spillway::cli::LeakScenarios()) {
-        std::printf("%-16s %s%s%s\n", s.name, s.summary, s.run ? "" : " [unavailable: ",
-                    s.run ? "" : (std::string(s.unavailable) + "]").c_str());
+        std::printf("%-16s %s%s%s\n", s.name, s.summary, s.start ? "" : " [unavailable: ",
+                    s.start ? "" : (std::string(s.unavailable) + "]").c_str());
       }
       return 0;
     }

@@ -39,7 +39,7 @@ TEST(LeakSuiteTest, EveryScenarioOfTheIssueIsRegisteredInOrder) {
   ASSERT_EQ(all.size(), 9u);
   for (size_t i = 0; i < all.size(); ++i) {
     EXPECT_STREQ(all[i].name, want[i]);
-    EXPECT_TRUE(all[i].run != nullptr || all[i].unavailable != nullptr) << all[i].name;
+    EXPECT_TRUE(all[i].start != nullptr || all[i].unavailable != nullptr) << all[i].name;
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,15 +53,22 @@ struct LeakSuiteOptions {
   std::FILE* out = stdout;
 };
 
-struct ScenarioInfo {
+namespace leak {
+class Trial;  // one run of a scenario: its two arms and its verdict (cli/src/leak/scenario.h)
+}
+
+// An entry of the registry (cli/src/leak/registry.cc), one scenario per file in cli/src/leak/.
+struct Scenario {
   const char* name;
-  const char* summary;
-  Result<ScenarioOutcome> (*run)(const LeakSuiteOptions& options);  // null: not in this build
-  const char* unavailable;                                          // why run is null
+  const char* summary;   // the pattern it reproduces
+  const char* detector;  // what its samples measure, for both arms
+  // Sets up what the Spillway run and the control share; null: not in this build.
+  Result<std::unique_ptr<leak::Trial>> (*start)(const LeakSuiteOptions& options);
+  const char* unavailable;  // why start is null
 };
 
 // Every scenario, in the order.
-const std::vector<ScenarioInfo>& LeakScenarios();
+const std::vector<Scenario>& LeakScenarios();
 
 // Runs `only` (all when empty), prints the table, writes <out_dir>/<name>.csv and .png. Returns the
 // number of scenarios that failed; an unknown name or an unwritable directory is an error.
