@@ -171,14 +171,12 @@ int main(int argc, char** argv) {
       static_cast<double>(largest) * 4 / static_cast<double>(kMiB), Median(transfer),
       per_unit_compute);
   for (size_t k : {size_t{1}, size_t{2}}) {
-    const auto& ps = cs[k].tiers->pipeline->stats();
+    const auto ps = cs[k].tiers->pipeline->Stats();
     std::printf("%s: %.1f MiB into device views from NVMe, %.1f MiB from host copies\n",
-                cs[k].name.c_str(), ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB),
-                ps.host_to_device_bytes.load() / static_cast<double>(kMiB));
-    j[cs[k].name]["nvme_to_device_mib"] =
-        ps.nvme_to_device_bytes.load() / static_cast<double>(kMiB);
-    j[cs[k].name]["host_to_device_mib"] =
-        ps.host_to_device_bytes.load() / static_cast<double>(kMiB);
+                cs[k].name.c_str(), ps.nvme_to_device_bytes / static_cast<double>(kMiB),
+                ps.host_to_device_bytes / static_cast<double>(kMiB));
+    j[cs[k].name]["nvme_to_device_mib"] = ps.nvme_to_device_bytes / static_cast<double>(kMiB);
+    j[cs[k].name]["host_to_device_mib"] = ps.host_to_device_bytes / static_cast<double>(kMiB);
   }
   j["unit_transfer_s"] = Median(transfer);
   j["unit_compute_s"] = per_unit_compute;

@@ -26,11 +26,11 @@ std::string DescribeWait(int wstatus) {
 
 }  // namespace
 
-ForkingLoader::ForkingLoader(const CharCorpus* corpus, LoaderOptions options)
+ForkingLoader::ForkingLoader(const CharCorpus* corpus, ForkingLoaderOptions options)
     : corpus_(corpus), options_(options) {}
 
 Result<std::unique_ptr<ForkingLoader>> ForkingLoader::Create(const CharCorpus* corpus,
-                                                             LoaderOptions options) {
+                                                             ForkingLoaderOptions options) {
   if (corpus == nullptr) return Status::InvalidArgument("ForkingLoader: corpus is null");
   if (options.workers == 0 || options.batch_size == 0 || options.seq_len == 0) {
     return Status::InvalidArgument(StrCat("data loader: workers (", options.workers,

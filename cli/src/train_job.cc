@@ -402,7 +402,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return Status::Ok();
   };
 
-  LoaderOptions lo;
+  ForkingLoaderOptions lo;
   lo.workers = o.workers;
   lo.batch_size = static_cast<uint32_t>(tc.micro_batch_size);
   lo.seq_len = static_cast<uint32_t>(model.seq_len);
@@ -509,7 +509,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     if (!o.save_dir.empty() && (o.save_every_epoch || epoch == o.epochs))
       SPILLWAY_RETURN_IF_ERROR(save(epoch));
   }
-  result.forks = (*loader)->stats().forks;
+  result.forks = (*loader)->Stats().forks;
   if (o.sample_chars > 0) {
     auto text = Sample(**trainer, model, "This License ", o.sample_chars);
     if (!text.ok()) return text.status();

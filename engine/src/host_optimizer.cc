@@ -326,8 +326,8 @@ Result<StepReport> HostOptimizer::StepUnfused(std::span<const SubGroup> groups,
   return RunStep(groups, options, /*fused=*/false);
 }
 
-OptimizerStats HostOptimizer::Stats() const {
-  OptimizerStats s;
+HostOptimizerStats HostOptimizer::Stats() const {
+  HostOptimizerStats s;
   s.steps = steps_.load(std::memory_order_relaxed);
   s.skipped_steps = skipped_.load(std::memory_order_relaxed);
   s.elements_updated = elements_.load(std::memory_order_relaxed);

@@ -68,10 +68,10 @@ void FailThreadLaunchesForTesting(int n) { g_failing_launches.store(n, std::memo
 
 Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
                                 std::span<const StreamedGroup> groups, const StepOptions& options,
-                                StreamStats* stats, const NormReducer& reduce_sum) {
-  StreamStats local;
-  StreamStats& s = stats ? *stats : local;
-  s = StreamStats{};
+                                StreamedStepStats* stats, const NormReducer& reduce_sum) {
+  StreamedStepStats local;
+  StreamedStepStats& s = stats ? *stats : local;
+  s = StreamedStepStats{};
   const uint64_t t_start = NowNs();
   // Validate every group's partitions before anything moves.
   for (size_t i = 0; i < groups.size(); ++i) {

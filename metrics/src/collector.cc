@@ -295,7 +295,7 @@ std::vector<MetricFamily> Collector::Collect() const {
               static_cast<double>(s.sqe_shortages));
   }
   for (const offload::PartitionStore* store : stores_) {
-    const offload::StoreStats s = store->Stats();
+    const offload::PartitionStoreStats s = store->Stats();
     f.Gauge("spillway_partitions", "ZeRO-3 partitions registered in the store.", {},
             static_cast<double>(s.partitions));
     f.Gauge("spillway_partition_bytes", "Partition bytes by where their copies are now.",
@@ -317,23 +317,23 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(s.live_handles));
   }
   for (const offload::TransferPipeline* p : pipelines_) {
-    const offload::PipelineStats& s = p->stats();
+    const offload::TransferPipelineStats s = p->Stats();
     const std::pair<const char*, double> dirs[] = {
-        {"nvme_to_device", static_cast<double>(s.nvme_to_device_bytes.load())},
-        {"device_to_nvme", static_cast<double>(s.device_to_nvme_bytes.load())},
-        {"host_to_device", static_cast<double>(s.host_to_device_bytes.load())}};
+        {"nvme_to_device", static_cast<double>(s.nvme_to_device_bytes)},
+        {"device_to_nvme", static_cast<double>(s.device_to_nvme_bytes)},
+        {"host_to_device", static_cast<double>(s.host_to_device_bytes)}};
     for (const auto& [dir, bytes] : dirs) {
       f.Counter("spillway_transfer_bytes_total", "Bytes moved by the transfer pipeline.",
                 {{"direction", dir}}, bytes);
     }
     f.Counter("spillway_transfer_failures_total", "Pipeline transfers that failed.", {},
-              static_cast<double>(s.failures.load()));
+              static_cast<double>(s.failures));
     f.Counter("spillway_transfer_checksum_failures_total",
               "Pipeline transfers whose chunked checksum did not match.", {},
-              static_cast<double>(s.checksum_failures.load()));
+              static_cast<double>(s.checksum_failures));
   }
   for (const engine::HostOptimizer* o : optimizers_) {
-    const engine::OptimizerStats s = o->Stats();
+    const engine::HostOptimizerStats s = o->Stats();
     const Labels isa = {{"isa", engine::IsaName(o->isa())}};
     f.Counter("spillway_optimizer_steps_total", "Host optimizer steps applied.", isa,
               static_cast<double>(s.steps));

@@ -953,9 +953,9 @@ Tier PartitionStore::home(PartitionId id) const {
   return parts_.at(id).home;
 }
 
-StoreStats PartitionStore::Stats() const {
+PartitionStoreStats PartitionStore::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  StoreStats s = stats_;
+  PartitionStoreStats s = stats_;
   s.resident_bytes = 0;
   s.nvme_bytes = 0;
   for (const Part& p : parts_) {

@@ -119,7 +119,7 @@ void TrainerLines(const PlanInput& in, uint64_t shard, std::vector<PlanLine>* li
       Place::kHostPinned, bounce * static_cast<double>(c.aio.block_size), Kind::kSwapBuffer);
   if (param_nvme) {
     add("transfer pipeline's staging ring (4 x block_size)", Place::kHostPinned,
-        static_cast<double>(PipelineOptions{}.staging_buffers) *
+        static_cast<double>(TransferPipelineOptions{}.staging_buffers) *
             static_cast<double>(c.aio.block_size),
         Kind::kSwapBuffer);
   }
@@ -204,7 +204,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
     }
     uint64_t staging = c.spillway.bounce_buffers;
     if (c.offload_param.device == OffloadDevice::kNvme)
-      staging += PipelineOptions{}.staging_buffers;
+      staging += TransferPipelineOptions{}.staging_buffers;
     for (uint64_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
     const uint64_t gather = PageRound(4 * largest * in.world_size);
     const uint64_t streamed =

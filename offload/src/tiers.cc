@@ -77,7 +77,7 @@ Result<TransferPipeline*> Tiers::OpenDevicePipeline(const Config& config, Device
     return static_cast<TransferPipeline*>(nullptr);
   }
   if (!d.ok()) return d.status().WithContext(StrCat("the compute device ", compute.ToString()));
-  PipelineOptions po;
+  TransferPipelineOptions po;
   po.chunk_bytes = config.aio.block_size;
   auto p = TransferPipeline::Create(host.get(), nvme.get(), d->get(), po);
   if (!p.ok())

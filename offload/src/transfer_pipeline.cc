@@ -9,10 +9,9 @@
 
 namespace spillway::offload {
 
-Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(allocator::HostArena* arena,
-                                                                   allocator::NvmeArena* nvme,
-                                                                   Device* device,
-                                                                   PipelineOptions options) {
+Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(
+    allocator::HostArena* arena, allocator::NvmeArena* nvme, Device* device,
+    TransferPipelineOptions options) {
   if (arena == nullptr || nvme == nullptr || device == nullptr) {
     return Status::InvalidArgument("TransferPipeline: arena, NVMe arena and device are required");
   }
@@ -39,7 +38,7 @@ Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(allocator::Ho
 }
 
 TransferPipeline::TransferPipeline(allocator::HostArena* arena, allocator::NvmeArena* nvme,
-                                   Device* device, PipelineOptions options)
+                                   Device* device, TransferPipelineOptions options)
     : arena_(arena), nvme_(nvme), device_(device), options_(options) {}
 
 TransferPipeline::~TransferPipeline() {
@@ -227,6 +226,17 @@ Status TransferPipeline::NvmeToDeviceSerial(uint64_t off, uint64_t bytes, void* 
   SPILLWAY_RETURN_IF_ERROR(nvme_->Read(off, host_buffer, bytes));
   SPILLWAY_RETURN_IF_ERROR(stream_->SubmitCopy(device_dst, host_buffer, bytes));
   return stream_->Synchronize();
+}
+
+TransferPipelineStats TransferPipeline::Stats() const {
+  TransferPipelineStats s;
+  s.nvme_to_device_bytes = stats_.nvme_to_device_bytes.load(std::memory_order_relaxed);
+  s.device_to_nvme_bytes = stats_.device_to_nvme_bytes.load(std::memory_order_relaxed);
+  s.host_to_device_bytes = stats_.host_to_device_bytes.load(std::memory_order_relaxed);
+  s.chunks = stats_.chunks.load(std::memory_order_relaxed);
+  s.failures = stats_.failures.load(std::memory_order_relaxed);
+  s.checksum_failures = stats_.checksum_failures.load(std::memory_order_relaxed);
+  return s;
 }
 
 }  // namespace spillway::offload

@@ -53,7 +53,7 @@ std::vector<std::vector<int64_t>> Epoch(ForkingLoader& l, int64_t epoch, uint64_
 
 TEST(ForkLoaderTest, BatchesAreCorpusRowsInTheSameOrderForAnyWorkerCount) {
   const CharCorpus corpus = Corpus(Text());
-  LoaderOptions o;
+  ForkingLoaderOptions o;
   o.batch_size = 3;
   o.seq_len = 10;
   o.seed = 5;
@@ -82,7 +82,7 @@ TEST(ForkLoaderTest, BatchesAreCorpusRowsInTheSameOrderForAnyWorkerCount) {
 
 TEST(ForkLoaderTest, EveryEpochForksNewWorkersAndDrawsNewBatches) {
   const CharCorpus corpus = Corpus(Text());
-  LoaderOptions o;
+  ForkingLoaderOptions o;
   o.workers = 3;
   auto l = std::move(ForkingLoader::Create(&corpus, o).value());
   std::set<pid_t> seen;
@@ -104,12 +104,12 @@ TEST(ForkLoaderTest, EveryEpochForksNewWorkersAndDrawsNewBatches) {
         l->EndEpoch().ok());  // three batches left unread: the workers are killed and reaped
     for (pid_t p : seen) EXPECT_NE(kill(p, 0), 0) << "worker " << p << " outlived its epoch";
   }
-  EXPECT_EQ(l->stats().forks, 9u);
+  EXPECT_EQ(l->Stats().forks, 9u);
 }
 
 TEST(ForkLoaderTest, AWorkerThatDiesIsNamedAndTheEpochIsClosed) {
   const CharCorpus corpus = Corpus(Text());
-  LoaderOptions o;
+  ForkingLoaderOptions o;
   o.workers = 2;
   o.seq_len = 1000;
   // A batch four times what a worker's socket holds, so the victim cannot have sent all of it.
@@ -141,7 +141,7 @@ TEST(ForkLoaderTest, AWorkerThatDiesIsNamedAndTheEpochIsClosed) {
 
 TEST(ForkLoaderTest, OutOfOrderCallsAndBadOptionsAreRefused) {
   const CharCorpus corpus = Corpus(Text());
-  LoaderOptions o;
+  ForkingLoaderOptions o;
   auto l = std::move(ForkingLoader::Create(&corpus, o).value());
   std::vector<int64_t> rows(o.batch_size * l->row_elems());
   EXPECT_EQ(l->Next(rows.data()).code(), StatusCode::kFailedPrecondition);
@@ -155,12 +155,12 @@ TEST(ForkLoaderTest, OutOfOrderCallsAndBadOptionsAreRefused) {
   EXPECT_TRUE(l->EndEpoch().ok());
   EXPECT_EQ(l->BeginEpoch(2, 0).code(), StatusCode::kInvalidArgument);
 
-  LoaderOptions zero;
+  ForkingLoaderOptions zero;
   zero.workers = 0;
   auto bad = ForkingLoader::Create(&corpus, zero);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("must all be at least 1"), std::string::npos);
-  LoaderOptions long_rows;
+  ForkingLoaderOptions long_rows;
   long_rows.seq_len = 5000;
   bad = ForkingLoader::Create(&corpus, long_rows);
   ASSERT_FALSE(bad.ok());

@@ -115,7 +115,7 @@ TEST(StreamedStepTest, StreamingFromNvmeGivesTheSameBitsAsTheInMemoryStep) {
   for (uint64_t step = 1; step <= 3; ++step) {
     NewGradients(m, step);
     ASSERT_TRUE(RefStep(*in_memory, m).ok());
-    StreamStats stats;
+    StreamedStepStats stats;
     auto r = StreamedStep(*streamed, *rig.store, m.groups, {}, &stats);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->step, step);

@@ -577,8 +577,8 @@ PipelineRun TrainParamsOnNvme(const GptConfig& c, const std::string& budget, boo
     out.weights.push_back((*trainer)->GatherUnit(u).value());
   out.device_fills = (*tiers)->store->Stats().device_fills;
   if (pipeline) {
-    out.nvme_to_device = (*tiers)->pipeline->stats().nvme_to_device_bytes.load();
-    out.host_to_device = (*tiers)->pipeline->stats().host_to_device_bytes.load();
+    out.nvme_to_device = (*tiers)->pipeline->Stats().nvme_to_device_bytes;
+    out.host_to_device = (*tiers)->pipeline->Stats().host_to_device_bytes;
   }
   EXPECT_EQ((*tiers)->store->Stats().live_handles, 0u) << "every device view was released";
   return out;

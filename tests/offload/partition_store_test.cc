@@ -118,7 +118,7 @@ TEST(PartitionStoreTest, SpillUnderAQuarterOfTheStatesMatchesAnUnboundedRun) {
   StoreRig bounded(cfg, kBounce + 16 * kMiB);  // 16 of the 64 MiB of states fit
   const auto got = Train(*bounded.store, 16, 5);
   EXPECT_EQ(got, expected);
-  const StoreStats st = bounded.store->Stats();
+  const PartitionStoreStats st = bounded.store->Stats();
   EXPECT_GT(st.spills, 40u);
   EXPECT_GT(st.swap_ins, 40u);
   EXPECT_LE(bounded.host->Stats().peak_committed_bytes, kBounce + 16 * kMiB);
@@ -277,11 +277,11 @@ TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) 
     auto h = store.Acquire(param, Access::kRead);
     EXPECT_EQ(std::memcmp(*h->Data(), v2.data(), bytes), 0);
   }
-  const StoreStats st = store.Stats();
+  const PartitionStoreStats st = store.Stats();
   EXPECT_EQ(st.device_fills, 2u);
   EXPECT_EQ(st.device_writebacks, 2u);
-  EXPECT_EQ(d.pipe->stats().nvme_to_device_bytes.load(), bytes);
-  EXPECT_EQ(d.pipe->stats().device_to_nvme_bytes.load(), bytes);
+  EXPECT_EQ(d.pipe->Stats().nvme_to_device_bytes, bytes);
+  EXPECT_EQ(d.pipe->Stats().device_to_nvme_bytes, bytes);
 }
 
 TEST(PartitionStoreTest, APartitionIsUsedInOneTierAtATime) {

@@ -250,7 +250,7 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     verify(*h->Data(), kPartBytes, ids[k], version[k], "final read");
   }
-  const StoreStats s = store.Stats();
+  const PartitionStoreStats s = store.Stats();
   std::printf(
       "stress: seed %llu, %.1f s: %llu ops (%llu writes, %llu reads, %llu device, %llu "
       "evicts, %llu flushes, %llu host buffer ops, %llu extent ops, %llu boundaries); "

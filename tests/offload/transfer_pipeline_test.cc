@@ -84,7 +84,7 @@ TEST(TransferPipelineTest, RoundTripsOfOddSizes) {
        {uint64_t{4096}, uint64_t{100}, kMiB, 10 * kMiB + kMiB / 2 + 12, 3 * kMiB}) {
     RoundTrip(rig, bytes, bytes);
   }
-  EXPECT_EQ(rig.pipe->stats().failures.load(), 0u);
+  EXPECT_EQ(rig.pipe->Stats().failures, 0u);
 }
 
 TEST(TransferPipelineTest, TheSerialBaselineMovesTheSameBytes) {
@@ -119,7 +119,7 @@ TEST(TransferPipelineTest, ACorruptedChunkMarksTheDestinationInvalid) {
   Status st = rig.pipe->NvmeToDevice(*off, bytes, dev);
   EXPECT_EQ(st.code(), StatusCode::kChecksumMismatch);
   EXPECT_TRUE(Has(st, "the device destination is not valid")) << st.ToString();
-  EXPECT_EQ(rig.pipe->stats().checksum_failures.load(), 1u);
+  EXPECT_EQ(rig.pipe->Stats().checksum_failures, 1u);
   (void)rig.device->Free(dev);
 }
 

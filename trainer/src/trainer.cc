@@ -360,7 +360,7 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   return Status::Ok();
 }
 
-Result<StepReport> Trainer::OptimizerStep(StreamStats* stream, size_t* applied) {
+Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* applied) {
   *applied = 0;
   StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;

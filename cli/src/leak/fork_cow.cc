@@ -98,7 +98,7 @@ class ForkCow final : public Trial {
     g.exp_avg_sq = arrays[2];
     g.grad = arrays[3];
     g.param = nullptr;
-    LoaderOptions lo;
+    ForkingLoaderOptions lo;
     lo.workers = 2;
     lo.batch_size = 4;
     lo.seq_len = 32;

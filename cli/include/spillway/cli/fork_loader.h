@@ -28,7 +28,7 @@
 
 namespace spillway::cli {
 
-struct LoaderOptions {
+struct ForkingLoaderOptions {
   uint32_t workers = 2;          // processes forked per epoch (>= 1)
   uint32_t batch_size = 8;       // sequences per batch
   uint32_t seq_len = 64;         // tokens per sequence; each row carries seq_len + 1 (the targets)
@@ -37,7 +37,7 @@ struct LoaderOptions {
   int timeout_seconds = 60;  // a worker silent this long is an error naming it
 };
 
-struct LoaderStats {
+struct ForkingLoaderStats {
   uint64_t forks = 0;    // worker processes started, over all epochs
   uint64_t batches = 0;  // delivered
 };
@@ -47,7 +47,7 @@ class ForkingLoader {
   // `corpus` must outlive the loader. INVALID_ARGUMENT for zero workers/batch/seq_len or a corpus
   // shorter than one row.
   static Result<std::unique_ptr<ForkingLoader>> Create(const CharCorpus* corpus,
-                                                       LoaderOptions options);
+                                                       ForkingLoaderOptions options);
   ~ForkingLoader();  // kills and reaps workers still running
   ForkingLoader(const ForkingLoader&) = delete;
   ForkingLoader& operator=(const ForkingLoader&) = delete;
@@ -66,17 +66,17 @@ class ForkingLoader {
   const std::vector<pid_t>& worker_pids() const { return pids_; }
   bool epoch_open() const { return !pids_.empty(); }
   uint64_t row_elems() const { return static_cast<uint64_t>(options_.seq_len) + 1; }
-  const LoaderOptions& options() const { return options_; }
-  LoaderStats stats() const { return stats_; }
+  const ForkingLoaderOptions& options() const { return options_; }
+  ForkingLoaderStats Stats() const { return stats_; }
 
  private:
-  ForkingLoader(const CharCorpus* corpus, LoaderOptions options);
+  ForkingLoader(const CharCorpus* corpus, ForkingLoaderOptions options);
   [[noreturn]] void WorkerMain(uint32_t worker, int fd);
   Status Reap(bool kill_first);  // closes the sockets, waits for every worker
   Status WorkerFailed(uint32_t worker, const char* what);
 
   const CharCorpus* const corpus_;
-  const LoaderOptions options_;
+  const ForkingLoaderOptions options_;
   std::vector<uint64_t> starts_;     // row start offsets for this epoch, batch-major
   std::vector<int64_t> child_rows_;  // a child's batch buffer, allocated before the fork
   std::vector<pid_t> pids_;          // this epoch's workers; empty when no epoch is open
@@ -84,7 +84,7 @@ class ForkingLoader {
   uint64_t batches_ = 0;
   uint64_t next_ = 0;
   int64_t epoch_ = -1;
-  LoaderStats stats_;
+  ForkingLoaderStats stats_;
 };
 
 }  // namespace spillway::cli

@@ -61,7 +61,7 @@ struct StepReport {
   uint64_t step = 0;            // the Adam step number used for bias correction (0 if skipped)
 };
 
-struct OptimizerStats {
+struct HostOptimizerStats {
   uint64_t steps = 0;             // applied
   uint64_t skipped_steps = 0;     // inf/NaN gradients
   uint64_t elements_updated = 0;  // summed over applied steps
@@ -115,7 +115,7 @@ class HostOptimizer {
   // applied step is step + 1, as bias correction needs). The counters in Stats() are this
   // process's and are not changed.
   void RestoreStep(uint64_t step);
-  OptimizerStats Stats() const;
+  HostOptimizerStats Stats() const;
 
  private:
   HostOptimizer(const HostOptimizerOptions& options, Isa isa);

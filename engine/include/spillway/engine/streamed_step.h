@@ -29,7 +29,7 @@ struct StreamedGroup {
   DType param_dtype = DType::kBf16;
 };
 
-struct StreamStats {
+struct StreamedStepStats {
   uint64_t groups = 0;         // groups that took the step (also when the step fails)
   uint64_t evictions = 0;      // NVMe-homed groups written back behind the update
   uint64_t update_ns = 0;      // time in the fused update
@@ -48,7 +48,7 @@ struct StreamStats {
 using NormReducer = std::function<Result<double>(double local_sum_of_squares)>;
 Result<StepReport> StreamedStep(HostOptimizer& optimizer, offload::PartitionStore& store,
                                 std::span<const StreamedGroup> groups,
-                                const StepOptions& options = {}, StreamStats* stats = nullptr,
+                                const StepOptions& options = {}, StreamedStepStats* stats = nullptr,
                                 const NormReducer& reduce_sum = nullptr);
 
 // Test seam: the next `n` thread launches of StreamedStep fail as std::async does when the

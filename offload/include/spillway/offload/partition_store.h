@@ -84,7 +84,7 @@ class Handle {
 
 enum class Access : uint8_t { kRead, kReadWrite };
 
-struct StoreStats {
+struct PartitionStoreStats {
   uint64_t partitions = 0;
   uint64_t resident_bytes = 0;  // host copies held now
   uint64_t nvme_bytes = 0;      // NVMe extents held now
@@ -200,7 +200,7 @@ class PartitionStore {
   // Registered size in bytes; 0 for an id that is not registered.
   uint64_t bytes(PartitionId id) const;
   Tier home(PartitionId id) const;
-  StoreStats Stats() const;
+  PartitionStoreStats Stats() const;
   // Walks the partition table and checks the invariants above. O(partitions + schedule + handles).
   // With SPILLWAY_DEBUG_CHECKS it runs after every public mutating call.
   Status Validate() const;
@@ -282,7 +282,7 @@ class PartitionStore {
   uint32_t off_schedule_ = 0;  // guarded by mu_: live OffSchedule scopes
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;                            // guarded by mu_
-  StoreStats stats_;                                       // guarded by mu_
+  PartitionStoreStats stats_;                              // guarded by mu_
   std::unique_ptr<DeviceViews> views_;  // guarded by mu_; made once by AttachDevice
   const uint32_t prefetch_window_;
   std::vector<PartitionId> prefetch_next_;  // guarded by mu_: the window handed to prefetcher_

@@ -16,18 +16,18 @@
 
 namespace spillway::offload {
 
-struct PipelineOptions {
+struct TransferPipelineOptions {
   uint64_t chunk_bytes = 1ull << 20;  // aio.block_size
   uint32_t staging_buffers = 4;       // ring size: staging_buffers - 1 reads ahead of the copy
 };
 
-struct PipelineStats {
-  std::atomic<uint64_t> nvme_to_device_bytes{0};
-  std::atomic<uint64_t> device_to_nvme_bytes{0};
-  std::atomic<uint64_t> host_to_device_bytes{0};
-  std::atomic<uint64_t> chunks{0};
-  std::atomic<uint64_t> failures{0};
-  std::atomic<uint64_t> checksum_failures{0};
+struct TransferPipelineStats {
+  uint64_t nvme_to_device_bytes = 0;
+  uint64_t device_to_nvme_bytes = 0;
+  uint64_t host_to_device_bytes = 0;
+  uint64_t chunks = 0;
+  uint64_t failures = 0;
+  uint64_t checksum_failures = 0;
 };
 
 // Driven by one thread at a time: its stream and staging ring are not shared, so a call made while
@@ -38,7 +38,8 @@ class TransferPipeline {
  public:
   static Result<std::unique_ptr<TransferPipeline>> Create(allocator::HostArena* staging_arena,
                                                           allocator::NvmeArena* nvme,
-                                                          Device* device, PipelineOptions options);
+                                                          Device* device,
+                                                          TransferPipelineOptions options);
   ~TransferPipeline();
   TransferPipeline(const TransferPipeline&) = delete;
   TransferPipeline& operator=(const TransferPipeline&) = delete;
@@ -55,12 +56,13 @@ class TransferPipeline {
   Status NvmeToDeviceSerial(uint64_t nvme_offset, uint64_t bytes, void* host_buffer,
                             void* device_dst);
 
-  const PipelineStats& stats() const { return stats_; }
+  // A snapshot; each counter is read once (relaxed), so the set may straddle a call in flight.
+  TransferPipelineStats Stats() const;
   Device* device() const { return device_; }
 
  private:
   TransferPipeline(allocator::HostArena* arena, allocator::NvmeArena* nvme, Device* device,
-                   PipelineOptions options);
+                   TransferPipelineOptions options);
   uint64_t ChunkLength(uint64_t i, uint64_t bytes) const;
   class Driving;  // marks a call in progress; refuses a second thread
 
@@ -69,10 +71,18 @@ class TransferPipeline {
   allocator::HostArena* const arena_;
   allocator::NvmeArena* const nvme_;
   Device* const device_;
-  const PipelineOptions options_;
+  const TransferPipelineOptions options_;
   std::unique_ptr<Stream> stream_;
   std::vector<char*> staging_;
-  PipelineStats stats_;
+  struct Counters {
+    std::atomic<uint64_t> nvme_to_device_bytes{0};
+    std::atomic<uint64_t> device_to_nvme_bytes{0};
+    std::atomic<uint64_t> host_to_device_bytes{0};
+    std::atomic<uint64_t> chunks{0};
+    std::atomic<uint64_t> failures{0};
+    std::atomic<uint64_t> checksum_failures{0};
+  };
+  Counters stats_;
 };
 
 }  // namespace spillway::offload

@@ -61,7 +61,7 @@ struct TrainStepResult {
   double loss = 0.0;                   // mean over micro-batches and ranks
   StepReport report;                   // the optimizer's
   allocator::BoundaryReport boundary;  // the ledger's EndStep report (empty without a ledger)
-  StreamStats stream;                  // when the optimizer state streamed from NVMe
+  StreamedStepStats stream;            // when the optimizer state streamed from NVMe
 };
 
 // Save and Load (Note [Checkpoint] in docs/checkpoint.md).
@@ -160,7 +160,7 @@ class Trainer {
   Status CheckMicroBatches(const std::vector<torch::Tensor>& micro_batches) const;
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   // `applied`: how many units (in order) took the step, also when it fails.
-  Result<StepReport> OptimizerStep(StreamStats* stream, size_t* applied);
+  Result<StepReport> OptimizerStep(StreamedStepStats* stream, size_t* applied);
   Status ZeroGrads();
   // One step's partition accesses in order, for `micro_batches` micro-batches.
   std::vector<offload::PartitionId> Schedule(size_t micro_batches) const;
