@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
     if (nv.tiers->store->bytes(id) != largest * 4) Die("partition 5 is not unit 1's parameters");
     if (!nv.tiers->store->Evict(id).ok()) Die("evict");
     const auto t0 = Clock::now();
-    auto h = Must(nv.tiers->store->Acquire(id, offload::Access::kRead, offload::Tier::kDevice));
+    auto h =
+        Must(nv.tiers->store->Acquire(id, offload::Access::kRead, offload::Placement::kDevice));
     transfer.push_back(Seconds(t0));
     if (!nv.tiers->store->Release(h).ok()) Die("release");
   }

@@ -14,7 +14,7 @@ namespace {
 using offload::Access;
 using offload::PartitionId;
 using offload::PartitionStore;
-using offload::Tier;
+using offload::Placement;
 
 std::atomic<int> g_failing_launches{0};  // FailThreadLaunchesForTesting
 
@@ -44,7 +44,7 @@ std::vector<PartitionId> StateOf(const StreamedGroup& g) {
 // Writes an NVMe-homed group back and drops its host copies (host-homed ones stay).
 Status WriteBack(PartitionStore& store, const StreamedGroup& g, uint64_t* evicted) {
   for (PartitionId id : StateOf(g)) {
-    if (store.home(id) != Tier::kNvme) continue;
+    if (store.home(id) != Placement::kNvme) continue;
     Status st = store.Evict(id);
     if (!st.ok())
       return Status::Make(st.code(), StrCat("writing back ", g.name, ": ", st.message()),

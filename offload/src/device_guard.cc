@@ -7,9 +7,9 @@ std::string DeviceId::ToString() const {
   return type == DeviceType::kCpu ? "cpu" : StrCat("cuda:", index);
 }
 
-Placement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId compute,
-                                 DType dtype, uint64_t numel) {
-  Placement p;
+ExpectedPlacement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId compute,
+                                         DType dtype, uint64_t numel) {
+  ExpectedPlacement p;
   p.dtype = dtype;
   p.numel = numel;
   // Offloaded optimizer state lives and updates on the CPU, and the step writes the 16-bit params
@@ -23,7 +23,7 @@ Placement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId 
   return p;
 }
 
-Status CheckPlacement(const TensorDesc& t, const Placement& want) {
+Status CheckPlacement(const TensorDesc& t, const ExpectedPlacement& want) {
   std::vector<std::string> wrong;
   if (!(t.device == want.device)) {
     wrong.push_back(

@@ -19,13 +19,13 @@ const char* StateKindName(StateKind kind) {
   return kNames[static_cast<int>(kind)];
 }
 
-const char* TierName(Tier tier) {
-  switch (tier) {
-    case Tier::kHost:
+const char* PlacementName(Placement placement) {
+  switch (placement) {
+    case Placement::kHost:
       return "host";
-    case Tier::kNvme:
+    case Placement::kNvme:
       return "nvme";
-    case Tier::kDevice:
+    case Placement::kDevice:
       return "device";
   }
   return "?";
@@ -171,10 +171,10 @@ PartitionStore::~PartitionStore() {
   }
 }
 
-Tier PartitionStore::HomeFor(StateKind kind) const {
+Placement PartitionStore::HomeFor(StateKind kind) const {
   const OffloadDevice d =
       kind == StateKind::kParam ? config_.offload_param.device : config_.offload_optimizer.device;
-  return d == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
+  return d == OffloadDevice::kNvme ? Placement::kNvme : Placement::kHost;
 }
 
 allocator::OwnerTag PartitionStore::Tag(PartitionId id) const {
@@ -200,7 +200,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   }
   PartitionId id;
   allocator::OwnerTag tag;
-  Tier home = HomeFor(key.kind);
+  Placement home = HomeFor(key.kind);
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Part& p : parts_) {
@@ -223,7 +223,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   Status st;
   void* host = nullptr;
   uint64_t off = kNoExtent;
-  if (home == Tier::kHost) {
+  if (home == Placement::kHost) {
     BeginStoreAllocation(this, memory_wait());
     auto r = host_->Allocate(bytes, tag);  // may spill others to make room
     if (r.ok()) {
@@ -240,7 +240,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
       st = r.status();
     }
   }
-  const std::string note = home == Tier::kHost ? SpillShortfallNote() : std::string();
+  const std::string note = home == Placement::kHost ? SpillShortfallNote() : std::string();
   std::lock_guard<std::mutex> lock(mu_);
   ClearBusyLocked(id);
   Part& p = parts_[id];
@@ -249,7 +249,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
     p.tombstone = true;
     if (!note.empty()) st = st.WithContext(note);
     return st.WithContext(StrCat("registering ", StateKindName(key.kind), " rank ", key.rank,
-                                 " group ", key.group, " in its home tier ", TierName(home)));
+                                 " group ", key.group, " in its home tier ", PlacementName(home)));
   }
   p.host = host;
   p.nvme_off = off;
@@ -339,19 +339,19 @@ std::string PartitionStore::SpillShortfallNote() const {
   return note;
 }
 
-Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier) {
+Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Placement where) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   bool need_swap_in = false;
   bool need_fill = false;
   uint64_t handle_id;
-  const bool device = tier == Tier::kDevice;
+  const bool device = where == Placement::kDevice;
   const bool host_write = !device && access == Access::kReadWrite;  // counted in write_pins
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (id >= parts_.size() || parts_[id].bytes == 0) {
       return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
     }
-    if (tier == Tier::kNvme) {
+    if (where == Placement::kNvme) {
       return Status::InvalidArgument(
           "Acquire: a view is host or device memory; kNvme is a home "
           "tier, not a view");
@@ -375,9 +375,9 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
     }
     if (other_tier_pins > 0) {
       return Status::FailedPrecondition(
-          StrCat("Acquire of ", Describe(id), " on ", TierName(tier), ": it is in use on ",
-                 TierName(device ? Tier::kHost : Tier::kDevice), " by ", other_tier_pins,
-                 " handles; a partition is used in one tier at a time"));
+          StrCat("Acquire of ", Describe(id), " on ", PlacementName(where), ": it is in use on ",
+                 PlacementName(device ? Placement::kHost : Placement::kDevice), " by ",
+                 other_tier_pins, " handles; a partition is used in one tier at a time"));
     }
     // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
     // helper thread) does not: the host-tier schedule is the store's own order.
@@ -412,7 +412,7 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Tier tier)
       if (host_write) parts_[id].write_pins--;
       live_handles_.erase(handle_id);
       stats_.live_handles = live_handles_.size();
-      return st.WithContext(StrCat("acquiring ", Describe(id), " on ", TierName(tier)));
+      return st.WithContext(StrCat("acquiring ", Describe(id), " on ", PlacementName(where)));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -808,7 +808,7 @@ Status PartitionStore::Flush() {
     std::lock_guard<std::mutex> lock(mu_);
     for (PartitionId i = 0; i < parts_.size(); ++i) {
       const Part& p = parts_[i];
-      if (p.host != nullptr && p.dirty && (p.home == Tier::kNvme || p.nvme_off != kNoExtent)) {
+      if (p.host != nullptr && p.dirty && (p.home == Placement::kNvme || p.nvme_off != kNoExtent)) {
         todo.push_back(i);
       }
     }
@@ -948,7 +948,7 @@ bool PartitionStore::resident(PartitionId id) const {
   return id < parts_.size() && parts_[id].host != nullptr;
 }
 
-Tier PartitionStore::home(PartitionId id) const {
+Placement PartitionStore::home(PartitionId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return parts_.at(id).home;
 }

@@ -309,7 +309,7 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   auto id = *store->Register({0, 0, offload::StateKind::kParam}, 2 * kMiB);
   { auto h = store->Acquire(id); }
   ASSERT_TRUE(store->Evict(id).ok());
-  { auto d = store->Acquire(id, offload::Access::kRead, offload::Tier::kDevice); }
+  { auto d = store->Acquire(id, offload::Access::kRead, offload::Placement::kDevice); }
   auto e = Exporter::Start({"127.0.0.1:0", false});
   ASSERT_TRUE(e.ok());
   (*e)->Watch(host.get());

@@ -20,7 +20,7 @@ Config OptimizerOn(const char* device) {
 }
 
 TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
-  const Placement want =
+  const ExpectedPlacement want =
       OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kGrad, kCuda0, DType::kFp32, 1000);
   EXPECT_EQ(want.device, kCpu);
   Status st = CheckPlacement({"fp32 grad partition 3", kCuda0, DType::kFp32, 1000, true}, want);
@@ -31,7 +31,7 @@ TEST(DeviceGuardTest, AnOffloadedGradOnTheGpuNamesTheKeyThatPutItOnTheCpu) {
 }
 
 TEST(DeviceGuardTest, WithoutOptimizerOffloadTheStateStaysOnTheRanksDevice) {
-  const Placement want =
+  const ExpectedPlacement want =
       OptimizerStepPlacement(OptimizerOn("none"), StateKind::kExpAvg, kCuda1, DType::kFp32, 10);
   EXPECT_EQ(want.device, kCuda1);
   EXPECT_TRUE(CheckPlacement({"exp_avg", kCuda1, DType::kFp32, 10, true}, want).ok());
@@ -40,8 +40,8 @@ TEST(DeviceGuardTest, WithoutOptimizerOffloadTheStateStaysOnTheRanksDevice) {
 }
 
 TEST(DeviceGuardTest, DtypeSizeAndContiguityAreCheckedTogether) {
-  const Placement want = OptimizerStepPlacement(OptimizerOn("cpu"), StateKind::kMasterWeight,
-                                                kCuda0, DType::kFp32, 64);
+  const ExpectedPlacement want = OptimizerStepPlacement(
+      OptimizerOn("cpu"), StateKind::kMasterWeight, kCuda0, DType::kFp32, 64);
   Status st = CheckPlacement({"master", kCpu, DType::kBf16, 32, false}, want);
   EXPECT_TRUE(Has(st, "it is bfloat16 but must be float32")) << st.ToString();
   EXPECT_TRUE(Has(st, "it has 32 elements but the partition has 64")) << st.ToString();

@@ -61,7 +61,7 @@ TEST_P(TierRoundTripTest, RandomDataSurvivesEveryTierAndEviction) {
   }
   ASSERT_TRUE(rig.store->Flush().ok());
   for (PartitionId id : ids) {
-    if (rig.store->home(id) == Tier::kNvme) {
+    if (rig.store->home(id) == Placement::kNvme) {
       ASSERT_TRUE(rig.store->Evict(id).ok());
     }
   }
@@ -71,7 +71,7 @@ TEST_P(TierRoundTripTest, RandomDataSurvivesEveryTierAndEviction) {
     ASSERT_EQ(std::memcmp(*h->Data(), expect[i].data(), expect[i].size()), 0) << i;
   }
   const bool param_nvme = std::string(GetParam().param) == "nvme";
-  EXPECT_EQ(rig.store->home(ids[0]), param_nvme ? Tier::kNvme : Tier::kHost);
+  EXPECT_EQ(rig.store->home(ids[0]), param_nvme ? Placement::kNvme : Placement::kHost);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, TierRoundTripTest,
@@ -252,7 +252,7 @@ TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) 
     std::memcpy(*h->Data(), v1.data(), bytes);
   }
   {
-    auto dv = store.Acquire(master, Access::kReadWrite, Tier::kDevice);
+    auto dv = store.Acquire(master, Access::kReadWrite, Placement::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();
     EXPECT_EQ(d.ReadDevice(*dv), v1);
     ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
@@ -266,7 +266,7 @@ TEST(PartitionStoreTest, DeviceViewsFillFromHostOrStraightFromNvmeAndWriteBack) 
   // and no host copy is made on the way.
   const PartitionId param = RegisterEvicted(store, v1);
   {
-    auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
+    auto dv = store.Acquire(param, Access::kReadWrite, Placement::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();
     EXPECT_FALSE(store.resident(param));
     EXPECT_EQ(d.ReadDevice(*dv), v1);
@@ -291,22 +291,22 @@ TEST(PartitionStoreTest, APartitionIsUsedInOneTierAtATime) {
   {
     auto h = store.Acquire(id);
     ASSERT_TRUE(h.ok());
-    auto dv = store.Acquire(id, Access::kRead, Tier::kDevice);
+    auto dv = store.Acquire(id, Access::kRead, Placement::kDevice);
     EXPECT_EQ(dv.status().code(), StatusCode::kFailedPrecondition);
     EXPECT_TRUE(Has(dv.status(), "in use on host by 1 handles")) << dv.status().ToString();
   }
-  auto dv = store.Acquire(id, Access::kRead, Tier::kDevice);
+  auto dv = store.Acquire(id, Access::kRead, Placement::kDevice);
   ASSERT_TRUE(dv.ok());
   auto h = store.Acquire(id);
   EXPECT_TRUE(Has(h.status(), "in use on device")) << h.status().ToString();
-  EXPECT_EQ(store.Acquire(id, Access::kRead, Tier::kNvme).status().code(),
+  EXPECT_EQ(store.Acquire(id, Access::kRead, Placement::kNvme).status().code(),
             StatusCode::kInvalidArgument);
 }
 
 TEST(PartitionStoreTest, TheDeviceTierNeedsAnAttachedDevice) {
   StoreRig rig(ParseOrDie(OffloadJson("cpu", "cpu")), 256 * kMiB);
   auto id = *rig.store->Register({0, 0, StateKind::kGrad}, kMiB);
-  auto dv = rig.store->Acquire(id, Access::kRead, Tier::kDevice);
+  auto dv = rig.store->Acquire(id, Access::kRead, Placement::kDevice);
   EXPECT_EQ(dv.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Has(dv.status(), "AttachDevice")) << dv.status().ToString();
 }
@@ -515,7 +515,7 @@ TEST(PartitionStoreTest, AKeptDeviceViewIsNotShadowedByAStaleHostCopy) {
   FillRandom(v2.data(), bytes, 2);
   const PartitionId param = RegisterEvicted(store, v1);
   {
-    auto dv = store.Acquire(param, Access::kReadWrite, Tier::kDevice);
+    auto dv = store.Acquire(param, Access::kReadWrite, Placement::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();
     ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
     faults.write_errno = EIO;
@@ -533,7 +533,7 @@ TEST(PartitionStoreTest, AKeptDeviceViewIsNotShadowedByAStaleHostCopy) {
   }
   EXPECT_TRUE(store.Validate().ok()) << store.Validate().ToString();
   {
-    auto dv = store.Acquire(param, Access::kRead, Tier::kDevice);
+    auto dv = store.Acquire(param, Access::kRead, Placement::kDevice);
     ASSERT_TRUE(dv.ok()) << dv.status().ToString();
     EXPECT_EQ(d.ReadDevice(*dv), v2);
     ASSERT_TRUE(store.Release(*dv).ok());  // the retried write-back
@@ -689,7 +689,7 @@ TEST(PartitionStoreTest, ReleasingTheLastDeviceHandleWaitsForAFlushInProgress) {
     auto h = store.Acquire(id);
     std::memcpy(*h->Data(), v1.data(), bytes);
   }
-  auto dv = store.Acquire(id, Access::kReadWrite, Tier::kDevice);
+  auto dv = store.Acquire(id, Access::kReadWrite, Placement::kDevice);
   ASSERT_TRUE(dv.ok()) << dv.status().ToString();
   ASSERT_TRUE(d.device->CopyFromHost(*dv->Data(), v2.data(), bytes).ok());
   testing::Gate gate;
@@ -764,7 +764,7 @@ TEST(PartitionStoreTest, ThePrefetcherLeavesAPartitionWithALiveDeviceViewAlone) 
   }
   ASSERT_TRUE(store.SetSchedule(ids).ok());
   store.DrainPrefetch();
-  auto dv = store.Acquire(ids[1], Access::kReadWrite, Tier::kDevice);
+  auto dv = store.Acquire(ids[1], Access::kReadWrite, Placement::kDevice);
   ASSERT_TRUE(dv.ok()) << dv.status().ToString();
   store.DrainPrefetch();
   ASSERT_TRUE(store.Evict(ids[2]).ok());
@@ -795,9 +795,9 @@ TEST(PartitionStoreTest, TwoThreadsFillingDeviceViewsShareThePipelineInTurn) {
   }
   device.Arm();
   Result<Handle> first = Status::Internal("not run"), second = Status::Internal("not run");
-  std::thread a([&] { first = store.Acquire(ids[0], Access::kRead, Tier::kDevice); });
+  std::thread a([&] { first = store.Acquire(ids[0], Access::kRead, Placement::kDevice); });
   device.WaitPaused();  // thread a is inside the pipeline
-  std::thread b([&] { second = store.Acquire(ids[1], Access::kRead, Tier::kDevice); });
+  std::thread b([&] { second = store.Acquire(ids[1], Access::kRead, Placement::kDevice); });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   device.Resume();
   a.join();

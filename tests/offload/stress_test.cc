@@ -153,7 +153,7 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
           verify(*h->Data(), kPartBytes, id, version[k], "host read");
           n.reads++;
         } else if (dice < 55) {  // a new version through a device view (fill, write back)
-          auto dv = store.Acquire(id, Access::kReadWrite, Tier::kDevice);
+          auto dv = store.Acquire(id, Access::kReadWrite, Placement::kDevice);
           if (!check(dv.status(), "Acquire on the device")) break;
           if (!check(device->CopyToHost(scratch.data(), *dv->Data(), kPartBytes), "device read"))
             break;

@@ -154,13 +154,14 @@ bool Trainer::DeviceCollectives() const {
 }
 
 bool Trainer::OnPipeline(int64_t u) const {
-  return options_.pipeline != nullptr && store_->home(units_[u].param) == offload::Tier::kNvme &&
+  return options_.pipeline != nullptr &&
+         store_->home(units_[u].param) == offload::Placement::kNvme &&
          (coll_->world_size() == 1 || options_.compute.is_cpu() || DeviceCollectives());
 }
 
 Result<torch::Tensor> Trainer::DeviceShard(int64_t u) {
   const Unit& unit = units_[u];
-  auto h = store_->Acquire(unit.param, offload::Access::kRead, offload::Tier::kDevice);
+  auto h = store_->Acquire(unit.param, offload::Access::kRead, offload::Placement::kDevice);
   if (!h.ok()) return h.status();
   auto data = h->Data();
   if (!data.ok()) return data.status();
@@ -364,7 +365,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* app
   *applied = 0;
   StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;
-  if (store_->home(units_[0].master) == offload::Tier::kNvme) {
+  if (store_->home(units_[0].master) == offload::Placement::kNvme) {
     // The streamed step overlaps NVMe reads and write-backs of the optimizer state with the update,
     // so it takes the gradient and parameter partitions (host views) for the whole step.
     std::vector<offload::Handle> held;
@@ -464,7 +465,8 @@ std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const 
       order.push_back(units_[u].grad);
     }
   }
-  if (store_->home(units_[0].master) == offload::Tier::kNvme) {  // OptimizerStep's streamed path
+  if (store_->home(units_[0].master) ==
+      offload::Placement::kNvme) {  // OptimizerStep's streamed path
     for (const Unit& unit : units_) {
       order.push_back(unit.grad);
       order.push_back(unit.param);
@@ -523,7 +525,7 @@ Status Trainer::CheckMicroBatches(const std::vector<torch::Tensor>& micro_batche
     // The device guard: on the host (the loader's memory) or on the compute device.
     const offload::TensorDesc desc{name, ToDeviceId(tokens.device()), DType::kInt64,
                                    static_cast<uint64_t>(tokens.numel()), true};
-    offload::Placement want;
+    offload::ExpectedPlacement want;
     want.device = desc.device.type == offload::DeviceType::kCpu ? desc.device : compute;
     want.dtype = DType::kInt64;
     want.numel = desc.numel;

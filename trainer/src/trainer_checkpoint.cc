@@ -46,7 +46,7 @@ constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads th
 // the copy cached, within the budget and spillable: a warning, not a failed save or load.
 Status UsePartition(offload::PartitionStore& store, offload::PartitionId id, offload::Access access,
                     const char* what, const std::function<Status(void*)>& use) {
-  const bool passing = store.home(id) == offload::Tier::kNvme && !store.resident(id);
+  const bool passing = store.home(id) == offload::Placement::kNvme && !store.resident(id);
   auto v = store.Acquire(id, access);
   if (!v.ok()) return v.status();
   Status st = use(v->data());

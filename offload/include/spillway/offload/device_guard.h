@@ -37,7 +37,7 @@ struct TensorDesc {
 };
 
 // Where a partition's data must be for the work at hand, and why.
-struct Placement {
+struct ExpectedPlacement {
   DeviceId device;
   DType dtype = DType::kFp32;
   uint64_t numel = 0;
@@ -47,11 +47,11 @@ struct Placement {
 // The placement of a state kind's data for the host optimizer step under `config`, on `compute`
 // (the rank's accelerator): offloaded optimizer states live and update on the CPU; without
 // optimizer offload they stay on the device.
-Placement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId compute,
-                                 DType dtype, uint64_t numel);
+ExpectedPlacement OptimizerStepPlacement(const Config& config, StateKind kind, DeviceId compute,
+                                         DType dtype, uint64_t numel);
 
 // OK, or INVALID_ARGUMENT naming the tensor, what it has, what it needs, and the deciding key.
-Status CheckPlacement(const TensorDesc& tensor, const Placement& expected);
+Status CheckPlacement(const TensorDesc& tensor, const ExpectedPlacement& expected);
 
 // Scalars that enter host math (the combined unscale/clip factor, the global grad norm) are host
 // values: a scalar that lives on an accelerator while the math runs on the CPU is the 0.14.1 bug.

@@ -39,8 +39,8 @@ struct PartitionKey {
   StateKind kind = StateKind::kParam;
 };
 
-enum class Tier : uint8_t { kHost = 0, kNvme, kDevice };
-const char* TierName(Tier tier);
+enum class Placement : uint8_t { kHost = 0, kNvme, kDevice };
+const char* PlacementName(Placement placement);
 
 class PartitionStore;
 
@@ -159,7 +159,7 @@ class PartitionStore {
   // live is FAILED_PRECONDITION. A dirty device view is written back on its last release (into the
   // host copy if resident, else to NVMe), and its device memory freed.
   Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite,
-                         Tier tier = Tier::kHost);
+                         Placement where = Placement::kHost);
   // Enables the device tier. The pipeline (and its device) must outlive the store; the store
   // serialises its own use of it (a pipeline is driven by one thread at a time).
   void AttachDevice(TransferPipeline* pipeline);
@@ -199,7 +199,7 @@ class PartitionStore {
   bool resident(PartitionId id) const;
   // Registered size in bytes; 0 for an id that is not registered.
   uint64_t bytes(PartitionId id) const;
-  Tier home(PartitionId id) const;
+  Placement home(PartitionId id) const;
   PartitionStoreStats Stats() const;
   // Walks the partition table and checks the invariants above. O(partitions + schedule + handles).
   // With SPILLWAY_DEBUG_CHECKS it runs after every public mutating call.
@@ -210,7 +210,7 @@ class PartitionStore {
   struct Part {
     PartitionKey key;
     uint64_t bytes = 0;
-    Tier home = Tier::kHost;
+    Placement home = Placement::kHost;
     void* host = nullptr;           // host copy, or null
     uint64_t nvme_off = kNoExtent;  // NVMe extent, or kNoExtent
     bool nvme_valid = false;        // the NVMe copy holds the latest data
@@ -239,7 +239,7 @@ class PartitionStore {
   void QueuePrefetchLocked();
   allocator::OwnerTag Tag(PartitionId id) const;
   std::string Describe(PartitionId id) const;  // "master_weight rank 0 group 3 (4.00 MiB)"
-  Tier HomeFor(StateKind kind) const;
+  Placement HomeFor(StateKind kind) const;
   // Spill handler: frees at least `need` host bytes by spilling OPT victims; returns bytes freed.
   // Waits (bounded) for memory other threads will give back; see memory_wait().
   uint64_t Spill(const allocator::HostArena::SpillRequest& request);
