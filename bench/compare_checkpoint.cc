@@ -103,25 +103,26 @@ int main(int argc, char** argv) {
           "spillway": {"host_budget_bytes": "8GiB", "nvme_budget_bytes": "8GiB"}})");
   auto config = Must(offload::Config::Parse(config_json));
   auto tiers = Must(offload::Tiers::Create(config));
-  auto coll = Must(engine::Collectives::Create(engine::DistEnv{}));
-  engine::TrainerOptions to;
+  auto coll = Must(trainer::Collectives::Create(trainer::DistEnv{}));
+  trainer::TrainerOptions to;
   to.model.vocab = 96;
   to.model.d_model = d_model;
   to.model.n_layer = layers;
   to.model.n_head = 8;
   to.model.seq_len = 64;
-  auto trainer = Must(engine::Trainer::Create(to, coll.get(), tiers->store.get(), tiers->host.get(),
-                                              &tiers->ledger, allocator::kProcessScope));
+  auto trainer =
+      Must(trainer::Trainer::Create(to, coll.get(), tiers->store.get(), tiers->host.get(),
+                                    &tiers->ledger, allocator::kProcessScope));
   // For torch::save: tensors of the same count and sizes as the checkpoint's (four per unit; at
   // world size 1 a unit's partition is the whole unit).
   std::vector<torch::Tensor> state;
-  for (int64_t u = 0; u < engine::gpt::Units(to.model); ++u) {
+  for (int64_t u = 0; u < trainer::gpt::Units(to.model); ++u) {
     const torch::Tensor full = Must(trainer->GatherUnit(u));
     for (int k = 0; k < 4; ++k) state.push_back(full.clone());
   }
   const std::string ours = dir + "/compare-checkpoint-spillway",
                     theirs = dir + "/compare-checkpoint-torch.pt";
-  engine::CheckpointOptions co;
+  trainer::CheckpointOptions co;
   co.io = tiers->io.get();
   co.keep = 1;
   std::vector<double> save_a, save_a2, save_torch, fio, load_a, load_torch;

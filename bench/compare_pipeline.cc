@@ -42,12 +42,12 @@ using bench::Seconds;
 struct Contender {
   std::string name;
   std::unique_ptr<offload::Tiers> tiers;
-  std::unique_ptr<engine::Collectives> coll;
-  std::unique_ptr<engine::Trainer> trainer;
+  std::unique_ptr<trainer::Collectives> coll;
+  std::unique_ptr<trainer::Trainer> trainer;
   std::vector<double> seconds;
 };
 
-Contender Make(const std::string& name, const engine::GptConfig& model, const std::string& dir,
+Contender Make(const std::string& name, const trainer::GptConfig& model, const std::string& dir,
                const std::string& param, const std::string& budget, bool pipeline) {
   Contender c;
   c.name = name;
@@ -61,15 +61,15 @@ Contender Make(const std::string& name, const engine::GptConfig& model, const st
           "spillway": {"host_budget_bytes": ")" +
       budget + R"(", "nvme_budget_bytes": "4GiB"}})"));
   c.tiers = Must(offload::Tiers::Create(config));
-  engine::TrainerOptions o;
+  trainer::TrainerOptions o;
   o.model = model;
   o.optimizer_threads = 1;
   if (pipeline)
     o.pipeline = Must(c.tiers->OpenDevicePipeline(config, {offload::DeviceType::kCpu, 0}));
-  c.coll = Must(engine::Collectives::Create(engine::DistEnv{}));
+  c.coll = Must(trainer::Collectives::Create(trainer::DistEnv{}));
   c.trainer =
-      Must(engine::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
-                                   &c.tiers->ledger, allocator::kProcessScope));
+      Must(trainer::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
+                                    &c.tiers->ledger, allocator::kProcessScope));
   if (!c.tiers->ledger.BeginEpoch(0).ok()) Die("BeginEpoch");
   return c;
 }
@@ -77,7 +77,7 @@ Contender Make(const std::string& name, const engine::GptConfig& model, const st
 }  // namespace
 
 int main(int argc, char** argv) {
-  engine::GptConfig model;
+  trainer::GptConfig model;
   model.vocab = 96;
   model.d_model = 384;
   model.n_layer = 4;
@@ -103,9 +103,9 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   uint64_t params = 0, largest = 0;
-  for (int64_t u = 0; u < engine::gpt::Units(model); ++u) {
-    params += static_cast<uint64_t>(engine::gpt::UnitNumel(model, u));
-    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(engine::gpt::UnitNumel(model, u)));
+  for (int64_t u = 0; u < trainer::gpt::Units(model); ++u) {
+    params += static_cast<uint64_t>(trainer::gpt::UnitNumel(model, u));
+    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(trainer::gpt::UnitNumel(model, u)));
   }
   // Five fp32 states of 4 B per parameter: a budget of four of them (plus 16 MiB for the bounce
   // pool, the staging ring and a gather) holds the rest but not the parameters' host copies.
@@ -149,11 +149,11 @@ int main(int argc, char** argv) {
   }
   const double host = Median(cs[0].seconds);
   const double per_unit_compute =
-      host / static_cast<double>(engine::gpt::Units(model) * kMicro * 2);
+      host / static_cast<double>(trainer::gpt::Units(model) * kMicro * 2);
   std::printf(
       "compare_pipeline: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, %d "
       "rounds\n",
-      static_cast<unsigned long long>(params), static_cast<long long>(engine::gpt::Units(model)),
+      static_cast<unsigned long long>(params), static_cast<long long>(trainer::gpt::Units(model)),
       kMicro, static_cast<long long>(model.seq_len), rounds);
   std::printf("%-12s %12s %12s %22s\n", "contender", "median s", "spread", "host / contender");
   nlohmann::json j;

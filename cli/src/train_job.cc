@@ -151,11 +151,11 @@ const allocator::TierReport* FindTier(const allocator::BoundaryReport& r, const 
 }
 
 // Greedy continuation of `prompt` with the trained weights.
-Result<std::string> Sample(engine::Trainer& trainer, const engine::GptConfig& m,
+Result<std::string> Sample(trainer::Trainer& trainer, const trainer::GptConfig& m,
                            const std::string& prompt, int chars) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> flats;
-  for (int64_t u = 0; u < engine::gpt::Units(m); ++u) {
+  for (int64_t u = 0; u < trainer::gpt::Units(m); ++u) {
     auto f = trainer.GatherUnit(u);
     if (!f.ok()) return f.status();
     flats.push_back(f->clone());
@@ -167,7 +167,8 @@ Result<std::string> Sample(engine::Trainer& trainer, const engine::GptConfig& m,
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), m.seq_len);
     torch::Tensor x =
         torch::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), torch::kInt64).view({1, n});
-    for (int64_t u = 0; u < engine::gpt::Units(m); ++u) x = engine::gpt::Forward(m, u, flats[u], x);
+    for (int64_t u = 0; u < trainer::gpt::Units(m); ++u)
+      x = trainer::gpt::Forward(m, u, flats[u], x);
     const int64_t next = x[0][n - 1].argmax().item<int64_t>();
     ids.push_back(next);
     out += CharCorpus::Decode(next);
@@ -236,14 +237,14 @@ Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
     if (!c.ok()) return c.status();
     in.config = *c;
   }
-  engine::GptConfig model = o.model;
+  trainer::GptConfig model = o.model;
   model.vocab = CharCorpus::kVocab;
   in.params = 0;
-  for (int64_t u = 0; u < engine::gpt::Units(model); ++u) {
-    in.trainer_units.push_back(static_cast<uint64_t>(engine::gpt::UnitNumel(model, u)));
+  for (int64_t u = 0; u < trainer::gpt::Units(model); ++u) {
+    in.trainer_units.push_back(static_cast<uint64_t>(trainer::gpt::UnitNumel(model, u)));
     in.params += static_cast<double>(in.trainer_units.back());
   }
-  auto dist = engine::DistEnvFromEnvironment();
+  auto dist = trainer::DistEnvFromEnvironment();
   if (!dist.ok()) return dist.status();
   in.world_size = static_cast<uint32_t>(dist->world_size);
   return in;
@@ -254,16 +255,16 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (",
                                           o.steps_per_epoch, ") must be at least 1"));
   }
-  auto dist = engine::DistEnvFromEnvironment();
+  auto dist = trainer::DistEnvFromEnvironment();
   if (!dist.ok()) return dist.status();
   auto compute =
-      engine::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
+      trainer::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
   if (!compute.ok()) return compute.status();
   TempDir temp;
   auto config = LoadConfig(o, &temp);
   if (!config.ok()) return config.status();
   const offload::TrainingConfig& tc = config->training;
-  engine::GptConfig model = o.model;
+  trainer::GptConfig model = o.model;
   model.vocab = CharCorpus::kVocab;
   auto corpus = CharCorpus::Load(o.data_path, static_cast<uint64_t>(model.seq_len) + 2);
   if (!corpus.ok()) return corpus.status();
@@ -276,19 +277,19 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   allocator::IoEngine* io = (*tiers)->io.get();
   allocator::NvmeArena* nvme = (*tiers)->nvme.get();
   offload::PartitionStore* store = (*tiers)->store.get();
-  auto coll = engine::Collectives::Create(*dist);
+  auto coll = trainer::Collectives::Create(*dist);
   if (!coll.ok()) return coll.status();
 
-  engine::TrainerOptions to;
+  trainer::TrainerOptions to;
   to.model = model;
   to.compute = *compute;
   to.ApplyTraining(tc);
   to.optimizer_threads = o.threads;
-  auto pipeline = (*tiers)->OpenDevicePipeline(*config, engine::ToDeviceId(*compute));
+  auto pipeline = (*tiers)->OpenDevicePipeline(*config, trainer::ToDeviceId(*compute));
   if (!pipeline.ok()) return pipeline.status();
   to.pipeline = *pipeline;
   auto trainer =
-      engine::Trainer::Create(to, coll->get(), store, host, &ledger, allocator::kProcessScope);
+      trainer::Trainer::Create(to, coll->get(), store, host, &ledger, allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 
   TrainJobResult result;
@@ -333,7 +334,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   };
   int64_t first_epoch = 1;
   if (!o.resume_dir.empty()) {
-    engine::CheckpointOptions co;
+    trainer::CheckpointOptions co;
     co.io = io;
     auto info = (*trainer)->Load(o.resume_dir, co);
     if (!info.ok()) return info.status().WithContext(StrCat("--resume ", o.resume_dir));
@@ -365,7 +366,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     }
   }
   const auto save = [&](int64_t epoch) -> Status {
-    engine::CheckpointOptions co;
+    trainer::CheckpointOptions co;
     co.io = io;
     co.extra_json = position(epoch).dump();
     co.keep = o.keep_checkpoints;
@@ -426,8 +427,8 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
         model.n_layer, model.d_model,
         [&] {
           int64_t n = 0;
-          for (int64_t u = 0; u < engine::gpt::Units(model); ++u)
-            n += engine::gpt::UnitNumel(model, u);
+          for (int64_t u = 0; u < trainer::gpt::Units(model); ++u)
+            n += trainer::gpt::UnitNumel(model, u);
           return n;
         }(),
         o.data_path.c_str(), corpus->tokens().size(),

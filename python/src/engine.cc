@@ -30,7 +30,7 @@ namespace {
 
 struct TrainRequest {
   std::string config_json;
-  engine::GptConfig model;
+  trainer::GptConfig model;
   int64_t steps = 0;
   int64_t micro_batches = 1;  // per rank, per step
   int64_t batch_rows = 4;
@@ -65,12 +65,12 @@ torch::Tensor GlobalMicroBatch(const TrainRequest& q, int64_t step, int64_t k) {
 }
 
 // The tiers over one ledger, as `spillway train` composes them; everything dies before returning.
-Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* coll) {
+Result<TrainOutcome> RunTraining(const TrainRequest& q, trainer::Collectives* coll) {
   auto config = offload::Config::Parse(q.config_json);
   if (!config.ok()) return config.status();
-  auto dist = engine::DistEnvFromEnvironment();  // LOCAL_RANK picks this rank's GPU
+  auto dist = trainer::DistEnvFromEnvironment();  // LOCAL_RANK picks this rank's GPU
   if (!dist.ok()) return dist.status();
-  auto compute = engine::ResolveComputeDevice(q.device, dist->local_rank);
+  auto compute = trainer::ResolveComputeDevice(q.device, dist->local_rank);
   if (!compute.ok()) return compute.status();
   auto tiers = offload::Tiers::Create(*config);
   if (!tiers.ok()) return tiers.status();
@@ -80,14 +80,14 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   offload::PartitionStore* store = (*tiers)->store.get();
 
   const offload::TrainingConfig& tc = config->training;
-  engine::TrainerOptions to;
+  trainer::TrainerOptions to;
   to.model = q.model;
   to.compute = *compute;
   to.ApplyTraining(tc);
-  auto pipeline = (*tiers)->OpenDevicePipeline(*config, engine::ToDeviceId(*compute));
+  auto pipeline = (*tiers)->OpenDevicePipeline(*config, trainer::ToDeviceId(*compute));
   if (!pipeline.ok()) return pipeline.status();
   to.pipeline = *pipeline;
-  auto trainer = engine::Trainer::Create(to, coll, store, host, &ledger, allocator::kProcessScope);
+  auto trainer = trainer::Trainer::Create(to, coll, store, host, &ledger, allocator::kProcessScope);
   if (!trainer.ok()) return trainer.status();
 
   TrainOutcome out;
@@ -101,7 +101,7 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
       StrCat(R"({"data_seed": )", q.data_seed, R"(, "batch_rows": )", q.batch_rows,
              R"(, "micro_batches_per_rank": )", q.micro_batches, "}");
   if (!q.resume_dir.empty()) {
-    engine::CheckpointOptions co;
+    trainer::CheckpointOptions co;
     co.io = (*tiers)->io.get();
     auto info = (*trainer)->Load(q.resume_dir, co);
     if (!info.ok()) return info.status();
@@ -116,13 +116,13 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
     if (!r.ok()) return r.status().WithContext(StrCat("step ", s, " on rank ", coll->rank()));
     out.losses.push_back(r->loss);
   }
-  for (int64_t u = 0; u < engine::gpt::Units(q.model); ++u) {
+  for (int64_t u = 0; u < trainer::gpt::Units(q.model); ++u) {
     auto p = (*trainer)->GatherUnit(u);  // an all-gather: every rank takes part
     if (!p.ok()) return p.status();
     out.params.push_back(std::move(*p));
   }
   if (!q.save_dir.empty()) {
-    engine::CheckpointOptions co;
+    trainer::CheckpointOptions co;
     co.io = (*tiers)->io.get();
     co.extra_json = position;
     auto info = (*trainer)->Save(q.save_dir, co);
@@ -135,8 +135,8 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, engine::Collectives* col
   return out;
 }
 
-engine::GptConfig ModelFromDict(const py::dict& d) {
-  engine::GptConfig c;
+trainer::GptConfig ModelFromDict(const py::dict& d) {
+  trainer::GptConfig c;
   for (auto item : d) {
     const std::string k = py::str(item.first);
     const int64_t v = item.second.cast<int64_t>();
@@ -192,9 +192,9 @@ void BindEngine(py::module_& m) {
         q.device = device;
         q.save_dir = save;
         q.resume_dir = resume;
-        std::unique_ptr<engine::Collectives> coll;
+        std::unique_ptr<trainer::Collectives> coll;
         if (group.is_none()) {
-          coll = Check(engine::Collectives::Create(engine::DistEnv{}));
+          coll = Check(trainer::Collectives::Create(trainer::DistEnv{}));
         } else {
           c10::intrusive_ptr<c10d::ProcessGroup> pg;
           try {
@@ -205,7 +205,7 @@ void BindEngine(py::module_& m) {
                 "after init_process_group(\"gloo\") or (\"cpu:gloo,cuda:nccl\")), got ",
                 std::string(py::str(py::type::of(group))))));
           }
-          coll = Check(engine::Collectives::FromProcessGroup(std::move(pg)));
+          coll = Check(trainer::Collectives::FromProcessGroup(std::move(pg)));
         }
         Result<TrainOutcome> r = [&] {
           py::gil_scoped_release nogil;  // collectives block on other ranks; compute needs no GIL

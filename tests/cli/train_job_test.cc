@@ -134,8 +134,8 @@ TEST(TrainJobTest, ASaveHoldsNoCopyOfTheModel) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->checkpoints.size(), 1u);
   int64_t params = 0;
-  for (int64_t u = 0; u < engine::gpt::Units(o.model); ++u)
-    params += engine::gpt::UnitNumel(o.model, u);
+  for (int64_t u = 0; u < trainer::gpt::Units(o.model); ++u)
+    params += trainer::gpt::UnitNumel(o.model, u);
   const int64_t model_bytes = params * 4, bound = (8 + 4) << 20;
   std::printf("save of a %.1f MiB model (x4 states): tree anonymous PSS peak %+.2f MiB\n",
               model_bytes / 1048576.0, r->checkpoints[0].peak_extra_pss_bytes / 1048576.0);

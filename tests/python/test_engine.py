@@ -87,7 +87,7 @@ def test_world_size_two_equals_world_size_one(offload, tmp_path):
 def test_a_resumed_two_rank_run_equals_an_uninterrupted_one_bit_for_bit(offload, tmp_path):
     """Two ranks train 4 steps and save (each rank writes its own partitions); two new ranks resume
     and train 2 more: losses and parameters equal a 6-step run's exactly. World size 1 and the
-    failure cases run in tests/engine/trainer_checkpoint_test.cc."""
+    failure cases run in tests/trainer/trainer_checkpoint_test.cc."""
     for d in ("w", "a", "b"):
         (tmp_path / d).mkdir()
     whole = run_ranks(config(offload, tmp_path / "w"), 2, tmp_path / "whole.pt", steps=6)

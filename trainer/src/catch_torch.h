@@ -7,7 +7,7 @@
 
 #include "spillway/base/status.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 // libtorch reports failures (a GPU out of memory, a kernel error) by throwing; the trainer's
 // callers get statuses, and the step that threw is abandoned like any failed micro-batch (its
@@ -29,4 +29,4 @@ inline Status CatchTorch(const char* what, Fn fn) {
   }
 }
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -20,7 +20,7 @@
 
 #include <cstdlib>
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 Result<int> IntFromEnv(const char* name, int fallback, int lo, int hi) {
@@ -255,4 +255,4 @@ Status Collectives::Barrier() {
   return Guard("barrier", [&] { impl_->cpu->barrier()->wait(); });
 }
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

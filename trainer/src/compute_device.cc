@@ -5,7 +5,7 @@
 
 #include <cstdlib>
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 Result<c10::Device> ResolveComputeDevice(const std::string& spec, int local_rank) {
   const auto not_a_device = [&] {
@@ -55,4 +55,4 @@ offload::DeviceId ToDeviceId(const c10::Device& d) {
                      : offload::DeviceId{offload::DeviceType::kCpu, 0};
 }
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 namespace gpt {
 namespace {
@@ -107,4 +107,4 @@ torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets) {
 
 }  // namespace gpt
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -9,7 +9,7 @@
 #include "spillway/base/log.h"
 #include "spillway/base/status.h"
 
-namespace spillway::engine::torch_compat {
+namespace spillway::trainer::torch_compat {
 
 // The group's backend for `type`, or null when it has none. ProcessGroup::hasBackendForDeviceType
 // is not in torch 2.11; getBackend, in every version, throws c10::Error for a device type without
@@ -30,4 +30,4 @@ inline c10::intrusive_ptr<c10d::Backend> BackendFor(c10d::ProcessGroup& pg, c10:
   }
 }
 
-}  // namespace spillway::engine::torch_compat
+}  // namespace spillway::trainer::torch_compat

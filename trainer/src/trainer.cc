@@ -13,7 +13,7 @@
 #include "spillway/base/log.h"
 #include "spillway/offload/device_guard.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
   adam.lr = tc.lr;
@@ -28,7 +28,7 @@ void TrainerOptions::ApplyTraining(const offload::TrainingConfig& tc) {
 Trainer::Trainer(const TrainerOptions& options, Collectives* collectives,
                  offload::PartitionStore* store, allocator::HostArena* arena,
                  allocator::Ledger* ledger, allocator::ScopeId scope,
-                 std::unique_ptr<HostOptimizer> optimizer)
+                 std::unique_ptr<engine::HostOptimizer> optimizer)
     : options_(options),
       coll_(collectives),
       store_(store),
@@ -78,10 +78,10 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(
     }
     store->AttachDevice(options.pipeline);
   }
-  HostOptimizerOptions oo;
+  engine::HostOptimizerOptions oo;
   oo.adam = options.adam;
   oo.threads = options.optimizer_threads;
-  auto opt = HostOptimizer::Create(oo);
+  auto opt = engine::HostOptimizer::Create(oo);
   if (!opt.ok()) return opt.status();
   std::unique_ptr<Trainer> t(
       new Trainer(options, collectives, store, arena, ledger, scope, std::move(*opt)));
@@ -361,17 +361,18 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
   return Status::Ok();
 }
 
-Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* applied) {
+Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* stream,
+                                                  size_t* applied) {
   *applied = 0;
-  StepOptions so;
+  engine::StepOptions so;
   so.max_grad_norm = options_.max_grad_norm;
   if (store_->home(units_[0].master) == offload::Placement::kNvme) {
     // The streamed step overlaps NVMe reads and write-backs of the optimizer state with the update,
     // so it takes the gradient and parameter partitions (host views) for the whole step.
     std::vector<offload::Handle> held;
-    std::vector<StreamedGroup> groups(units_.size());
+    std::vector<engine::StreamedGroup> groups(units_.size());
     for (size_t u = 0; u < units_.size(); ++u) {
-      StreamedGroup& g = groups[u];
+      engine::StreamedGroup& g = groups[u];
       g.name = StrCat("unit ", u);
       g.numel = static_cast<uint64_t>(units_[u].shard);
       g.master = units_[u].master;
@@ -387,8 +388,9 @@ Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* app
       g.param = param->data();
       held.push_back(std::move(*param));
     }
-    Result<StepReport> report = StreamedStep(*optimizer_, *store_, groups, so, stream,
-                                             [this](double s) { return coll_->AllReduceSum(s); });
+    Result<engine::StepReport> report =
+        engine::StreamedStep(*optimizer_, *store_, groups, so, stream,
+                             [this](double s) { return coll_->AllReduceSum(s); });
     *applied = stream->groups;  // one group per unit, in order
     // The gradients start the next step at zero.
     for (size_t u = 0; u < units_.size(); ++u) {
@@ -403,7 +405,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* app
   for (const Unit& unit : units_) {
     auto g = store_->Acquire(unit.grad, offload::Access::kRead);
     if (!g.ok()) return g.status();
-    SubGroup view;
+    engine::SubGroup view;
     view.name = "unit";
     view.numel = static_cast<uint64_t>(unit.shard);
     view.grad = g->data();
@@ -415,7 +417,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* app
   }
   auto global = coll_->AllReduceSum(local);
   if (!global.ok()) return global.status();
-  Result<StepReport> report = optimizer_->Plan(*global, so);
+  Result<engine::StepReport> report = optimizer_->Plan(*global, so);
   if (!report.ok() || report->skipped) {
     SPILLWAY_RETURN_IF_ERROR(ZeroGrads());
     return report;
@@ -429,7 +431,7 @@ Result<StepReport> Trainer::OptimizerStep(StreamedStepStats* stream, size_t* app
       if (!v.ok()) return v.status();
       views.push_back(std::move(*v));
     }
-    SubGroup g;
+    engine::SubGroup g;
     g.name = "unit";
     g.numel = static_cast<uint64_t>(unit.shard);
     g.grad = views[0].data();
@@ -586,7 +588,7 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
   if (!report.ok()) {
     const size_t n = units_.size();
     if (applied == 0 && optimizer_->step() == adam_before + 1) {
-      StepReport planned;
+      engine::StepReport planned;
       planned.step = adam_before + 1;
       (void)optimizer_->Unplan(planned);  // no unit used that Adam step: the next step reuses it
     }
@@ -645,4 +647,4 @@ Result<torch::Tensor> Trainer::GatherUnit(int64_t unit) {
   return out;
 }
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

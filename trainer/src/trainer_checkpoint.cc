@@ -24,12 +24,12 @@
 #include "spillway/base/log.h"
 #include "spillway/trainer/trainer.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 namespace fs = std::filesystem;
-using checkpoint::TensorRecord;
-using checkpoint::TensorSpec;
+using engine::checkpoint::TensorRecord;
+using engine::checkpoint::TensorSpec;
 using nlohmann::json;
 
 constexpr const char* kFormat = "spillway-checkpoint";
@@ -186,7 +186,7 @@ Result<std::string> ResolveCheckpoint(const std::string& dir) {
         "): give the directory "
         "that was passed to save, or one of its step-N directories"));
   }
-  auto name = checkpoint::ReadSmallFile(latest, 4096);
+  auto name = engine::checkpoint::ReadSmallFile(latest, 4096);
   if (!name.ok()) return name.status();
   std::string n = *name;
   while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
@@ -218,7 +218,7 @@ Status Prune(const std::string& dir, const std::string& current, int64_t step, i
       const std::string n = e.path().filename().string();
       if (n.rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
       if (n.rfind("step-", 0) != 0 || n == current || !e.is_directory()) continue;
-      auto text = checkpoint::ReadSmallFile((e.path() / kManifest).string());
+      auto text = engine::checkpoint::ReadSmallFile((e.path() / kManifest).string());
       if (!text.ok()) continue;
       const json m = json::parse(*text, nullptr, false);
       if (!WellFormed(m)) continue;
@@ -289,7 +289,7 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       fs::create_directory(tmp);
     });
     // DIR itself must survive a power cut once a checkpoint in it is reported saved.
-    if (st.ok()) st = checkpoint::FsyncDirectory(fs::absolute(dir).parent_path().string());
+    if (st.ok()) st = engine::checkpoint::FsyncDirectory(fs::absolute(dir).parent_path().string());
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: preparing the directory"));
 
@@ -298,7 +298,7 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     // The save's order is not the step's: no prefetching on its account.
     offload::PartitionStore::OffSchedule off_schedule(*store_);
     const torch::Tensor rng = RngState();
-    auto writer = checkpoint::FileWriter::Create(
+    auto writer = engine::checkpoint::FileWriter::Create(
         (fs::path(tmp) / RankFile(rank, world)).string(),
         CheckpointSpecs(static_cast<uint64_t>(rng.numel())), o.io, o.fault_hook);
     if (!writer.ok()) return writer.status();
@@ -311,8 +311,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     SPILLWAY_RETURN_IF_ERROR((*writer)->Write(rng.data_ptr()));
     auto records = (*writer)->Finish();
     if (!records.ok()) return records.status();
-    return checkpoint::WriteFileDurably((fs::path(tmp) / SidecarFile(rank, world)).string(),
-                                        RecordsJson(*records).dump());
+    return engine::checkpoint::WriteFileDurably((fs::path(tmp) / SidecarFile(rank, world)).string(),
+                                                RecordsJson(*records).dump());
   });
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: writing the rank files"));
 
@@ -327,7 +327,7 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       json files = json::array();
       for (int r = 0; r < world; ++r) {
         const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
-        auto text = checkpoint::ReadSmallFile(sidecar);
+        auto text = engine::checkpoint::ReadSmallFile(sidecar);
         if (!text.ok()) return text.status();
         json t = json::parse(*text, nullptr, false);
         if (!t.is_object())
@@ -347,21 +347,21 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
           {"extra", extra},
           {"ranks", std::move(files)}};
       hook("manifest");
-      SPILLWAY_RETURN_IF_ERROR(
-          checkpoint::WriteFileDurably((fs::path(tmp) / kManifest).string(), manifest.dump(1)));
+      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::WriteFileDurably(
+          (fs::path(tmp) / kManifest).string(), manifest.dump(1)));
       SPILLWAY_RETURN_IF_ERROR(Fs("removing the per-rank checksum lists", [&] {
         for (int r = 0; r < world; ++r) fs::remove(fs::path(tmp) / SidecarFile(r, world));
       }));
-      SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(tmp));
+      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(tmp));
       std::error_code ec;
       while (fs::exists(fs::path(dir) / final_name, ec)) final_name = StrCat(name, ".", ++suffix);
       hook("rename");
       SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"),
                                   [&] { fs::rename(tmp, fs::path(dir) / final_name); }));
-      SPILLWAY_RETURN_IF_ERROR(checkpoint::FsyncDirectory(dir));
+      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(dir));
       hook("latest");
-      SPILLWAY_RETURN_IF_ERROR(
-          checkpoint::WriteFileDurably((fs::path(dir) / kLatest).string(), final_name + "\n"));
+      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::WriteFileDurably(
+          (fs::path(dir) / kLatest).string(), final_name + "\n"));
       // Now the new checkpoint is the one loaded. Older ones beyond `keep`, and temporary
       // directories of killed saves, go (every rank finished writing in step 2). The save has
       // succeeded whatever happens to them.
@@ -382,7 +382,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   const int rank = coll_->rank(), world = coll_->world_size();
   CheckpointInfo info;
   json manifest;
-  std::unique_ptr<checkpoint::FileReader> reader;
+  std::unique_ptr<engine::checkpoint::FileReader> reader;
   std::vector<const TensorRecord*> records;  // in CheckpointSpecs order
   std::vector<uint32_t> crcs;
 
@@ -394,7 +394,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     if (!path.ok()) return path.status();
     info.path = *path;
     const std::string mpath = (fs::path(*path) / kManifest).string();
-    auto text = checkpoint::ReadSmallFile(mpath);
+    auto text = engine::checkpoint::ReadSmallFile(mpath);
     if (!text.ok()) return text.status();
     manifest = json::parse(*text, nullptr, false);
     const auto damaged = [&](const std::string& what) {
@@ -436,7 +436,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
       return damaged(StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
     }
     const std::string file = (fs::path(*path) / RankFile(rank, world)).string();
-    auto r = checkpoint::FileReader::Open(file, o.io);
+    auto r = engine::checkpoint::FileReader::Open(file, o.io);
     if (!r.ok()) return r.status();
     reader = std::move(*r);
     const TensorRecord* rng = reader->Find(kRngTensor);
@@ -562,4 +562,4 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   return info;
 }
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -18,7 +18,7 @@ namespace {
 using allocator::Kind;
 using allocator::Lifetime;
 using allocator::OwnerTag;
-namespace gpt = engine::gpt;
+namespace gpt = trainer::gpt;
 
 constexpr int kEpochs = 4, kMicro = 10, kAccum = 4;
 constexpr RigOptions kRig = {.offload = offload::OffloadDevice::kCpu};
@@ -26,14 +26,14 @@ constexpr RigOptions kRig = {.offload = offload::OffloadDevice::kCpu};
 // Both arms share the collectives and the model's shape; each builds its own rig.
 class AccumRemainder final : public Trial {
  public:
-  AccumRemainder(const LeakSuiteOptions& suite, std::unique_ptr<engine::Collectives> collectives)
+  AccumRemainder(const LeakSuiteOptions& suite, std::unique_ptr<trainer::Collectives> collectives)
       : suite_(suite), collectives_(std::move(collectives)) {}
 
   // The trainer takes the remainder as a short step, inside the ledger's step.
   Status Spillway(ScenarioOutcome* out) override {
     SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<offload::Tiers> rig, MakeRig(suite_, kRig));
     offload::Tiers& r = *rig;
-    SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Trainer> trainer,
+    SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Trainer> trainer,
                               MakeTrainer(r, collectives_.get(), model_));
     LeakSeries& series = out->spillway;
     int64_t step = 0;
@@ -133,15 +133,15 @@ class AccumRemainder final : public Trial {
 
  private:
   const LeakSuiteOptions suite_;
-  std::unique_ptr<engine::Collectives> collectives_;
-  const engine::GptConfig model_ = Tiny();
+  std::unique_ptr<trainer::Collectives> collectives_;
+  const trainer::GptConfig model_ = Tiny();
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Trial>> StartAccumRemainder(const LeakSuiteOptions& suite) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Collectives> collectives,
-                            engine::Collectives::Create(engine::DistEnv{}));
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Collectives> collectives,
+                            trainer::Collectives::Create(trainer::DistEnv{}));
   return std::unique_ptr<Trial>(std::make_unique<AccumRemainder>(suite, std::move(collectives)));
 }
 

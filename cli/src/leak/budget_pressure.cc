@@ -14,7 +14,7 @@
 namespace spillway::cli::leak {
 namespace {
 
-namespace gpt = engine::gpt;
+namespace gpt = trainer::gpt;
 
 constexpr int kEpochs = 3, kSteps = 4;
 
@@ -28,7 +28,7 @@ double MostOver(const LeakSeries& s) {
 // The two arms are one training run under two host budgets; their losses must match bit for bit.
 class BudgetPressure final : public Trial {
  public:
-  BudgetPressure(const LeakSuiteOptions& suite, std::unique_ptr<engine::Collectives> collectives)
+  BudgetPressure(const LeakSuiteOptions& suite, std::unique_ptr<trainer::Collectives> collectives)
       : suite_(suite), collectives_(std::move(collectives)) {
     for (int64_t u = 0; u < gpt::Units(model_); ++u)
       state_bytes_ += 5 * 4 * gpt::UnitNumel(model_, u);
@@ -103,8 +103,8 @@ class BudgetPressure final : public Trial {
   }
 
   const LeakSuiteOptions suite_;
-  std::unique_ptr<engine::Collectives> collectives_;
-  const engine::GptConfig model_ = Tiny(16, 64);
+  std::unique_ptr<trainer::Collectives> collectives_;
+  const trainer::GptConfig model_ = Tiny(16, 64);
   uint64_t state_bytes_ = 0;  // the model's states: parameters, gradients, master, both moments
   uint64_t budget_ = 0;       // a quarter of them
   std::vector<double> losses_[2];  // Spillway's, the control's
@@ -114,8 +114,8 @@ class BudgetPressure final : public Trial {
 }  // namespace
 
 Result<std::unique_ptr<Trial>> StartBudgetPressure(const LeakSuiteOptions& suite) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Collectives> collectives,
-                            engine::Collectives::Create(engine::DistEnv{}));
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Collectives> collectives,
+                            trainer::Collectives::Create(trainer::DistEnv{}));
   return std::unique_ptr<Trial>(std::make_unique<BudgetPressure>(suite, std::move(collectives)));
 }
 

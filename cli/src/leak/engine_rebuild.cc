@@ -20,25 +20,25 @@ constexpr RigOptions kRig = {.offload = offload::OffloadDevice::kCpu};
 // report steps to the ledger (here the rebuilds are the epochs).
 struct Engine {
   std::unique_ptr<offload::PartitionStore> store;
-  std::unique_ptr<engine::Trainer> trainer;
+  std::unique_ptr<trainer::Trainer> trainer;
 };
 
 Result<Engine> MakeEngine(offload::Tiers& rig, const offload::Config& config,
-                          engine::Collectives* collectives, const engine::GptConfig& c,
+                          trainer::Collectives* collectives, const trainer::GptConfig& c,
                           allocator::ScopeId scope) {
   Engine e;
   SPILLWAY_ASSIGN_OR_RETURN(
       e.store, offload::PartitionStore::Create(config, rig.host.get(), rig.nvme.get(), scope));
   SPILLWAY_ASSIGN_OR_RETURN(
-      e.trainer, engine::Trainer::Create(TrainerOptionsFor(c), collectives, e.store.get(),
-                                         rig.host.get(), nullptr, scope));
+      e.trainer, trainer::Trainer::Create(TrainerOptionsFor(c), collectives, e.store.get(),
+                                          rig.host.get(), nullptr, scope));
   return e;
 }
 
 // Both arms share the collectives and the model's shape; each builds its own rig.
 class EngineRebuild final : public Trial {
  public:
-  EngineRebuild(const LeakSuiteOptions& suite, std::unique_ptr<engine::Collectives> collectives)
+  EngineRebuild(const LeakSuiteOptions& suite, std::unique_ptr<trainer::Collectives> collectives)
       : suite_(suite), collectives_(std::move(collectives)) {}
 
   // Each old engine is destroyed and its scope released.
@@ -91,15 +91,15 @@ class EngineRebuild final : public Trial {
   }
 
   const LeakSuiteOptions suite_;
-  std::unique_ptr<engine::Collectives> collectives_;
-  const engine::GptConfig model_ = Tiny(2);
+  std::unique_ptr<trainer::Collectives> collectives_;
+  const trainer::GptConfig model_ = Tiny(2);
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Trial>> StartEngineRebuild(const LeakSuiteOptions& suite) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Collectives> collectives,
-                            engine::Collectives::Create(engine::DistEnv{}));
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Collectives> collectives,
+                            trainer::Collectives::Create(trainer::DistEnv{}));
   return std::unique_ptr<Trial>(std::make_unique<EngineRebuild>(suite, std::move(collectives)));
 }
 

@@ -16,13 +16,13 @@ namespace {
 using allocator::Kind;
 using allocator::Lifetime;
 using allocator::OwnerTag;
-namespace gpt = engine::gpt;
+namespace gpt = trainer::gpt;
 
 constexpr int kEpochs = 4, kSteps = 3;
 constexpr RigOptions kRig = {.offload = offload::OffloadDevice::kCpu};
 
-engine::GptConfig Model() {
-  engine::GptConfig c = Tiny(2);
+trainer::GptConfig Model() {
+  trainer::GptConfig c = Tiny(2);
   c.vocab = 256;  // an embedding of 68 KiB: what one failure strands is well above a page
   return c;
 }
@@ -31,7 +31,7 @@ engine::GptConfig Model() {
 // model's shape; each builds its own rig.
 class StepException final : public Trial {
  public:
-  StepException(const LeakSuiteOptions& suite, std::unique_ptr<engine::Collectives> collectives)
+  StepException(const LeakSuiteOptions& suite, std::unique_ptr<trainer::Collectives> collectives)
       : suite_(suite), collectives_(std::move(collectives)) {}
 
   // The trainer's step: after the first micro-batch's forward and backward, the second one's
@@ -44,7 +44,7 @@ class StepException final : public Trial {
     const int64_t units = gpt::Units(model_);
     bool armed = false;
     int64_t forwards = 0;  // units whose forward started in this step
-    SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Trainer> trainer,
+    SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Trainer> trainer,
                               MakeTrainer(r, collectives_.get(), model_));
     trainer->SetFaultHookForTesting([&](int64_t u) {
       if (armed && ++forwards > units && u == 1)
@@ -139,16 +139,16 @@ class StepException final : public Trial {
 
  private:
   const LeakSuiteOptions suite_;
-  std::unique_ptr<engine::Collectives> collectives_;
-  const engine::GptConfig model_ = Model();
+  std::unique_ptr<trainer::Collectives> collectives_;
+  const trainer::GptConfig model_ = Model();
   uint64_t failures_ = 0;  // Spillway's steps that failed
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Trial>> StartStepException(const LeakSuiteOptions& suite) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<engine::Collectives> collectives,
-                            engine::Collectives::Create(engine::DistEnv{}));
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<trainer::Collectives> collectives,
+                            trainer::Collectives::Create(trainer::DistEnv{}));
   return std::unique_ptr<Trial>(std::make_unique<StepException>(suite, std::move(collectives)));
 }
 

@@ -3,8 +3,8 @@
 
 namespace spillway::cli::leak {
 
-engine::GptConfig Tiny(int64_t layers, int64_t d) {
-  engine::GptConfig c;
+trainer::GptConfig Tiny(int64_t layers, int64_t d) {
+  trainer::GptConfig c;
   c.vocab = 32;
   c.d_model = d;
   c.n_layer = layers;
@@ -14,13 +14,13 @@ engine::GptConfig Tiny(int64_t layers, int64_t d) {
   return c;
 }
 
-torch::Tensor Batch(const engine::GptConfig& c, int64_t seed) {
+torch::Tensor Batch(const trainer::GptConfig& c, int64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(1000 + seed));
   return torch::randint(0, c.vocab, {4, c.seq_len + 1}, gen, torch::kInt64);
 }
 
-engine::TrainerOptions TrainerOptionsFor(const engine::GptConfig& c) {
-  engine::TrainerOptions o;
+trainer::TrainerOptions TrainerOptionsFor(const trainer::GptConfig& c) {
+  trainer::TrainerOptions o;
   o.model = c;
   o.adam.lr = 1e-2;
   o.optimizer_threads = 2;
@@ -28,11 +28,11 @@ engine::TrainerOptions TrainerOptionsFor(const engine::GptConfig& c) {
   return o;
 }
 
-Result<std::unique_ptr<engine::Trainer>> MakeTrainer(offload::Tiers& rig,
-                                                     engine::Collectives* collectives,
-                                                     const engine::GptConfig& c) {
-  return engine::Trainer::Create(TrainerOptionsFor(c), collectives, rig.store.get(), rig.host.get(),
-                                 &rig.ledger, allocator::kProcessScope);
+Result<std::unique_ptr<trainer::Trainer>> MakeTrainer(offload::Tiers& rig,
+                                                      trainer::Collectives* collectives,
+                                                      const trainer::GptConfig& c) {
+  return trainer::Trainer::Create(TrainerOptionsFor(c), collectives, rig.store.get(),
+                                  rig.host.get(), &rig.ledger, allocator::kProcessScope);
 }
 
 }  // namespace spillway::cli::leak

@@ -25,8 +25,8 @@ int main() {
   auto exporter = metrics::Exporter::Start(eo);
   if (!exporter.ok()) return 4;
 #if CONSUMER_WITH_TORCH
-  engine::GptConfig model;
-  if (engine::gpt::Units(model) != model.n_layer + 2) return 5;
+  trainer::GptConfig model;
+  if (trainer::gpt::Units(model) != model.n_layer + 2) return 5;
 #endif
   std::printf("consumer: found spillway, made an arena, an optimizer (%s) and an exporter at %s\n",
               engine::IsaName(optimizer.value()->isa()), exporter.value()->address().c_str());

@@ -31,7 +31,7 @@ struct TrainJobOptions {
   uint32_t workers = 2;          // data-loader processes forked per epoch
   std::string metrics_address;   // empty: the config's spillway.metrics_address; "off": none
   std::string swap_dir;  // empty: the config's nvme_path, or a fresh directory under $TMPDIR
-  engine::GptConfig model = DefaultModel();
+  trainer::GptConfig model = DefaultModel();
   uint32_t threads = 0;         // optimizer threads; 0: one per core
   std::string device = "auto";  // forward/backward: auto (CUDA when present), cpu, cuda, cuda:N
   bool progress = true;
@@ -56,8 +56,8 @@ struct TrainJobOptions {
   };
   std::function<void(const StepEvent&)> on_step;  // called after every step (tests, tools)
 
-  static engine::GptConfig DefaultModel() {
-    engine::GptConfig m;
+  static trainer::GptConfig DefaultModel() {
+    trainer::GptConfig m;
     m.vocab = 96;
     m.d_model = 128;
     m.n_layer = 2;

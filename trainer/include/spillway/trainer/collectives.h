@@ -35,7 +35,7 @@ class Backend;
 class ProcessGroup;
 }  // namespace c10d
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 struct DistEnv {
   int rank = 0;
@@ -98,4 +98,4 @@ class Collectives {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

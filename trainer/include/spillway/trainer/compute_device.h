@@ -9,7 +9,7 @@
 #include "spillway/base/status.h"
 #include "spillway/offload/device_guard.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 // Where the forward and backward math runs: "auto" (this local rank's CUDA device when libtorch
 // sees one, else the CPU), "cpu", "cuda" (this local rank's) or "cuda:N". Local rank r takes
@@ -22,4 +22,4 @@ Result<c10::Device> ResolveComputeDevice(const std::string& spec, int local_rank
 // cuda:0). Other device types map to cpu: callers refuse them first.
 offload::DeviceId ToDeviceId(const c10::Device& device);
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 struct GptConfig {
   int64_t vocab = 96;
@@ -31,4 +31,4 @@ torch::Tensor Forward(const GptConfig& c, int64_t unit, const torch::Tensor& fla
 torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& targets);
 }  // namespace gpt
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

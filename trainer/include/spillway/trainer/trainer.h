@@ -31,7 +31,7 @@
 #include "spillway/trainer/compute_device.h"
 #include "spillway/trainer/model.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 
 struct TrainerOptions {
   GptConfig model;
@@ -39,7 +39,7 @@ struct TrainerOptions {
   // gathered into pinned host memory and copied to this device per unit, gradients come back to
   // their host partitions per unit.
   torch::Device compute = torch::kCPU;
-  AdamWConfig adam;
+  engine::AdamWConfig adam;
   uint32_t optimizer_threads = 0;
   double max_grad_norm = 0.0;  // 0: no clipping
   // The path from NVMe to `compute` (offload::Tiers::OpenDevicePipeline makes it): parameters
@@ -59,9 +59,9 @@ struct TrainerOptions {
 
 struct TrainStepResult {
   double loss = 0.0;                   // mean over micro-batches and ranks
-  StepReport report;                   // the optimizer's
+  engine::StepReport report;           // the optimizer's
   allocator::BoundaryReport boundary;  // the ledger's EndStep report (empty without a ledger)
-  StreamedStepStats stream;            // when the optimizer state streamed from NVMe
+  engine::StreamedStepStats stream;    // when the optimizer state streamed from NVMe
 };
 
 // Save and Load (Note [Checkpoint] in docs/checkpoint.md).
@@ -73,8 +73,8 @@ struct CheckpointOptions {
   // Checkpoints kept in the directory after a save, newest first (the one just written counts);
   // 0 keeps every one. Saving never removes the previous checkpoint before the new one is in place.
   int keep = 2;
-  checkpoint::FaultHook fault_hook;  // test seam: see checkpoint_file.h; the trainer adds
-                                     // "manifest", "rename" and "latest" (before each)
+  engine::checkpoint::FaultHook fault_hook;  // test seam: see checkpoint_file.h; the trainer adds
+                                             // "manifest", "rename" and "latest" (before each)
 };
 
 struct CheckpointInfo {
@@ -101,7 +101,7 @@ class Trainer {
   Result<TrainStepResult> Step(const std::vector<torch::Tensor>& micro_batches);
   // The full parameters of one unit, on the host (an all-gather: call it on every rank).
   Result<torch::Tensor> GatherUnit(int64_t unit);
-  HostOptimizer& optimizer() { return *optimizer_; }
+  engine::HostOptimizer& optimizer() { return *optimizer_; }
   // Fault-injection seam for tests: called with the unit index before each unit's forward; what
   // it throws takes the path a libtorch exception takes (the step is abandoned with a status).
   void SetFaultHookForTesting(std::function<void(int64_t unit)> hook) {
@@ -137,7 +137,7 @@ class Trainer {
   };
   Trainer(const TrainerOptions& options, Collectives* collectives, offload::PartitionStore* store,
           allocator::HostArena* arena, allocator::Ledger* ledger, allocator::ScopeId scope,
-          std::unique_ptr<HostOptimizer> optimizer);
+          std::unique_ptr<engine::HostOptimizer> optimizer);
   Status Init();
   Result<torch::Tensor> Gather(int64_t unit);  // arena-backed, step lifetime
   // On options_.compute. `ahead`, when valid, is this unit's DeviceShard started earlier.
@@ -160,11 +160,11 @@ class Trainer {
   Status CheckMicroBatches(const std::vector<torch::Tensor>& micro_batches) const;
   Status MicroBatch(const torch::Tensor& tokens, double scale, double* loss);
   // `applied`: how many units (in order) took the step, also when it fails.
-  Result<StepReport> OptimizerStep(StreamedStepStats* stream, size_t* applied);
+  Result<engine::StepReport> OptimizerStep(engine::StreamedStepStats* stream, size_t* applied);
   Status ZeroGrads();
   // One step's partition accesses in order, for `micro_batches` micro-batches.
   std::vector<offload::PartitionId> Schedule(size_t micro_batches) const;
-  std::vector<checkpoint::TensorSpec> CheckpointSpecs(uint64_t rng_bytes) const;
+  std::vector<engine::checkpoint::TensorSpec> CheckpointSpecs(uint64_t rng_bytes) const;
   // Every rank's `local` outcome: OK only when every rank's is (the ranks stay in step).
   Status Agree(const Status& local, const char* what);
 
@@ -174,7 +174,7 @@ class Trainer {
   allocator::HostArena* const arena_;
   allocator::Ledger* const ledger_;
   const allocator::ScopeId scope_;
-  std::unique_ptr<HostOptimizer> optimizer_;
+  std::unique_ptr<engine::HostOptimizer> optimizer_;
   std::vector<Unit> units_;
   std::unique_ptr<AheadThread> ahead_;  // with a pipeline only
   std::function<void(int64_t)> fault_hook_;
@@ -184,4 +184,4 @@ class Trainer {
   size_t scheduled_micro_batches_ = 0;  // the schedule the store holds; 0: none yet
 };
 
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

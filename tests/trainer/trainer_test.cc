@@ -21,7 +21,7 @@
 #include "spillway/offload/tiers.h"
 #include "trainer_test_util.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 using offload::testing::ParseOrDie;
@@ -43,7 +43,7 @@ struct Reference {
     for (int64_t u = 0; u < gpt::Units(c); ++u) {
       flats.push_back(gpt::InitUnit(c, u).to(device).requires_grad_(true));
     }
-    const AdamWConfig a = Adam();
+    const engine::AdamWConfig a = Adam();
     torch::optim::AdamW opt(flats, torch::optim::AdamWOptions(a.lr)
                                        .betas({a.beta1, a.beta2})
                                        .eps(a.eps)
@@ -394,9 +394,9 @@ TEST(TrainerTest, BadInputIsRefusedWithWhatToChange) {
 }
 
 }  // namespace
-}  // namespace spillway::engine
+}  // namespace spillway::trainer
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 // An I/O error inside the optimizer step (the state streams from NVMe) ends that step the way a
@@ -523,9 +523,9 @@ TEST(TrainerTest, CpuOffloadUnderAQuarterBudgetSpillsAndTrainsTheSame) {
 }
 
 }  // namespace
-}  // namespace spillway::engine
+}  // namespace spillway::trainer
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 // Note [Trainer pipeline] (docs/engine.md): parameters homed on NVMe reach the compute device
@@ -684,4 +684,4 @@ TEST(TrainerTest, APipelineToAnotherDeviceThanTheComputeDeviceIsRefused) {
 }
 
 }  // namespace
-}  // namespace spillway::engine
+}  // namespace spillway::trainer

@@ -9,7 +9,7 @@
 #include "../allocator/nvme_test_util.h"
 #include "spillway/trainer/trainer.h"
 
-namespace spillway::engine::testing {
+namespace spillway::trainer::testing {
 
 inline GptConfig SmallGpt() {
   GptConfig c;
@@ -22,8 +22,8 @@ inline GptConfig SmallGpt() {
   return c;
 }
 
-inline AdamWConfig Adam() {
-  AdamWConfig a;
+inline engine::AdamWConfig Adam() {
+  engine::AdamWConfig a;
   a.lr = 3e-3;
   a.beta1 = 0.9;
   a.beta2 = 0.99;
@@ -45,4 +45,4 @@ inline std::string Json(const char* param, const char* opt) {
                 R"(", "nvme_path": ")", dir, R"("}}})");
 }
 
-}  // namespace spillway::engine::testing
+}  // namespace spillway::trainer::testing

@@ -18,7 +18,7 @@
 #include "spillway/trainer/trainer.h"
 #include "trainer_test_util.h"
 
-namespace spillway::engine {
+namespace spillway::trainer {
 namespace {
 
 namespace fs = std::filesystem;
@@ -174,10 +174,10 @@ TEST(CheckpointTest, TheFormatIsSafetensorsWithAManifestAndOldCheckpointsGo) {
   EXPECT_EQ(t.size(), 4u * gpt::Units(SmallGpt()) + 1);
   EXPECT_EQ(t["unit.1.exp_avg"]["dtype"], "F32");
   // Readable without Spillway's writer: the reader checks the header against the file size.
-  auto reader =
-      checkpoint::FileReader::Open(ckpt + "/rank-00000-of-00001.safetensors", run.rig.engine.get());
+  auto reader = engine::checkpoint::FileReader::Open(ckpt + "/rank-00000-of-00001.safetensors",
+                                                     run.rig.engine.get());
   ASSERT_TRUE(reader.ok()) << reader.status().ToString();
-  const checkpoint::TensorRecord* param = (*reader)->Find("unit.0.param");
+  const engine::checkpoint::TensorRecord* param = (*reader)->Find("unit.0.param");
   ASSERT_NE(param, nullptr);
   std::vector<float> p(param->spec.bytes / 4);
   auto crc = (*reader)->Read(*param, p.data());
@@ -253,20 +253,20 @@ class BadCheckpointTest : public ::testing::Test {
   }
   // Rewrites the rank file with `edit` applied to each tensor's spec and bytes.
   void RewriteRankFile(
-      const std::function<void(checkpoint::TensorSpec&, std::vector<char>&)>& edit) {
-    auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
+      const std::function<void(engine::checkpoint::TensorSpec&, std::vector<char>&)>& edit) {
+    auto reader = engine::checkpoint::FileReader::Open(file_, target_.rig.engine.get());
     ASSERT_TRUE(reader.ok());
-    std::vector<checkpoint::TensorSpec> specs;
+    std::vector<engine::checkpoint::TensorSpec> specs;
     std::vector<std::vector<char>> data;
     for (const auto& t : (*reader)->tensors()) {
-      checkpoint::TensorSpec s = t.spec;
+      engine::checkpoint::TensorSpec s = t.spec;
       data.emplace_back(t.spec.bytes);
       ASSERT_TRUE((*reader)->Read(t, data.back().data()).ok());
       edit(s, data.back());
       specs.push_back(s);
     }
     reader->reset();
-    auto w = checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
+    auto w = engine::checkpoint::FileWriter::Create(file_, specs, target_.rig.engine.get());
     ASSERT_TRUE(w.ok()) << w.status().ToString();
     for (const auto& d : data) ASSERT_TRUE((*w)->Write(d.data()).ok());
     ASSERT_TRUE((*w)->Finish().ok());
@@ -285,7 +285,7 @@ class BadCheckpointTest : public ::testing::Test {
 };
 
 TEST_F(BadCheckpointTest, AFlippedByteIsCaughtByItsCrcAndNamesTheTensor) {
-  auto reader = checkpoint::FileReader::Open(file_, target_.rig.engine.get());
+  auto reader = engine::checkpoint::FileReader::Open(file_, target_.rig.engine.get());
   ASSERT_TRUE(reader.ok());
   const uint64_t begin = (*reader)->Find("unit.1.master")->begin;
   reader->reset();
@@ -327,7 +327,7 @@ TEST_F(BadCheckpointTest, AnotherModelIsRefusedNamingTheSetting) {
 
 TEST_F(BadCheckpointTest, ADtypeOrShapeThatDisagreesWithTheTrainerIsRefused) {
   // A header that says F16 for a tensor: not what this trainer holds (checked before the manifest).
-  RewriteRankFile([](checkpoint::TensorSpec& s, std::vector<char>&) {
+  RewriteRankFile([](engine::checkpoint::TensorSpec& s, std::vector<char>&) {
     if (s.name == "unit.2.param") {
       s.dtype = "F16";
       s.shape[0] *= 2;
@@ -361,7 +361,7 @@ TEST_F(BadCheckpointTest, FieldsOfTheWrongTypeAreADamagedManifestNotACrash) {
 
 TEST_F(BadCheckpointTest, GeneratorStateOfAnotherSizeIsRefusedBeforeAnythingChanges) {
   // Another torch's generator state: the file is rewritten with 8 more bytes of it.
-  RewriteRankFile([](checkpoint::TensorSpec& s, std::vector<char>& bytes) {
+  RewriteRankFile([](engine::checkpoint::TensorSpec& s, std::vector<char>& bytes) {
     if (s.name != "rng.torch_cpu") return;
     s.shape[0] += 8;
     s.bytes += 8;
@@ -412,4 +412,4 @@ TEST(CheckpointTest, SaveRefusesBadOptions) {
 }
 
 }  // namespace
-}  // namespace spillway::engine
+}  // namespace spillway::trainer
