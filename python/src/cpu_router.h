@@ -1,0 +1,72 @@
+// The CPU allocator router: torch's CPU allocator, which sends allocations made inside a
+// `spillway.tag(...)` scope to the host arena and forwards the rest to the allocator it replaced.
+// Note [Torch allocators] in docs/deepspeed.md.
+#pragma once
+
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "deferred_blocks.h"
+#include "py_arena.h"
+#include "tag_scope.h"
+
+namespace spillway::python {
+
+struct RouterStats {
+  std::atomic<uint64_t> routed_allocations{0};
+  std::atomic<uint64_t> routed_bytes{0};
+  std::atomic<uint64_t> small_forwarded{0};  // inside a scope but below small_bytes
+};
+
+// Thread-safe. While no tag scope is open anywhere in the process, allocate() is one relaxed atomic
+// load and a forward; otherwise one ThreadLocalDebugInfo read (null unless some debug info is
+// pushed on this thread or propagated to it) decides. Frees need no routing: a storage
+// frees through the deleter of the allocator that made it.
+class CpuRouter final : public c10::Allocator {
+ public:
+  CpuRouter(c10::Allocator* next, std::shared_ptr<PyArena> arena, uint64_t small_bytes)
+      : next_(next), arena_(std::move(arena)), small_bytes_(small_bytes) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (C10_LIKELY(g_open_scopes.load(std::memory_order_relaxed) == 0)) return next_->allocate(n);
+    const TagScope* scope = CurrentTag();
+    if (scope == nullptr) return next_->allocate(n);
+    if (n < small_bytes_) {
+      stats_.small_forwarded.fetch_add(1, std::memory_order_relaxed);
+      return next_->allocate(n);
+    }
+    void* p = ArenaAllocate(*arena_, n, scope->tag, "a CPU tensor allocation inside spillway.tag");
+    stats_.routed_allocations.fetch_add(1, std::memory_order_relaxed);
+    stats_.routed_bytes.fetch_add(n, std::memory_order_relaxed);
+    return {p, p, &FreeRouted, c10::Device(c10::DeviceType::CPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  // raw_allocate()/raw_deallocate() (oneDNN's scratch buffers use them) need one deleter for both
+  // kinds of pointer: routed ones are found in the arena, the rest go to the replaced allocator's.
+  c10::DeleterFnPtr raw_deleter() const override {
+    return next_->raw_deleter() != nullptr ? &RawFree : nullptr;
+  }
+
+  static void FreeRouted(void* p);
+  static void RawFree(void* p);
+  PyArena& arena() { return *arena_; }
+  const RouterStats& stats() const { return stats_; }
+  uint64_t small_bytes() const { return small_bytes_; }
+
+ private:
+  c10::Allocator* const next_;
+  const std::shared_ptr<PyArena> arena_;
+  const uint64_t small_bytes_;
+  RouterStats stats_;
+};
+
+// The installed router (set once by Install in torch_allocators.cc; torch keeps the raw pointer,
+// so it is never destroyed). Null before install.
+extern CpuRouter* g_router;
+
+}  // namespace spillway::python

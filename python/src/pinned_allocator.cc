@@ -1,0 +1,18 @@
+// The pinned allocator's view of the current stream, for the CUDA-graph pools' filters.
+#include "pinned_allocator.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+namespace spillway::python {
+
+c10::Stream CurrentStream() {
+  const c10::Stream host(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return host;  // a CPU build of torch
+  const c10::impl::DeviceGuardImplInterface* impl =
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  // A CUDA build of torch on a machine without a usable GPU: getDevice() would throw (no driver).
+  if (impl->deviceCount() == 0) return host;
+  return impl->getStream(impl->getDevice());
+}
+
+}  // namespace spillway::python
