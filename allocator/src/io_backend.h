@@ -6,6 +6,7 @@
 // docs/nvme.md.
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 
@@ -28,11 +29,14 @@ class IoBackendImpl {
   // Fixed tables, io_uring only. A backend without a table is never asked to update it.
   virtual bool fixed_files() const { return false; }
   virtual bool fixed_buffers() const { return false; }
-  // Points fixed-file slot `slot` at `fd`, or clears it with -1. Returns 0 or -errno.
-  virtual int UpdateFileSlot(int slot, int fd) = 0;
+  // Points fixed-file slot `slot` at `fd`, or clears it with -1. Returns 0 or -errno (-ENOTSUP for
+  // a backend without the table).
+  virtual int UpdateFileSlot(int /*slot*/, int /*fd*/) { return -ENOTSUP; }
   // Registers [base, base + bytes) as fixed buffer `slot`, or clears it with a null base.
-  // Returns 0 or -errno.
-  virtual int UpdateBufferSlot(int slot, void* base, uint64_t bytes) = 0;
+  // Returns 0 or -errno (-ENOTSUP for a backend without the table).
+  virtual int UpdateBufferSlot(int /*slot*/, void* /*base*/, uint64_t /*bytes*/) {
+    return -ENOTSUP;
+  }
 };
 
 // The ring, or null with *err set to the errno that stopped it (ENOSYS or EPERM under seccomp,

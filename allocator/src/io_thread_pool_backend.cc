@@ -28,8 +28,6 @@ class ThreadPoolBackend final : public IoBackendImpl {
     for (auto& t : threads_) t.join();
     threads_.clear();
   }
-  int UpdateFileSlot(int, int) override { return -ENOTSUP; }
-  int UpdateBufferSlot(int, void*, uint64_t) override { return -ENOTSUP; }
 
  private:
   void Loop() {

@@ -9,7 +9,9 @@ namespace spillway::offload {
 Status OptSchedule::Set(std::vector<PartitionId> order, uint64_t partitions) {
   for (PartitionId id : order) {
     if (id >= partitions) {
-      return Status::InvalidArgument(StrCat("SetSchedule: partition ", id, " is not registered"));
+      return Status::InvalidArgument(StrCat("OptSchedule::Set: partition ", id,
+                                            " is not registered (ids run below ", partitions,
+                                            "); schedule registered partitions only"));
     }
   }
   uses_.assign(partitions, {});
