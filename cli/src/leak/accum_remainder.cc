@@ -47,9 +47,7 @@ class AccumRemainder final : public Trial {
         SPILLWAY_RETURN_IF_ERROR(trainer->Step(mbs).status());
         series.Add(++step, ep, false, HostLive(r));
       }
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(r.ledger.EndEpoch(&rep));
-      series.Add(step, ep, true, HostLive(r));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(r, &series, step, ep));
     }
     series.escapes = TotalEscapes(r);
     return Status::Ok();
@@ -98,19 +96,13 @@ class AccumRemainder final : public Trial {
           SPILLWAY_RETURN_IF_ERROR(r.host->Free(accum));
           accum = nullptr;
           in_window = 0;
-          allocator::BoundaryReport rep;
-          SPILLWAY_RETURN_IF_ERROR(r.ledger.EndStep(&rep));
-          series.Add(step, ep, false, HostLive(r));
+          SPILLWAY_RETURN_IF_ERROR(SampleLiveAtStep(r, &series, step, ep));
         }
       }
       if (accum != nullptr) {  // the remainder: the loop moves on and forgets the buffer
-        allocator::BoundaryReport rep;
-        SPILLWAY_RETURN_IF_ERROR(r.ledger.EndStep(&rep));
-        series.Add(step, ep, false, HostLive(r));
+        SPILLWAY_RETURN_IF_ERROR(SampleLiveAtStep(r, &series, step, ep));
       }
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(r.ledger.EndEpoch(&rep));
-      series.Add(step, ep, true, HostLive(r));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(r, &series, step, ep));
     }
     series.escapes = TotalEscapes(r);
     return r.ledger.ReleaseScope(naive).status();

@@ -68,9 +68,7 @@ class StepException final : public Trial {
               "step-exception: the step with the injected failure did not fail");
         series.Add(++step, ep, false, HostLive(r));
       }
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(r.ledger.EndEpoch(&rep));
-      series.Add(step, ep, true, HostLive(r));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(r, &series, step, ep));
     }
     series.escapes = TotalEscapes(r);
     return Status::Ok();
@@ -114,13 +112,9 @@ class StepException final : public Trial {
         } catch (const c10::Error&) {
           // The training loop logs and goes on; the gathers are never freed.
         }
-        allocator::BoundaryReport rep;
-        SPILLWAY_RETURN_IF_ERROR(r.ledger.EndStep(&rep));
-        series.Add(step, ep, false, HostLive(r));
+        SPILLWAY_RETURN_IF_ERROR(SampleLiveAtStep(r, &series, step, ep));
       }
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(r.ledger.EndEpoch(&rep));
-      series.Add(step, ep, true, HostLive(r));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(r, &series, step, ep));
     }
     series.escapes = TotalEscapes(r);
     return r.ledger.ReleaseScope(naive).status();
