@@ -50,7 +50,8 @@ Status HostRegister(void* base, size_t bytes) {
     if (err != cudaSuccess) {
       Status st = CudaError(err, StrCat("cudaHostRegister of ", FormatBytes(piece)));
       for (size_t undo = 0; undo < done; undo += kMaxRegisterBytes) {
-        (void)CudaError(cudaHostUnregister(p + undo), "cudaHostUnregister");
+        // Undoing a failed registration: the registration error is the one to report.
+        CudaError(cudaHostUnregister(p + undo), "cudaHostUnregister").IgnoreError();
       }
       return st;
     }

@@ -210,7 +210,7 @@ Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
     }
   }
   if (!st.ok()) {
-    (void)os::Unmap(base, bytes);
+    os::Unmap(base, bytes).IgnoreError();  // undoing a failed map: `st` is the error to report
     return st;
   }
   NotifyObservers(true, base, bytes);  // before anyone can be handed memory from it

@@ -49,7 +49,7 @@ Result<std::unique_ptr<ForkingLoader>> ForkingLoader::Create(const CharCorpus* c
 }
 
 ForkingLoader::~ForkingLoader() {
-  if (epoch_open()) (void)Reap(/*kill_first=*/true);
+  if (epoch_open()) Reap(/*kill_first=*/true).IgnoreError();  // a destructor reports nothing
 }
 
 Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
@@ -74,7 +74,7 @@ Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
     int fds[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
       const int err = errno;
-      (void)Reap(true);
+      Reap(/*kill_first=*/true).IgnoreError();  // the error below is the one to report
       return Status::FromErrno(StatusCode::kUnavailable, err,
                                "data loader: socketpair for a worker");
     }
@@ -89,7 +89,7 @@ Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
     close(fds[1]);  // only worker w holds its end, so its death is an EOF here
     if (pid < 0) {
       close(fds[0]);
-      (void)Reap(true);
+      Reap(/*kill_first=*/true).IgnoreError();  // the error below is the one to report
       return Status::FromErrno(StatusCode::kUnavailable, err,
                                StrCat("data loader: fork of worker ", w, " for epoch ", epoch,
                                       "; lower the worker count"));
@@ -102,7 +102,7 @@ Status ForkingLoader::BeginEpoch(int64_t epoch, uint64_t batches) {
     if (send(fds[0], credits.data(), credits.size(), MSG_NOSIGNAL) !=
         static_cast<ssize_t>(credits.size())) {
       const int send_err = errno;
-      (void)Reap(true);
+      Reap(/*kill_first=*/true).IgnoreError();  // the error below is the one to report
       return Status::FromErrno(
           StatusCode::kUnavailable, send_err,
           StrCat("data loader: cannot reach worker ", w, " for epoch ", epoch));
@@ -196,7 +196,7 @@ Status ForkingLoader::WorkerFailed(uint32_t worker, const char* what) {
     }
     usleep(10'000);
   }
-  (void)Reap(/*kill_first=*/true);
+  Reap(/*kill_first=*/true).IgnoreError();
   return Status::Make(
       StatusCode::kUnavailable,
       StrCat("data loader worker ", worker, " (pid ", pid, ") ", what, " before batch ", batch,

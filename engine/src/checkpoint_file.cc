@@ -129,7 +129,7 @@ Result<std::vector<TensorRecord>> FileWriter::Finish() {
     return Status::FailedPrecondition(StrCat("checkpoint file ", path_, " is already finished"));
   if (::fsync(fd_) != 0) {
     const int err = errno;
-    (void)Close();
+    Close().IgnoreError();  // the fsync error is the one to report
     return Errno(err, StrCat("fsync of checkpoint file ", path_));
   }
   SPILLWAY_RETURN_IF_ERROR(Close());

@@ -119,7 +119,8 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
   };
   // A failed read or update of group i: let the in-flight work finish, then report.
   auto fail = [&](const Status& st, size_t i) -> Status {
-    if (reading.valid()) (void)reading.get();  // a prefetch error resurfaces on the next Acquire
+    if (reading.valid())
+      reading.get().IgnoreError();  // a prefetch error resurfaces on the next Acquire
     Status w = finish_writes();
     Status out = Annotate(st, groups[i], i, plan->step);
     if (w.ok()) return out;
@@ -129,7 +130,7 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
   // A failed write-back of group `failed`, found after group `last` was updated: groups up to
   // `last` have the step; `failed` (and `last`) are still in host memory.
   auto write_failed = [&](const Status& st, size_t failed, size_t last) -> Status {
-    if (reading.valid()) (void)reading.get();
+    if (reading.valid()) reading.get().IgnoreError();
     return Status::Make(
         st.code(),
         StrCat("streamed step ", plan->step, ": ", st.message(), "; groups 0..", last,

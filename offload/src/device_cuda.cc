@@ -40,8 +40,9 @@ class CudaStream final : public Stream {
   ~CudaStream() override {
     DeviceScope scope(device_);
     if (!scope.status().ok()) return;
-    (void)ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    (void)ToStatus(cudaStreamDestroy(stream_), "cudaStreamDestroy");
+    // A destructor reports nothing; a device error here shows again on the next CUDA call.
+    ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize").IgnoreError();
+    ToStatus(cudaStreamDestroy(stream_), "cudaStreamDestroy").IgnoreError();
   }
   Status SubmitCopy(void* dst, const void* src, uint64_t bytes) override {
     DeviceScope scope(device_);
@@ -57,7 +58,7 @@ class CudaStream final : public Stream {
         ToStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
     Status st = ToStatus(cudaEventRecord(e, stream_), "cudaEventRecord");
     if (!st.ok()) {
-      (void)ToStatus(cudaEventDestroy(e), "cudaEventDestroy");
+      ToStatus(cudaEventDestroy(e), "cudaEventDestroy").IgnoreError();
       return st;
     }
     return std::shared_ptr<Event>(new CudaEvent(device_, e));

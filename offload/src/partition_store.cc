@@ -165,9 +165,10 @@ PartitionStore::~PartitionStore() {
                                    " live handles; their memory is freed now"));
   }
   for (Part& p : parts_) {
-    if (p.device != nullptr) (void)views_->Free(p.device);
-    if (p.host != nullptr) (void)host_->Free(p.host);
-    if (p.nvme_off != kNoExtent) (void)nvme_->Free(p.nvme_off);
+    // A destructor reports nothing; the arenas log what they cannot take back.
+    if (p.device != nullptr) views_->Free(p.device).IgnoreError();
+    if (p.host != nullptr) host_->Free(p.host).IgnoreError();
+    if (p.nvme_off != kNoExtent) nvme_->Free(p.nvme_off).IgnoreError();
   }
 }
 
@@ -524,8 +525,8 @@ Status PartitionStore::SwapIn(PartitionId id) {
   if (valid) {
     Status st = nvme_->Read(off, *host, bytes);
     if (!st.ok()) {
-      (void)host_->Free(*host);
-      return st;  // the NVMe copy is where it was; nothing changed
+      host_->Free(*host).IgnoreError();  // the read error is the one to report
+      return st;                         // the NVMe copy is where it was; nothing changed
     }
   } else {
     std::memset(*host, 0, bytes);  // never written: a fresh partition reads as zeros

@@ -42,8 +42,9 @@ TransferPipeline::TransferPipeline(allocator::HostArena* arena, allocator::NvmeA
     : arena_(arena), nvme_(nvme), device_(device), options_(options) {}
 
 TransferPipeline::~TransferPipeline() {
-  if (stream_) (void)stream_->Synchronize();
-  for (char* b : staging_) (void)arena_->Free(b);
+  // A destructor reports nothing: the last call already returned any copy error.
+  if (stream_) stream_->Synchronize().IgnoreError();
+  for (char* b : staging_) arena_->Free(b).IgnoreError();
 }
 
 class TransferPipeline::Driving {
@@ -121,7 +122,7 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
   }
   // Drain whatever is still in flight before reporting, so no buffer is reused under I/O.
   for (auto& t : tickets) {
-    if (t) (void)nvme_->Wait(*t);
+    if (t) nvme_->Wait(*t).IgnoreError();  // `error` already holds the first failure
   }
   Status synced = stream_->Synchronize();
   if (error.ok()) error = synced;

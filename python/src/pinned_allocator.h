@@ -53,7 +53,7 @@ class PinnedAllocator final : public at::HostAllocator {
   void empty_cache() override {
     if (Forked()) return;  // nothing of the parent's to give back
     Blocks::Get().Poll();
-    (void)arena_->get()->Trim();
+    arena_->get()->Trim();  // returns the bytes given back; none is not an error
     if (previous_ != nullptr) previous_->empty_cache();
   }
   // Spillway's blocks plus whatever the replaced allocator still holds, so host_memory_stats()

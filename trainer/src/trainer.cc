@@ -590,7 +590,8 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
     if (applied == 0 && optimizer_->step() == adam_before + 1) {
       engine::StepReport planned;
       planned.step = adam_before + 1;
-      (void)optimizer_->Unplan(planned);  // no unit used that Adam step: the next step reuses it
+      optimizer_->Unplan(planned)
+          .IgnoreError();  // no unit used that Adam step: the next step reuses it
     }
     std::string what =
         applied == 0   ? std::string("failed in the optimizer before any unit took the step")
