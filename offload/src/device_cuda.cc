@@ -21,7 +21,7 @@ class CudaEvent final : public Event {
   CudaEvent(int device, cudaEvent_t e) : device_(device), event_(e) {}
   ~CudaEvent() override {
     DeviceScope scope(device_);
-    if (scope.status().ok()) (void)ToStatus(cudaEventDestroy(event_), "cudaEventDestroy");
+    if (scope.status().ok()) ToStatus(cudaEventDestroy(event_), "cudaEventDestroy").IgnoreError();
   }
   Status Wait() override {
     DeviceScope scope(device_);
