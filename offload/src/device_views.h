@@ -35,6 +35,7 @@ class DeviceViews {
   // The view is left as it was either way: on error it is the only good copy.
   Status WriteBack(const void* view, void* host, uint64_t nvme_off, uint64_t bytes);
   Status Free(void* view) { return pipeline_->device()->Free(view); }
+  const TransferPipeline* pipeline() const { return pipeline_; }
 
  private:
   TransferPipeline* const pipeline_;

@@ -272,10 +272,21 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   return Status::Ok();
 }
 
-void PartitionStore::AttachDevice(TransferPipeline* pipeline) {
+Status PartitionStore::AttachDevice(TransferPipeline* pipeline) {
+  if (pipeline == nullptr) {
+    return Status::InvalidArgument(
+        "AttachDevice: the pipeline is null; pass the TransferPipeline device views copy through");
+  }
   auto views = std::make_unique<DeviceViews>(pipeline);
   std::lock_guard<std::mutex> lock(mu_);
+  if (views_ != nullptr) {
+    if (views_->pipeline() == pipeline) return Status::Ok();
+    return Status::FailedPrecondition(
+        "AttachDevice: a different pipeline is already attached; a store's device views copy "
+        "through one pipeline for its lifetime (attach the one Tiers::OpenDevicePipeline made)");
+  }
   views_ = std::move(views);
+  return Status::Ok();
 }
 
 void PartitionStore::set_memory_wait(std::chrono::milliseconds wait) {

@@ -36,13 +36,17 @@ void Prefetcher::Replace(std::vector<PartitionId>* ids) {
 }
 
 void Prefetcher::Clear() {
-  std::lock_guard<std::mutex> lock(mu_);
-  queue_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+  }
+  cv_.notify_all();  // a Drain waiting for the queue to empty
 }
 
 void Prefetcher::Cancel() {
   std::unique_lock<std::mutex> lock(mu_);
   queue_.clear();
+  cv_.notify_all();  // a Drain waiting for the queue to empty
   cv_.wait(lock, [this] { return !running_; });
 }
 

@@ -82,9 +82,10 @@ Result<TransferPipeline*> Tiers::OpenDevicePipeline(const Config& config, Device
   auto p = TransferPipeline::Create(host.get(), nvme.get(), d->get(), po);
   if (!p.ok())
     return p.status().WithContext(StrCat("the transfer pipeline to ", compute.ToString()));
+  // Attached before it is kept: on an error the pipeline goes, then its device (locals, in order).
+  SPILLWAY_RETURN_IF_ERROR(store->AttachDevice(p->get()));
   device = std::move(*d);
   pipeline = std::move(*p);
-  store->AttachDevice(pipeline.get());
   return pipeline.get();
 }
 

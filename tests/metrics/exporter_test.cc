@@ -305,7 +305,7 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   auto device = std::move(offload::Device::OpenCpu().value());
   auto pipe = std::move(
       offload::TransferPipeline::Create(host.get(), nvme.get(), device.get(), {kMiB, 2}).value());
-  store->AttachDevice(pipe.get());
+  ASSERT_TRUE(store->AttachDevice(pipe.get()).ok());
   auto id = *store->Register({0, 0, offload::StateKind::kParam}, 2 * kMiB);
   { auto h = store->Acquire(id); }
   ASSERT_TRUE(store->Evict(id).ok());

@@ -202,7 +202,7 @@ struct DeviceRig {
     device = dev;
     pipe = std::move(
         TransferPipeline::Create(rig.host.get(), rig.nvme.get(), device, {kMiB, 4}).value());
-    rig.store->AttachDevice(pipe.get());
+    EXPECT_TRUE(rig.store->AttachDevice(pipe.get()).ok());
   }
   ~DeviceRig() { rig.store.reset(); }
   std::vector<char> ReadDevice(const Handle& h) {
@@ -309,6 +309,25 @@ TEST(PartitionStoreTest, TheDeviceTierNeedsAnAttachedDevice) {
   auto dv = rig.store->Acquire(id, Access::kRead, Placement::kDevice);
   EXPECT_EQ(dv.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Has(dv.status(), "AttachDevice")) << dv.status().ToString();
+}
+
+TEST(PartitionStoreTest, AStoreCopiesThroughOnePipelineForItsLifetime) {
+  DeviceRig d(ParseOrDie(OffloadJson("nvme", "cpu")));
+  auto id = *d.rig.store->Register({0, 0, StateKind::kParam}, kMiB);
+  auto view = d.rig.store->Acquire(id, Access::kRead, Placement::kDevice);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  // The same pipeline again (Tiers attaches it, then the trainer): nothing changes, the view lives.
+  EXPECT_TRUE(d.rig.store->AttachDevice(d.pipe.get()).ok());
+  // Another pipeline, or none, would pull the copies' path from under live views: refused.
+  auto other =
+      TransferPipeline::Create(d.rig.host.get(), d.rig.nvme.get(), d.device, {kMiB, 4}).value();
+  Status st = d.rig.store->AttachDevice(other.get());
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(st, "a different pipeline is already attached")) << st.ToString();
+  st = d.rig.store->AttachDevice(nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(st, "null")) << st.ToString();
+  EXPECT_TRUE(d.rig.store->Release(*view).ok());
 }
 
 TEST(PartitionStoreTest, OptSpillsThePartitionNeededFurthestInTheFuture) {

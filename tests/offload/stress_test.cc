@@ -76,7 +76,7 @@ TEST(StoreStressTest, EveryByteReadIsTheLastWritten) {
   auto pipe = std::move(
       TransferPipeline::Create(rig.host.get(), rig.nvme.get(), device.get(), {64 * 1024, 3})
           .value());
-  store.AttachDevice(pipe.get());
+  ASSERT_TRUE(store.AttachDevice(pipe.get()).ok());
 
   std::vector<PartitionId> ids;
   std::vector<uint64_t> version;  // the model: last version written, per partition (owner only)

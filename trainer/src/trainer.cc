@@ -76,7 +76,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(
                  " but the trainer computes on ", want.ToString(),
                  "; open the pipeline on the compute device (Tiers::OpenDevicePipeline)"));
     }
-    store->AttachDevice(options.pipeline);
+    SPILLWAY_RETURN_IF_ERROR(
+        store->AttachDevice(options.pipeline).WithContext("TrainerOptions::pipeline"));
   }
   engine::HostOptimizerOptions oo;
   oo.adam = options.adam;

@@ -161,8 +161,10 @@ class PartitionStore {
   Result<Handle> Acquire(PartitionId id, Access access = Access::kReadWrite,
                          Placement where = Placement::kHost);
   // Enables the device tier. The pipeline (and its device) must outlive the store; the store
-  // serialises its own use of it (a pipeline is driven by one thread at a time).
-  void AttachDevice(TransferPipeline* pipeline);
+  // serialises its own use of it (a pipeline is driven by one thread at a time). Attaching the same
+  // pipeline again is a no-op; a different one, once one is attached, is FAILED_PRECONDITION (live
+  // views and fills in flight copy through the first); null is INVALID_ARGUMENT.
+  Status AttachDevice(TransferPipeline* pipeline);
   // How long a spill under the budget waits for memory that other threads' handles, spills or
   // swap-ins hold before the allocation fails (default 10 s). Memory this thread's own handles
   // hold is never waited for: that fails at once, saying so.
@@ -283,7 +285,7 @@ class PartitionStore {
   std::unordered_map<uint64_t, HandleInfo> live_handles_;  // guarded by mu_
   uint64_t next_handle_id_ = 1;                            // guarded by mu_
   PartitionStoreStats stats_;                              // guarded by mu_
-  std::unique_ptr<DeviceViews> views_;  // guarded by mu_; made once by AttachDevice
+  std::unique_ptr<DeviceViews> views_;  // guarded by mu_; made once by AttachDevice, then const
   const uint32_t prefetch_window_;
   std::vector<PartitionId> prefetch_next_;  // guarded by mu_: the window handed to prefetcher_
   bool stopping_ = false;                   // guarded by mu_: the destructor has begun
