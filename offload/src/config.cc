@@ -171,6 +171,7 @@ class Reader {
   void Spillway(const json& o) {
     if (!Object(o, "spillway")) return;
     auto& c = c_->spillway;
+    bool region_set = false;
     for (const auto& [k, v] : o.items()) {
       const std::string p = "spillway." + k;
       if (k == "host_budget_bytes")
@@ -179,9 +180,9 @@ class Reader {
         Bytes(v, p, &c.nvme_budget_bytes);
       else if (k == "retain_limit_bytes")
         Bytes(v, p, &c.retain_limit_bytes);
-      else if (k == "host_region_bytes")
-        Bytes(v, p, &c.host_region_bytes);
-      else if (k == "bounce_buffers") {
+      else if (k == "host_region_bytes") {
+        if (Bytes(v, p, &c.host_region_bytes)) region_set = true;
+      } else if (k == "bounce_buffers") {
         if (Count(v, p, 1, &c.bounce_buffers) && c.bounce_buffers > 1024) {
           Fail(p, StrCat("is ", c.bounce_buffers, "; at most 1024 bounce buffers"));
         }
@@ -246,6 +247,15 @@ class Reader {
              "retain_limit_bytes, peak_slack, host_region_bytes, bounce_buffers, spill_path, "
              "prefetch_partitions, eviction");
       }
+    }
+    if (!region_set) return;  // the default region is checked by the arena against its budget
+    const std::string p = "spillway.host_region_bytes";
+    if (c.host_region_bytes < 4096) {
+      Fail(p, StrCat("is ", c.host_region_bytes, "; at least 4096 (one page)"));
+    } else if (c.host_budget_bytes != 0 && c.host_region_bytes > c.host_budget_bytes) {
+      Fail(p, StrCat("is ", FormatBytes(c.host_region_bytes),
+                     ", more than spillway.host_budget_bytes, ", FormatBytes(c.host_budget_bytes),
+                     ": every allocation that shares a region would be over budget; lower it"));
     }
   }
   bool NonNegative(const json& v, const std::string& path, double* out) {

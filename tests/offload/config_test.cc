@@ -214,6 +214,12 @@ INSTANTIATE_TEST_SUITE_P(
                 "'spillway.bounce_buffers': is 5000; at most 1024"},
         BadCase{"ZeroRegion", R"({"spillway": {"host_region_bytes": 0}})",
                 "'spillway.host_region_bytes': is 0"},
+        BadCase{"RegionBelowAPage", R"({"spillway": {"host_region_bytes": "0.5KiB"}})",
+                "'spillway.host_region_bytes': is 512; at least 4096"},
+        BadCase{"RegionOverTheBudget",
+                R"({"spillway": {"host_region_bytes": "64MiB", "host_budget_bytes": "32MiB"}})",
+                "'spillway.host_region_bytes': is 64.00 MiB (67108864 bytes), more than "
+                "spillway.host_budget_bytes"},
         BadCase{"UnknownEviction", R"({"spillway": {"eviction": "fifo"}})",
                 "'spillway.eviction': is \"fifo\"; expected \"opt\""},
         BadCase{"SpillPathNotAString", R"({"spillway": {"spill_path": 3}})",
