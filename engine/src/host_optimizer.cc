@@ -12,6 +12,12 @@
 #include "worker_pool.h"
 
 namespace spillway::engine {
+
+static_assert(kernels::kF32 == static_cast<int>(DType::kFp32) &&
+                  kernels::kBf16 == static_cast<int>(DType::kBf16) &&
+                  kernels::kF16 == static_cast<int>(DType::kFp16),
+              "the kernel tables are indexed by DType's value");
+
 namespace {
 
 const kernels::Table& TableFor(Isa isa) {

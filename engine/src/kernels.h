@@ -17,6 +17,8 @@ namespace spillway::engine::kernels {
 // and the tail is padded to a block, so results never depend on the path or the thread count.
 inline constexpr size_t kBlock = 16;
 
+// The tables' index for a dtype is its DType value (asserted in host_optimizer.cc: this header
+// includes nothing with inline code).
 enum DTypeIndex : int { kF32 = 0, kBf16 = 1, kF16 = 2, kNone = 3 };
 
 struct AdamArgs {
