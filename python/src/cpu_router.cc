@@ -3,7 +3,7 @@
 
 #include <cstdio>
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 CpuRouter* g_router = nullptr;
 
@@ -22,4 +22,4 @@ void CpuRouter::RawFree(void* p) {
   g_router->next_->raw_deleter()(p);
 }
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

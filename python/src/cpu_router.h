@@ -13,7 +13,7 @@
 #include "py_arena.h"
 #include "tag_scope.h"
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 struct RouterStats {
   std::atomic<uint64_t> routed_allocations{0};
@@ -69,4 +69,4 @@ class CpuRouter final : public c10::Allocator {
 // so it is never destroyed). Null before install.
 extern CpuRouter* g_router;
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

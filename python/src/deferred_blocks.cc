@@ -5,7 +5,7 @@
 
 #include "spillway/base/status.h"
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 void ReleaseBlock(void* ctx) {
   if (ctx != nullptr) Blocks::Get().Release(static_cast<Block*>(ctx));
@@ -30,4 +30,4 @@ void* ArenaAllocate(PyArena& arena, uint64_t bytes, const allocator::OwnerTag& t
   TORCH_CHECK(false, "spillway: ", what, ": ", r.status().ToString());
 }
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -19,8 +20,9 @@
 
 #include "py_arena.h"
 #include "spillway/allocator/owner.h"
+#include "spillway/base/status.h"
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 // True in a child forked after spillway.install() (defined with it, in torch_allocators.cc): the
 // arenas' regions are not mapped there, so nothing may be allocated from or freed into them.
@@ -348,4 +350,4 @@ void ReleaseBlock(void* ctx);
 void* ArenaAllocate(PyArena& arena, uint64_t bytes, const allocator::OwnerTag& tag,
                     const char* what);
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

@@ -3,7 +3,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 c10::Stream CurrentStream() {
   const c10::Stream host(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
@@ -15,4 +15,4 @@ c10::Stream CurrentStream() {
   return impl->getStream(impl->getDevice());
 }
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

@@ -12,7 +12,7 @@
 #include "py_arena.h"
 #include "tag_scope.h"
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 // The allocating thread's current stream on the CUDA device (through torch's device guard, so no
 // CUDA call of Spillway's own); a CPU stream where torch has no CUDA (the tests' pools).
@@ -99,4 +99,4 @@ class PinnedAllocator final : public at::HostAllocator {
   const std::shared_ptr<PyArena> arena_;
 };
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

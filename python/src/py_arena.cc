@@ -17,6 +17,9 @@ namespace spillway::python {
 using allocator::Kind;
 using allocator::Lifetime;
 using allocator::OwnerTag;
+using torch_alloc::Block;
+using torch_alloc::Blocks;
+using torch_alloc::ReleaseBlock;
 
 PyArena::PyArena(uint64_t budget_bytes, allocator::PinMode pin, allocator::EscapePolicy policy,
                  const std::string& name, const std::shared_ptr<PyArena>& share_ledger_with)

@@ -12,7 +12,7 @@
 
 #include "spillway/allocator/owner.h"
 
-namespace spillway::python {
+namespace spillway::python::torch_alloc {
 
 inline constexpr std::string_view kTagKindName = "spillway.tag";
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
@@ -41,4 +41,4 @@ inline const TagScope* CurrentTag() {
   return static_cast<const TagScope*>(c10::ThreadLocalDebugInfo::get(kTagKind));
 }
 
-}  // namespace spillway::python
+}  // namespace spillway::python::torch_alloc

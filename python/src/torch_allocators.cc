@@ -43,6 +43,17 @@ namespace {
 using allocator::Kind;
 using allocator::Lifetime;
 using allocator::OwnerTag;
+using torch_alloc::Blocks;
+using torch_alloc::BlockStats;
+using torch_alloc::CpuRouter;
+using torch_alloc::CurrentTag;
+using torch_alloc::Forked;
+using torch_alloc::g_open_scopes;
+using torch_alloc::g_router;
+using torch_alloc::g_tag_serial;
+using torch_alloc::kTagKind;
+using torch_alloc::PinnedAllocator;
+using torch_alloc::TagScope;
 
 // The process install() ran in (null before): in a child made by fork() after install, the
 // arenas' regions are MADV_DONTFORK, so the child has no mapping of them. It must neither allocate
@@ -51,7 +62,7 @@ std::atomic<const allocator::ProcessTag*> g_installed_in{nullptr};
 
 }  // namespace
 
-bool Forked() {
+bool torch_alloc::Forked() {
   const allocator::ProcessTag* tag = g_installed_in.load(std::memory_order_acquire);
   return tag != nullptr && !tag->InOwner();
 }
