@@ -2,8 +2,8 @@
 // in a PartitionStore (host or NVMe homed). Gradients and the 16-bit parameter copy are host
 // buffers. After the norm pass, group i is updated while a reader thread swaps group i+1 in and a
 // writer thread writes group i-1 back to NVMe and drops its host copy, so at most three groups'
-// state is resident and the disk time hides behind the update. See docs/engine.md, Note [Streamed
-// step].
+// state is resident and the disk time hides behind the update. See docs/engine.md,
+// Note [Streamed step].
 #pragma once
 
 #include <cstdint>
