@@ -489,7 +489,7 @@ int main(int argc, char** argv) {
   const double bw = roofline_gelem * fused_bytes;
 
   std::printf(
-      "compare_optimizer: %llu elements in sub-groups of %llu, grad %s, param bf16, "
+      "compare_optimizer: %llu elements in sub-groups of %llu, grad %s, param bfloat16, "
       "%u threads, isa %s, %d reps (median [min, max])\n",
       static_cast<unsigned long long>(elements), static_cast<unsigned long long>(group),
       DTypeName(gd), threads, IsaName((*fused)->isa()), reps);
