@@ -38,15 +38,9 @@ Status Cycle(offload::Tiers& rig, uint64_t offset,
       SPILLWAY_RETURN_IF_ERROR(rig.nvme->Read(offset, back.data(), kBytes));
       if (back != src)
         return Status::Internal("bounce-leak: data read back differs from data written");
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndStep(&rep));
-      series->escapes += Escapes(rep, site);
-      series->Add(step, e, false, HostLive(rig));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtStep(rig, series, step, e, site));
     }
-    allocator::BoundaryReport rep;
-    SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndEpoch(&rep));
-    series->escapes += Escapes(rep, site);
-    series->Add(step, e, true, HostLive(rig));
+    SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(rig, series, step, e, site));
   }
   return Status::Ok();
 }

@@ -68,16 +68,20 @@ uint64_t Escapes(const allocator::BoundaryReport& report, std::string* first_sit
   return report.escape_count();
 }
 
-Status SampleLiveAtStep(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch) {
+Status SampleLiveAtStep(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch,
+                        std::string* first_site) {
   allocator::BoundaryReport report;
   SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndStep(&report));
+  series->escapes += Escapes(report, first_site);
   series->Add(step, epoch, /*boundary=*/false, HostLive(rig));
   return Status::Ok();
 }
 
-Status SampleLiveAtEpoch(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch) {
+Status SampleLiveAtEpoch(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch,
+                         std::string* first_site) {
   allocator::BoundaryReport report;
   SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndEpoch(&report));
+  series->escapes += Escapes(report, first_site);
   series->Add(step, epoch, /*boundary=*/true, HostLive(rig));
   return Status::Ok();
 }

@@ -56,9 +56,13 @@ Result<double> TreePss();
 inline uint64_t TotalEscapes(const offload::Tiers& rig) {
   return rig.host->Stats().escape_count + (rig.nvme ? rig.nvme->Stats().escape_count : 0);
 }
-// Ends the ledger's step (or epoch) and samples the ledger's live host bytes at that boundary.
-Status SampleLiveAtStep(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch);
-Status SampleLiveAtEpoch(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch);
+// Ends the ledger's step (or epoch), adds the boundary's escapes to series->escapes (the first
+// listed escape's site to `first_site` when that is still empty), and samples the ledger's live
+// host bytes there.
+Status SampleLiveAtStep(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch,
+                        std::string* first_site = nullptr);
+Status SampleLiveAtEpoch(offload::Tiers& rig, LeakSeries* series, int64_t step, int64_t epoch,
+                         std::string* first_site = nullptr);
 // One boundary report's escapes, summed over tiers; the first listed escape's site goes to
 // `first_site` when that is still empty.
 uint64_t Escapes(const allocator::BoundaryReport& report, std::string* first_site = nullptr);

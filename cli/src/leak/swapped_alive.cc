@@ -49,15 +49,9 @@ Status Cycle(offload::Tiers& rig,
         SPILLWAY_RETURN_IF_ERROR(store.Release(h));
         SPILLWAY_RETURN_IF_ERROR(store.Evict(id));  // swap out: the host copy goes
       }
-      allocator::BoundaryReport rep;
-      SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndStep(&rep));
-      series->escapes += Escapes(rep, site);
-      series->Add(step, e, false, HostLive(rig));
+      SPILLWAY_RETURN_IF_ERROR(SampleLiveAtStep(rig, series, step, e, site));
     }
-    allocator::BoundaryReport rep;
-    SPILLWAY_RETURN_IF_ERROR(rig.ledger.EndEpoch(&rep));
-    series->escapes += Escapes(rep, site);
-    series->Add(step, e, true, HostLive(rig));
+    SPILLWAY_RETURN_IF_ERROR(SampleLiveAtEpoch(rig, series, step, e, site));
   }
   // The data survived every round trip: each partition was incremented once per step.
   for (offload::PartitionId id : ids) {
