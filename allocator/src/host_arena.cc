@@ -48,14 +48,12 @@ Result<uint8_t> ParseIndex(std::string_view what, std::string_view name,
 const char* PinModeName(PinMode mode) { return kPinNames[static_cast<size_t>(mode)]; }
 const char* ForkSafetyName(ForkSafety mode) { return kForkNames[static_cast<size_t>(mode)]; }
 Result<PinMode> ParsePinMode(std::string_view name) {
-  auto r = ParseIndex("pin mode", name, kPinNames);
-  if (!r.ok()) return r.status();
-  return static_cast<PinMode>(*r);
+  SPILLWAY_ASSIGN_OR_RETURN(auto r, ParseIndex("pin mode", name, kPinNames));
+  return static_cast<PinMode>(r);
 }
 Result<ForkSafety> ParseForkSafety(std::string_view name) {
-  auto r = ParseIndex("fork safety", name, kForkNames);
-  if (!r.ok()) return r.status();
-  return static_cast<ForkSafety>(*r);
+  SPILLWAY_ASSIGN_OR_RETURN(auto r, ParseIndex("fork safety", name, kForkNames));
+  return static_cast<ForkSafety>(r);
 }
 
 Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
@@ -192,9 +190,8 @@ void HostArena::set_policy(EscapePolicy policy) {
 }
 
 Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
-  auto mapped = os::MapAnonymous(bytes, options_.faults);
-  if (!mapped.ok()) return mapped.status();
-  void* base = *mapped;
+  SPILLWAY_ASSIGN_OR_RETURN(auto mapped, os::MapAnonymous(bytes, options_.faults));
+  void* base = mapped;
   Status st = os::MarkForkSafety(base, bytes, options_.fork_safety);
   if (st.ok()) {
     switch (pin_mode_) {

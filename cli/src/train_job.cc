@@ -93,16 +93,15 @@ Result<offload::Config> LoadConfig(const TrainJobOptions& o, TempDir* temp) {
     }
     return DefaultConfig(swap);
   }
-  auto c = offload::Config::Load(o.config_path);
-  if (!c.ok()) return c.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto c, offload::Config::Load(o.config_path));
   if (!swap.empty()) {
-    if (c->offload_param.device == offload::OffloadDevice::kNvme) c->offload_param.nvme_path = swap;
-    if (c->offload_optimizer.device == offload::OffloadDevice::kNvme)
-      c->offload_optimizer.nvme_path = swap;
+    if (c.offload_param.device == offload::OffloadDevice::kNvme) c.offload_param.nvme_path = swap;
+    if (c.offload_optimizer.device == offload::OffloadDevice::kNvme)
+      c.offload_optimizer.nvme_path = swap;
   }
-  if (c->zero_stage != 3) {
+  if (c.zero_stage != 3) {
     return Status::InvalidArgument(StrCat("config ", o.config_path, ": zero_optimization.stage is ",
-                                          c->zero_stage,
+                                          c.zero_stage,
                                           "; the reference trainer is ZeRO-3, set it to 3"));
   }
   return c;
@@ -156,9 +155,8 @@ Result<std::string> Sample(trainer::Trainer& trainer, const trainer::GptConfig& 
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> flats;
   for (int64_t u = 0; u < trainer::gpt::Units(m); ++u) {
-    auto f = trainer.GatherUnit(u);
-    if (!f.ok()) return f.status();
-    flats.push_back(f->clone());
+    SPILLWAY_ASSIGN_OR_RETURN(auto f, trainer.GatherUnit(u));
+    flats.push_back(f.clone());
   }
   std::vector<int64_t> ids;
   for (unsigned char c : prompt) ids.push_back(CharCorpus::Encode(c));
@@ -229,13 +227,10 @@ Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
   offload::PlanInput in;
   in.runtime = offload::Runtime::kTrainer;
   if (o.config_path.empty()) {
-    auto c = DefaultConfig(o.swap_dir.empty() ? "/var/tmp" : o.swap_dir);
-    if (!c.ok()) return c.status();
-    in.config = *c;
+    SPILLWAY_ASSIGN_OR_RETURN(in.config,
+                              DefaultConfig(o.swap_dir.empty() ? "/var/tmp" : o.swap_dir));
   } else {
-    auto c = offload::Config::Load(o.config_path);
-    if (!c.ok()) return c.status();
-    in.config = *c;
+    SPILLWAY_ASSIGN_OR_RETURN(in.config, offload::Config::Load(o.config_path));
   }
   trainer::GptConfig model = o.model;
   model.vocab = CharCorpus::kVocab;
@@ -244,9 +239,8 @@ Result<offload::PlanInput> TrainJobPlanInput(const TrainJobOptions& o) {
     in.trainer_units.push_back(static_cast<uint64_t>(trainer::gpt::UnitNumel(model, u)));
     in.params += static_cast<double>(in.trainer_units.back());
   }
-  auto dist = trainer::DistEnvFromEnvironment();
-  if (!dist.ok()) return dist.status();
-  in.world_size = static_cast<uint32_t>(dist->world_size);
+  SPILLWAY_ASSIGN_OR_RETURN(auto dist, trainer::DistEnvFromEnvironment());
+  in.world_size = static_cast<uint32_t>(dist.world_size);
   return in;
 }
 
@@ -255,46 +249,41 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     return Status::InvalidArgument(StrCat("--epochs (", o.epochs, ") and --steps (",
                                           o.steps_per_epoch, ") must be at least 1"));
   }
-  auto dist = trainer::DistEnvFromEnvironment();
-  if (!dist.ok()) return dist.status();
-  auto compute =
-      trainer::ResolveComputeDevice(o.device, dist->local_rank);  // before anything is allocated
-  if (!compute.ok()) return compute.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto dist, trainer::DistEnvFromEnvironment());
+  // Before anything is allocated.
+  SPILLWAY_ASSIGN_OR_RETURN(auto compute, trainer::ResolveComputeDevice(o.device, dist.local_rank));
   TempDir temp;
-  auto config = LoadConfig(o, &temp);
-  if (!config.ok()) return config.status();
-  const offload::TrainingConfig& tc = config->training;
+  SPILLWAY_ASSIGN_OR_RETURN(auto config, LoadConfig(o, &temp));
+  const offload::TrainingConfig& tc = config.training;
   trainer::GptConfig model = o.model;
   model.vocab = CharCorpus::kVocab;
-  auto corpus = CharCorpus::Load(o.data_path, static_cast<uint64_t>(model.seq_len) + 2);
-  if (!corpus.ok()) return corpus.status();
+  SPILLWAY_ASSIGN_OR_RETURN(
+      auto corpus, CharCorpus::Load(o.data_path, static_cast<uint64_t>(model.seq_len) + 2));
 
   // The tiers, all reporting to one ledger.
-  auto tiers = offload::Tiers::Create(*config);
-  if (!tiers.ok()) return tiers.status();
-  allocator::Ledger& ledger = (*tiers)->ledger;
-  allocator::HostArena* host = (*tiers)->host.get();
-  allocator::IoEngine* io = (*tiers)->io.get();
-  allocator::NvmeArena* nvme = (*tiers)->nvme.get();
-  offload::PartitionStore* store = (*tiers)->store.get();
-  auto coll = trainer::Collectives::Create(*dist);
-  if (!coll.ok()) return coll.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto tiers, offload::Tiers::Create(config));
+  allocator::Ledger& ledger = tiers->ledger;
+  allocator::HostArena* host = tiers->host.get();
+  allocator::IoEngine* io = tiers->io.get();
+  allocator::NvmeArena* nvme = tiers->nvme.get();
+  offload::PartitionStore* store = tiers->store.get();
+  SPILLWAY_ASSIGN_OR_RETURN(auto coll, trainer::Collectives::Create(dist));
 
   trainer::TrainerOptions to;
   to.model = model;
-  to.compute = *compute;
+  to.compute = compute;
   to.ApplyTraining(tc);
   to.optimizer_threads = o.threads;
-  auto pipeline = (*tiers)->OpenDevicePipeline(*config, trainer::ToDeviceId(*compute));
-  if (!pipeline.ok()) return pipeline.status();
-  to.pipeline = *pipeline;
-  auto trainer =
-      trainer::Trainer::Create(to, coll->get(), store, host, &ledger, allocator::kProcessScope);
-  if (!trainer.ok()) return trainer.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto pipeline,
+                            tiers->OpenDevicePipeline(config, trainer::ToDeviceId(compute)));
+  to.pipeline = pipeline;
+  SPILLWAY_ASSIGN_OR_RETURN(
+      auto trainer,
+      trainer::Trainer::Create(to, coll.get(), store, host, &ledger, allocator::kProcessScope));
 
   TrainJobResult result;
-  if (compute->is_cuda()) {
-    result.compute = StrCat(compute->str(), " (", o.device == "auto" ? "auto: " : "",
+  if (compute.is_cuda()) {
+    result.compute = StrCat(compute.str(), " (", o.device == "auto" ? "auto: " : "",
                             "libtorch sees ", static_cast<int>(torch::cuda::device_count()),
                             " CUDA device(s)); the optimizer step runs on "
                             "the host, where its state lives");
@@ -304,21 +293,19 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
                          : "cpu (--device cpu)";
   }
   const std::string address =
-      o.metrics_address.empty() ? config->spillway.metrics_address : o.metrics_address;
+      o.metrics_address.empty() ? config.spillway.metrics_address : o.metrics_address;
   std::unique_ptr<metrics::Exporter> exporter;
   if (address != "off") {
     metrics::ExporterOptions eo;
     eo.address = address;
-    auto e = metrics::Exporter::Start(eo);
-    if (!e.ok()) return e.status();
-    exporter = std::move(*e);
+    SPILLWAY_ASSIGN_OR_RETURN(exporter, metrics::Exporter::Start(eo));
     exporter->Watch(host);
     exporter->Watch(io);
     if (nvme) exporter->Watch(nvme);
     exporter->Watch(&ledger);
     exporter->Watch(store);
-    exporter->Watch(&(*trainer)->optimizer());
-    if (*pipeline != nullptr) exporter->Watch(*pipeline);
+    exporter->Watch(&trainer->optimizer());
+    if (pipeline != nullptr) exporter->Watch(pipeline);
     result.metrics_address = exporter->address();
   }
 
@@ -336,7 +323,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   if (!o.resume_dir.empty()) {
     trainer::CheckpointOptions co;
     co.io = io;
-    auto info = (*trainer)->Load(o.resume_dir, co);
+    auto info = trainer->Load(o.resume_dir, co);
     if (!info.ok()) return info.status().WithContext(StrCat("--resume ", o.resume_dir));
     const nlohmann::json saved = nlohmann::json::parse(info->extra_json);
     if (!saved.contains("epoch") || !saved["epoch"].is_number_integer()) {
@@ -371,13 +358,12 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     co.extra_json = position(epoch).dump();
     co.keep = o.keep_checkpoints;
     co.fault_hook = o.checkpoint_fault_hook;
-    auto before = Tree();
-    if (!before.ok()) return before.status();
+    SPILLWAY_ASSIGN_OR_RETURN(auto before, Tree());
     host->ResetPeakStats();
     const uint64_t live_before = host->Stats().live_bytes;  // after the reset: peak >= it
     PeakSampler sampler(getpid());
     const auto t0 = Clock::now();
-    auto info = (*trainer)->Save(o.save_dir, co);
+    auto info = trainer->Save(o.save_dir, co);
     const double seconds = Seconds(t0, Clock::now());
     auto peak = sampler.Stop();
     const uint64_t peak_live = host->Stats().peak_live_bytes;
@@ -386,7 +372,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
       return info.status().WithContext(StrCat("--save ", o.save_dir, " after epoch ", epoch));
     int64_t extra = 0;  // the save is done; a failed /proc read only loses the measurement
     if (peak.ok()) {
-      extra = static_cast<int64_t>(*peak) - static_cast<int64_t>(before->pss_anon_bytes);
+      extra = static_cast<int64_t>(*peak) - static_cast<int64_t>(before.pss_anon_bytes);
     } else {
       Log(LogLevel::kWarning,
           StrCat("checkpoint saved; its memory peak is unknown: ", peak.status().message()));
@@ -408,8 +394,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   lo.batch_size = static_cast<uint32_t>(tc.micro_batch_size);
   lo.seq_len = static_cast<uint32_t>(model.seq_len);
   lo.seed = model.seed;
-  auto loader = ForkingLoader::Create(&*corpus, lo);
-  if (!loader.ok()) return loader.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto loader, ForkingLoader::Create(&corpus, lo));
 
   std::FILE* out = o.out;
   const auto host_live = [&] { return host->Stats().live_bytes; };
@@ -431,10 +416,10 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
             n += trainer::gpt::UnitNumel(model, u);
           return n;
         }(),
-        o.data_path.c_str(), corpus->tokens().size(),
-        offload::OffloadDeviceName(config->offload_optimizer.device),
-        offload::OffloadDeviceName(config->offload_param.device), config->any_nvme() ? " in " : "",
-        config->any_nvme() ? config->NvmeArenaOptions().directory.c_str() : "",
+        o.data_path.c_str(), corpus.tokens().size(),
+        offload::OffloadDeviceName(config.offload_optimizer.device),
+        offload::OffloadDeviceName(config.offload_param.device), config.any_nvme() ? " in " : "",
+        config.any_nvme() ? config.NvmeArenaOptions().directory.c_str() : "",
         allocator::PinModeName(host->Stats().pin_mode), tc.micro_batch_size, model.seq_len,
         tc.gradient_accumulation_steps, tc.optimizer.c_str(), tc.lr, tc.gradient_clipping,
         o.workers, result.compute.c_str(),
@@ -442,19 +427,16 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
   }
 
   const uint64_t accum = tc.gradient_accumulation_steps;
-  const uint64_t row = (*loader)->row_elems();
-  auto baseline_tree = Tree();
-  if (!baseline_tree.ok()) return baseline_tree.status();
+  const uint64_t row = loader->row_elems();
+  SPILLWAY_ASSIGN_OR_RETURN(auto baseline_tree, Tree());
   uint64_t prev_host = host_live(), prev_nvme = nvme_live(),
-           prev_pss = baseline_tree->pss_anon_bytes;
+           prev_pss = baseline_tree.pss_anon_bytes;
   for (int64_t epoch = first_epoch; epoch <= o.epochs; ++epoch) {
     EpochSummary s;
     s.epoch = epoch;
     SPILLWAY_RETURN_IF_ERROR(ledger.BeginEpoch(epoch));
-    auto before = Tree();
-    if (!before.ok()) return before.status();
-    s.tree_before_fork = *before;
-    SPILLWAY_RETURN_IF_ERROR((*loader)->BeginEpoch(epoch, o.steps_per_epoch * accum));
+    SPILLWAY_ASSIGN_OR_RETURN(s.tree_before_fork, Tree());
+    SPILLWAY_RETURN_IF_ERROR(loader->BeginEpoch(epoch, o.steps_per_epoch * accum));
     ProgressLine progress(out, o.progress, epoch, o.epochs, o.steps_per_epoch);
     std::vector<double> step_seconds;
     double loss_sum = 0, tokens = 0, busy = 0;
@@ -463,17 +445,15 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
       for (uint64_t k = 0; k < accum; ++k) {
         torch::Tensor t = torch::empty(
             {static_cast<int64_t>(tc.micro_batch_size), static_cast<int64_t>(row)}, torch::kInt64);
-        SPILLWAY_RETURN_IF_ERROR((*loader)->Next(t.data_ptr<int64_t>()));
+        SPILLWAY_RETURN_IF_ERROR(loader->Next(t.data_ptr<int64_t>()));
         mbs.push_back(std::move(t));
       }
       const auto t0 = Clock::now();
-      auto r = (*trainer)->Step(mbs);
+      auto r = trainer->Step(mbs);
       const double sec = Seconds(t0, Clock::now());
       if (!r.ok()) return r.status().WithContext(StrCat("epoch ", epoch, " step ", step));
       if (step == 0) {
-        auto first = Tree();
-        if (!first.ok()) return first.status();
-        s.tree_at_first_step = *first;
+        SPILLWAY_ASSIGN_OR_RETURN(s.tree_at_first_step, Tree());
         s.first_step_seconds = sec;
       }
       step_seconds.push_back(sec);
@@ -485,11 +465,9 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
         o.on_step({epoch, step, r->loss, sec, host_live(), nvme_live(), result.metrics_address});
       }
     }
-    SPILLWAY_RETURN_IF_ERROR((*loader)->EndEpoch());
+    SPILLWAY_RETURN_IF_ERROR(loader->EndEpoch());
     SPILLWAY_RETURN_IF_ERROR(ledger.EndEpoch(&s.boundary));
-    auto after = Tree();
-    if (!after.ok()) return after.status();
-    s.tree_at_boundary = *after;
+    SPILLWAY_ASSIGN_OR_RETURN(s.tree_at_boundary, Tree());
     s.steps = o.steps_per_epoch;
     s.mean_loss = loss_sum / static_cast<double>(o.steps_per_epoch);
     s.tokens_per_second = tokens / busy;
@@ -510,16 +488,15 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
     if (!o.save_dir.empty() && (o.save_every_epoch || epoch == o.epochs))
       SPILLWAY_RETURN_IF_ERROR(save(epoch));
   }
-  result.forks = (*loader)->Stats().forks;
+  result.forks = loader->Stats().forks;
   if (o.sample_chars > 0) {
-    auto text = Sample(**trainer, model, "This License ", o.sample_chars);
-    if (!text.ok()) return text.status();
-    result.sample = *text;
+    SPILLWAY_ASSIGN_OR_RETURN(result.sample,
+                              Sample(*trainer, model, "This License ", o.sample_chars));
     if (o.progress) std::fprintf(out, "sample (greedy): %s\n", result.sample.c_str());
   }
   if (exporter) {
     for (const void* c : std::initializer_list<const void*>{host, io, nvme, &ledger, store,
-                                                            &(*trainer)->optimizer(), *pipeline}) {
+                                                            &trainer->optimizer(), pipeline}) {
       if (c != nullptr) exporter->Unwatch(c);
     }
   }

@@ -75,9 +75,7 @@ Result<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path,
   if (w->fd_ < 0) return Errno(errno, StrCat("creating checkpoint file ", path));
   // Buffered, not O_DIRECT: safetensors packs tensors back to back, so their offsets are not
   // aligned; the page cache absorbs that and the fsync in Finish makes it durable.
-  auto id = io->RegisterFile(w->fd_, path, 1);
-  if (!id.ok()) return id.status();
-  w->file_id_ = *id;
+  SPILLWAY_ASSIGN_OR_RETURN(w->file_id_, io->RegisterFile(w->fd_, path, 1));
   SPILLWAY_RETURN_IF_ERROR(io->Write(w->file_id_, 0, bytes.data(), bytes.size())
                                .WithContext(StrCat("writing the header of ", path)));
   if (w->hook_) w->hook_("header");

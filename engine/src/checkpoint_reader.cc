@@ -34,9 +34,7 @@ Result<std::unique_ptr<FileReader>> FileReader::Open(const std::string& path,
   struct stat sb;
   if (::fstat(r->fd_, &sb) != 0) return Errno(errno, StrCat("fstat of ", path));
   const uint64_t size = static_cast<uint64_t>(sb.st_size);
-  auto id = io->RegisterFile(r->fd_, path, 1);
-  if (!id.ok()) return id.status();
-  r->file_id_ = *id;
+  SPILLWAY_ASSIGN_OR_RETURN(r->file_id_, io->RegisterFile(r->fd_, path, 1));
   if (size < 8) return Damaged(path, StrCat("it is ", size, " bytes, shorter than a header"));
   unsigned char len8[8];
   SPILLWAY_RETURN_IF_ERROR(io->Read(r->file_id_, 0, len8, 8));

@@ -91,9 +91,8 @@ Result<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(const HostOptimizer
     return Status::InvalidArgument(
         StrCat("threads = ", options.threads, " is invalid; use 0 (one per CPU) up to 1024"));
   }
-  Result<Isa> isa = ResolveIsa(options.isa);
-  if (!isa.ok()) return isa.status();
-  return std::unique_ptr<HostOptimizer>(new HostOptimizer(options, *isa));
+  SPILLWAY_ASSIGN_OR_RETURN(Isa isa, ResolveIsa(options.isa));
+  return std::unique_ptr<HostOptimizer>(new HostOptimizer(options, isa));
 }
 
 HostOptimizer::HostOptimizer(const HostOptimizerOptions& options, Isa isa)
@@ -308,12 +307,10 @@ Result<StepReport> HostOptimizer::RunStep(std::span<const SubGroup> groups,
     SPILLWAY_RETURN_IF_ERROR(Check(g, /*needs_state=*/true));
     elements += g.numel;
   }
-  Result<double> sum = SumOfSquaresAll(groups);
-  if (!sum.ok()) return sum.status();
-  Result<StepReport> plan = Plan(*sum, options);
-  if (!plan.ok()) return plan.status();
-  if (!plan->skipped) {
-    RunAdam(groups, options_.adam, plan->step, plan->combined_scale, fused);
+  SPILLWAY_ASSIGN_OR_RETURN(double sum, SumOfSquaresAll(groups));
+  SPILLWAY_ASSIGN_OR_RETURN(StepReport plan, Plan(sum, options));
+  if (!plan.skipped) {
+    RunAdam(groups, options_.adam, plan.step, plan.combined_scale, fused);
     elements_.fetch_add(elements, std::memory_order_relaxed);
   }
   const uint64_t ns = NowNs() - t0;

@@ -95,14 +95,11 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
     view.numel = g.numel;
     view.grad = g.grad;
     view.grad_dtype = g.grad_dtype;
-    auto part = optimizer.SumOfSquares(view);
-    if (!part.ok()) return part.status();
-    sum += *part;
+    SPILLWAY_ASSIGN_OR_RETURN(auto part, optimizer.SumOfSquares(view));
+    sum += part;
   }
   if (reduce_sum) {
-    auto global = reduce_sum(sum);
-    if (!global.ok()) return global.status();
-    sum = *global;
+    SPILLWAY_ASSIGN_OR_RETURN(sum, reduce_sum(sum));
   }
   auto plan = optimizer.Plan(sum, options);
   if (!plan.ok() || plan->skipped) return plan;

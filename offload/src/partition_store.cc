@@ -658,9 +658,7 @@ Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
     tag = Tag(id);
   }
   if (off == kNoExtent) {
-    auto r = nvme_->Allocate(bytes, tag);
-    if (!r.ok()) return r.status();
-    off = *r;
+    SPILLWAY_ASSIGN_OR_RETURN(off, nvme_->Allocate(bytes, tag));
     std::lock_guard<std::mutex> lock(mu_);
     parts_[id].nvme_off = off;
   }
@@ -807,8 +805,7 @@ PartitionStore::OffSchedule::~OffSchedule() {
 Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   for (PartitionId id : ids) {
-    auto h = Acquire(id, Access::kRead);
-    if (!h.ok()) return h.status();
+    SPILLWAY_ASSIGN_OR_RETURN(auto h, Acquire(id, Access::kRead));
   }
   return Status::Ok();
 }

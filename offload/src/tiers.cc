@@ -43,10 +43,8 @@ Result<std::unique_ptr<Tiers>> Tiers::Create(const Config& config, allocator::Sc
                  "spillway.spill_path to a writable directory on a local disk"));
     }
   }
-  auto store =
-      PartitionStore::Create(config, t->host.get(), t->nvme.get(), scope, config.PrefetchWindow());
-  if (!store.ok()) return store.status();
-  t->store = std::move(*store);
+  SPILLWAY_ASSIGN_OR_RETURN(t->store, PartitionStore::Create(config, t->host.get(), t->nvme.get(),
+                                                             scope, config.PrefetchWindow()));
   if (spill_only) {
     t->store->SetSpillNotice(
         StrCat("the host budget (spillway.host_budget_bytes) is full: spilling "

@@ -24,9 +24,7 @@ Result<std::unique_ptr<TransferPipeline>> TransferPipeline::Create(
                                           " (aio.block_size), and staging_buffers >= 2"));
   }
   std::unique_ptr<TransferPipeline> p(new TransferPipeline(arena, nvme, device, options));
-  auto stream = device->NewStream();
-  if (!stream.ok()) return stream.status();
-  p->stream_ = std::move(stream.value());
+  SPILLWAY_ASSIGN_OR_RETURN(p->stream_, device->NewStream());
   for (uint32_t i = 0; i < options.staging_buffers; ++i) {
     auto buf = arena->Allocate(options.chunk_bytes,
                                {allocator::Kind::kSwapBuffer, allocator::Lifetime::kPersistent, i,
@@ -77,8 +75,7 @@ uint64_t TransferPipeline::ChunkLength(uint64_t i, uint64_t bytes) const {
 Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device_dst) {
   const Driving driving(this);
   SPILLWAY_RETURN_IF_ERROR(driving.status("NvmeToDevice"));
-  auto expected = nvme_->ExpectedChecksum(off, bytes);
-  if (!expected.ok()) return expected.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto expected, nvme_->ExpectedChecksum(off, bytes));
   const uint64_t chunk = options_.chunk_bytes;
   const uint64_t n = (bytes + chunk - 1) / chunk;
   const uint64_t k = staging_.size();
@@ -93,9 +90,8 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
       copied[slot].reset();
       if (!st.ok()) return st;
     }
-    auto t = nvme_->SubmitReadRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes));
-    if (!t.ok()) return t.status();
-    tickets[j] = *t;
+    SPILLWAY_ASSIGN_OR_RETURN(
+        tickets[j], nvme_->SubmitReadRange(off, j * chunk, staging_[slot], ChunkLength(j, bytes)));
     return Status::Ok();
   };
   uint32_t crc = 0;
@@ -126,7 +122,7 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
   }
   Status synced = stream_->Synchronize();
   if (error.ok()) error = synced;
-  if (error.ok() && nvme_->checksum_enabled() && crc != *expected) {
+  if (error.ok() && nvme_->checksum_enabled() && crc != expected) {
     stats_.checksum_failures++;
     error = Status::Make(
         StatusCode::kChecksumMismatch,
@@ -145,8 +141,7 @@ Status TransferPipeline::NvmeToDevice(uint64_t off, uint64_t bytes, void* device
 Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint64_t bytes) {
   const Driving driving(this);
   SPILLWAY_RETURN_IF_ERROR(driving.status("DeviceToNvme"));
-  auto generation = nvme_->BeginWrite(off, bytes);
-  if (!generation.ok()) return generation.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto generation, nvme_->BeginWrite(off, bytes));
   const uint64_t chunk = options_.chunk_bytes;
   const uint64_t n = (bytes + chunk - 1) / chunk;
   const uint64_t k = staging_.size();
@@ -201,7 +196,7 @@ Status TransferPipeline::DeviceToNvme(const void* device_src, uint64_t off, uint
                                     " -> NVMe transfer failed; the "
                                     "device source is unchanged and the NVMe extent is invalid"));
   }
-  SPILLWAY_RETURN_IF_ERROR(nvme_->CommitWrite(off, bytes, crc, *generation));
+  SPILLWAY_RETURN_IF_ERROR(nvme_->CommitWrite(off, bytes, crc, generation));
   stats_.device_to_nvme_bytes += bytes;
   return Status::Ok();
 }

@@ -466,9 +466,9 @@ class AioHandle {
       ::close(fd);
       return Status::FromErrno(StatusCode::kIoError, err, "fstat");
     }
-    auto registered = Register(engine, fd, filename, direct ? kDirectAlign : 1);
-    if (!registered.ok()) return registered.status();
-    FilePtr f = *registered;
+    SPILLWAY_ASSIGN_OR_RETURN(auto registered,
+                              Register(engine, fd, filename, direct ? kDirectAlign : 1));
+    FilePtr f = registered;
     f->dev = now->st_dev;
     f->ino = now->st_ino;
     f->key = key;

@@ -66,34 +66,30 @@ torch::Tensor GlobalMicroBatch(const TrainRequest& q, int64_t step, int64_t k) {
 
 // The tiers over one ledger, as `spillway train` composes them; everything dies before returning.
 Result<TrainOutcome> RunTraining(const TrainRequest& q, trainer::Collectives* coll) {
-  auto config = offload::Config::Parse(q.config_json);
-  if (!config.ok()) return config.status();
-  auto dist = trainer::DistEnvFromEnvironment();  // LOCAL_RANK picks this rank's GPU
-  if (!dist.ok()) return dist.status();
-  auto compute = trainer::ResolveComputeDevice(q.device, dist->local_rank);
-  if (!compute.ok()) return compute.status();
-  auto tiers = offload::Tiers::Create(*config);
-  if (!tiers.ok()) return tiers.status();
-  allocator::Ledger& ledger = (*tiers)->ledger;
-  allocator::HostArena* host = (*tiers)->host.get();
-  allocator::NvmeArena* nvme = (*tiers)->nvme.get();
-  offload::PartitionStore* store = (*tiers)->store.get();
+  SPILLWAY_ASSIGN_OR_RETURN(auto config, offload::Config::Parse(q.config_json));
+  // LOCAL_RANK picks this rank's GPU.
+  SPILLWAY_ASSIGN_OR_RETURN(auto dist, trainer::DistEnvFromEnvironment());
+  SPILLWAY_ASSIGN_OR_RETURN(auto compute, trainer::ResolveComputeDevice(q.device, dist.local_rank));
+  SPILLWAY_ASSIGN_OR_RETURN(auto tiers, offload::Tiers::Create(config));
+  allocator::Ledger& ledger = tiers->ledger;
+  allocator::HostArena* host = tiers->host.get();
+  allocator::NvmeArena* nvme = tiers->nvme.get();
+  offload::PartitionStore* store = tiers->store.get();
 
-  const offload::TrainingConfig& tc = config->training;
+  const offload::TrainingConfig& tc = config.training;
   trainer::TrainerOptions to;
   to.model = q.model;
-  to.compute = *compute;
+  to.compute = compute;
   to.ApplyTraining(tc);
-  auto pipeline = (*tiers)->OpenDevicePipeline(*config, trainer::ToDeviceId(*compute));
-  if (!pipeline.ok()) return pipeline.status();
-  to.pipeline = *pipeline;
-  auto trainer = trainer::Trainer::Create(to, coll, store, host, &ledger, allocator::kProcessScope);
-  if (!trainer.ok()) return trainer.status();
+  SPILLWAY_ASSIGN_OR_RETURN(to.pipeline,
+                            tiers->OpenDevicePipeline(config, trainer::ToDeviceId(compute)));
+  SPILLWAY_ASSIGN_OR_RETURN(auto trainer, trainer::Trainer::Create(to, coll, store, host, &ledger,
+                                                                   allocator::kProcessScope));
 
   TrainOutcome out;
   out.backend = coll->backend();
-  out.compute = compute->str();
-  out.collectives = (*trainer)->collectives_device().str();
+  out.compute = compute.str();
+  out.collectives = trainer->collectives_device().str();
   out.rank = coll->rank();
   out.world_size = coll->world_size();
   // The data position is the step: micro-batches are a function of (data_seed, step, k).
@@ -102,32 +98,30 @@ Result<TrainOutcome> RunTraining(const TrainRequest& q, trainer::Collectives* co
              R"(, "micro_batches_per_rank": )", q.micro_batches, "}");
   if (!q.resume_dir.empty()) {
     trainer::CheckpointOptions co;
-    co.io = (*tiers)->io.get();
-    auto info = (*trainer)->Load(q.resume_dir, co);
-    if (!info.ok()) return info.status();
-    out.start_step = info->step;
+    co.io = tiers->io.get();
+    SPILLWAY_ASSIGN_OR_RETURN(auto info, trainer->Load(q.resume_dir, co));
+    out.start_step = info.step;
   }
   for (int64_t s = out.start_step; s < out.start_step + q.steps; ++s) {
     std::vector<torch::Tensor> mbs;
     for (int64_t j = 0; j < q.micro_batches; ++j) {
       mbs.push_back(GlobalMicroBatch(q, s, coll->rank() * q.micro_batches + j));
     }
-    auto r = (*trainer)->Step(mbs);
+    auto r = trainer->Step(mbs);
     if (!r.ok()) return r.status().WithContext(StrCat("step ", s, " on rank ", coll->rank()));
     out.losses.push_back(r->loss);
   }
   for (int64_t u = 0; u < trainer::gpt::Units(q.model); ++u) {
-    auto p = (*trainer)->GatherUnit(u);  // an all-gather: every rank takes part
-    if (!p.ok()) return p.status();
-    out.params.push_back(std::move(*p));
+    // An all-gather: every rank takes part.
+    SPILLWAY_ASSIGN_OR_RETURN(torch::Tensor p, trainer->GatherUnit(u));
+    out.params.push_back(std::move(p));
   }
   if (!q.save_dir.empty()) {
     trainer::CheckpointOptions co;
-    co.io = (*tiers)->io.get();
+    co.io = tiers->io.get();
     co.extra_json = position;
-    auto info = (*trainer)->Save(q.save_dir, co);
-    if (!info.ok()) return info.status();
-    out.checkpoint = info->path;
+    SPILLWAY_ASSIGN_OR_RETURN(auto info, trainer->Save(q.save_dir, co));
+    out.checkpoint = info.path;
   }
   out.host_live_bytes = host->Stats().live_bytes;
   out.host_escapes = host->Stats().escape_count;

@@ -58,9 +58,8 @@ class PausingDevice : public Device {
   Result<void*> Allocate(uint64_t bytes) override { return cpu_->Allocate(bytes); }
   Status Free(void* ptr) override { return cpu_->Free(ptr); }
   Result<std::unique_ptr<Stream>> NewStream() override {
-    auto inner = cpu_->NewStream();
-    if (!inner.ok()) return inner.status();
-    return std::unique_ptr<Stream>(new PausingStream(this, std::move(inner.value())));
+    SPILLWAY_ASSIGN_OR_RETURN(auto inner, cpu_->NewStream());
+    return std::unique_ptr<Stream>(new PausingStream(this, std::move(inner)));
   }
   Status CopyToHost(void* host, const void* device, uint64_t bytes) override {
     return cpu_->CopyToHost(host, device, bytes);

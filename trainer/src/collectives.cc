@@ -50,22 +50,18 @@ Status Guard(const char* what, Fn fn) {
 
 Result<DistEnv> DistEnvFromEnvironment() {
   DistEnv env;
-  auto world = IntFromEnv("WORLD_SIZE", 1, 1, 1 << 20);
-  if (!world.ok()) return world.status();
-  auto rank = IntFromEnv("RANK", 0, 0, 1 << 20);
-  if (!rank.ok()) return rank.status();
-  auto local = IntFromEnv("LOCAL_RANK", *rank, 0, 1 << 20);
-  if (!local.ok()) return local.status();
-  auto port = IntFromEnv("MASTER_PORT", 29500, 1, 65535);
-  if (!port.ok()) return port.status();
-  if (*rank >= *world) {
-    return Status::InvalidArgument(StrCat("RANK=", *rank, " is not below WORLD_SIZE=", *world,
-                                          "; ranks are 0 .. WORLD_SIZE-1"));
+  SPILLWAY_ASSIGN_OR_RETURN(auto world, IntFromEnv("WORLD_SIZE", 1, 1, 1 << 20));
+  SPILLWAY_ASSIGN_OR_RETURN(auto rank, IntFromEnv("RANK", 0, 0, 1 << 20));
+  SPILLWAY_ASSIGN_OR_RETURN(auto local, IntFromEnv("LOCAL_RANK", rank, 0, 1 << 20));
+  SPILLWAY_ASSIGN_OR_RETURN(auto port, IntFromEnv("MASTER_PORT", 29500, 1, 65535));
+  if (rank >= world) {
+    return Status::InvalidArgument(
+        StrCat("RANK=", rank, " is not below WORLD_SIZE=", world, "; ranks are 0 .. WORLD_SIZE-1"));
   }
-  env.world_size = *world;
-  env.rank = *rank;
-  env.local_rank = *local;
-  env.master_port = *port;
+  env.world_size = world;
+  env.rank = rank;
+  env.local_rank = local;
+  env.master_port = port;
   if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') env.master_addr = a;
   return env;
 }
@@ -204,22 +200,20 @@ Result<c10d::Backend*> Collectives::BackendFor(const char* what, const torch::Te
 }
 
 Status Collectives::AllGather(const torch::Tensor& shard, const torch::Tensor& full) {
-  auto b = BackendFor("all-gather", full, shard);
-  if (!b.ok()) return b.status();
-  if (*b == nullptr) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto b, BackendFor("all-gather", full, shard));
+  if (b == nullptr) {
     if (full.data_ptr() != shard.data_ptr()) full.copy_(shard);
     return Status::Ok();
   }
   return Guard("all-gather", [&] {
     torch::Tensor out = full, in = shard;  // the c10d API takes non-const references
-    (*b)->_allgather_base(out, in)->wait();
+    b->_allgather_base(out, in)->wait();
   });
 }
 
 Status Collectives::ReduceScatterSum(const torch::Tensor& full, const torch::Tensor& shard) {
-  auto b = BackendFor("reduce-scatter", full, shard);
-  if (!b.ok()) return b.status();
-  if (*b == nullptr) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto b, BackendFor("reduce-scatter", full, shard));
+  if (b == nullptr) {
     if (full.data_ptr() != shard.data_ptr()) shard.copy_(full);
     return Status::Ok();
   }
@@ -227,7 +221,7 @@ Status Collectives::ReduceScatterSum(const torch::Tensor& full, const torch::Ten
     torch::Tensor out = shard, in = full;
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    (*b)->_reduce_scatter_base(out, in, o)->wait();
+    b->_reduce_scatter_base(out, in, o)->wait();
   });
 }
 

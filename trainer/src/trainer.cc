@@ -82,10 +82,9 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(
   engine::HostOptimizerOptions oo;
   oo.adam = options.adam;
   oo.threads = options.optimizer_threads;
-  auto opt = engine::HostOptimizer::Create(oo);
-  if (!opt.ok()) return opt.status();
+  SPILLWAY_ASSIGN_OR_RETURN(auto opt, engine::HostOptimizer::Create(oo));
   std::unique_ptr<Trainer> t(
-      new Trainer(options, collectives, store, arena, ledger, scope, std::move(*opt)));
+      new Trainer(options, collectives, store, arena, ledger, scope, std::move(opt)));
   SPILLWAY_RETURN_IF_ERROR(t->Init());
   return t;
 }
@@ -106,19 +105,17 @@ Status Trainer::Init() {
                                         offload::StateKind::kMasterWeight,
                                         offload::StateKind::kExpAvg, offload::StateKind::kExpAvgSq};
     for (int k = 0; k < 5; ++k) {
-      auto id = store_->Register(key(kinds[k]), bytes);
-      if (!id.ok()) return id.status();
-      *ids[k] = *id;
+      SPILLWAY_ASSIGN_OR_RETURN(auto id, store_->Register(key(kinds[k]), bytes));
+      *ids[k] = id;
     }
     // This rank's slice of the deterministic initial weights, zero-padded.
     torch::Tensor full = torch::zeros({unit.shard * world});
     full.narrow(0, 0, unit.numel).copy_(gpt::InitUnit(options_.model, u));
     const float* mine = full.data_ptr<float>() + rank * unit.shard;
     for (offload::PartitionId id : {unit.param, unit.master}) {
-      auto v = store_->Acquire(id, offload::Access::kReadWrite);
-      if (!v.ok()) return v.status();
-      std::memcpy(v->data(), mine, bytes);
-      SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
+      SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(id, offload::Access::kReadWrite));
+      std::memcpy(v.data(), mine, bytes);
+      SPILLWAY_RETURN_IF_ERROR(store_->Release(v));
     }
     units_.push_back(unit);
   }
@@ -128,24 +125,24 @@ Status Trainer::Init() {
 Result<torch::Tensor> Trainer::Gather(int64_t u) {
   const Unit& unit = units_[u];
   const uint64_t full_elems = static_cast<uint64_t>(unit.shard * coll_->world_size());
-  auto buf = arena_->Allocate(
-      full_elems * 4, allocator::OwnerTag{allocator::Kind::kTransient, allocator::Lifetime::kStep,
-                                          static_cast<uint64_t>(u), scope_, SPILLWAY_SITE});
-  if (!buf.ok()) return buf.status();
+  SPILLWAY_ASSIGN_OR_RETURN(
+      auto buf,
+      arena_->Allocate(full_elems * 4,
+                       allocator::OwnerTag{allocator::Kind::kTransient, allocator::Lifetime::kStep,
+                                           static_cast<uint64_t>(u), scope_, SPILLWAY_SITE}));
   allocator::HostArena* arena = arena_;
   // Freed back to the arena when the last reference (autograd's included) dies.
   torch::Tensor full = torch::from_blob(
-      *buf, {static_cast<int64_t>(full_elems)},
+      buf, {static_cast<int64_t>(full_elems)},
       [arena](void* p) {
         Status st = arena->Free(p);
         if (!st.ok()) Log(LogLevel::kError, StrCat("freeing a gather buffer: ", st.ToString()));
       },
       torch::kFloat32);
-  auto v = store_->Acquire(unit.param, offload::Access::kRead);
-  if (!v.ok()) return v.status();
-  Status st = coll_->AllGather(static_cast<const float*>(v->data()),
-                               static_cast<uint64_t>(unit.shard), static_cast<float*>(*buf));
-  SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
+  SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(unit.param, offload::Access::kRead));
+  Status st = coll_->AllGather(static_cast<const float*>(v.data()),
+                               static_cast<uint64_t>(unit.shard), static_cast<float*>(buf));
+  SPILLWAY_RETURN_IF_ERROR(store_->Release(v));
   SPILLWAY_RETURN_IF_ERROR(st);
   return full.narrow(0, 0, unit.numel);
 }
@@ -162,16 +159,15 @@ bool Trainer::OnPipeline(int64_t u) const {
 
 Result<torch::Tensor> Trainer::DeviceShard(int64_t u) {
   const Unit& unit = units_[u];
-  auto h = store_->Acquire(unit.param, offload::Access::kRead, offload::Placement::kDevice);
-  if (!h.ok()) return h.status();
-  auto data = h->Data();
-  if (!data.ok()) return data.status();
-  auto handle = std::make_shared<offload::Handle>(std::move(*h));
+  SPILLWAY_ASSIGN_OR_RETURN(
+      auto h, store_->Acquire(unit.param, offload::Access::kRead, offload::Placement::kDevice));
+  SPILLWAY_ASSIGN_OR_RETURN(auto data, h.Data());
+  auto handle = std::make_shared<offload::Handle>(std::move(h));
   offload::PartitionStore* store = store_;
   torch::Tensor t;
   SPILLWAY_RETURN_IF_ERROR(CatchTorch("wrapping a device view", [&]() -> Status {
     t = torch::from_blob(
-        *data, {unit.shard},
+        data, {unit.shard},
         [handle, store](void*) {
           Status st = store->Release(*handle);
           if (!st.ok())
@@ -259,16 +255,15 @@ Result<torch::Tensor> Trainer::GatherToCompute(int64_t u,
   if (OnPipeline(u)) {
     // Note [Trainer pipeline] in docs/engine.md: this rank's shard came NVMe (or its host copy) ->
     // pinned staging -> device while the previous unit computed; only the all-gather is left.
-    Result<torch::Tensor> shard =
-        ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u);
-    if (!shard.ok()) return shard.status();
+    SPILLWAY_ASSIGN_OR_RETURN(torch::Tensor shard,
+                              ahead != nullptr && ahead->valid() ? ahead->get() : DeviceShard(u));
     const Unit& unit = units_[u];
-    if (coll_->world_size() == 1) return shard->narrow(0, 0, unit.numel);  // the view lives as long
+    if (coll_->world_size() == 1) return shard.narrow(0, 0, unit.numel);  // the view lives as long
     // A process group may hold its input a while after the collective returns (gloo releases it on
     // its own thread), and the view must be gone before the optimizer takes the partition on the
     // host: the all-gather reads a copy, and the view goes now.
-    torch::Tensor input = shard->clone();
-    *shard = torch::Tensor();
+    torch::Tensor input = shard.clone();
+    shard = torch::Tensor();
     torch::Tensor full = torch::empty({unit.shard * coll_->world_size()}, input.options());
     SPILLWAY_RETURN_IF_ERROR(coll_->AllGather(input, full));
     return full.narrow(0, 0, unit.numel);
@@ -279,11 +274,10 @@ Result<torch::Tensor> Trainer::GatherToCompute(int64_t u,
     const Unit& unit = units_[u];
     const auto on_device = torch::TensorOptions().dtype(torch::kFloat32).device(options_.compute);
     torch::Tensor shard = torch::empty({unit.shard}, on_device);
-    auto v = store_->Acquire(unit.param, offload::Access::kRead);
-    if (!v.ok()) return v.status();
+    SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(unit.param, offload::Access::kRead));
     // A blocking copy: the view is released right after it.
-    shard.copy_(torch::from_blob(v->data(), {unit.shard}, torch::kFloat32), /*non_blocking=*/false);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
+    shard.copy_(torch::from_blob(v.data(), {unit.shard}, torch::kFloat32), /*non_blocking=*/false);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(v));
     torch::Tensor full = torch::empty({unit.shard * coll_->world_size()}, on_device);
     SPILLWAY_RETURN_IF_ERROR(coll_->AllGather(shard, full));
     return full.narrow(0, 0, unit.numel);
@@ -308,11 +302,10 @@ Status Trainer::ReduceGrad(int64_t u, const torch::Tensor& grad) {
   torch::Tensor mine = torch::empty({unit.shard}, opts);
   SPILLWAY_RETURN_IF_ERROR(coll_->ReduceScatterSum(padded, mine));
   mine = mine.to(torch::kCPU);  // blocking; ordered after the collective by its wait()
-  auto v = store_->Acquire(unit.grad, offload::Access::kReadWrite);
-  if (!v.ok()) return v.status();
-  torch::from_blob(v->data(), {unit.shard}, torch::kFloat32)
+  SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(unit.grad, offload::Access::kReadWrite));
+  torch::from_blob(v.data(), {unit.shard}, torch::kFloat32)
       .add_(mine, 1.0 / static_cast<double>(world));
-  return store_->Release(*v);
+  return store_->Release(v);
 }
 
 Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* loss) {
@@ -329,22 +322,20 @@ Status Trainer::MicroBatch(const torch::Tensor& tokens, double scale, double* lo
     std::future<Result<torch::Tensor>> ahead = ShardAhead(0);
     TakeAhead take_forward{ahead};
     for (int64_t u = 0; u < units; ++u) {
-      auto full = GatherToCompute(u, &ahead);
-      if (!full.ok()) return full.status();
+      SPILLWAY_ASSIGN_OR_RETURN(auto full, GatherToCompute(u, &ahead));
       ahead = ShardAhead(u + 1);  // moves while this unit computes
       checkpoints.push_back(x);
       if (fault_hook_) fault_hook_(u);
-      x = gpt::Forward(c, u, *full, x);
+      x = gpt::Forward(c, u, full, x);
     }  // each gathered unit is released as `full` goes out of scope
   }
   torch::Tensor grad_out;
   std::future<Result<torch::Tensor>> ahead = ShardAhead(units - 1);
   TakeAhead take_backward{ahead};
   for (int64_t u = units - 1; u >= 0; --u) {
-    auto gathered = GatherToCompute(u, &ahead);
-    if (!gathered.ok()) return gathered.status();
+    SPILLWAY_ASSIGN_OR_RETURN(auto gathered, GatherToCompute(u, &ahead));
     ahead = ShardAhead(u - 1);
-    torch::Tensor full = gathered->detach().requires_grad_(true);
+    torch::Tensor full = gathered.detach().requires_grad_(true);
     torch::Tensor xin = checkpoints[u];
     if (u > 0) xin = xin.detach().requires_grad_(true);
     torch::Tensor out = gpt::Forward(c, u, full, xin);  // recompute from the checkpoint
@@ -380,14 +371,14 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
       g.exp_avg = units_[u].exp_avg;
       g.exp_avg_sq = units_[u].exp_avg_sq;
       g.param_dtype = DType::kFp32;
-      auto grad = store_->Acquire(units_[u].grad, offload::Access::kReadWrite);
-      if (!grad.ok()) return grad.status();
-      g.grad = grad->data();
-      held.push_back(std::move(*grad));
-      auto param = store_->Acquire(units_[u].param, offload::Access::kReadWrite);
-      if (!param.ok()) return param.status();
-      g.param = param->data();
-      held.push_back(std::move(*param));
+      SPILLWAY_ASSIGN_OR_RETURN(auto grad,
+                                store_->Acquire(units_[u].grad, offload::Access::kReadWrite));
+      g.grad = grad.data();
+      held.push_back(std::move(grad));
+      SPILLWAY_ASSIGN_OR_RETURN(auto param,
+                                store_->Acquire(units_[u].param, offload::Access::kReadWrite));
+      g.param = param.data();
+      held.push_back(std::move(param));
     }
     Result<engine::StepReport> report =
         engine::StreamedStep(*optimizer_, *store_, groups, so, stream,
@@ -404,21 +395,19 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
   // states only has to hold one unit's working set (the store spills the rest). Pass 1: the norm.
   double local = 0.0;
   for (const Unit& unit : units_) {
-    auto g = store_->Acquire(unit.grad, offload::Access::kRead);
-    if (!g.ok()) return g.status();
+    SPILLWAY_ASSIGN_OR_RETURN(auto g, store_->Acquire(unit.grad, offload::Access::kRead));
     engine::SubGroup view;
     view.name = "unit";
     view.numel = static_cast<uint64_t>(unit.shard);
-    view.grad = g->data();
+    view.grad = g.data();
     view.grad_dtype = DType::kFp32;
     auto s = optimizer_->SumOfSquares(view);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(*g));
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(g));
     if (!s.ok()) return s.status();
     local += *s;
   }
-  auto global = coll_->AllReduceSum(local);
-  if (!global.ok()) return global.status();
-  Result<engine::StepReport> report = optimizer_->Plan(*global, so);
+  SPILLWAY_ASSIGN_OR_RETURN(auto global, coll_->AllReduceSum(local));
+  Result<engine::StepReport> report = optimizer_->Plan(global, so);
   if (!report.ok() || report->skipped) {
     SPILLWAY_RETURN_IF_ERROR(ZeroGrads());
     return report;
@@ -428,9 +417,8 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
     std::vector<offload::Handle> views;
     for (offload::PartitionId id :
          {unit.grad, unit.param, unit.master, unit.exp_avg, unit.exp_avg_sq}) {
-      auto v = store_->Acquire(id, offload::Access::kReadWrite);
-      if (!v.ok()) return v.status();
-      views.push_back(std::move(*v));
+      SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(id, offload::Access::kReadWrite));
+      views.push_back(std::move(v));
     }
     engine::SubGroup g;
     g.name = "unit";
@@ -492,10 +480,9 @@ std::vector<offload::PartitionId> Trainer::Schedule(size_t micro_batches) const 
 
 Status Trainer::ZeroGrads() {
   for (const Unit& unit : units_) {
-    auto v = store_->Acquire(unit.grad, offload::Access::kReadWrite);
-    if (!v.ok()) return v.status();
-    std::memset(v->data(), 0, static_cast<size_t>(unit.shard) * 4);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(*v));
+    SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(unit.grad, offload::Access::kReadWrite));
+    std::memset(v.data(), 0, static_cast<size_t>(unit.shard) * 4);
+    SPILLWAY_RETURN_IF_ERROR(store_->Release(v));
   }
   return Status::Ok();
 }
@@ -640,9 +627,8 @@ Result<torch::Tensor> Trainer::GatherUnit(int64_t unit) {
   }
   torch::Tensor out;
   Status st = CatchTorch("gathering a unit", [&]() -> Status {
-    auto full = Gather(unit);
-    if (!full.ok()) return full.status();
-    out = full->clone();
+    SPILLWAY_ASSIGN_OR_RETURN(auto full, Gather(unit));
+    out = full.clone();
     return Status::Ok();
   });
   if (!st.ok()) return st;

@@ -47,10 +47,9 @@ constexpr uint64_t kScratchBytes = 4ull << 20;  // Load's checksum pass reads th
 Status UsePartition(offload::PartitionStore& store, offload::PartitionId id, offload::Access access,
                     const char* what, const std::function<Status(void*)>& use) {
   const bool passing = store.home(id) == offload::Placement::kNvme && !store.resident(id);
-  auto v = store.Acquire(id, access);
-  if (!v.ok()) return v.status();
-  Status st = use(v->data());
-  SPILLWAY_RETURN_IF_ERROR(store.Release(*v));
+  SPILLWAY_ASSIGN_OR_RETURN(auto v, store.Acquire(id, access));
+  Status st = use(v.data());
+  SPILLWAY_RETURN_IF_ERROR(store.Release(v));
   SPILLWAY_RETURN_IF_ERROR(st);
   if (passing) {
     if (Status e = store.Evict(id); !e.ok()) {
@@ -186,9 +185,7 @@ Result<std::string> ResolveCheckpoint(const std::string& dir) {
         "): give the directory "
         "that was passed to save, or one of its step-N directories"));
   }
-  auto name = engine::checkpoint::ReadSmallFile(latest, 4096);
-  if (!name.ok()) return name.status();
-  std::string n = *name;
+  SPILLWAY_ASSIGN_OR_RETURN(std::string n, engine::checkpoint::ReadSmallFile(latest, 4096));
   while (!n.empty() && (n.back() == '\n' || n.back() == ' ')) n.pop_back();
   if (n.empty() || n.find('/') != std::string::npos || n[0] == '.') {
     return Status::Make(StatusCode::kChecksumMismatch,
@@ -298,21 +295,20 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     // The save's order is not the step's: no prefetching on its account.
     offload::PartitionStore::OffSchedule off_schedule(*store_);
     const torch::Tensor rng = RngState();
-    auto writer = engine::checkpoint::FileWriter::Create(
-        (fs::path(tmp) / RankFile(rank, world)).string(),
-        CheckpointSpecs(static_cast<uint64_t>(rng.numel())), o.io, o.fault_hook);
-    if (!writer.ok()) return writer.status();
+    SPILLWAY_ASSIGN_OR_RETURN(
+        auto writer, engine::checkpoint::FileWriter::Create(
+                         (fs::path(tmp) / RankFile(rank, world)).string(),
+                         CheckpointSpecs(static_cast<uint64_t>(rng.numel())), o.io, o.fault_hook));
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
         SPILLWAY_RETURN_IF_ERROR(UsePartition(*store_, id, offload::Access::kRead, "save",
-                                              [&](void* data) { return (*writer)->Write(data); }));
+                                              [&](void* data) { return writer->Write(data); }));
       }
     }
-    SPILLWAY_RETURN_IF_ERROR((*writer)->Write(rng.data_ptr()));
-    auto records = (*writer)->Finish();
-    if (!records.ok()) return records.status();
+    SPILLWAY_RETURN_IF_ERROR(writer->Write(rng.data_ptr()));
+    SPILLWAY_ASSIGN_OR_RETURN(auto records, writer->Finish());
     return engine::checkpoint::WriteFileDurably((fs::path(tmp) / SidecarFile(rank, world)).string(),
-                                                RecordsJson(*records).dump());
+                                                RecordsJson(records).dump());
   });
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: writing the rank files"));
 
@@ -327,9 +323,8 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
       json files = json::array();
       for (int r = 0; r < world; ++r) {
         const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
-        auto text = engine::checkpoint::ReadSmallFile(sidecar);
-        if (!text.ok()) return text.status();
-        json t = json::parse(*text, nullptr, false);
+        SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(sidecar));
+        json t = json::parse(text, nullptr, false);
         if (!t.is_object())
           return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
         files.push_back({{"file", RankFile(r, world)}, {"tensors", std::move(t)}});
@@ -371,9 +366,10 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
     });
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: the manifest and the rename"));
-  auto agreed_suffix = coll_->AllReduceSum(rank == 0 ? suffix : 0);  // rank 0 chose the name
-  if (!agreed_suffix.ok()) return agreed_suffix.status();
-  suffix = static_cast<int>(*agreed_suffix);
+  // Rank 0 chose the name.
+  SPILLWAY_ASSIGN_OR_RETURN(const double agreed_suffix,
+                            coll_->AllReduceSum(rank == 0 ? suffix : 0));
+  suffix = static_cast<int>(agreed_suffix);
   info.path = (fs::path(dir) / (suffix == 0 ? name : StrCat(name, ".", suffix))).string();
   return info;
 }
@@ -390,13 +386,11 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   Status st = GuardJson(StrCat("loading the checkpoint in ", dir), [&]() -> Status {
     if (o.io == nullptr)
       return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
-    auto path = ResolveCheckpoint(dir);
-    if (!path.ok()) return path.status();
-    info.path = *path;
-    const std::string mpath = (fs::path(*path) / kManifest).string();
-    auto text = engine::checkpoint::ReadSmallFile(mpath);
-    if (!text.ok()) return text.status();
-    manifest = json::parse(*text, nullptr, false);
+    SPILLWAY_ASSIGN_OR_RETURN(auto path, ResolveCheckpoint(dir));
+    info.path = path;
+    const std::string mpath = (fs::path(path) / kManifest).string();
+    SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(mpath));
+    manifest = json::parse(text, nullptr, false);
     const auto damaged = [&](const std::string& what) {
       return Status::Make(StatusCode::kChecksumMismatch,
                           StrCat(mpath, ": ", what,
@@ -414,7 +408,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     const int64_t saved_world = manifest["world_size"].get<int64_t>();
     if (saved_world != world) {
       return Status::InvalidArgument(StrCat(
-          "checkpoint ", *path, " was written by ", saved_world, " rank(s); this run has ", world,
+          "checkpoint ", path, " was written by ", saved_world, " rank(s); this run has ", world,
           ". A ZeRO-3 checkpoint holds each rank's partitions: resume with ", saved_world,
           " rank(s) (torchrun --nproc-per-node ", saved_world, "); resharding is not supported"));
     }
@@ -422,7 +416,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
       if (manifest["model"][k] != mine[k]) {
         return Status::InvalidArgument(
-            StrCat("checkpoint ", *path, " is of a model with ", k, " = ",
+            StrCat("checkpoint ", path, " is of a model with ", k, " = ",
                    manifest["model"][k].dump(), "; this trainer's has ", mine[k].dump(),
                    ": create the trainer with the checkpoint's model ", manifest["model"].dump()));
       }
@@ -435,10 +429,8 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
     if (entry.at("file") != RankFile(rank, world)) {
       return damaged(StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
     }
-    const std::string file = (fs::path(*path) / RankFile(rank, world)).string();
-    auto r = engine::checkpoint::FileReader::Open(file, o.io);
-    if (!r.ok()) return r.status();
-    reader = std::move(*r);
+    const std::string file = (fs::path(path) / RankFile(rank, world)).string();
+    SPILLWAY_ASSIGN_OR_RETURN(reader, engine::checkpoint::FileReader::Open(file, o.io));
     const TensorRecord* rng = reader->Find(kRngTensor);
     if (rng == nullptr) return damaged(StrCat(file, " has no tensor '", kRngTensor, "'"));
     const uint64_t rng_bytes = static_cast<uint64_t>(RngState().numel());
@@ -504,7 +496,7 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   // between their reads). Equal sums of the steps and of their squares mean equal steps.
   const double my_step = st.ok() ? manifest["step"].get<double>() : 0.0;
   auto sum = coll_->AllReduceSum(my_step);
-  auto sum_sq = coll_->AllReduceSum(my_step * my_step);
+  auto sum_sq = coll_->AllReduceSum(my_step * my_step);  // both, before either error returns
   if (!sum.ok()) return sum.status();
   if (!sum_sq.ok()) return sum_sq.status();
   if (st.ok() && (*sum != my_step * world || *sum_sq != my_step * my_step * world)) {
@@ -517,9 +509,8 @@ Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOpt
   // 2. Every check passed on every rank: overwrite the state.
   // Tensor i into `dst`, against the CRC32C the check pass read.
   const auto read_checked = [&](size_t i, void* dst) -> Status {
-    auto crc = reader->Read(*records[i], dst);
-    if (!crc.ok()) return crc.status();
-    if (*crc != crcs[i]) {
+    SPILLWAY_ASSIGN_OR_RETURN(auto crc, reader->Read(*records[i], dst));
+    if (crc != crcs[i]) {
       return Status::Make(StatusCode::kChecksumMismatch,
                           StrCat(reader->path(), ", tensor '", records[i]->spec.name,
                                  "' changed between the check and the load"));

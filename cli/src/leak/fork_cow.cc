@@ -108,9 +108,8 @@ class ForkCow final : public Trial {
     int64_t step = 0;
     double first = 0, rest = 0;
     Status st;
-    auto pss = TreePss();
-    if (!pss.ok()) return pss.status();
-    series->Add(step, 0, true, *pss);
+    SPILLWAY_ASSIGN_OR_RETURN(const double before, TreePss());
+    series->Add(step, 0, true, before);
     for (int e = 1; e <= kEpochs && st.ok(); ++e) {
       st = loader->BeginEpoch(e, kSteps);
       for (int s = 0; s < kSteps && st.ok(); ++s) {
@@ -122,14 +121,14 @@ class ForkCow final : public Trial {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!rep.ok()) st = rep.status();
         (s == 0 ? first : rest) += sec;
-        pss = TreePss();
+        auto pss = TreePss();
         if (!pss.ok())
           st = pss.status();
         else
           series->Add(++step, e, false, *pss);
       }
       if (st.ok()) st = loader->EndEpoch();
-      pss = TreePss();
+      auto pss = TreePss();
       if (st.ok() && pss.ok()) series->Add(step, e, true, *pss);
     }
     notes->push_back(
