@@ -1,4 +1,4 @@
-// FormatBytes: byte counts in messages a person reads.
+// FormatBytes, FormatMiB, FormatMiBDelta: byte counts a person reads.
 #include "spillway/base/bytes.h"
 
 #include <cinttypes>
@@ -20,6 +20,18 @@ std::string FormatBytes(uint64_t bytes) {
   } else {
     std::snprintf(buf, sizeof(buf), "%.2f %s (%" PRIu64 " bytes)", v, kUnits[unit], bytes);
   }
+  return buf;
+}
+
+std::string FormatMiB(uint64_t bytes) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%.1f MiB", ToMiB(bytes));
+  return buf;
+}
+
+std::string FormatMiBDelta(double bytes) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "%+.2f MiB", bytes / static_cast<double>(kMiB));
   return buf;
 }
 

@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "leak/scenario.h"
+#include "spillway/base/bytes.h"
 
 namespace spillway::cli {
 
@@ -61,12 +62,6 @@ Result<ScenarioOutcome> RunScenario(const Scenario& s, const LeakSuiteOptions& o
   SPILLWAY_RETURN_IF_ERROR(trial->Control(&out));
   trial->Verdict(&out);
   return out;
-}
-
-std::string Mib(double bytes) {
-  char b[32];
-  std::snprintf(b, sizeof(b), "%+.2f MiB", bytes / (1 << 20));
-  return b;
 }
 
 Status WriteCsv(const std::string& path, const ScenarioOutcome& s) {
@@ -182,8 +177,9 @@ Result<int> RunLeakSuite(const LeakSuiteOptions& options, const std::vector<std:
                "spillway/epoch", "control/epoch", "escapes", "verdict");
   for (const auto& o : done) {
     std::fprintf(out, "%-16s %6" PRId64 " %-34s %16s %16s %8" PRIu64 "  %s\n", o.name.c_str(),
-                 o.epochs, o.detector.c_str(), Mib(o.spillway_growth).c_str(),
-                 Mib(o.control_growth).c_str(), o.spillway.escapes, o.pass ? "pass" : "FAIL");
+                 o.epochs, o.detector.c_str(), FormatMiBDelta(o.spillway_growth).c_str(),
+                 FormatMiBDelta(o.control_growth).c_str(), o.spillway.escapes,
+                 o.pass ? "pass" : "FAIL");
   }
   for (const auto& s : skipped) std::fprintf(out, "skipped %s\n", s.c_str());
   std::fprintf(out, "CSV%s in %s/\n", options.plots ? " and PNG" : "", options.out_dir.c_str());

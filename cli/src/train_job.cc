@@ -14,6 +14,7 @@
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/bytes.h"
 #include "spillway/base/log.h"
 #include "spillway/cli/char_corpus.h"
 #include "spillway/cli/fork_loader.h"
@@ -48,17 +49,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-std::string Mib(uint64_t bytes) {
-  char b[32];
-  std::snprintf(b, sizeof(b), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  return b;
-}
-
-std::string SignedMib(int64_t bytes) {
-  char b[32];
-  std::snprintf(b, sizeof(b), "%+.2f MiB", static_cast<double>(bytes) / (1 << 20));
-  return b;
-}
+std::string SignedMib(int64_t bytes) { return FormatMiBDelta(static_cast<double>(bytes)); }
 
 // A directory the job made, removed when the job ends however it ends.
 struct TempDir {
@@ -131,7 +122,7 @@ class ProgressLine {
                  "%sepoch %" PRId64 "/%" PRId64 " [%s] %3" PRId64 "/%" PRId64
                  "  loss %.4f  %6.0f tok/s  host %s  nvme %s%s",
                  tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), done, steps_, loss,
-                 tokens_per_second, Mib(host).c_str(), Mib(nvme).c_str(),
+                 tokens_per_second, FormatMiB(host).c_str(), FormatMiB(nvme).c_str(),
                  tty_ && done != steps_ ? "" : "\n");
     std::fflush(out_);
   }
@@ -191,18 +182,19 @@ std::string FormatEpochReport(const EpochSummary& s) {
     for (int k = 0; k < allocator::kKindCount; ++k) {
       if (t.live_by_kind[k] == 0) continue;
       std::snprintf(line, sizeof(line), "   %-5s %-18s %12s\n", t.tier.c_str(),
-                    KindName(static_cast<allocator::Kind>(k)), Mib(t.live_by_kind[k]).c_str());
+                    KindName(static_cast<allocator::Kind>(k)),
+                    FormatMiB(t.live_by_kind[k]).c_str());
       out += line;
     }
     for (int l = 0; l < allocator::kLifetimeCount; ++l) {
       std::snprintf(line, sizeof(line), "   %-5s %-18s %12s\n", t.tier.c_str(),
                     StrCat("lifetime ", LifetimeName(static_cast<allocator::Lifetime>(l))).c_str(),
-                    Mib(t.live_by_lifetime[l]).c_str());
+                    FormatMiB(t.live_by_lifetime[l]).c_str());
       out += line;
     }
     std::snprintf(line, sizeof(line), "   %-5s %-18s %12s %12" PRIu64 " %12s\n", t.tier.c_str(),
-                  "total", Mib(t.live_bytes).c_str(), t.escape_count,
-                  Mib(t.reclaimed_bytes).c_str());
+                  "total", FormatMiB(t.live_bytes).c_str(), t.escape_count,
+                  FormatMiB(t.reclaimed_bytes).c_str());
     out += line;
     for (const auto& e : t.escapes) {
       out += StrCat("     escape: ", KindName(e.kind), "/", LifetimeName(e.lifetime), " ", e.bytes,
@@ -213,9 +205,10 @@ std::string FormatEpochReport(const EpochSummary& s) {
   std::snprintf(line, sizeof(line),
                 "   process tree anonymous PSS: %s before the fork, %s at the first step (%u "
                 "processes), %s now (%u)\n",
-                Mib(s.tree_before_fork.pss_anon_bytes).c_str(),
-                Mib(s.tree_at_first_step.pss_anon_bytes).c_str(), s.tree_at_first_step.processes,
-                Mib(s.tree_at_boundary.pss_anon_bytes).c_str(), s.tree_at_boundary.processes);
+                FormatMiB(s.tree_before_fork.pss_anon_bytes).c_str(),
+                FormatMiB(s.tree_at_first_step.pss_anon_bytes).c_str(),
+                s.tree_at_first_step.processes,
+                FormatMiB(s.tree_at_boundary.pss_anon_bytes).c_str(), s.tree_at_boundary.processes);
   out += line;
   out += StrCat("   growth since the last boundary: host live ", SignedMib(s.host_live_growth),
                 ", nvme live ", SignedMib(s.nvme_live_growth), ", tree anonymous PSS ",

@@ -128,6 +128,11 @@ TEST(BytesTest, FormatAndRound) {
   static_assert(RoundUp(1, 4096) == 4096 && RoundUp(4096, 4096) == 4096 && RoundUp(0, 4096) == 0);
   static_assert(RoundUp(10, 3) == 12 && RoundDown(10, 3) == 9);
   EXPECT_DOUBLE_EQ(ToMiB(3 * kMiB / 2), 1.5);
+  EXPECT_EQ(FormatMiB(3 * kMiB / 2), "1.5 MiB");
+  EXPECT_EQ(FormatMiB(0), "0.0 MiB");
+  EXPECT_EQ(FormatMiBDelta(static_cast<double>(kMiB) / 4), "+0.25 MiB");
+  EXPECT_EQ(FormatMiBDelta(-static_cast<double>(kMiB) / 2), "-0.50 MiB");
+  EXPECT_EQ(FormatMiBDelta(0), "+0.00 MiB");
 }
 
 }  // namespace

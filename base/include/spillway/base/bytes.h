@@ -21,6 +21,11 @@ constexpr uint64_t RoundDown(uint64_t v, uint64_t granule) { return v / granule 
 // "1.50 GiB (1610612736 bytes)", or "512 B" below a KiB.
 std::string FormatBytes(uint64_t bytes);
 
+// Table columns, where the rows compare in one unit: "12.3 MiB".
+std::string FormatMiB(uint64_t bytes);
+// A change in bytes (growth between two samples; may be negative, may be a mean): "+1.25 MiB".
+std::string FormatMiBDelta(double bytes);
+
 // bytes / 2^20 as a double, for tables and reports ("12.34" MiB).
 constexpr double ToMiB(uint64_t bytes) {
   return static_cast<double>(bytes) / static_cast<double>(kMiB);
