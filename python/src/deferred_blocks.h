@@ -6,10 +6,8 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/Event.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -90,158 +88,19 @@ class Blocks {
 
   // `stream`: the current stream of the allocating thread, for the pools' filters (CUDA only).
   Block* Make(void* ptr, uint64_t bytes, std::shared_ptr<PyArena> arena, bool pinned_allocator,
-              const c10::Stream* stream) {
-    auto* b = new Block{ptr, bytes, std::move(arena), pinned_allocator};
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pinned_allocator && stream != nullptr) {
-      for (auto it = active_pools_.rbegin(); it != active_pools_.rend(); ++it) {
-        if (it->second(*stream)) {
-          b->pooled = true;
-          b->pool = it->first;
-          break;
-        }
-      }
-    }
-    live_.insert(b);
-    ForEach(b, [&](BlockStats& s) {
-      s.live_blocks++;
-      s.live_bytes += bytes;
-      s.peak_live_bytes = std::max(s.peak_live_bytes, s.live_bytes);
-      s.allocations_total++;
-      s.allocated_bytes_total += bytes;
-    });
-    return b;
-  }
+              const c10::Stream* stream);
 
   // The storage died (a deleter: never throws). Frees now when no stream used the block, else
   // records one event per stream and parks it.
-  void Release(Block* b) {
-    if (Forked()) return;  // the child has no mapping to free
-    std::vector<c10::Stream> streams;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      live_.erase(b);
-      ForEach(b, [&](BlockStats& s) {
-        s.live_blocks--;
-        s.live_bytes -= b->bytes;
-      });
-      if (b->pooled && b->used_in_pool) {
-        // A graph may replay work on it at any later time: like torch, never reuse it.
-        ForEach(b, [&](BlockStats& s) {
-          s.graph_held_blocks++;
-          s.graph_held_bytes += b->bytes;
-        });
-        return;
-      }
-      if (b->pooled && !PoolReleased(b->pool)) {
-        Park(b);
-        return;
-      }
-      streams.swap(b->streams);
-    }
-    if (streams.empty()) {
-      Free(b);
-      return;
-    }
-    std::vector<std::function<bool()>> events;
-    bool failed = false;
-    for (const c10::Stream& s : streams) {
-      try {
-        events.push_back(events_.Record(s));
-      } catch (const c10::Error& e) {
-        // Without an event nobody can tell when the copy ends: hold the block for good, and say so.
-        std::fprintf(stderr,
-                     "spillway: recording an event for a freed pinned block failed; the block "
-                     "(%llu bytes) is held until exit: %s\n",
-                     static_cast<unsigned long long>(b->bytes), e.what_without_backtrace());
-        failed = true;
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed) {
-      ForEach(b, [&](BlockStats& s) { s.event_errors_total++; });
-      held_.push_back(b);
-      return;
-    }
-    b->events = std::move(events);
-    ForEach(b, [&](BlockStats& s) { s.events_recorded_total += streams.size(); });
-    Park(b);
-  }
+  void Release(Block* b);
 
   // Notes that `stream` uses the block. False when ctx is not a live block of ours.
-  bool Record(void* ctx, c10::Stream stream) {
-    if (Forked()) return false;
-    auto* b = static_cast<Block*>(ctx);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ctx == nullptr || live_.count(b) == 0) {
-      stats_.foreign_record_events_total++;
-      pinned_stats_.foreign_record_events_total++;
-      return false;
-    }
-    if (b->pooled) b->used_in_pool = true;
-    for (const c10::Stream& s : b->streams) {
-      if (s == stream) return true;
-    }
-    b->streams.push_back(stream);
-    return true;
-  }
+  bool Record(void* ctx, c10::Stream stream);
 
   // Frees parked blocks whose events have all completed; returns how many. Does nothing while a
   // graph pool is being allocated to (querying an event during a capture breaks the capture). A
   // query that throws puts every block back and rethrows.
-  size_t Poll() {
-    if (Forked()) return 0;
-    std::vector<Block*> pending;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (deferred_.empty() || !active_pools_.empty()) return 0;
-      pending.swap(deferred_);
-    }
-    std::vector<Block*> keep, ready;
-    std::vector<std::function<bool()>> finished;  // destroyed (event destroy) without the lock
-    try {
-      for (Block* b : pending) {
-        if (b->pooled && b->events.empty()) {  // waits for its pool's release, not for events
-          keep.push_back(b);
-          continue;
-        }
-        auto& ev = b->events;
-        for (auto it = ev.begin(); it != ev.end();) {
-          if ((*it)()) {
-            finished.push_back(std::move(*it));
-            it = ev.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        (ev.empty() ? ready : keep).push_back(b);
-      }
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      deferred_.insert(deferred_.end(), pending.begin(), pending.end());
-      throw;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = keep.begin(); it != keep.end();) {
-        if ((*it)->pooled && (*it)->events.empty() && PoolReleased((*it)->pool)) {
-          ready.push_back(*it);
-          it = keep.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      for (Block* b : ready) {
-        ForEach(b, [&](BlockStats& s) {
-          s.deferred_blocks--;
-          s.deferred_bytes -= b->bytes;
-        });
-      }
-      deferred_.insert(deferred_.end(), keep.begin(), keep.end());
-    }
-    for (Block* b : ready) Free(b);
-    return ready.size();
-  }
+  size_t Poll();
 
   // CUDA-graph pools (torch's contract: begin/end bracket a capture; release_pool when a graph
   // using the pool is reset; pools may be shared by several graphs, so uses are counted). A block
@@ -250,44 +109,15 @@ class Blocks {
   // Whether some pool is being allocated to (a hint read without the lock; Make decides under it).
   bool PoolsActive() const { return active_pool_count_.load(std::memory_order_acquire) > 0; }
 
-  void BeginPool(c10::MempoolId_t id, std::function<bool(c10::Stream)> filter) {
-    std::lock_guard<std::mutex> lock(mu_);
-    active_pools_.emplace_back(id, std::move(filter));
-    active_pool_count_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
-    pool_uses_[id]++;
-    released_pools_.erase(id);
-  }
-  void EndPool(c10::MempoolId_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = active_pools_.rbegin(); it != active_pools_.rend(); ++it) {
-      if (it->first == id) {
-        active_pools_.erase(std::next(it).base());
-        active_pool_count_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
-        return;
-      }
-    }
-  }
-  void ReleasePool(c10::MempoolId_t id) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pool_uses_.find(id);
-      if (it != pool_uses_.end() && --it->second > 0) return;  // another graph still uses it
-      if (it != pool_uses_.end()) pool_uses_.erase(it);
-      released_pools_.insert(id);
-    }
-    Poll();
-  }
+  void BeginPool(c10::MempoolId_t id, std::function<bool(c10::Stream)> filter);
+  void EndPool(c10::MempoolId_t id);
+  void ReleasePool(c10::MempoolId_t id);
 
   BlockStats Stats(bool pinned_only) const {
     std::lock_guard<std::mutex> lock(mu_);
     return pinned_only ? pinned_stats_ : stats_;
   }
-  void ResetAccumulated() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (BlockStats* s : {&stats_, &pinned_stats_}) {
-      s->allocations_total = s->allocated_bytes_total = s->freed_bytes_total = 0;
-    }
-  }
+  void ResetAccumulated();
   void ResetPeak() {
     std::lock_guard<std::mutex> lock(mu_);
     for (BlockStats* s : {&stats_, &pinned_stats_}) s->peak_live_bytes = s->live_bytes;
@@ -308,25 +138,9 @@ class Blocks {
     f(stats_);
     if (b->pinned_allocator) f(pinned_stats_);
   }
-  void Park(Block* b) {  // assumes mu_
-    deferred_.push_back(b);
-    ForEach(b, [&](BlockStats& s) {
-      s.deferred_blocks++;
-      s.deferred_bytes += b->bytes;
-      s.deferred_frees_total++;
-    });
-  }
+  void Park(Block* b);  // assumes mu_
   bool PoolReleased(c10::MempoolId_t id) const { return released_pools_.count(id) > 0; }  // mu_
-  void Free(Block* b) {  // without mu_
-    const Status st = b->arena->get()->Free(b->ptr);
-    if (!st.ok())
-      std::fprintf(stderr, "spillway: freeing a host block: %s\n", st.ToString().c_str());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ForEach(b, [&](BlockStats& s) { s.freed_bytes_total += b->bytes; });
-    }
-    delete b;
-  }
+  void Free(Block* b);  // without mu_
 
   mutable std::mutex mu_;
   std::unordered_set<Block*> live_;  // guarded by mu_
