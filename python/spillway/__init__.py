@@ -17,8 +17,6 @@
 
 See docs/python.md and docs/deepspeed.md.
 """
-import threading
-
 import torch  # (loads libtorch and registers torch.Tensor before the extension)
 
 from . import _build_info
@@ -124,195 +122,14 @@ class HostArena(_HostArena):
         return t
 
 
-# ---- torch's allocators on Spillway (Note [Torch allocators] in docs/deepspeed.md) ----
-
-_runtime = None
-_install_lock = threading.Lock()
-
-
-def _torch_release(version):
-    return version.split("+")[0]
-
-
-def check_torch_version():
-    """Raises FailedPrecondition when the running torch is not the one the extension was built
-    against: the allocator interfaces are C++ vtables that change between torch releases."""
-    built, running = _spillway._torch_version_built, _torch_release(torch.__version__)
-    if _torch_release(built) != running:
-        raise FailedPrecondition(
-            f"spillway was built against torch {built} but torch {torch.__version__} is running; torch's "
-            f"allocator interfaces differ between releases, so spillway.install() refuses to replace them. "
-            f"Rebuild Spillway against this torch (scripts/install-deps, then cmake --build). Still "
-            f"usable without install(): spillway.HostArena, aio_handle on a matching build")
-
-
-class Runtime:
-    """What spillway.install() made: `host`, the pageable arena that serves allocations inside
-    spillway.tag() scopes, and `pinned`, the arena behind torch's pinned host allocator. Both report
-    to one ledger, so `next_epoch()` / `mark_step()` cover both."""
-
-    def __init__(self, host, pinned):
-        self.host, self.pinned = host, pinned
-        self._epoch, self._step = -1, -1
-        self._epoch_open = self._step_open = False
-        self._lock = threading.Lock()
-        self.reports = []  # the boundary reports, newest last (bounded)
-
-    @property
-    def arenas(self):
-        return (self.host, self.pinned)
-
-    def _keep(self, report):
-        self.reports.append(report)
-        del self.reports[:-64]
-        return report
-
-    def _end_open_step(self):  # assumes self._lock
-        if not self._step_open:
-            return None
-        report = self._keep(self.host._end_step())
-        self._step_open = False
-        return report
-
-    def mark_step(self):
-        """Ends the open step (returns its boundary report, or None) and opens the next."""
-        with self._lock:
-            report = self._end_open_step()
-            self._step += 1
-            self.host._begin_step(self._step)
-            self._step_open = True
-            return report
-
-    def next_epoch(self):
-        """Ends the open step and epoch (returns the epoch's boundary report, or None before the
-        first epoch) and opens the next epoch."""
-        with self._lock:
-            self._end_open_step()
-            report = None
-            if self._epoch_open:
-                report = self._keep(self.host._end_epoch())
-            self._epoch += 1
-            self.host._begin_epoch(self._epoch)
-            self._epoch_open = True
-            return report
-
-    def stats(self):
-        """The two arenas' stats (live bytes by kind, budget, pin mode), the router's counters and
-        the pinned blocks' (deferred frees, recorded events)."""
-        return {"host": self.host.stats(), "pinned": self.pinned.stats(), "router": _spillway._router_stats(),
-                "pinned_blocks": _spillway._pinned_stats()}
-
-
-def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, policy="report", priority=1):
-    """Makes torch's CPU allocator and its pinned (CUDA host) allocator Spillway's, once per process.
-
-    - Inside `with spillway.tag(kind):`, every CPU tensor of at least `small_bytes` comes from a
-      pageable, MADV_DONTFORK arena with a hard budget (`budget_bytes`). Outside a scope, torch's own
-      allocator serves it.
-    - Every pinned allocation (pin_memory(), empty(pin_memory=True), non_blocking D2H outputs) comes
-      from a pinned arena, exact size, whose blocks are reused only after the copies recorded on them
-      completed, under its own budget (`pinned_budget_bytes`).
-    The two budgets left unset share default_host_budget() (3/4 of the memory limit, which honours
-    the cgroup's memory.max): the pageable arena 2/3 of it, the pinned one 1/3, so the two together
-    never exceed it. Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
-    torch other than the one Spillway was built against."""
-    global _runtime
-    with _install_lock:
-        if _runtime is not None:
-            raise FailedPrecondition(
-                "spillway.install() was already called in this process; torch's allocators cannot be "
-                "replaced twice. Use spillway.installed() to reach the Runtime it returned")
-        check_torch_version()
-        total = default_host_budget()
-        if budget_bytes is None:
-            budget_bytes = total - (pinned_budget_bytes if pinned_budget_bytes is not None else total // 3)
-        if pinned_budget_bytes is None:
-            pinned_budget_bytes = max(total - budget_bytes, 1 << 20)
-        for name, value in (("budget_bytes", budget_bytes), ("pinned_budget_bytes", pinned_budget_bytes)):
-            if value <= 0:
-                raise InvalidArgument(f"spillway.install({name}={value}): must be positive; the default "
-                                      f"budget is {total} bytes (3/4 of the memory limit)")
-        host = HostArena(budget_bytes=budget_bytes, pinned=False, policy=policy, name="host")
-        pinned = HostArena(budget_bytes=pinned_budget_bytes, pinned=True, policy=policy, name="pinned",
-                           share_ledger_with=host)
-        _spillway._install(host, pinned, small_bytes, priority)
-        _runtime = Runtime(host, pinned)
-        return _runtime
-
-
-def installed():
-    """The Runtime of spillway.install(), or None before it."""
-    return _runtime
-
-
-def next_epoch():
-    """The one-line epoch boundary: closes the open epoch (returning its report) and opens the next.
-    Call it at the top of each epoch, before the DataLoader forks its workers."""
-    if _runtime is None:
-        raise FailedPrecondition("spillway.next_epoch() before spillway.install(): nothing to bound")
-    return _runtime.next_epoch()
-
-
-_OVER_BUDGET = "spillway.OverBudget: "
-
-
-def _as_over_budget(exc, hint=""):
-    """torch.OutOfMemoryError raised by Spillway's allocators -> spillway.OverBudget, else None."""
-    if isinstance(exc, torch.OutOfMemoryError) and str(exc).startswith(_OVER_BUDGET):
-        message = str(exc)[len(_OVER_BUDGET):].split("\nException raised from")[0]
-        return OverBudget(message + hint)
-    return None
-
-
-class tag:  # noqa: N801  (used like a function: `with spillway.tag("grad"):`)
-    """`with spillway.tag(kind, lifetime="persistent"):` serves the CPU tensors made inside from
-    Spillway's host arena, owned by `kind` (param, grad, master_weight, optimizer_state, swap_buffer,
-    checkpoint, transient). Scopes nest (the innermost wins), follow autograd into its worker
-    threads, and must be exited in the reverse order of entering. An allocation over the budget
-    raises spillway.OverBudget."""
-
-    def __init__(self, kind, lifetime="persistent", owner=0):
-        self.kind, self.lifetime, self.owner = kind, lifetime, owner
-        self._scope = None
-
-    def __enter__(self):
-        if _runtime is None:
-            raise FailedPrecondition(
-                f"spillway.tag({self.kind!r}) before spillway.install(): nothing would be served from "
-                f"Spillway's arena. Call spillway.install() (or spillway.deepspeed.install()) first")
-        if self._scope is not None:
-            raise FailedPrecondition(f"spillway.tag({self.kind!r}) entered twice; make one per `with`")
-        self._scope = _spillway._enter_tag(self.kind, self.lifetime, self.owner)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            _spillway._exit_tag(self._scope)
-        except FailedPrecondition as e:
-            if exc is None:
-                raise
-            # An exception is already on its way out: it is the one to see. The scope stays open on
-            # this thread, and allocations on it keep its tag until the scope opened later exits.
-            import warnings  # noqa: PLC0415
-
-            warnings.warn(f"{e} (while {type(exc).__name__} propagates)", RuntimeWarning, stacklevel=2)
-            return False
-        self._scope = None
-        translated = _as_over_budget(exc)
-        if translated is not None:
-            raise translated from exc
-        return False
-
-    def __call__(self, fn):
-        """As a decorator: runs `fn` inside the scope."""
-        import functools
-
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with tag(self.kind, self.lifetime, self.owner):
-                return fn(*args, **kwargs)
-        return wrapped
-
+from ._torch_allocators import (  # noqa: F401,E402
+    Runtime,
+    check_torch_version,
+    install,
+    installed,
+    next_epoch,
+    tag,
+)
 
 from . import deepspeed, engine, guard, metrics, optim  # noqa: F401,E402
 from .guard import DeviceMismatch  # noqa: F401,E402

@@ -26,7 +26,7 @@ import time
 MIB = 1 << 20
 
 
-# ---- measuring ----
+# Measuring a process tree (the tests use these too).
 
 def tree_pss_anon(root=None):
     """Pss_Anon summed over a process and its descendants (smaps_rollup), in bytes."""
@@ -84,7 +84,7 @@ def bytes_in_ranges(ptr, nbytes, ranges):
     return covered
 
 
-# ---- one run (a process of its own: DeepSpeed's comm and the install are process-wide) ----
+# One run, in a process of its own: DeepSpeed's comm and the install are process-wide.
 
 def build_model(params, torch):
     d_in, d_out, hidden = 64, 8, (1024 if params >= 4 * MIB else 256)
@@ -209,7 +209,7 @@ def _scrape(port):
     return found
 
 
-# ---- the comparison ----
+# The comparison: both runs, the verdict, the table and the plot.
 
 def run_one(which, args):
     cmd = [sys.executable, "-m", "spillway.leak_suite", "--_worker", which, "--deepspeed", args.deepspeed,

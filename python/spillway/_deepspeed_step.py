@@ -1,0 +1,173 @@
+"""spillway.deepspeed's optimizer step: ZeRO-3's per-sub-group unscale-and-clip, DeepSpeedCPUAdam
+update and fp32 to 16-bit copy, run as Spillway's one fused pass (Note [DeepSpeed step] in
+docs/deepspeed.md). spillway.deepspeed.install(step=True) patches the seam; this module is private.
+"""
+import functools
+import warnings
+
+import torch
+
+from . import _spillway
+
+# DeepSpeedZeroOptimizer_Stage3's per-sub-group sequence in step(), read from DeepSpeed 0.19.8:
+#   unscale_and_clip_grads(i, norm)                grad *= 1 / combined_scale        (pass 1)
+#   _optimizer_step(i)                             DeepSpeedCPUAdam.step()           (pass 2)
+#   _reassign_or_swap_out_partitioned_parameters(i)  fp16_flat[i].copy_(fp32_flat[i])  (pass 3)
+# (the norm before them is DeepSpeed's and stays). Spillway records the scale in the first, runs
+# one fused pass in the second (unscale and clip folded in, the 16-bit partition written from the
+# new master), and skips the copy in the third. Any sub-group Spillway does not take runs the
+# original three.
+_STEP_SEAM = ("unscale_and_clip_grads", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters")
+_declined = set()   # reasons already warned about (once per process each)
+
+
+class StepWarning(UserWarning):
+    """Spillway's step is not used for (some of) this run's sub-groups; the reason is in the text."""
+
+
+def _decline_once(reason):
+    if reason not in _declined:
+        _declined.add(reason)
+        warnings.warn(f"spillway.deepspeed: DeepSpeed's own optimizer step runs: {reason}", StepWarning,
+                      stacklevel=4)
+
+
+def _why_not_ours(opt, sub_group_id):
+    """None when Spillway's fused pass can run this sub-group's step with DeepSpeed's semantics; else
+    the reason DeepSpeed's own step runs it."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+
+    # A subclass that overrides part of the seam (SuperOffload's _optimizer_step, for one) calls
+    # the pieces in its own order: the three must be the ones patched here, or none is ours.
+    overridden = [n for n in _STEP_SEAM if getattr(type(opt), n) is not getattr(Stage3, n)]
+    if overridden:
+        return f"{type(opt).__name__} overrides {', '.join(overridden)}"
+    inner = opt.optimizer
+    if type(inner) is not DeepSpeedCPUAdam:
+        return (f"the optimizer is {type(inner).__name__}; Spillway's fused step implements Adam and AdamW "
+                "(DeepSpeedCPUAdam, made by offload_optimizer with optimizer type Adam or AdamW)")
+    if not opt.offload_optimizer or opt.subgroup_to_device[sub_group_id] != "cpu":
+        return "the sub-group's optimizer state is not on the CPU (offload_optimizer.device is not cpu or nvme)"
+    if getattr(opt, "torch_autocast_gradscaler", None) is not None:
+        return "torch autocast's GradScaler steps the optimizer"
+    if getattr(opt, "zenflow", False):
+        return "ZenFlow steps the optimizer"
+    if getattr(opt, "use_muon", False) and opt.sub_groups_using_muon[sub_group_id]:
+        return "the sub-group uses Muon"
+    if not getattr(inner, "fp32_optimizer_states", True):
+        return "fp32_optimizer_states is off (Spillway keeps the moments in fp32)"
+    fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+    if fp32.dtype != torch.float32 or fp32.device.type != "cpu":
+        return f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants fp32 on the CPU)"
+    if fp32.grad is None or fp32.grad.device.type != "cpu":
+        return "the master partition's gradient is missing or not on the CPU"
+    return None
+
+
+def _fused_unscale_and_clip_grads(original):
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        pending = self.__dict__.setdefault("_spillway_scale", {})
+        # A mark left by a step that raised between _optimizer_step and _reassign must not make
+        # this step skip its copy.
+        self.__dict__.get("_spillway_copied", set()).discard(sub_group_id)
+        # `optimizer.spillway_step = False` on one ZeRO optimizer keeps DeepSpeed's step for it.
+        reason = _why_not_ours(self, sub_group_id) if getattr(self, "spillway_step", True) else "off"
+        if reason is not None:
+            if reason != "off":
+                _decline_once(reason)
+            pending.pop(sub_group_id, None)
+            return original(self, sub_group_id, total_norm)
+        # DeepSpeed's arithmetic, kept to the op: the factor each gradient element is multiplied by.
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * self.loss_scale
+        factor = 1. / combined_scale
+        pending[sub_group_id] = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    unscale_and_clip_grads.__spillway_original__ = original
+    return unscale_and_clip_grads
+
+
+def _fused_optimizer_step(original):
+    @functools.wraps(original)
+    def _optimizer_step(self, sub_group_id):
+        scale = self.__dict__.get("_spillway_scale", {}).pop(sub_group_id, None)
+        if scale is None:  # unscale_and_clip_grads declined it (or a caller skipped it): DeepSpeed's path
+            return original(self, sub_group_id)
+        inner = self.optimizer
+        group_id = self.sub_group_to_group_id[sub_group_id]
+        if not 0 <= group_id < len(inner.param_groups):
+            raise _spillway.InvalidArgument(
+                f"spillway.deepspeed: sub-group {sub_group_id} belongs to parameter group {group_id}, and the "
+                f"optimizer has {len(inner.param_groups)}; parameter groups were changed after "
+                "deepspeed.initialize (add them before it)")
+        group = inner.param_groups[group_id]
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        state = inner.state[fp32]
+        if len(state) == 0:  # as DeepSpeedCPUAdam.step does at the first step
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+            state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].shape != fp32.shape:
+                raise _spillway.InvalidArgument(
+                    f"spillway.deepspeed: sub-group {sub_group_id}: optimizer state '{key}' has shape "
+                    f"{tuple(state[key].shape)} and the fp32 partition {tuple(fp32.shape)}; the state was "
+                    "loaded from a checkpoint of another model, world size or sub_group_size")
+        shadow = self.fp16_partitioned_groups_flat[sub_group_id]
+        # The 16-bit partition is written in the same pass only where the pass can reach it: on
+        # the CPU (with offload_param off it lives on the accelerator; DeepSpeed's own copy in
+        # _reassign_or_swap_out_partitioned_parameters moves it there).
+        if shadow is not None and (shadow.device.type != "cpu" or shadow.dtype not in (torch.bfloat16, torch.float16)
+                                   or shadow.numel() != fp32.numel() or not shadow.is_contiguous()):
+            shadow = None
+        beta1, beta2 = group["betas"]
+        kernel = self.__dict__.get("_spillway_kernel")
+        if kernel is None:
+            kernel = self._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
+        # The step count moves only once the update is made: a refused update leaves it as it was.
+        kernel.update(f"DeepSpeed sub-group {sub_group_id} (parameter group {group_id})", fp32.data,
+                      state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1,
+                      group["lr"], beta1, beta2, group["eps"], group["weight_decay"], inner.adam_w_mode,
+                      group.get("bias_correction", True), scale)
+        state["step"] += 1
+        if shadow is not None:
+            self.__dict__.setdefault("_spillway_copied", set()).add(sub_group_id)
+    _optimizer_step.__spillway_original__ = original
+    return _optimizer_step
+
+
+def _fused_reassign(original):
+    @functools.wraps(original)
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        copied = self.__dict__.get("_spillway_copied")
+        if copied is None or sub_group_id not in copied:
+            return original(self, sub_group_id)
+        copied.discard(sub_group_id)
+        self._unflatten_partitioned_parameters(sub_group_id)  # what the original does after its copy
+    _reassign_or_swap_out_partitioned_parameters.__spillway_original__ = original
+    return _reassign_or_swap_out_partitioned_parameters
+
+
+def _install_step():
+    """Patches the seam when this DeepSpeed has it as read; otherwise says once why not."""
+    from .deepspeed import TESTED_DEEPSPEED, _deepspeed_version, _patch  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+
+    version = _deepspeed_version()
+    missing = [name for name in _STEP_SEAM if name not in Stage3.__dict__]
+    if version not in TESTED_DEEPSPEED or missing:
+        _decline_once(f"DeepSpeed {version} is {'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
+                      f"{'; its ZeRO-3 optimizer lacks ' + ', '.join(missing) if missing else ''}: the seam "
+                      "Spillway patches (unscale_and_clip_grads, _optimizer_step, "
+                      "_reassign_or_swap_out_partitioned_parameters) was read from 0.19.8 only")
+        return False
+    _patch(Stage3, "unscale_and_clip_grads", _fused_unscale_and_clip_grads(Stage3.__dict__["unscale_and_clip_grads"]))
+    _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
+    _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
+           _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+    return True
+
