@@ -190,8 +190,7 @@ void HostArena::set_policy(EscapePolicy policy) {
 }
 
 Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
-  SPILLWAY_ASSIGN_OR_RETURN(auto mapped, os::MapAnonymous(bytes, options_.faults));
-  void* base = mapped;
+  SPILLWAY_ASSIGN_OR_RETURN(void* base, os::MapAnonymous(bytes, options_.faults));
   Status st = os::MarkForkSafety(base, bytes, options_.fork_safety);
   if (st.ok()) {
     switch (pin_mode_) {

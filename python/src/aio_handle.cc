@@ -466,9 +466,7 @@ class AioHandle {
       ::close(fd);
       return Status::FromErrno(StatusCode::kIoError, err, "fstat");
     }
-    SPILLWAY_ASSIGN_OR_RETURN(auto registered,
-                              Register(engine, fd, filename, direct ? kDirectAlign : 1));
-    FilePtr f = registered;
+    SPILLWAY_ASSIGN_OR_RETURN(FilePtr f, Register(engine, fd, filename, direct ? kDirectAlign : 1));
     f->dev = now->st_dev;
     f->ino = now->st_ino;
     f->key = key;
