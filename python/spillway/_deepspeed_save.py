@@ -38,7 +38,9 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     parameters are gathered collectively); rank 0 writes. One parameter is gathered at a time and
     streamed to its place in its shard through Spillway's aio_handle, so rank 0's host memory
     peaks at about one parameter, not the model (DeepSpeed gathers the whole state dict on rank 0
-    first). Returns the files written on rank 0, [] elsewhere. Atomicity: see spillway.safetensors_stream.Writer."""
+    first). Returns the files written on rank 0, [] elsewhere. Atomicity: see spillway.safetensors_stream.Writer.
+    A failure on rank 0 (making the directory, a write, the commit) is raised on every rank once all
+    have left the save's collectives: rank 0's own exception there, spillway.IoError elsewhere."""
     import deepspeed  # noqa: PLC0415
     import deepspeed.comm as dist  # noqa: PLC0415
 
@@ -52,7 +54,26 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     rank0 = dist.get_rank() == 0
     layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
     plan = st.Plan(layout, max_shard_size)
-    writer = st.Writer(save_dir, plan, block_size, queue_depth) if rank0 else None
+    # Rank 0 alone writes, and every rank gathers every parameter. A failure on rank 0 (the
+    # directory, a write, the commit) is kept and raised after the last collective, on every rank:
+    # leaving at once would strand the others in the next all-gather, and a caller that went on
+    # would pair its next collective with theirs.
+    writer, failure = None, None
+    if rank0:
+        try:
+            writer = st.Writer(save_dir, plan, block_size, queue_depth)
+        except Exception as e:  # noqa: BLE001 (raised below, once every rank has agreed)
+            failure = e
+
+    def write(key, tensor):
+        nonlocal failure
+        if writer is None or failure is not None:
+            return
+        try:
+            writer.write(key, tensor)
+        except Exception as e:  # noqa: BLE001 (raised below, once every rank has agreed)
+            failure = e
+
     try:
         # A tied parameter is gathered again and written under each of its names: DeepSpeed's
         # state dict holds the same tensor under both, and safetensors has no aliases.
@@ -77,24 +98,40 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         page = os.sysconf("SC_PAGE_SIZE")  # the arena's granule: each allocation rounds up to it
         largest = max((-(-math.prod(shape) * torch.empty(0, dtype=dtype).element_size() // page) * page
                        for _, shape, dtype in layout), default=0)
-        fits = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0], dtype=torch.int32,
-                            device=get_accelerator().current_device_name())
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        in_arena = bool(fits.item())
+        device = get_accelerator().current_device_name()
+        agreed = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0, failure is None],
+                              dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        in_arena, ok = bool(agreed[0].item()), bool(agreed[1].item())
 
         def gathering():
             return spillway.tag("checkpoint") if in_arena else contextlib.nullcontext()
 
-        for key, kind, t in entries:
-            if kind == "param" and hasattr(t, "ds_id"):
-                with gathering(), deepspeed.zero.GatheredParameters([t], modifier_rank=None):
-                    if rank0:
-                        writer.write(key, t.data)
-            elif rank0:
-                writer.write(key, t)
-        if not rank0:
-            return []
-        return writer.commit()
+        files = []
+        if ok:  # else rank 0 could not open the checkpoint, and every rank knows: nothing to gather
+            for key, kind, t in entries:
+                if kind == "param" and hasattr(t, "ds_id"):
+                    with gathering(), deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                        if rank0:
+                            write(key, t.data)
+                elif rank0:
+                    write(key, t)
+            if rank0 and failure is None:
+                try:
+                    files = writer.commit()
+                except Exception as e:  # noqa: BLE001 (raised below, once every rank has agreed)
+                    failure = e
+            # The last collective: every rank learns whether rank 0 committed.
+            done = torch.tensor([failure is None], dtype=torch.int32, device=device)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            ok = bool(done.item())
+        if failure is not None:
+            raise failure
+        if not ok:
+            raise _spillway.IoError(
+                f"spillway.deepspeed.save_16bit_model: rank 0 failed to write the checkpoint to {save_dir} "
+                "(rank 0 raised the cause); do not load it from there. Fix what rank 0 reports and save again")
+        return files
     except BaseException:
         if writer is not None:
             writer.abort()

@@ -55,10 +55,7 @@ def test_it_loads_with_from_pretrained(small):
         assert torch.equal(state[name], t), name
 
 
-def save_on_two_ranks(tmp_path, **env):
-    """The worker on a Gloo group of 2 (at world size 1 a gathered parameter is its own partition:
-    nothing to allocate): 8 layers of width 512, 25M parameters, 49 MiB in bf16, the largest 2 MiB.
-    Returns rank 0's measurements after checking that both savers wrote the same tensors."""
+def run_two_ranks(tmp_path, env, timeout=1200):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,8 +66,23 @@ def save_on_two_ranks(tmp_path, **env):
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=1200) for p in procs]
+    try:
+        logs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = [p.communicate() for p in procs]
+        pytest.fail("a rank did not finish (left waiting in a collective?):\n" +
+                    "\n".join(o[-1500:] + e[-3000:] for o, e in logs))
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
+    return out
+
+
+def save_on_two_ranks(tmp_path, **env):
+    """The worker on a Gloo group of 2 (at world size 1 a gathered parameter is its own partition:
+    nothing to allocate): 8 layers of width 512, 25M parameters, 49 MiB in bf16, the largest 2 MiB.
+    Returns rank 0's measurements after checking that both savers wrote the same tensors."""
+    out = run_two_ranks(tmp_path, env)
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
     ours = safetensors_stream.load(tmp_path / "sp")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
@@ -114,3 +126,21 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         w.commit()
     w.abort()
     assert os.listdir(tmp_path) == []  # nothing left behind, no index
+
+
+@pytest.mark.parametrize("where", ["open", "write", "commit"])
+def test_bad_input_a_failure_on_rank_0_is_raised_on_every_rank_and_leaves_no_rank_waiting(tmp_path, where):
+    # Rank 0 alone writes. Had its failure (the directory cannot be made, a write fails with
+    # ENOSPC, the commit fails with EIO) left save_16bit_model at once, the other rank would still be in the save's next
+    # collective, and the two ranks' collectives would no longer pair up: the barrier after the save
+    # would never complete. Every rank takes part to the end and then raises.
+    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": where}, timeout=240)
+    r0, r1 = (json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1))
+    if where == "open":
+        assert r0["raised"]["type"] in ("FileExistsError", "NotADirectoryError"), r0
+    else:
+        cause = "No space left" if where == "write" else "Input/output error"
+        assert r0["raised"]["type"] == "OSError" and cause in r0["raised"]["message"], r0
+        assert r0["left"] == [], r0  # the shards written so far were removed, nothing committed
+    assert r1["raised"]["type"] == "IoError", r1
+    assert "rank 0" in r1["raised"]["message"] and str(tmp_path / "sp") in r1["raised"]["message"], r1

@@ -81,6 +81,46 @@ if os.environ.get("DS_SAVE_FILL_RANK0") == "1" and int(os.environ.get("RANK", "0
                 filler.append(torch.empty((512 << 10) // 4))
         except torch.OutOfMemoryError:  # spillway.OverBudget is one too
             pass
+# DS_SAVE_FAIL_RANK0=open: rank 0 cannot create the checkpoint directory (a file sits at its path);
+# =write: rank 0's third tensor write fails with ENOSPC; =commit: rank 0's commit fails with EIO
+# before it renames anything (fault seams on rank 0's Writer). Every
+# rank records what save_16bit_model raised in OUT.json.rankN, then all meet in a barrier: a rank
+# still inside the save's collectives would leave the others waiting there.
+fail = os.environ.get("DS_SAVE_FAIL_RANK0")
+if fail:
+    rank = int(os.environ["RANK"])
+    if rank == 0 and fail == "open":
+        open(sp_dir, "w").close()
+    if rank == 0 and fail == "write":
+        import errno  # noqa: E402
+
+        from spillway import safetensors_stream  # noqa: E402
+
+        real_write, calls = safetensors_stream.Writer.write, []
+
+        def failing_write(self, name, tensor):
+            calls.append(name)
+            if len(calls) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", name)
+            return real_write(self, name, tensor)
+        safetensors_stream.Writer.write = failing_write
+    if rank == 0 and fail == "commit":
+        import errno  # noqa: E402
+
+        from spillway import safetensors_stream  # noqa: E402
+
+        def failing_commit(self):
+            raise OSError(errno.EIO, "Input/output error (injected)", "fsync")
+        safetensors_stream.Writer.commit = failing_commit
+    try:
+        spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard)
+        raised = None
+    except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
+        raised = {"type": type(e).__name__, "message": str(e)}
+    torch.distributed.barrier()
+    json.dump({"raised": raised, "left": sorted(os.listdir(sp_dir)) if os.path.isdir(sp_dir) else None},
+              open(f"{out}.rank{rank}", "w"))
+    sys.exit(0)
 ds_peak, _ = peak(lambda: engine.save_16bit_model(ds_dir))
 sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
 model.config.save_pretrained(sp_dir)
