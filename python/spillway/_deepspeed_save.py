@@ -9,6 +9,7 @@ import torch
 
 from . import _spillway
 
+
 def _consolidated_entries(engine, exclude_frozen_parameters):
     """(key, kind, tensor) in DeepSpeed's _zero3_consolidated_16bit_state_dict order: per
     module, its own parameters (a tied parameter under each of its names), then its persistent

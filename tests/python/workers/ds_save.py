@@ -88,14 +88,14 @@ if os.environ.get("DS_SAVE_FILL_RANK0") == "1" and int(os.environ.get("RANK", "0
 # still inside the save's collectives would leave the others waiting there.
 fail = os.environ.get("DS_SAVE_FAIL_RANK0")
 if fail:
+    import errno  # noqa: E402
+
+    from spillway import safetensors_stream  # noqa: E402
+
     rank = int(os.environ["RANK"])
     if rank == 0 and fail == "open":
         open(sp_dir, "w").close()
     if rank == 0 and fail == "write":
-        import errno  # noqa: E402
-
-        from spillway import safetensors_stream  # noqa: E402
-
         real_write, calls = safetensors_stream.Writer.write, []
 
         def failing_write(self, name, tensor):
@@ -105,10 +105,6 @@ if fail:
             return real_write(self, name, tensor)
         safetensors_stream.Writer.write = failing_write
     if rank == 0 and fail == "commit":
-        import errno  # noqa: E402
-
-        from spillway import safetensors_stream  # noqa: E402
-
         def failing_commit(self):
             raise OSError(errno.EIO, "Input/output error (injected)", "fsync")
         safetensors_stream.Writer.commit = failing_commit
