@@ -10,6 +10,7 @@ Shards follow transformers' names (model-00001-of-00003.safetensors) and its ind
 (model.safetensors.index.json: metadata.total_size and a weight_map of tensor name -> file), so
 `safetensors.torch.load_file` reads each shard and `from_pretrained` reads the directory.
 """
+import errno
 import json
 import math
 import os
@@ -77,7 +78,9 @@ class Writer:
     """Writes a Plan into `directory`: shards under temporary names, each tensor with `write(name,
     tensor)` in any order, then `commit()` fsyncs and renames the shards, writes the index last
     and fsyncs the directory. A writer that is not committed (an exception, a kill) leaves only
-    `*.tmp-<pid>` files behind and no index naming them; `abort()` removes them."""
+    `*.tmp-<pid>` files behind and no index naming them; `abort()` removes them. The commit removes
+    an earlier export's index before its first rename, so one broken during the renames leaves no
+    index rather than a mix of two exports."""
 
     def __init__(self, directory, plan, block_size=1 << 20, queue_depth=8, arena=None):
         from . import _spillway
@@ -129,6 +132,15 @@ class Writer:
         for fd in self._fds:
             os.fsync(fd)
         self._close()
+        # An index already here names the shards of an earlier export, which the renames below
+        # replace one by one. It goes first, and durably: a commit broken between two renames then
+        # leaves a directory that fails to load by name, never one that loads as a mix of the two.
+        try:
+            os.unlink(os.path.join(self.directory, INDEX))
+        except FileNotFoundError:
+            pass
+        else:
+            _fsync_directory(self.directory)
         finals = [os.path.join(self.directory, f) for f in self.plan.files]
         for tmp, final in zip(self._tmp, finals):
             os.replace(tmp, final)
@@ -140,11 +152,7 @@ class Writer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_index, os.path.join(self.directory, INDEX))
-        dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_directory(self.directory)
         return finals + [os.path.join(self.directory, INDEX)]
 
     def abort(self):
@@ -163,12 +171,26 @@ class Writer:
             os.close(self._fds.pop())
 
 
+def _fsync_directory(directory):
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def load(directory):
     """{name: tensor} of a directory written by Writer (or by transformers): every shard the index
     names, read with safetensors' own loader."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(directory, INDEX)) as f:
+    path = os.path.join(directory, INDEX)
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no {INDEX} in {directory}: not a whole export (a commit "
+                                "broken during its renames removes it); export into it again", path) from None
+    with f:
         weight_map = json.load(f)["weight_map"]
     out = {}
     for file in sorted(set(weight_map.values())):

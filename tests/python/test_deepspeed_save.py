@@ -144,3 +144,61 @@ def test_bad_input_a_failure_on_rank_0_is_raised_on_every_rank_and_leaves_no_ran
         assert r0["left"] == [], r0  # the shards written so far were removed, nothing committed
     assert r1["raised"]["type"] == "IoError", r1
     assert "rank 0" in r1["raised"]["message"] and str(tmp_path / "sp") in r1["raised"]["message"], r1
+
+
+def two_shard_export(directory, value, replace_seam=""):
+    """Exports {"a", "b"} (1 KiB each, one shard each) filled with `value` into `directory` in a
+    process of its own. `replace_seam` is Python run in that process before the commit, to break
+    its renames."""
+    script = f"""
+import os, signal, sys, torch
+from spillway import safetensors_stream as st
+plan = st.Plan([("a", (256,), torch.float32), ("b", (256,), torch.float32)], 1024)
+w = st.Writer(sys.argv[1], plan)
+for name in ("a", "b"):
+    w.write(name, torch.full((256,), {value}.0))
+{replace_seam}
+try:
+    w.commit()
+except OSError as e:
+    w.abort()
+    print("commit raised:", e)
+    sys.exit(3)
+"""
+    return subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True,
+                          timeout=120)
+
+
+# The second os.replace of the commit: the first shard of the new export is already in place.
+KILL_AT_SECOND_RENAME = """
+real, calls = os.replace, []
+def replace(src, dst):
+    calls.append(dst)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(src, dst)
+os.replace = replace
+"""
+FAIL_AT_SECOND_RENAME = KILL_AT_SECOND_RENAME.replace("os.kill(os.getpid(), signal.SIGKILL)",
+                                                      "raise OSError(5, 'injected EIO', dst)")
+
+
+@pytest.mark.parametrize("seam", ["kill", "raise"])
+def test_bad_input_an_export_broken_during_its_renames_never_loads_as_a_mix_of_two_exports(tmp_path, seam):
+    # A second export into the directory of a first one, broken after its first shard replaced the
+    # first export's. Loading the directory must fail by name; it must never return shard a of the
+    # second export beside shard b of the first, each whole and checksummed by nothing.
+    p = two_shard_export(tmp_path, 1)
+    assert p.returncode == 0, p.stderr
+    assert {k: v[0].item() for k, v in safetensors_stream.load(tmp_path).items()} == {"a": 1.0, "b": 1.0}
+    p = two_shard_export(tmp_path, 2, KILL_AT_SECOND_RENAME if seam == "kill" else FAIL_AT_SECOND_RENAME)
+    assert p.returncode == (-9 if seam == "kill" else 3), p.stdout + p.stderr
+    with pytest.raises(FileNotFoundError, match=f"no {safetensors_stream.INDEX} in .*: not a whole export"):
+        safetensors_stream.load(tmp_path)
+    if seam == "raise":
+        assert "injected EIO" in p.stdout
+        assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # abort() removed the rest
+    # A new export into the same directory is whole again.
+    p = two_shard_export(tmp_path, 3)
+    assert p.returncode == 0, p.stderr
+    assert {k: v[0].item() for k, v in safetensors_stream.load(tmp_path).items()} == {"a": 3.0, "b": 3.0}
