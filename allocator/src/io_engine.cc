@@ -36,8 +36,17 @@ Result<std::unique_ptr<IoEngine>> IoEngine::Create(IoEngineOptions options) {
                                           " must be a multiple of 4096 between 4 KiB and 1 GiB "
                                           "(aio.block_size)"));
   }
-  if (options.bounce_buffers == 0 || options.pool_threads == 0) {
-    return Status::InvalidArgument("IoEngine: bounce_buffers and pool_threads must be >= 1");
+  // Config::Parse holds spillway.bounce_buffers to 1..1024; options set in code reach here
+  // unparsed.
+  if (options.bounce_buffers == 0 || options.bounce_buffers > kMaxBounceBuffers) {
+    return Status::InvalidArgument(StrCat("IoEngine: bounce_buffers ", options.bounce_buffers,
+                                          " is out of range; use 1..", kMaxBounceBuffers,
+                                          " (spillway.bounce_buffers)"));
+  }
+  if (options.pool_threads == 0 || options.pool_threads > kMaxPoolThreads) {
+    return Status::InvalidArgument(StrCat("IoEngine: pool_threads ", options.pool_threads,
+                                          " is out of range; use 1..", kMaxPoolThreads,
+                                          " (aio.intra_op_parallelism)"));
   }
   auto core = std::make_unique<IoCore>(options);
   if (options.force_thread_pool) {

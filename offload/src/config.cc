@@ -4,8 +4,10 @@
 
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -183,8 +185,9 @@ class Reader {
       else if (k == "host_region_bytes") {
         if (Bytes(v, p, &c.host_region_bytes)) region_set = true;
       } else if (k == "bounce_buffers") {
-        if (Count(v, p, 1, &c.bounce_buffers) && c.bounce_buffers > 1024) {
-          Fail(p, StrCat("is ", c.bounce_buffers, "; at most 1024 bounce buffers"));
+        if (Count(v, p, 1, &c.bounce_buffers) && c.bounce_buffers > allocator::kMaxBounceBuffers) {
+          Fail(p, StrCat("is ", c.bounce_buffers, "; at most ", allocator::kMaxBounceBuffers,
+                         " bounce buffers"));
         }
       } else if (k == "escape_policy") {
         if (v.is_object()) {
@@ -515,9 +518,14 @@ allocator::IoEngineOptions Config::EngineOptions(allocator::HostArena* arena) co
   allocator::IoEngineOptions o;
   o.arena = arena;
   o.block_size = aio.block_size;
-  o.queue_depth = static_cast<uint32_t>(aio.queue_depth);
-  o.pool_threads = static_cast<uint32_t>(std::max<uint64_t>(aio.intra_op_parallelism, 1));
-  o.bounce_buffers = static_cast<uint32_t>(spillway.bounce_buffers);  // at most 1024 (Parse)
+  // Saturated, never wrapped: a Config built in code skips Parse's ranges, and the engine refuses
+  // what is out of range by the key's name.
+  const auto u32 = [](uint64_t v) {
+    return static_cast<uint32_t>(std::min<uint64_t>(v, UINT32_MAX));
+  };
+  o.queue_depth = u32(aio.queue_depth);
+  o.pool_threads = u32(std::max<uint64_t>(aio.intra_op_parallelism, 1));
+  o.bounce_buffers = u32(spillway.bounce_buffers);
   return o;
 }
 

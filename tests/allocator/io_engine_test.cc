@@ -290,6 +290,19 @@ TEST(IoEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
   o.queue_depth = 8;
   o.block_size = 1000;
   EXPECT_TRUE(Has(IoEngine::Create(o).status(), "aio.block_size"));
+  o.block_size = 1u << 20;
+  // Options set in code skip Config::Parse's ranges: the engine holds the same ones.
+  o.bounce_buffers = 0;
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "spillway.bounce_buffers"));
+  o.bounce_buffers = 1025;  // 1 GiB of bounce buffers in this arena
+  EXPECT_TRUE(
+      Has(IoEngine::Create(o).status(), "bounce_buffers 1025 is out of range; use 1..1024"));
+  o.bounce_buffers = 8;
+  o.pool_threads = 0;
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "aio.intra_op_parallelism"));
+  o.pool_threads = 1025;
+  EXPECT_TRUE(Has(IoEngine::Create(o).status(), "pool_threads 1025 is out of range; use 1..1024"));
+  EXPECT_EQ(arena->Stats().live_bytes, 0u);  // nothing was allocated for a refused engine
 }
 
 // A file whose direct-I/O alignment does not divide block_size would get chunks that start off

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <fstream>
 
 namespace spillway::offload {
@@ -141,6 +142,19 @@ TEST(ConfigTest, RegionAndBounceSettingsReachTheArenaAndTheEngine) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->HostArenaOptions().region_bytes, 2u << 20);
   EXPECT_EQ(c->EngineOptions(nullptr).bounce_buffers, 1u);
+}
+
+// A Config built in code skips Parse's ranges. Its counts must reach the engine saturated, never
+// wrapped to 32 bits: 2^32 + 1 bounce buffers is not one bounce buffer.
+TEST(ConfigTest, EngineOptionsOfACodeBuiltConfigSaturateInsteadOfWrapping) {
+  Config c;
+  c.spillway.bounce_buffers = (1ull << 32) + 1;
+  c.aio.queue_depth = (1ull << 32) + 8;
+  c.aio.intra_op_parallelism = 1ull << 32;
+  const auto o = c.EngineOptions(nullptr);
+  EXPECT_EQ(o.bounce_buffers, UINT32_MAX);
+  EXPECT_EQ(o.queue_depth, UINT32_MAX);
+  EXPECT_EQ(o.pool_threads, UINT32_MAX);
 }
 
 struct BadCase {

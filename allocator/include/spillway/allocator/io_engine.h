@@ -23,6 +23,9 @@ struct IoFaults;  // io_faults.h: the test seam
 enum class IoBackend : uint8_t { kUring = 0, kThreadPool };
 const char* IoBackendName(IoBackend backend);
 
+inline constexpr uint32_t kMaxBounceBuffers = 1024;  // IoEngineOptions::bounce_buffers
+inline constexpr uint32_t kMaxPoolThreads = 1024;    // IoEngineOptions::pool_threads
+
 struct IoEngineOptions {
   uint32_t queue_depth = 32;         // chunks in flight at most
   uint64_t block_size = 1ull << 20;  // chunk size
