@@ -1,19 +1,24 @@
 // compare_pipeline: the reference trainer's step with its parameters on NVMe, reaching the compute
 // device through the TransferPipeline (the next unit's transfer overlapping this unit's compute),
-// against the same step with the parameters in host memory, on the CPU backend. Contenders, one
-// trainer each on tiers of its own, the same model and batches:
+// against the same step with the parameters in host memory, and against plain libtorch training
+// with everything resident on the compute device. Contenders, the same model and batches, each on
+// tiers of its own:
+//   resident    plain libtorch: the units' weights and torch's AdamW on the compute device,
+//               autograd through the whole model (no offload at all: the no-offload step)
 //   host        offload_param cpu (the baseline), twice: host and host' are the A/A pair
 //   pipe-cached offload_param nvme + pipeline, a budget that keeps the parameters' host copies
-//               (each view is a host -> "device" copy)
+//               (each view is a host -> device copy)
 //   pipe-nvme   offload_param nvme + pipeline, a budget too small for them (views come from NVMe)
 //   no-pipe     offload_param nvme without a pipeline (gathered in host memory; the store
 //   prefetches)
-// Rounds run one step of each, in a rotating order; medians over rounds, and the ratio
-// host / contender (1.0: the offload costs nothing; >= 0.9: the transfer is hidden). Also the time
-// of one unit's transfer alone (its device view, from NVMe) and one unit's compute (the host step
-// time over units and micro-batches). Last line: one JSON object.
+// Rounds run one step of each, in a rotating order; medians over rounds, and the ratios
+// host / contender (1.0: the offload costs nothing; >= 0.9: the transfer is hidden) and
+// contender / resident (the offload step against the no-offload step). Also the time of one
+// unit's transfer alone (its device view, from NVMe) and one unit's compute (the host step time
+// over units and micro-batches). Last line: one JSON object.
 //
-//   compare_pipeline [--d-model N] [--layers N] [--rounds N] [--dir DIR]
+//   compare_pipeline [--device cpu|cuda|cuda:N] [--d-model N] [--layers N] [--rounds N] [--dir DIR]
+// On cuda every step ends with a device synchronize, in every contender.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +33,8 @@
 #include "spillway/base/bytes.h"
 #include "spillway/offload/config.h"
 #include "spillway/offload/tiers.h"
+#include "spillway/trainer/compute_device.h"
+#include "spillway/trainer/model.h"
 #include "spillway/trainer/trainer.h"
 
 namespace {
@@ -39,16 +46,58 @@ using bench::Median;
 using bench::Must;
 using bench::Seconds;
 
+// Plain libtorch training on `device`: the trainer's model functions, autograd through all units,
+// torch's AdamW with the trainer's hyperparameters; gradients averaged over the micro-batches as
+// the trainer does.
+struct Resident {
+  trainer::GptConfig model;
+  torch::Device device;
+  std::vector<torch::Tensor> flats;
+  std::unique_ptr<torch::optim::AdamW> opt;
+
+  Resident(const trainer::GptConfig& m, torch::Device d) : model(m), device(d) {
+    for (int64_t u = 0; u < trainer::gpt::Units(m); ++u)
+      flats.push_back(trainer::gpt::InitUnit(m, u).to(d).requires_grad_(true));
+    const engine::AdamWConfig a;
+    opt = std::make_unique<torch::optim::AdamW>(flats, torch::optim::AdamWOptions(a.lr)
+                                                           .betas({a.beta1, a.beta2})
+                                                           .eps(a.eps)
+                                                           .weight_decay(a.weight_decay));
+  }
+  void Step(const std::vector<torch::Tensor>& mbs) {
+    opt->zero_grad();
+    for (const torch::Tensor& batch : mbs) {
+      const torch::Tensor t = batch.to(device);
+      const int64_t n = t.size(1) - 1;
+      torch::Tensor x = t.narrow(1, 0, n);
+      for (int64_t u = 0; u < trainer::gpt::Units(model); ++u)
+        x = trainer::gpt::Forward(model, u, flats[u], x);
+      (trainer::gpt::Loss(x, t.narrow(1, 1, n)) / static_cast<double>(mbs.size())).backward();
+    }
+    opt->step();
+  }
+};
+
 struct Contender {
   std::string name;
   std::unique_ptr<offload::Tiers> tiers;
   std::unique_ptr<trainer::Collectives> coll;
   std::unique_ptr<trainer::Trainer> trainer;
+  std::unique_ptr<Resident> resident;
   std::vector<double> seconds;
+
+  void Step(const std::vector<torch::Tensor>& mbs) {
+    if (resident != nullptr) {
+      resident->Step(mbs);
+    } else {
+      Must(trainer->Step(mbs));
+    }
+  }
 };
 
 Contender Make(const std::string& name, const trainer::GptConfig& model, const std::string& dir,
-               const std::string& param, const std::string& budget, bool pipeline) {
+               const std::string& param, const std::string& budget, bool pipeline,
+               torch::Device device) {
   Contender c;
   c.name = name;
   const std::string swap = dir + "/" + name;
@@ -64,8 +113,11 @@ Contender Make(const std::string& name, const trainer::GptConfig& model, const s
   trainer::TrainerOptions o;
   o.model = model;
   o.optimizer_threads = 1;
-  if (pipeline)
-    o.pipeline = Must(c.tiers->OpenDevicePipeline(config, {offload::DeviceType::kCpu, 0}));
+  o.compute = device;
+  if (pipeline) {
+    o.pipeline = Must(c.tiers->OpenDevicePipeline(config, trainer::ToDeviceId(device)));
+    if (o.pipeline == nullptr) Die("no pipeline opens to " + device.str() + " in this build");
+  }
   c.coll = Must(trainer::Collectives::Create(trainer::DistEnv{}));
   c.trainer =
       Must(trainer::Trainer::Create(o, c.coll.get(), c.tiers->store.get(), c.tiers->host.get(),
@@ -85,9 +137,12 @@ int main(int argc, char** argv) {
   model.seq_len = 128;
   int rounds = 7;
   std::string dir = "/var/tmp/spillway-compare-pipeline";
+  std::string device_name = "cpu";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--d-model")
+    if (a == "--device")
+      device_name = argv[i + 1];
+    else if (a == "--d-model")
       model.d_model = std::stoll(argv[i + 1]);
     else if (a == "--layers")
       model.n_layer = std::stoll(argv[i + 1]);
@@ -96,8 +151,10 @@ int main(int argc, char** argv) {
     else if (a == "--dir")
       dir = argv[i + 1];
     else
-      Die("unknown flag " + a + " (--d-model N --layers N --rounds N --dir DIR)");
+      Die("unknown flag " + a + " (--device D --d-model N --layers N --rounds N --dir DIR)");
   }
+  const torch::Device device = Must(trainer::ResolveComputeDevice(device_name));
+  const bool cuda = device.is_cuda();
   torch::set_num_threads(
       1);  // one compute thread: the transfer's helper thread has a core of its own
   std::filesystem::remove_all(dir);
@@ -111,11 +168,14 @@ int main(int argc, char** argv) {
   // pool, the staging ring and a gather) holds the rest but not the parameters' host copies.
   const std::string small = std::to_string(params * 4 * 4 + (16u << 20));
   std::vector<Contender> cs;
-  cs.push_back(Make("host", model, dir, "cpu", "4GiB", false));
-  cs.push_back(Make("pipe-cached", model, dir, "nvme", "4GiB", true));
-  cs.push_back(Make("pipe-nvme", model, dir, "nvme", small, true));
-  cs.push_back(Make("no-pipe", model, dir, "nvme", "4GiB", false));
-  cs.push_back(Make("host'", model, dir, "cpu", "4GiB", false));
+  cs.push_back(Make("host", model, dir, "cpu", "4GiB", false, device));
+  cs.push_back(Make("pipe-cached", model, dir, "nvme", "4GiB", true, device));
+  cs.push_back(Make("pipe-nvme", model, dir, "nvme", small, true, device));
+  cs.push_back(Make("no-pipe", model, dir, "nvme", "4GiB", false, device));
+  cs.push_back(Make("host'", model, dir, "cpu", "4GiB", false, device));
+  cs.push_back(Contender{});
+  cs.back().name = "resident";
+  cs.back().resident = std::make_unique<Resident>(model, device);
   constexpr int kMicro = 2;
   const auto batch = [&](int step, int k) {
     torch::manual_seed(1000 * step + k);
@@ -127,7 +187,8 @@ int main(int argc, char** argv) {
       std::vector<torch::Tensor> mbs;
       for (int k = 0; k < kMicro; ++k) mbs.push_back(batch(r + 1, k));
       const auto t0 = Clock::now();
-      Must(c.trainer->Step(mbs));
+      c.Step(mbs);
+      if (cuda) torch::cuda::synchronize();
       if (r >= 0) c.seconds.push_back(Seconds(t0));
     }
   }
@@ -148,23 +209,30 @@ int main(int argc, char** argv) {
     if (!nv.tiers->store->Release(h).ok()) Die("release");
   }
   const double host = Median(cs[0].seconds);
+  const double resident = Median(cs.back().seconds);
   const double per_unit_compute =
       host / static_cast<double>(trainer::gpt::Units(model) * kMicro * 2);
   std::printf(
-      "compare_pipeline: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, %d "
-      "rounds\n",
-      static_cast<unsigned long long>(params), static_cast<long long>(trainer::gpt::Units(model)),
-      kMicro, static_cast<long long>(model.seq_len), rounds);
-  std::printf("%-12s %12s %12s %22s\n", "contender", "median s", "spread", "host / contender");
+      "compare_pipeline on %s: %llu parameters, %lld units, %d micro-batches of 8 x %lld tokens, "
+      "%d rounds\n",
+      device.str().c_str(), static_cast<unsigned long long>(params),
+      static_cast<long long>(trainer::gpt::Units(model)), kMicro,
+      static_cast<long long>(model.seq_len), rounds);
+  std::printf("%-12s %12s %16s %18s %22s\n", "contender", "median s", "spread", "host / contender",
+              "contender / resident");
   nlohmann::json j;
+  j["device"] = device.str();
   for (const Contender& c : cs) {
     std::vector<double> s = c.seconds;
     std::sort(s.begin(), s.end());
     const double med = Median(s);
-    std::printf("%-12s %12.4f %5.4f-%6.4f %22.3f\n", c.name.c_str(), med, s.front(), s.back(),
-                host / med);
-    j[c.name] = {
-        {"median_s", med}, {"min_s", s.front()}, {"max_s", s.back()}, {"ratio", host / med}};
+    std::printf("%-12s %12.4f %7.4f-%7.4f %18.3f %22.3f\n", c.name.c_str(), med, s.front(),
+                s.back(), host / med, med / resident);
+    j[c.name] = {{"median_s", med},
+                 {"min_s", s.front()},
+                 {"max_s", s.back()},
+                 {"ratio", host / med},
+                 {"vs_resident", med / resident}};
   }
   std::printf(
       "one unit (%.2f MiB of parameters): transfer alone %.4f s (NVMe -> staging -> device), "
