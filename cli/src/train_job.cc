@@ -51,13 +51,22 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 
 std::string SignedMib(int64_t bytes) { return FormatMiBDelta(static_cast<double>(bytes)); }
 
-// A directory the job made, removed when the job ends however it ends.
+// The swap directory the job made. Its swap files are anonymous (O_TMPFILE, or unlinked as soon
+// as they are open), so once the arenas hold them the directory is removed: a job that is killed
+// (SIGKILL, the OOM killer) leaves nothing behind. The destructor removes it on the paths that
+// end the job before that.
 struct TempDir {
   std::string path;
-  ~TempDir() {
+  ~TempDir() { RemoveNow(); }
+  void RemoveNow() {
     if (path.empty()) return;
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
+    if (ec) {
+      Log(LogLevel::kWarning,
+          StrCat("could not remove the swap directory ", path, ": ", ec.message()));
+    }
+    path.clear();
   }
 };
 
@@ -255,6 +264,7 @@ Result<TrainJobResult> RunTrainJob(const TrainJobOptions& o) {
 
   // The tiers, all reporting to one ledger.
   SPILLWAY_ASSIGN_OR_RETURN(auto tiers, offload::Tiers::Create(config));
+  temp.RemoveNow();  // the arenas' swap files are open and anonymous
   allocator::Ledger& ledger = tiers->ledger;
   allocator::HostArena* host = tiers->host.get();
   allocator::IoEngine* io = tiers->io.get();

@@ -73,11 +73,17 @@ std::string* KilledSaveTest::reference_dir_ = nullptr;
 TEST_P(KilledSaveTest, ThePreviousCheckpointLoadsAndResumesExactly) {
   const auto [point, nth] = GetParam();
   const std::string dir = Dir(std::string(point) + std::to_string(nth));
-  Outcome killed =
-      Spillway(std::string("SPILLWAY_TEST_KILL_SAVE_AT=") + point + ":" + std::to_string(nth),
-               kTrain + " --epochs 2 --save-every-epoch --keep 0 --save " + dir);
+  // The job's own swap directory goes under this TMPDIR: a SIGKILL must leave nothing there.
+  const std::string tmp = Dir(std::string("tmp-") + point + std::to_string(nth));
+  fs::create_directories(tmp);
+  Outcome killed = Spillway(std::string("TMPDIR=") + tmp + " SPILLWAY_TEST_KILL_SAVE_AT=" + point +
+                                ":" + std::to_string(nth),
+                            kTrain + " --epochs 2 --save-every-epoch --keep 0 --save " + dir);
   ASSERT_TRUE(killed.killed) << "the seam did not fire at " << point << ":" << nth << "\n"
                              << killed.out;
+  for (const auto& left : fs::directory_iterator(tmp))
+    ADD_FAILURE() << "the killed job left " << left.path() << " behind";
+  fs::remove_all(tmp);
   // `latest` still names the first epoch's checkpoint, complete.
   const nlohmann::json before = LatestManifest(dir);
   ASSERT_FALSE(before.is_discarded()) << "latest does not name a readable manifest";
