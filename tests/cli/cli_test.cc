@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -30,6 +31,13 @@ std::string WriteConfig(const std::string& name, const std::string& json) {
   // Per process: ctest runs these tests in parallel, and several write the same name.
   const std::string path = ::testing::TempDir() + "/" + std::to_string(getpid()) + "-" + name;
   std::ofstream(path) << json;
+  static struct Written {  // removed when the test program exits
+    std::vector<std::string> paths;
+    ~Written() {
+      for (const std::string& p : paths) std::remove(p.c_str());
+    }
+  } written;
+  written.paths.push_back(path);
   return path;
 }
 

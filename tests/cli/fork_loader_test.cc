@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <string>
@@ -21,6 +22,7 @@ CharCorpus Corpus(const std::string& text) {
   const std::string path = ::testing::TempDir() + "/corpus-" + std::to_string(getpid()) + ".txt";
   std::ofstream(path) << text;
   auto c = CharCorpus::Load(path, 4);
+  std::remove(path.c_str());
   EXPECT_TRUE(c.ok()) << c.status().ToString();
   return *c;
 }
@@ -175,6 +177,7 @@ TEST(CharCorpusTest, MissingAndShortFilesAreNamed) {
   const std::string path = ::testing::TempDir() + "/short-" + std::to_string(getpid()) + ".txt";
   std::ofstream(path) << "tiny";
   auto short_text = CharCorpus::Load(path, 66);
+  std::remove(path.c_str());
   ASSERT_FALSE(short_text.ok());
   EXPECT_NE(short_text.status().message().find("holds 4 characters; the model needs at least 66"),
             std::string::npos);
