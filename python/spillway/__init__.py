@@ -131,5 +131,10 @@ from ._torch_allocators import (  # noqa: F401,E402
     tag,
 )
 
+# Named where users import them from (help(), reprs, pickles), not by the private file.
+for _public in (Runtime, check_torch_version, install, installed, next_epoch, tag):
+    _public.__module__ = __name__
+del _public
+
 from . import deepspeed, engine, guard, metrics, optim  # noqa: F401,E402
 from .guard import DeviceMismatch  # noqa: F401,E402

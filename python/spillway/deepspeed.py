@@ -38,6 +38,11 @@ from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_te
 from ._deepspeed_save import save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
 
+# Named where users import them from (help(), reprs, pickles), not by the private files.
+for _public in (AuditWarning, audit, offloaded_tensors, save_16bit_model, StepWarning):
+    _public.__module__ = __name__
+del _public
+
 # The DeepSpeed releases whose allocation sites were read and whose runs are tested (tests/python).
 TESTED_DEEPSPEED = ("0.19.8",)
 

@@ -67,3 +67,20 @@ def test_the_extensions_cxx_runtime_calls_bind_to_libstdcxx_not_to_torchs_copies
                 if runtime.search(line) and "/torch/lib/" in line.split(" to ", 1)[1]
                 and not line.rstrip().endswith(stateless)]
     assert not to_torch, f"{len(to_torch)} C++ runtime symbols of the extension bind to torch's libraries: {to_torch[:5]}"
+
+
+def test_public_classes_and_functions_name_the_module_users_import_them_from():
+    # Re-exported from private modules (_torch_allocators, _deepspeed_*): help(), repr and error
+    # messages must show the name users write, not the private file's.
+    import spillway.deepspeed
+
+    wrong = []
+    for mod in (spillway, spillway.deepspeed):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.startswith("_") or not (isinstance(obj, type) or callable(obj)):
+                continue
+            origin = getattr(obj, "__module__", None) or ""
+            if origin.startswith("spillway._") and not origin.startswith("spillway._spillway"):
+                wrong.append(f"{mod.__name__}.{name} says {origin}")
+    assert not wrong, wrong
