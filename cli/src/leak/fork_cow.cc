@@ -49,16 +49,24 @@ class ForkCow final : public Trial {
     const Kind kinds[4] = {Kind::kMasterWeight, Kind::kOptimizerState, Kind::kOptimizerState,
                            Kind::kGrad};
     float* arrays[4] = {};
+    // Frees what was allocated however the run ends, a failed allocation included. The run's own
+    // status is what the suite reports; freeing the state only tidies up.
+    const auto free_all = [&] {
+      for (float* a : arrays) {
+        if (a != nullptr) rig_->host->Free(a).IgnoreError();
+      }
+    };
     for (int i = 0; i < 4; ++i) {
-      SPILLWAY_ASSIGN_OR_RETURN(
-          void* p,
-          rig_->host->Allocate(kBytes, OwnerTag{kinds[i], Lifetime::kPersistent,
-                                                static_cast<uint64_t>(i), 0, SPILLWAY_SITE}));
-      arrays[i] = static_cast<float*>(p);
+      auto p = rig_->host->Allocate(kBytes, OwnerTag{kinds[i], Lifetime::kPersistent,
+                                                     static_cast<uint64_t>(i), 0, SPILLWAY_SITE});
+      if (!p.ok()) {
+        free_all();
+        return p.status();
+      }
+      arrays[i] = static_cast<float*>(*p);
     }
     const Status st = Train(arrays, "spillway: ", &out->spillway, &out->notes);
-    // The run's own status is what the suite reports; freeing the state only tidies up.
-    for (float* a : arrays) rig_->host->Free(a).IgnoreError();
+    free_all();
     return st;
   }
 
@@ -67,7 +75,11 @@ class ForkCow final : public Trial {
     float* arrays[4] = {};
     for (float*& a : arrays) {
       a = static_cast<float*>(std::aligned_alloc(64, kBytes));
-      if (a == nullptr) return Status::Make(StatusCode::kOutOfMemory, "aligned_alloc");
+      if (a == nullptr) {
+        for (float* b : arrays) std::free(b);  // free(nullptr) is a no-op
+        return Status::Make(StatusCode::kOutOfMemory,
+                            StrCat("fork-cow control: aligned_alloc of ", FormatMiB(kBytes)));
+      }
     }
     const Status st = Train(arrays, "control:  ", &out->control, &out->notes);
     for (float* a : arrays) std::free(a);
