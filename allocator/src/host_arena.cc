@@ -253,10 +253,14 @@ void HostArena::DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* o
   NoteCommitted();  // regions, reserved and pinned bytes follow committed_bytes down too
 }
 
+uint64_t RetainLimitFor(const HostArenaOptions& options, uint64_t live_bytes) {
+  const auto scaled =
+      static_cast<uint64_t>(options.retain_fraction * static_cast<double>(live_bytes));
+  return std::min(options.retain_limit_bytes, std::max(options.region_bytes, scaled));
+}
+
 uint64_t HostArena::RetainLimit() const {
-  const auto scaled = static_cast<uint64_t>(options_.retain_fraction *
-                                            static_cast<double>(live_->stats().live_bytes));
-  return std::min(options_.retain_limit_bytes, std::max(options_.region_bytes, scaled));
+  return RetainLimitFor(options_, live_->stats().live_bytes);
 }
 
 void HostArena::NoteCommitted() {

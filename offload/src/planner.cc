@@ -141,10 +141,8 @@ uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<
     (r >= dedicated_from ? dedicated : shared) += r;
   }
   const uint64_t regions = (shared + o.region_bytes - 1) / o.region_bytes;
-  const double cap = std::min(
-      static_cast<double>(o.retain_limit_bytes),
-      std::max(static_cast<double>(o.region_bytes), o.retain_fraction * static_cast<double>(live)));
-  return dedicated + regions * o.region_bytes + std::min(transient, Bytes(cap));
+  return dedicated + regions * o.region_bytes +
+         std::min(transient, allocator::RetainLimitFor(o, live));
 }
 
 // The plan without suggestions (they re-plan with changed settings).

@@ -89,6 +89,10 @@ struct HostArenaOptions {
   HostArenaFaults* faults = nullptr;  // test seam
 };
 
+// The retained cache's limit at `live_bytes` live: min(retain_limit_bytes, max(region_bytes,
+// retain_fraction * live_bytes)). HostArena::RetainLimit() and the planner both use it.
+uint64_t RetainLimitFor(const HostArenaOptions& options, uint64_t live_bytes);
+
 struct HostArenaStats : LiveStats {
   PinMode pin_mode = PinMode::kPageable;  // resolved: never kAuto
   ForkSafety fork_safety = ForkSafety::kDontFork;
