@@ -93,18 +93,25 @@ IoChunk* IoCore::NextChunkLocked(bool use_fixed_slots) {
     char* p = r->buffer + r->chunked;
     uint64_t len = std::min(options.block_size, r->bytes - r->chunked);
     const auto addr = reinterpret_cast<uint64_t>(p);
-    // Which registered region holds [p, p+len), and which 1 GiB piece of it.
+    // Which registered region holds [p, p+len), and which 1 GiB piece of it. A chunk that crosses
+    // the piece's end is cut there to stay inside one fixed buffer, but only when the cut keeps
+    // it aligned: an unaligned cut would make a bounce chunk whose padding overwrites the next
+    // chunk's file bytes, and the next chunk would start at an unaligned offset. Such a chunk
+    // goes whole through the bounce pool instead (len <= block_size, which a bounce buffer holds).
     int slot = -1;
     bool in_arena = false;
     auto reg = regions.upper_bound(addr);
     if (reg != regions.begin()) {
       --reg;
       if (addr + len <= reg->first + reg->second.bytes) {
-        in_arena = true;
         const uint64_t piece = (addr - reg->first) / kMaxIovecBytes;
         const uint64_t piece_end = reg->first + (piece + 1) * kMaxIovecBytes;
-        if (addr + len > piece_end) len = piece_end - addr;  // stay inside one fixed buffer
-        slot = reg->second.slots[piece];
+        const uint64_t cut = std::min(len, piece_end - addr);
+        if (cut == len || (addr % f.alignment == 0 && cut % f.alignment == 0)) {
+          in_arena = true;
+          len = cut;
+          slot = reg->second.slots[piece];
+        }
       }
     }
     const bool aligned = addr % f.alignment == 0 && len % f.alignment == 0;

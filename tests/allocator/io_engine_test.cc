@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "nvme_test_util.h"
 #include "spillway/allocator/io_faults.h"
@@ -303,6 +305,68 @@ TEST(IoEngineOptionsTest, BadOptionsAreRefusedWithTheKeyToChange) {
   o.pool_threads = 1025;
   EXPECT_TRUE(Has(IoEngine::Create(o).status(), "pool_threads 1025 is out of range; use 1..1024"));
   EXPECT_EQ(arena->Stats().live_bytes, 0u);  // nothing was allocated for a refused engine
+}
+
+// A chunk is cut where a region's 1 GiB fixed-buffer piece ends (one registered buffer holds at
+// most 1 GiB). A buffer not aligned to the file's alignment goes through the bounce pool, which
+// needs no such cut; cutting it anyway made a chunk whose length was not a multiple of the
+// alignment: its bounce write was padded with zeros over the next chunk's file bytes, and the next
+// chunk started at an unaligned offset. A buffered file shows the damage (O_DIRECT refuses the
+// second chunk instead). The thread-pool backend: the core cuts the chunks for both, and it pins
+// nothing.
+TEST(IoEngineChunkTest, AnUnalignedBufferAcrossAOneGibPieceWritesItsBytesAndNoOthers) {
+  Ledger ledger;
+  HostArenaOptions o = testing::PageableOptions(&ledger);
+  o.budget_bytes = 1280 * kMiB;
+  auto arena = testing::MakeArena(o);
+  ASSERT_NE(arena, nullptr);
+  IoEngineOptions e;
+  e.arena = arena.get();
+  e.force_thread_pool = true;
+  e.bounce_buffers = 2;
+  auto engine = IoEngine::Create(e);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  // A region of its own, a little over 1 GiB; only the pages written below are ever touched.
+  auto region =
+      arena->Allocate((1ull << 30) + kMiB, testing::Tag(Kind::kSwapBuffer, Lifetime::kStep));
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  char* buf = static_cast<char*>(*region) + (1ull << 30) - 100;  // 100 bytes before the piece ends
+  constexpr size_t kFile = 12288;
+  const int fd = open(testing::NvmeTestDir().c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0) << strerror(errno);
+  std::vector<char> before(kFile, '\xAA');
+  ASSERT_EQ(pwrite(fd, before.data(), kFile, 0), static_cast<ssize_t>(kFile));
+  auto id = (*engine)->RegisterFile(fd, "buffered", 4096);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  std::memset(buf, 0x5B, 4096);
+  const Status w = (*engine)->Write(*id, 0, buf, 4096);
+  EXPECT_TRUE(w.ok()) << w.ToString();
+  std::vector<char> after(kFile);
+  ASSERT_EQ(pread(fd, after.data(), kFile, 0), static_cast<ssize_t>(kFile));
+  int wrong_inside = 0, wrong_outside = 0;
+  for (size_t i = 0; i < kFile; ++i) {
+    if (i < 4096 && after[i] != 0x5B) ++wrong_inside;
+    if (i >= 4096 && after[i] != '\xAA') ++wrong_outside;
+  }
+  EXPECT_EQ(wrong_inside, 0) << "bytes of the write that did not land";
+  EXPECT_EQ(wrong_outside, 0) << "bytes past the write that it overwrote";
+  std::memset(buf, 0, 4096);
+  const Status r = (*engine)->Read(*id, 0, buf, 4096);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+  EXPECT_EQ(std::count(buf, buf + 4096, 0x5B), 4096);
+  // An aligned buffer across the same boundary is cut there: two direct chunks, no bounce.
+  char* aligned = static_cast<char*>(*region) + (1ull << 30) - 4096;
+  std::memset(aligned, 0x3C, 8192);
+  const uint64_t bounced = (*engine)->Stats().bounce_chunks;
+  ASSERT_TRUE((*engine)->Write(*id, 4096, aligned, 8192).ok());
+  EXPECT_EQ((*engine)->Stats().bounce_chunks, bounced);
+  ASSERT_EQ(pread(fd, after.data(), kFile, 0), static_cast<ssize_t>(kFile));
+  EXPECT_EQ(std::count(after.begin(), after.begin() + 4096, 0x5B), 4096);
+  EXPECT_EQ(std::count(after.begin() + 4096, after.end(), 0x3C), 8192);
+  EXPECT_TRUE((*engine)->UnregisterFile(*id).ok());
+  close(fd);
+  EXPECT_TRUE(arena->Free(*region).ok());
+  engine->reset();
 }
 
 // A file whose direct-I/O alignment does not divide block_size would get chunks that start off
