@@ -148,23 +148,27 @@ class AioHandle {
     return last_error_;
   }
 
+  // DeepSpeed's read/write: one op, on its own (its pending async ops are left to wait()).
   int Read(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, false, false, validate) < 0 ? -1 : 0;
+    return Transfer(b, f, -1, off, false, Mode::kAlone, validate) < 0 ? -1 : 0;
   }
   int Write(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, true, false, validate) < 0 ? -1 : 0;
+    return Transfer(b, f, -1, off, true, Mode::kAlone, validate) < 0 ? -1 : 0;
   }
+  // pread/pwrite, and sync_pread/sync_pwrite (async false): as DeepSpeed's, a sync call schedules
+  // its op and then waits like wait(), for the async ops before it too, and returns how many ops
+  // completed.
   int Pread(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, false, async, validate);
+    return Transfer(b, f, -1, off, false, async ? Mode::kAsync : Mode::kSync, validate);
   }
   int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, true, async, validate);
+    return Transfer(b, f, -1, off, true, async ? Mode::kAsync : Mode::kSync, validate);
   }
   int PwriteFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, true, true, false);
+    return Transfer(b, "", fd, off, true, Mode::kAsync, false);
   }
   int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, false, true, false);
+    return Transfer(b, "", fd, off, false, Mode::kAsync, false);
   }
 
   // Waits for this handle's async ops: those it takes, and those other threads' wait() calls took
@@ -175,31 +179,7 @@ class AioHandle {
     int result = 0;
     {
       py::gil_scoped_release nogil;
-      std::vector<Pending> ops;
-      std::shared_ptr<allocator::IoEngine> engine;
-      uint64_t horizon = 0;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (engine_ == nullptr) {
-          closed = ClosedError();
-        } else {
-          ops.swap(pending_);
-          TakeReadyEarly(&ops);
-          engine = engine_;
-          horizon = next_seq_;
-        }
-      }
-      if (closed.ok()) {
-        std::string first_error = Finish(engine.get(), &ops);
-        std::unique_lock<std::mutex> lock(mu_);
-        done_.wait(lock, [&] { return outstanding_.empty() || *outstanding_.begin() >= horizon; });
-        if (!first_error.empty()) {
-          last_error_ = first_error;
-          result = -1;
-        } else {
-          result = static_cast<int>(ops.size());
-        }
-      }
+      result = WaitNoGil(&closed);
     }
     if (!closed.ok()) Raise(closed);
     return result;
@@ -242,6 +222,32 @@ class AioHandle {
   static constexpr size_t kMaxOpenFiles = 128;
   static constexpr uint64_t kDirectAlign = 4096;
 
+  // wait()'s body, without the GIL. `closed` receives the error of a closed handle.
+  int WaitNoGil(Status* closed) {
+    std::vector<Pending> ops;
+    std::shared_ptr<allocator::IoEngine> engine;
+    uint64_t horizon = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (engine_ == nullptr) {
+        *closed = ClosedError();
+        return -1;
+      }
+      ops.swap(pending_);
+      TakeReadyEarly(&ops);
+      engine = engine_;
+      horizon = next_seq_;
+    }
+    std::string first_error = Finish(engine.get(), &ops);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return outstanding_.empty() || *outstanding_.begin() >= horizon; });
+    if (!first_error.empty()) {
+      last_error_ = first_error;
+      return -1;
+    }
+    return static_cast<int>(ops.size());
+  }
+
   // Moves the early-completed ops whose completion is recorded into `ops` (assumes mu_).
   void TakeReadyEarly(std::vector<Pending>* ops) {
     for (auto it = done_early_.begin(); it != done_early_.end();) {
@@ -270,9 +276,14 @@ class AioHandle {
     return Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed; make a new one");
   }
 
-  // Returns 0 (async, submitted), the number of completed ops (sync: 1), or -1 with last_error.
+  // kAsync: submitted, waited for by wait(). kSync: waits for it and every op pending before it
+  // (DeepSpeed's pread/pwrite with async false). kAlone: waits for it only (read/write).
+  enum class Mode : uint8_t { kAsync, kSync, kAlone };
+
+  // Returns 0 (kAsync, submitted), the number of completed ops (kSync: 1 and the async ops pending
+  // before it; kAlone: 1), or -1 with last_error.
   int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
-               bool write, bool async, bool validate) {
+               bool write, Mode mode, bool validate) {
     (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
     CheckProcess();
     auto bytes = TensorBytes(buffer, write ? "aio write" : "aio read");
@@ -281,7 +292,7 @@ class AioHandle {
     int rc = 0;
     {
       py::gil_scoped_release nogil;
-      rc = TransferNoGil(buffer, bytes->first, bytes->second, filename, fd, offset, write, async,
+      rc = TransferNoGil(buffer, bytes->first, bytes->second, filename, fd, offset, write, mode,
                          &raise);
     }
     if (!raise.ok()) Raise(raise);
@@ -295,7 +306,7 @@ class AioHandle {
   }
 
   int TransferNoGil(const torch::Tensor& buffer, void* data, uint64_t n,
-                    const std::string& filename, int fd, int64_t offset, bool write, bool async,
+                    const std::string& filename, int fd, int64_t offset, bool write, Mode mode,
                     Status* raise) {
     const char* op = write ? "pwrite" : "pread";
     const std::string name = fd >= 0 ? StrCat("fd ", fd) : filename;
@@ -343,7 +354,11 @@ class AioHandle {
     }
     if (n == 0) {
       Unpin(f);
-      return async ? 0 : 1;
+      if (mode == Mode::kSync) {
+        const int earlier = WaitNoGil(raise);
+        return earlier < 0 ? -1 : 1 + earlier;
+      }
+      return mode == Mode::kAsync ? 0 : 1;
     }
     Result<allocator::Ticket> t =
         write ? engine->SubmitWrite(f->id, static_cast<uint64_t>(offset), data, n)
@@ -355,9 +370,11 @@ class AioHandle {
     std::unique_lock<std::mutex> lock(mu_);
     Pending p{*t, next_seq_++, StrCat(op, " ", name), f, buffer};
     outstanding_.insert(p.seq);
-    if (async) {
+    if (mode != Mode::kAlone) {
       pending_.push_back(std::move(p));  // f stays pinned by the op until it is waited for
-      return 0;
+      if (mode == Mode::kAsync) return 0;
+      lock.unlock();
+      return WaitNoGil(raise);  // this op and those pending before it, as wait() does
     }
     lock.unlock();
     std::vector<Pending> one;

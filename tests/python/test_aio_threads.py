@@ -35,7 +35,7 @@ def worker(t):
                 assert got == bytes(src.numpy()), (t, i, path, "wait() returned before my write completed")
             path, src = batch[0]
             dst = torch.zeros(src.numel(), dtype=torch.uint8)
-            assert h.sync_pread(dst, path, 0) == 1, h.get_last_error()
+            assert h.sync_pread(dst, path, 0) >= 1, h.get_last_error()  # and any ops pending before it
             assert torch.equal(dst, src), (t, i, path)
     except BaseException as e:  # noqa: BLE001
         errors.append(f"thread {t}: {type(e).__name__}: {e}")
