@@ -370,18 +370,19 @@ class AioHandle {
     std::unique_lock<std::mutex> lock(mu_);
     Pending p{*t, next_seq_++, StrCat(op, " ", name), f, buffer};
     outstanding_.insert(p.seq);
-    if (mode != Mode::kAlone) {
+    if (mode == Mode::kAsync) {
       pending_.push_back(std::move(p));  // f stays pinned by the op until it is waited for
-      if (mode == Mode::kAsync) return 0;
-      lock.unlock();
-      return WaitNoGil(raise);  // this op and those pending before it, as wait() does
+      return 0;
     }
     lock.unlock();
+    // A sync op is never in pending_, so another thread's wait() cannot take it (or its error).
     std::vector<Pending> one;
     one.push_back(std::move(p));
     const std::string error = Finish(engine.get(), &one);
+    // kSync: then the async ops pending before it, as wait() does (DeepSpeed's _wait_locked()).
+    const int earlier = mode == Mode::kSync ? WaitNoGil(raise) : 0;
     if (!error.empty()) return Fail(error);
-    return 1;
+    return earlier < 0 ? -1 : 1 + earlier;
   }
 
   // Waits for `ops` without the lock; then retires them (seq done, file unpinned). Returns the
