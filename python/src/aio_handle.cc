@@ -55,6 +55,7 @@ struct OpenFile {
   uint64_t last_use = 0;
   int users = 0;  // calls between lookup and submit, plus ops in flight
   bool in_table = true;
+  bool released = false;  // unregistered and closed (once: the number may be reused after)
   std::shared_ptr<allocator::IoEngine> engine;  // it is registered here (outlives close())
 };
 using FilePtr = std::shared_ptr<OpenFile>;
@@ -239,13 +240,26 @@ class AioHandle {
       horizon = next_seq_;
     }
     std::string first_error = Finish(engine.get(), &ops);
+    std::vector<Pending> late;  // destroyed after the lock (a buffer's deleter may free memory)
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [&] { return outstanding_.empty() || *outstanding_.begin() >= horizon; });
+    // Ops submitted before this wait that another thread was completing early (to close their
+    // file) when it began: finished now, so their results are this wait's, errors included.
+    for (auto it = done_early_.begin(); it != done_early_.end();) {
+      if (it->ready && it->seq < horizon) {
+        if (!it->status.ok() && first_error.empty())
+          first_error = StrCat(it->what, ": ", it->status.ToString());
+        late.push_back(std::move(*it));
+        it = done_early_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     if (!first_error.empty()) {
       last_error_ = first_error;
       return -1;
     }
-    return static_cast<int>(ops.size());
+    return static_cast<int>(ops.size() + late.size());
   }
 
   // Moves the early-completed ops whose completion is recorded into `ops` (assumes mu_).
@@ -563,7 +577,8 @@ class AioHandle {
     bool close = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      close = --f->users == 0 && !f->in_table;
+      close = --f->users == 0 && !f->in_table && !f->released;
+      f->released |= close;
     }
     if (close) Release(f);
   }
@@ -572,7 +587,8 @@ class AioHandle {
     bool close = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      close = f->users == 0 && !f->in_table;
+      close = f->users == 0 && !f->in_table && !f->released;
+      f->released |= close;
     }
     if (close) Release(f);
   }
@@ -592,6 +608,7 @@ class AioHandle {
 
   void CloseNoGil() {
     std::vector<Pending> ops;
+    std::vector<Pending> unclaimed;  // early-completed ops no wait() took; freed after the lock
     std::vector<FilePtr> files;
     std::shared_ptr<allocator::IoEngine> engine;
     {
@@ -610,7 +627,7 @@ class AioHandle {
     {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, [&] { return outstanding_.empty(); });  // other threads' ops, too
-      done_early_.clear();
+      unclaimed.swap(done_early_);
       for (auto& [key, f] : files_) {
         f->in_table = false;
         files.push_back(f);
