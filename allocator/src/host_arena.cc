@@ -150,37 +150,32 @@ void HostArena::ClearSpillHandler(const void* owner) {
   spill_idle_.wait(lock, [this] { return spill_calls_in_flight_ == 0; });
 }
 
+// Note [Region observers]: observers_mu_ is held while observers are called, so each sees every
+// region's map and unmap in the order they happened, AddRegionObserver's replay included.
 void HostArena::AddRegionObserver(RegionObserver* observer) {
-  {
-    std::lock_guard<std::mutex> lock(observers_mu_);
-    observers_.push_back(observer);
+  std::lock_guard<std::mutex> lock(observers_mu_);
+  observers_.push_back(observer);
+  const std::vector<RegionInfo> regions = Regions();
+  if (options_.faults != nullptr && options_.faults->after_observer_snapshot) {
+    options_.faults->after_observer_snapshot();
   }
-  for (const RegionInfo& r : Regions()) observer->OnRegionMapped(r.base, r.bytes);
+  for (const RegionInfo& r : regions) observer->OnRegionMapped(r.base, r.bytes);
 }
 
 void HostArena::RemoveRegionObserver(RegionObserver* observer) {
-  std::unique_lock<std::mutex> lock(observers_mu_);
+  std::lock_guard<std::mutex> lock(observers_mu_);  // no call to it is in flight after this
   observers_.erase(std::remove(observers_.begin(), observers_.end(), observer), observers_.end());
-  observers_idle_.wait(lock, [this] { return callbacks_in_flight_ == 0; });
 }
 
 void HostArena::NotifyObservers(bool mapped, void* base, uint64_t bytes) {
-  std::vector<RegionObserver*> observers;
-  {
-    std::lock_guard<std::mutex> lock(observers_mu_);
-    if (observers_.empty()) return;
-    observers = observers_;
-    ++callbacks_in_flight_;
-  }
-  for (RegionObserver* o : observers) {
+  std::lock_guard<std::mutex> lock(observers_mu_);
+  for (RegionObserver* o : observers_) {
     if (mapped) {
       o->OnRegionMapped(base, bytes);
     } else {
       o->OnRegionUnmapping(base, bytes);
     }
   }
-  std::lock_guard<std::mutex> lock(observers_mu_);
-  if (--callbacks_in_flight_ == 0) observers_idle_.notify_all();
 }
 
 void HostArena::set_policy(EscapePolicy policy) {

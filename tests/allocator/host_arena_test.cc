@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -625,6 +627,59 @@ TEST_F(HostArenaTest, ContainsAndAllocationSizeAnswerForArenaMemoryOnly) {
   // Regression: addr + bytes wrapped, so a huge length "fit" in the region.
   EXPECT_FALSE(arena->Contains(*p, UINT64_MAX - reinterpret_cast<uint64_t>(*p) + 2));
   EXPECT_FALSE(arena->Contains(*p, UINT64_MAX));
+}
+
+// Note [Region observers] (docs/allocator.md): an observer sees every region's map and unmap in
+// the order they happen, AddRegionObserver's replay of the regions already mapped included. The I/O
+// engine registers each region as an io_uring fixed buffer: a region replayed after its unmap had
+// been announced stayed registered, pinning the old pages, and a later region at the same address
+// would have had reads land in those pages. Another thread frees (and so unmaps) a region between
+// the replay's snapshot and the replay; the observer must end with exactly the arena's regions.
+TEST(HostArenaObserverTest, ARegionUnmappedDuringTheReplayIsNotLeftRegistered) {
+  struct Recorder : HostArena::RegionObserver {
+    std::mutex mu;
+    std::map<void*, uint64_t> regions;
+    int unknown_unmaps = 0, duplicate_maps = 0;
+    void OnRegionMapped(void* base, uint64_t bytes) override {
+      std::lock_guard<std::mutex> lock(mu);
+      duplicate_maps += regions.count(base) ? 1 : 0;
+      regions[base] = bytes;
+    }
+    void OnRegionUnmapping(void* base, uint64_t) override {
+      std::lock_guard<std::mutex> lock(mu);
+      unknown_unmaps += regions.erase(base) == 0 ? 1 : 0;
+    }
+  };
+  Ledger ledger;
+  HostArenaFaults faults;
+  HostArenaOptions o = PageableOptions(&ledger);
+  o.retain_limit_bytes = 0;  // a freed region is unmapped at once
+  o.faults = &faults;
+  auto arena = MakeArena(o);
+  ASSERT_NE(arena, nullptr);
+  void* keep = arena->Allocate(64 << 10, Tag(Kind::kGrad, Lifetime::kPersistent)).value();
+  void* gone = arena->Allocate(8 * kMiB, Tag(Kind::kGrad, Lifetime::kPersistent)).value();
+  ASSERT_EQ(arena->Regions().size(), 2u);
+  std::thread freer;
+  faults.after_observer_snapshot = [&] {
+    freer = std::thread([&] { EXPECT_TRUE(arena->Free(gone).ok()); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let it unmap, if it can
+  };
+  Recorder recorder;
+  arena->AddRegionObserver(&recorder);
+  freer.join();
+  faults.after_observer_snapshot = nullptr;
+  const auto now = arena->Regions();
+  ASSERT_EQ(now.size(), 1u);
+  {
+    std::lock_guard<std::mutex> lock(recorder.mu);
+    EXPECT_EQ(recorder.regions.size(), 1u) << "a region the arena unmapped is still registered";
+    EXPECT_EQ(recorder.regions.count(now[0].base), 1u);
+    EXPECT_EQ(recorder.unknown_unmaps, 0);
+    EXPECT_EQ(recorder.duplicate_maps, 0);
+  }
+  arena->RemoveRegionObserver(&recorder);
+  EXPECT_TRUE(arena->Free(keep).ok());
 }
 
 }  // namespace

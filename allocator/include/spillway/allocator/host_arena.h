@@ -60,6 +60,9 @@ uint64_t DefaultHostBudget();
 struct HostArenaFaults {
   std::atomic<int> map_errno{0};
   std::atomic<int> pin_errno{0};
+  // Called inside AddRegionObserver between its snapshot of the regions and their replay to the
+  // new observer (a test makes another thread map or unmap a region there).
+  std::function<void()> after_observer_snapshot;
 };
 
 struct HostArenaOptions {
@@ -130,9 +133,10 @@ struct HostArenaStats : LiveStats {
 //   sum(live_by_kind) == sum(live_by_lifetime) == live
 class HostArena final : public Tier {
  public:
-  // Told about every region the arena maps or is about to unmap, without any arena lock held: the
-  // I/O engine registers regions as io_uring fixed buffers. OnRegionUnmapping runs before the
-  // region's memory goes away.
+  // Told about every region the arena maps or is about to unmap, in the order they happen, without
+  // the arena's mutex held (Note [Region observers] in docs/allocator.md): the I/O engine registers
+  // regions as io_uring fixed buffers. OnRegionUnmapping runs before the region's memory goes away.
+  // Calls are serialized: an observer must not map or free arena memory from inside one.
   class RegionObserver {
    public:
     virtual ~RegionObserver() = default;
@@ -233,11 +237,9 @@ class HostArena final : public Tier {
   mutable std::mutex mu_;
   ExtentMap extents_;                   // guarded by mu_
   std::map<uint64_t, Region> regions_;  // guarded by mu_; by base address
-  // Observers: their own mutex, never held while calling one (callbacks_in_flight_ counts those).
+  // Observers: their own mutex, held while calling them (Note [Region observers]); never mu_.
   std::mutex observers_mu_;
-  ForkSafeCondition observers_idle_;
   std::vector<RegionObserver*> observers_;                        // guarded by observers_mu_
-  int callbacks_in_flight_ = 0;                                   // guarded by observers_mu_
   void NotifyObservers(bool mapped, void* base, uint64_t bytes);  // without mu_
   std::unique_ptr<LiveTable> live_;    // guarded by mu_ (owner records, tombstones)
   uint64_t pending_map_bytes_ = 0;     // guarded by mu_: regions being mapped right now
