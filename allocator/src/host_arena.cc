@@ -223,6 +223,7 @@ void HostArena::ReleaseRegions(const std::vector<Region>& regions) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   pending_unmap_bytes_ -= total;
+  ++given_back_;
 }
 
 void HostArena::DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out) {
@@ -330,6 +331,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     uint64_t map_bytes = 0;
     SpillHandler handler;
     bool counted = false;  // this round holds one of spill_calls_in_flight_
+    uint64_t given_back = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!ledger_->scope_live(owned.scope)) {
@@ -369,6 +371,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         pending_map_bytes_ += map_bytes;
       } else {
         spill_need = rounded - headroom();
+        given_back = given_back_;
         handler = spill_handler_;
         if (handler && round < kMaxSpillRounds) {
           stats_.spill_calls++;
@@ -427,6 +430,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.spilled_bytes += freed;
     if (freed > 0) continue;
+    // The handler freed nothing itself, but other threads gave memory back meanwhile (a spill
+    // handler may wait for them: the store waits for another thread's spill or Evict): try again.
+    if (counted && given_back_ != given_back) continue;
     stats_.over_budget_count++;
     return Status::OverBudget(
         StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",

@@ -664,6 +664,44 @@ TEST(PartitionStoreTest, ASpillWaitsForAnotherThreadsSpillInsteadOfFailing) {
   EXPECT_EQ(static_cast<unsigned char*>(*h->Data())[4 * kMiB - 1], 0x5a);
 }
 
+// The same room, given back by another thread's Evict instead of a spill this thread can repeat:
+// the waiting spill finds nothing left to spill, and the memory the Evict freed must still be
+// taken (the arena retries when memory came free while its spill handler ran), not refused as
+// over budget with the whole budget free.
+TEST(PartitionStoreTest, AnAcquireWaitingForAnotherThreadsEvictTakesTheMemoryItFreed) {
+  StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), kBounce + 4 * kMiB);
+  const PartitionId p0 = *rig.store->Register({0, 0, StateKind::kParam}, 4 * kMiB);
+  const PartitionId p1 = *rig.store->Register({0, 1, StateKind::kParam}, 4 * kMiB);
+  {
+    auto h = rig.store->Acquire(p0);  // resident and dirty: Evict writes it first
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    std::memset(*h->Data(), 0x5a, 4 * kMiB);
+  }
+  testing::Gate gate;
+  StoreHooks hooks;
+  hooks.before_spill_write = [&](uint32_t) { gate.Hit(); };
+  rig.store->SetHooksForTesting(&hooks);
+  gate.Arm();
+  Status evicted, acquired;
+  std::thread c([&] { evicted = rig.store->Evict(p0); });
+  gate.WaitHeld();  // thread c is writing partition 0: busy, its host copy still held
+  std::atomic<bool> b_done{false};
+  std::thread b([&] {
+    acquired = rig.store->Acquire(p1).status();
+    b_done = true;
+  });
+  EXPECT_TRUE(Eventually([&] { return b_done.load() || rig.store->Stats().memory_waits > 0; }));
+  gate.Resume();
+  c.join();
+  b.join();
+  rig.store->SetHooksForTesting(nullptr);
+  EXPECT_TRUE(evicted.ok()) << evicted.ToString();
+  EXPECT_TRUE(acquired.ok()) << acquired.ToString();
+  auto h = rig.store->Acquire(p0, Access::kRead);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(static_cast<unsigned char*>(*h->Data())[4 * kMiB - 1], 0x5a);
+}
+
 // Memory another thread's handle holds is waited for, a bounded time, and the error says so.
 TEST(PartitionStoreTest, AnAcquireWaitsForAnotherThreadsHandleAndGivesUpAfterTheBound) {
   StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), kBounce + 4 * kMiB);

@@ -217,7 +217,10 @@ class HostArena final : public Tier {
   class SpillCallGuard;
 
   // Private methods assume mu_ is held unless they say otherwise.
-  void FreeExtent(uint64_t addr, uint64_t bytes) { extents_.Free(addr, bytes); }
+  void FreeExtent(uint64_t addr, uint64_t bytes) {  // assumes mu_
+    extents_.Free(addr, bytes);
+    ++given_back_;
+  }
   std::string DescribeLive() const;  // "param 1.2 GiB, grad ..." for budget errors
   // Detaches empty regions from the map until retained <= retain_limit, largest first.
   void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
@@ -241,10 +244,13 @@ class HostArena final : public Tier {
   std::mutex observers_mu_;
   std::vector<RegionObserver*> observers_;                        // guarded by observers_mu_
   void NotifyObservers(bool mapped, void* base, uint64_t bytes);  // without mu_
-  std::unique_ptr<LiveTable> live_;    // guarded by mu_ (owner records, tombstones)
-  uint64_t pending_map_bytes_ = 0;     // guarded by mu_: regions being mapped right now
-  uint64_t need_peak_bytes_ = 0;       // guarded by mu_: peak of held minus retained
-  uint64_t pending_unmap_bytes_ = 0;   // guarded by mu_: detached, not yet unmapped
+  std::unique_ptr<LiveTable> live_;   // guarded by mu_ (owner records, tombstones)
+  uint64_t pending_map_bytes_ = 0;    // guarded by mu_: regions being mapped right now
+  uint64_t need_peak_bytes_ = 0;      // guarded by mu_: peak of held minus retained
+  uint64_t pending_unmap_bytes_ = 0;  // guarded by mu_: detached, not yet unmapped
+  // Guarded by mu_: counts extents freed and regions unmapped, so an allocation whose spill
+  // handler freed nothing itself sees that memory came back meanwhile (it tries again).
+  uint64_t given_back_ = 0;
   SpillHandler spill_handler_;         // guarded by mu_ (copied out before calling)
   const void* spill_owner_ = nullptr;  // guarded by mu_
   int spill_calls_in_flight_ = 0;      // guarded by mu_
