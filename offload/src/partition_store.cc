@@ -103,6 +103,7 @@ Result<void*> Handle::Data() const {
     return Status::FailedPrecondition(
         StrCat("handle of partition ", id_, " was released (or moved from); Acquire it again"));
   }
+  SPILLWAY_RETURN_IF_ERROR(store_->process_.Check("Handle", "Data"));  // Note [Fork]
   if (!StoreAlive()) {
 #ifndef NDEBUG
     DanglingHandle(id_);
@@ -194,6 +195,7 @@ std::string PartitionStore::Describe(PartitionId id) const {
 
 Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Register"));  // Note [Fork]
   if (bytes == 0)
     return Status::InvalidArgument("PartitionStore::Register: a partition of 0 bytes");
   if (static_cast<int>(key.kind) > static_cast<int>(StateKind::kExpAvgSq)) {
@@ -261,6 +263,7 @@ Result<PartitionId> PartitionStore::Register(PartitionKey key, uint64_t bytes) {
 
 Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "SetSchedule"));  // Note [Fork]
   std::lock_guard<std::mutex> lock(mu_);
   for (PartitionId id : order) {
     if (id >= parts_.size() || !Placed(parts_[id])) {  // a tombstone, or its Register is running
@@ -273,6 +276,7 @@ Status PartitionStore::SetSchedule(std::vector<PartitionId> order) {
 }
 
 Status PartitionStore::AttachDevice(TransferPipeline* pipeline) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "AttachDevice"));  // Note [Fork]
   if (pipeline == nullptr) {
     return Status::InvalidArgument(
         "AttachDevice: the pipeline is null; pass the TransferPipeline device views copy through");
@@ -353,6 +357,7 @@ std::string PartitionStore::SpillShortfallNote() const {
 
 Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Placement where) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Acquire"));  // Note [Fork]
   bool need_swap_in = false;
   bool need_fill = false;
   uint64_t handle_id;
@@ -735,6 +740,7 @@ Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool wr
 }
 
 Status PartitionStore::Release(Handle& handle) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Release"));  // Note [Fork]
   if (handle.store_ == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.refused_releases++;
@@ -804,6 +810,7 @@ PartitionStore::OffSchedule::~OffSchedule() {
 
 Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Prefetch"));  // Note [Fork]
   for (PartitionId id : ids) {
     SPILLWAY_ASSIGN_OR_RETURN(auto h, Acquire(id, Access::kRead));
   }
@@ -812,6 +819,7 @@ Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
 
 Status PartitionStore::Flush() {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Flush"));  // Note [Fork]
   std::vector<PartitionId> todo;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -858,6 +866,7 @@ Status PartitionStore::Flush() {
 
 Status PartitionStore::Evict(PartitionId id) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Evict"));  // Note [Fork]
   if (nvme_ == nullptr) {
     return Status::FailedPrecondition("Evict: no NVMe arena to evict to; offload to nvme first");
   }

@@ -3,12 +3,16 @@
 #include "spillway/offload/partition_store.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "../allocator/nvme_test_util.h"
@@ -700,6 +704,53 @@ TEST(PartitionStoreTest, AnAcquireWaitingForAnotherThreadsEvictTakesTheMemoryItF
   auto h = rig.store->Acquire(p0, Access::kRead);
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   EXPECT_EQ(static_cast<unsigned char*>(*h->Data())[4 * kMiB - 1], 0x5a);
+}
+
+// Note [Fork] (docs/allocator.md): in a forked child every status-returning entry point of the
+// store refuses. A resident partition's Acquire touched no arena, so it succeeded and handed the
+// child a pointer into memory the child does not have (MADV_DONTFORK) or that reads as zeros.
+TEST(PartitionStoreTest, InAForkedChildEveryCallRefuses) {
+  StoreRig rig(ParseOrDie(OffloadJson("nvme", "nvme")), kBounce + 16 * kMiB);
+  const PartitionId p0 = *rig.store->Register({0, 0, StateKind::kParam}, kMiB);
+  std::optional<Handle> held;
+  {
+    auto h = rig.store->Acquire(p0);  // resident
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    std::memset(*h->Data(), 0x5a, kMiB);
+    held.emplace(std::move(*h));
+  }
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(30);
+    int bad = 0;
+    auto expect = [&](const Status& st, const char* call) {
+      if (st.code() != StatusCode::kFailedPrecondition ||
+          st.message().find("in a forked child") == std::string::npos) {
+        std::fprintf(stderr, "child: %s returned %s\n", call, st.ToString().c_str());
+        ++bad;
+      }
+    };
+    expect(rig.store->Acquire(p0, Access::kRead).status(), "PartitionStore::Acquire");
+    expect(held->Data().status(), "Handle::Data");
+    expect(rig.store->Release(*held), "PartitionStore::Release");
+    expect(rig.store->Register({0, 1, StateKind::kParam}, kMiB).status(),
+           "PartitionStore::Register");
+    expect(rig.store->SetSchedule({p0}), "PartitionStore::SetSchedule");
+    expect(rig.store->Prefetch({p0}), "PartitionStore::Prefetch");
+    expect(rig.store->Flush(), "PartitionStore::Flush");
+    expect(rig.store->Evict(p0), "PartitionStore::Evict");
+    std::fflush(stderr);
+    _exit(bad == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "a call in the child did not refuse (its stderr says which)";
+  // The parent carries on.
+  EXPECT_EQ(static_cast<unsigned char*>(*held->Data())[kMiB - 1], 0x5a);
+  EXPECT_TRUE(rig.store->Release(*held).ok());
+  EXPECT_TRUE(rig.store->Evict(p0).ok());
 }
 
 // Memory another thread's handle holds is waited for, a bounded time, and the error says so.
