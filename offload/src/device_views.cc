@@ -1,7 +1,8 @@
 // Device views: filling one from the newest copy and writing a dirty one back.
 #include "device_views.h"
 
-#include <vector>
+#include <algorithm>
+#include <cstdint>
 
 #include "spillway/base/log.h"
 
@@ -17,8 +18,14 @@ Result<void*> DeviceViews::Fill(const Copies& from) {
     } else if (from.nvme_valid) {
       st = pipeline_->NvmeToDevice(from.nvme_off, from.bytes, view);
     } else {
-      std::vector<char> zeros(from.bytes, 0);
-      st = pipeline_->device()->CopyFromHost(view, zeros.data(), from.bytes);
+      // Never written: zeros, copied from one static zero block (a partition-sized zero buffer
+      // on the heap would be host memory outside the budget and the ledger).
+      static const char kZeros[1 << 16] = {};
+      for (uint64_t done = 0; done < from.bytes && st.ok(); done += sizeof(kZeros)) {
+        st = pipeline_->device()->CopyFromHost(
+            static_cast<char*>(view) + done, kZeros,
+            std::min<uint64_t>(sizeof(kZeros), from.bytes - done));
+      }
     }
   }
   if (!st.ok()) {

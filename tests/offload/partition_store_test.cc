@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -305,6 +306,41 @@ TEST(PartitionStoreTest, APartitionIsUsedInOneTierAtATime) {
   EXPECT_TRUE(Has(h.status(), "in use on device")) << h.status().ToString();
   EXPECT_EQ(store.Acquire(id, Access::kRead, Placement::kNvme).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// A partition never written reads as zeros in a device view too, over every 64 KiB block of the
+// zero fill and its odd tail. The device hands out memory poisoned with 0xCC (real device memory
+// is not zeroed), so a block the fill skipped shows.
+TEST(PartitionStoreTest, ANeverWrittenPartitionsDeviceViewIsZeros) {
+  class PoisonDevice : public Device {
+   public:
+    PoisonDevice() : cpu_(std::move(Device::OpenCpu().value())) {}
+    DeviceId id() const override { return cpu_->id(); }
+    Result<void*> Allocate(uint64_t bytes) override {
+      SPILLWAY_ASSIGN_OR_RETURN(void* p, cpu_->Allocate(bytes));
+      const std::vector<char> poison(bytes, static_cast<char>(0xCC));
+      SPILLWAY_RETURN_IF_ERROR(cpu_->CopyFromHost(p, poison.data(), bytes));
+      return p;
+    }
+    Status Free(void* ptr) override { return cpu_->Free(ptr); }
+    Result<std::unique_ptr<Stream>> NewStream() override { return cpu_->NewStream(); }
+    Status CopyToHost(void* host, const void* device, uint64_t bytes) override {
+      return cpu_->CopyToHost(host, device, bytes);
+    }
+    Status CopyFromHost(void* device, const void* host, uint64_t bytes) override {
+      return cpu_->CopyFromHost(device, host, bytes);
+    }
+
+   private:
+    std::unique_ptr<Device> cpu_;
+  } poison;
+  DeviceRig d(ParseOrDie(OffloadJson("nvme", "nvme")), 0, &poison);
+  const uint64_t bytes = 3 * kMiB + 12345;
+  const PartitionId id = *d.rig.store->Register({0, 0, StateKind::kParam}, bytes);
+  auto dv = d.rig.store->Acquire(id, Access::kRead, Placement::kDevice);
+  ASSERT_TRUE(dv.ok()) << dv.status().ToString();
+  const std::vector<char> got = d.ReadDevice(*dv);
+  EXPECT_EQ(std::count(got.begin(), got.end(), 0), static_cast<std::ptrdiff_t>(bytes));
 }
 
 TEST(PartitionStoreTest, TheDeviceTierNeedsAnAttachedDevice) {
