@@ -206,9 +206,16 @@ Status TransferPipeline::HostToDevice(const void* host_src, void* device_dst, ui
   SPILLWAY_RETURN_IF_ERROR(driving.status("HostToDevice"));
   const uint64_t chunk = options_.chunk_bytes;
   for (uint64_t i = 0; i * chunk < bytes; ++i) {
-    SPILLWAY_RETURN_IF_ERROR(stream_->SubmitCopy(static_cast<char*>(device_dst) + i * chunk,
-                                                 static_cast<const char*>(host_src) + i * chunk,
-                                                 ChunkLength(i, bytes)));
+    Status st =
+        stream_->SubmitCopy(static_cast<char*>(device_dst) + i * chunk,
+                            static_cast<const char*>(host_src) + i * chunk, ChunkLength(i, bytes));
+    if (!st.ok()) {
+      // The copies already queued still read host_src and write device_dst: drain them before
+      // the caller frees either, as NvmeToDevice and DeviceToNvme do. The submit's error is the
+      // one to return.
+      stream_->Synchronize().IgnoreError();
+      return st;
+    }
   }
   SPILLWAY_RETURN_IF_ERROR(stream_->Synchronize());
   stats_.host_to_device_bytes += bytes;
