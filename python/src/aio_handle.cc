@@ -8,8 +8,11 @@
 #include <torch/extension.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -223,8 +226,9 @@ class AioHandle {
   static constexpr size_t kMaxOpenFiles = 128;
   static constexpr uint64_t kDirectAlign = 4096;
 
-  // wait()'s body, without the GIL. `closed` receives the error of a closed handle.
-  int WaitNoGil(Status* closed) {
+  // wait()'s body, without the GIL: the ops submitted before it, or (a sync op's drain) before
+  // seq `before` only. `closed` receives the error of a closed handle.
+  int WaitNoGil(Status* closed, uint64_t before = UINT64_MAX) {
     std::vector<Pending> ops;
     std::shared_ptr<allocator::IoEngine> engine;
     uint64_t horizon = 0;
@@ -234,10 +238,14 @@ class AioHandle {
         *closed = ClosedError();
         return -1;
       }
-      ops.swap(pending_);
-      TakeReadyEarly(&ops);
+      horizon = std::min(next_seq_, before);
+      // pending_ is in submission (seq) order: the ops before the horizon are a prefix.
+      const auto end = std::partition_point(pending_.begin(), pending_.end(),
+                                            [&](const Pending& q) { return q.seq < horizon; });
+      ops.assign(std::make_move_iterator(pending_.begin()), std::make_move_iterator(end));
+      pending_.erase(pending_.begin(), end);
+      TakeReadyEarly(&ops, horizon);
       engine = engine_;
-      horizon = next_seq_;
     }
     std::string first_error = Finish(engine.get(), &ops);
     std::vector<Pending> late;  // destroyed after the lock (a buffer's deleter may free memory)
@@ -262,10 +270,11 @@ class AioHandle {
     return static_cast<int>(ops.size() + late.size());
   }
 
-  // Moves the early-completed ops whose completion is recorded into `ops` (assumes mu_).
-  void TakeReadyEarly(std::vector<Pending>* ops) {
+  // Moves the early-completed ops submitted before seq `before` whose completion is recorded into
+  // `ops` (assumes mu_).
+  void TakeReadyEarly(std::vector<Pending>* ops, uint64_t before) {
     for (auto it = done_early_.begin(); it != done_early_.end();) {
-      if (it->ready) {
+      if (it->ready && it->seq < before) {
         ops->push_back(std::move(*it));
         it = done_early_.erase(it);
       } else {
@@ -390,11 +399,13 @@ class AioHandle {
     }
     lock.unlock();
     // A sync op is never in pending_, so another thread's wait() cannot take it (or its error).
+    const uint64_t own = p.seq;
     std::vector<Pending> one;
     one.push_back(std::move(p));
     const std::string error = Finish(engine.get(), &one);
-    // kSync: then the async ops pending before it, as wait() does (DeepSpeed's _wait_locked()).
-    const int earlier = mode == Mode::kSync ? WaitNoGil(raise) : 0;
+    // kSync: then the async ops submitted before it, as wait() does (DeepSpeed's _wait_locked()),
+    // never those other threads submitted while it ran: those are their wait()'s.
+    const int earlier = mode == Mode::kSync ? WaitNoGil(raise, own) : 0;
     if (!error.empty()) return Fail(error);
     return earlier < 0 ? -1 : 1 + earlier;
   }
