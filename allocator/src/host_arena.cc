@@ -153,6 +153,9 @@ void HostArena::ClearSpillHandler(const void* owner) {
 // Note [Region observers]: observers_mu_ is held while observers are called, so each sees every
 // region's map and unmap in the order they happened, AddRegionObserver's replay included.
 void HostArena::AddRegionObserver(RegionObserver* observer) {
+  // A forked child: observers_mu_ may have been held by a parent thread at fork, and the regions
+  // are the parent's (the child's engine then bounces its chunks; Note [Fork]).
+  if (!process_.InOwner()) return;
   std::lock_guard<std::mutex> lock(observers_mu_);
   observers_.push_back(observer);
   const std::vector<RegionInfo> regions = Regions();
@@ -163,6 +166,7 @@ void HostArena::AddRegionObserver(RegionObserver* observer) {
 }
 
 void HostArena::RemoveRegionObserver(RegionObserver* observer) {
+  if (!process_.InOwner()) return;                  // never added there (AddRegionObserver)
   std::lock_guard<std::mutex> lock(observers_mu_);  // no call to it is in flight after this
   observers_.erase(std::remove(observers_.begin(), observers_.end(), observer), observers_.end());
 }
@@ -441,8 +445,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                DescribeLive(),
                !handler  ? "; no spill handler is set"
                : counted ? "; the spill handler freed nothing"
-                         : StrCat("; the spill handler freed memory ", kMaxSpillRounds,
-                                  " times and other allocations took it each time"),
+                         : StrCat("; memory came free ", kMaxSpillRounds,
+                                  " times (the spill handler's, or other threads') and other "
+                                  "allocations took it each time"),
                "). Raise spillway.host_budget_bytes, offload more state to nvme "
                "(offload_optimizer.device / offload_param.device), or free memory first"));
   }

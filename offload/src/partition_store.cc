@@ -73,6 +73,13 @@ void Handle::ReleaseFromDestructor() {
     store_alive_.reset();
     return;
   }
+  if (!store_->process_.InOwner()) {
+    // A forked child: the store's mutex may have been held by a parent thread at fork, and its
+    // memory and device are the parent's. Leak the handle (Note [Fork]).
+    store_ = nullptr;
+    store_alive_.reset();
+    return;
+  }
   bool ok;
   // A destructor cannot return the write-back error; Release() does. Log it here.
   Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
@@ -103,7 +110,6 @@ Result<void*> Handle::Data() const {
     return Status::FailedPrecondition(
         StrCat("handle of partition ", id_, " was released (or moved from); Acquire it again"));
   }
-  SPILLWAY_RETURN_IF_ERROR(store_->process_.Check("Handle", "Data"));  // Note [Fork]
   if (!StoreAlive()) {
 #ifndef NDEBUG
     DanglingHandle(id_);
@@ -113,6 +119,8 @@ Result<void*> Handle::Data() const {
                " outlived its "
                "PartitionStore; its memory was freed with the store"));
   }
+  // After StoreAlive: the store is read only while it exists.
+  SPILLWAY_RETURN_IF_ERROR(store_->process_.Check("Handle", "Data"));  // Note [Fork]
   return data_;
 }
 
