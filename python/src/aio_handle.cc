@@ -253,15 +253,10 @@ class AioHandle {
     done_.wait(lock, [&] { return outstanding_.empty() || *outstanding_.begin() >= horizon; });
     // Ops submitted before this wait that another thread was completing early (to close their
     // file) when it began: finished now, so their results are this wait's, errors included.
-    for (auto it = done_early_.begin(); it != done_early_.end();) {
-      if (it->ready && it->seq < horizon) {
-        if (!it->status.ok() && first_error.empty())
-          first_error = StrCat(it->what, ": ", it->status.ToString());
-        late.push_back(std::move(*it));
-        it = done_early_.erase(it);
-      } else {
-        ++it;
-      }
+    TakeReadyEarly(&late, horizon);
+    for (const Pending& p : late) {
+      if (!p.status.ok() && first_error.empty())
+        first_error = StrCat(p.what, ": ", p.status.ToString());
     }
     if (!first_error.empty()) {
       last_error_ = first_error;
@@ -588,8 +583,8 @@ class AioHandle {
     bool close = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      close = --f->users == 0 && !f->in_table && !f->released;
-      f->released |= close;
+      --f->users;
+      close = ClaimReleaseLocked(f.get());
     }
     if (close) Release(f);
   }
@@ -598,10 +593,17 @@ class AioHandle {
     bool close = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      close = f->users == 0 && !f->in_table && !f->released;
-      f->released |= close;
+      close = ClaimReleaseLocked(f.get());
     }
     if (close) Release(f);
+  }
+
+  // Whether the caller is the one to release `f` now: unused, out of the table, and not released
+  // yet; marks it released (assumes mu_). One release per file: its number may be reused after.
+  static bool ClaimReleaseLocked(OpenFile* f) {
+    const bool claim = f->users == 0 && !f->in_table && !f->released;
+    f->released |= claim;
+    return claim;
   }
 
   // Unregisters and closes a file nobody uses any more (without the lock). A failed unregister
