@@ -45,17 +45,10 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     alarm(30);  // a call that hangs in the child ends it by SIGALRM, which the parent reports
-    int bad = 0;
-    auto expect = [&](const Status& st, const char* call) {
-      if (st.code() != StatusCode::kFailedPrecondition ||
-          st.message().find("in a forked child") == std::string::npos) {
-        std::fprintf(stderr, "child: %s returned %s\n", call, st.ToString().c_str());
-        ++bad;
-      }
-    };
+    testing::RefusedInChild expect;
     if (tag.InOwner()) {
       std::fprintf(stderr, "child: the tag still says owner\n");
-      ++bad;
+      ++expect.bad;
     }
     expect(io.arena->Allocate(4096, Tag(Kind::kGrad, Lifetime::kStep)).status(),
            "HostArena::Allocate");
@@ -82,7 +75,7 @@ TEST_P(ForkRefusalTest, InAForkedChildEveryCallRefusesAndTheParentCarriesOn) {
     nvme.reset();
     io.engine.reset();
     io.arena.reset();
-    _exit(bad == 0 ? 0 : 1);
+    _exit(expect.bad == 0 ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);

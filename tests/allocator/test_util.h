@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <string>
 
@@ -66,5 +67,18 @@ inline bool IsMapped(void* p, size_t bytes) {
 inline bool Has(const Status& st, const std::string& text) {
   return st.message().find(text) != std::string::npos;
 }
+
+// In a forked child (Note [Fork]): counts the calls that did not refuse with FAILED_PRECONDITION
+// naming the fork, each printed to stderr; the child exits with bad == 0.
+struct RefusedInChild {
+  int bad = 0;
+  void operator()(const Status& st, const char* call) {
+    if (st.code() != StatusCode::kFailedPrecondition ||
+        st.message().find("in a forked child") == std::string::npos) {
+      std::fprintf(stderr, "child: %s returned %s\n", call, st.ToString().c_str());
+      ++bad;
+    }
+  }
+};
 
 }  // namespace spillway::allocator::testing

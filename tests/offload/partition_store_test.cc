@@ -759,14 +759,7 @@ TEST(PartitionStoreTest, InAForkedChildEveryCallRefuses) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     alarm(30);
-    int bad = 0;
-    auto expect = [&](const Status& st, const char* call) {
-      if (st.code() != StatusCode::kFailedPrecondition ||
-          st.message().find("in a forked child") == std::string::npos) {
-        std::fprintf(stderr, "child: %s returned %s\n", call, st.ToString().c_str());
-        ++bad;
-      }
-    };
+    allocator::testing::RefusedInChild expect;
     expect(rig.store->Acquire(p0, Access::kRead).status(), "PartitionStore::Acquire");
     expect(held->Data().status(), "Handle::Data");
     expect(rig.store->Release(*held), "PartitionStore::Release");
@@ -777,7 +770,7 @@ TEST(PartitionStoreTest, InAForkedChildEveryCallRefuses) {
     expect(rig.store->Flush(), "PartitionStore::Flush");
     expect(rig.store->Evict(p0), "PartitionStore::Evict");
     std::fflush(stderr);
-    _exit(bad == 0 ? 0 : 1);
+    _exit(expect.bad == 0 ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
