@@ -96,15 +96,25 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
                "; use pin mode auto or mlock"));
   }
   Ledger* ledger = options.ledger != nullptr ? options.ledger : &Ledger::Default();
-  std::unique_ptr<HostArena> arena(new HostArena(std::move(options), resolved, ledger));
+  std::shared_ptr<NodeGovernor> node =
+      options.node != nullptr ? options.node : NodeGovernor::Current();
+  std::unique_ptr<HostArena> arena(new HostArena(std::move(options), resolved, ledger, node));
   ledger->Attach(arena.get());
+  if (node != nullptr) {
+    // Another rank short of node budget asks this one to give its retained regions back.
+    HostArena* a = arena.get();
+    node->AddTrimmer(a, [a] { return a->Trim(); });
+  }
   return arena;
 }
 
-HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger)
+HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger,
+                     std::shared_ptr<NodeGovernor> node)
     : options_(std::move(options)),
       pin_mode_(resolved),
       ledger_(ledger),
+      node_(std::move(node)),
+      node_tier_(resolved == PinMode::kPageable ? NodeTier::kPageable : NodeTier::kPinned),
       page_(os::PageSize()),
       live_(std::make_unique<LiveTable>(ledger, StrCat("host arena '", options_.name, "'"))) {
   stats_.pin_mode = pin_mode_;
@@ -115,6 +125,7 @@ HostArena::HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger)
 }
 
 HostArena::~HostArena() {
+  if (node_ != nullptr) node_->RemoveTrimmer(this);  // no trim of this arena runs after it
   ledger_->Detach(this);
   // In a forked child the regions are the parent's (MADV_DONTFORK: absent here; CUDA-registered:
   // not the child's to unregister). Leave them; the child's exit takes its copies.
@@ -225,6 +236,7 @@ void HostArena::ReleaseRegions(const std::vector<Region>& regions) {
     if (!st.ok()) Log(LogLevel::kError, st.ToString());
     total += r.bytes;
   }
+  if (node_ != nullptr) node_->Release(node_tier_, total);
   std::lock_guard<std::mutex> lock(mu_);
   pending_unmap_bytes_ -= total;
   ++given_back_;
@@ -268,6 +280,12 @@ void HostArena::NoteCommitted() {
   stats_.pinned_bytes = stats_.cuda_registered_bytes + stats_.mlocked_bytes;
   stats_.regions = regions_.size();
   stats_.peak_committed_bytes = std::max(stats_.peak_committed_bytes, stats_.committed_bytes);
+  PublishToNode();
+}
+
+void HostArena::PublishToNode() {
+  // Plain stores into the node segment (no lock, no system call): the node's report by kind.
+  if (node_ != nullptr) node_->PublishKinds(node_tier_, live_->stats().live_by_kind);
 }
 
 // One spill-handler call in flight (see ClearSpillHandler): released with mu_ not held.
@@ -384,16 +402,52 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         }
       }
     }
+    // Unmap before mapping: released regions are budget the new region may need (the node's too).
+    const bool released = !to_release.empty();
+    ReleaseRegions(to_release);
+    // The node's budget (Note [Node governor]): the region is booked there before it is mapped.
+    // A shared region the node cannot hold is cut to the request; a request it cannot hold after
+    // every rank trimmed goes to the spill handler, like a request over this arena's budget.
+    Status node_refusal;
+    if (map_bytes != 0 && node_ != nullptr) {
+      Status st = map_bytes > rounded ? node_->TryReserve(node_tier_, map_bytes)
+                                      : node_->Reserve(node_tier_, map_bytes);
+      uint64_t booked = map_bytes;
+      if (!st.ok() && map_bytes > rounded && st.code() == StatusCode::kOverBudget) {
+        booked = rounded;
+        st = node_->Reserve(node_tier_, rounded);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) {
+        pending_map_bytes_ -= map_bytes - booked;
+        map_bytes = booked;
+      } else {
+        pending_map_bytes_ -= map_bytes;
+        map_bytes = 0;
+        if (st.code() != StatusCode::kOverBudget) {
+          return st.WithContext(StrCat("host arena '", options_.name, "': allocating ",
+                                       FormatBytes(bytes), " for ", KindName(owned.kind)));
+        }
+        stats_.node_refusals++;
+        node_refusal = st;
+        spill_need = rounded;
+        given_back = given_back_;
+        handler = spill_handler_;
+        if (handler && round < kMaxSpillRounds) {
+          stats_.spill_calls++;
+          ++spill_calls_in_flight_;
+          counted = true;
+        }
+      }
+    }
     // Gives the count back on every way out of this round, after any lock below is released
     // (it is constructed before them, so destroyed after them).
     SpillCallGuard spill_call(this, counted);
-    // Unmap before mapping: released regions are budget the new region may need.
-    const bool released = !to_release.empty();
-    ReleaseRegions(to_release);
-    if (map_bytes == 0 && released) continue;  // the unmapped regions may have made room
+    if (map_bytes == 0 && released && node_refusal.ok()) continue;  // room may have come back
     if (map_bytes != 0) {
       auto region = MapRegion(map_bytes);
       std::vector<Region> unused;  // released after the lock below: see the scope check
+      if (!region.ok() && node_ != nullptr) node_->Release(node_tier_, map_bytes);
       std::unique_lock<std::mutex> lock(mu_);
       pending_map_bytes_ -= map_bytes;
       if (!region.ok()) {
@@ -417,6 +471,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         if (auto addr = extents_.Allocate(rounded, max_extent)) {
           live_->Insert(*addr, rounded, bytes, owned, &frames);
           got = reinterpret_cast<void*>(*addr);
+          PublishToNode();
         }
       }
       // The new region can be left empty: the scope was released, or memory that another thread
@@ -438,6 +493,12 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     // handler may wait for them: the store waits for another thread's spill or Evict): try again.
     if (counted && given_back_ != given_back) continue;
     stats_.over_budget_count++;
+    if (!node_refusal.ok()) {
+      return Status::OverBudget(
+          StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
+                 KindName(owned.kind), " owner ", owned.owner_id, ": ", node_refusal.message(),
+                 !handler ? "" : "; this rank's spill handler freed nothing more"));
+    }
     return Status::OverBudget(
         StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
                KindName(owned.kind), " owner ", owned.owner_id, " needs ", FormatBytes(spill_need),
@@ -559,6 +620,7 @@ Status HostArena::CollectBoundary(BoundaryKind kind, int64_t epoch, int64_t step
                           [this](uint64_t addr, uint64_t bytes) { FreeExtent(addr, bytes); });
     DetachEmptyRegions(RetainLimit(), &to_release);
     out->committed_bytes = stats_.committed_bytes;
+    PublishToNode();
   }
   ReleaseRegions(to_release);
   LiveTable::FinishEscapes(*ledger_, traces, out);

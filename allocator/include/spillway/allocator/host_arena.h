@@ -19,6 +19,7 @@
 #include "spillway/allocator/extent_map.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
+#include "spillway/allocator/node_governor.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
@@ -87,8 +88,12 @@ struct HostArenaOptions {
   PinMode pin = PinMode::kAuto;
   ForkSafety fork_safety = ForkSafety::kDontFork;
   EscapePolicy policy = EscapePolicy::kReport;
-  bool capture_backtraces = false;    // record a backtrace per allocation (slow; for leak hunts)
-  Ledger* ledger = nullptr;           // null = Ledger::Default()
+  bool capture_backtraces = false;  // record a backtrace per allocation (slow; for leak hunts)
+  Ledger* ledger = nullptr;         // null = Ledger::Default()
+  // The node's budget, shared with the job's other local ranks (Note [Node governor]): every
+  // region is booked there before it is mapped and given back when it is unmapped. Null: the
+  // process's NodeGovernor::Current() when it has joined one, else no node budget.
+  std::shared_ptr<NodeGovernor> node;
   HostArenaFaults* faults = nullptr;  // test seam
 };
 
@@ -119,6 +124,7 @@ struct HostArenaStats : LiveStats {
   uint64_t trim_count = 0;  // Trim() calls and automatic trims
   uint64_t trimmed_bytes = 0;
   uint64_t over_budget_count = 0;
+  uint64_t node_refusals = 0;  // regions the node budget refused (after every rank trimmed)
   uint64_t spill_calls = 0;
   uint64_t spilled_bytes = 0;  // what spill handlers said they freed
 };
@@ -213,7 +219,8 @@ class HostArena final : public Tier {
     PinMode pinned_with;
   };
 
-  HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger);
+  HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger,
+            std::shared_ptr<NodeGovernor> node);
   class SpillCallGuard;
 
   // Private methods assume mu_ is held unless they say otherwise.
@@ -224,7 +231,8 @@ class HostArena final : public Tier {
   std::string DescribeLive() const;  // "param 1.2 GiB, grad ..." for budget errors
   // Detaches empty regions from the map until retained <= retain_limit, largest first.
   void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
-  void NoteCommitted();
+  void NoteCommitted();          // also PublishToNode
+  void PublishToNode();          // live bytes by kind into this rank's node slot (relaxed stores)
   uint64_t RetainLimit() const;  // min(cap, max(region, fraction * live))
 
   // Without the lock: syscalls.
@@ -234,6 +242,8 @@ class HostArena final : public Tier {
   HostArenaOptions options_;
   const PinMode pin_mode_;
   Ledger* const ledger_;
+  const std::shared_ptr<NodeGovernor> node_;  // null: no node budget
+  const NodeTier node_tier_;                  // kPinned or kPageable, from pin_mode_
   const uint64_t page_;
 
   const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child

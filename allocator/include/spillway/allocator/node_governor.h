@@ -1,0 +1,207 @@
+// NodeGovernor: one host budget (and one NVMe budget) for all the local ranks of a job, kept in a
+// shared-memory segment that every rank maps. Each rank's arenas reserve their regions from it and
+// give them back when they unmap; a rank that needs more takes what the others leave free. Dead
+// ranks are reaped, pressure trims every rank's retained cache, and admission refuses a job that
+// cannot fit before anything is allocated. Note [Node governor] in docs/allocator.md.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "spillway/allocator/owner.h"
+#include "spillway/allocator/process.h"
+#include "spillway/base/status.h"
+
+namespace spillway::allocator {
+
+// The node's ledgers: host bytes (pinned and pageable share the host budget) and NVMe bytes.
+enum class NodeTier : uint8_t { kPinned = 0, kPageable, kNvme };
+inline constexpr int kNodeTierCount = 3;
+const char* NodeTierName(NodeTier tier);
+
+// The job this process is one local rank of, as its launcher described it.
+struct NodeJob {
+  std::string id;      // empty: not launched as a rank of a multi-process job
+  std::string source;  // which variables named it (for messages)
+  int local_rank = -1;
+  int local_world_size = 0;  // 0: the launcher did not say
+};
+using GetEnvFn = std::function<const char*(const char*)>;
+// In order: SPILLWAY_NODE_JOB (explicit; [A-Za-z0-9._-], at most 80 characters, else an
+// INVALID_ARGUMENT naming it); then, for a process with LOCAL_RANK set (torchrun, Accelerate, the
+// deepspeed launcher), TORCHELASTIC_RUN_ID unless it is "none", else SLURM_JOB_ID and
+// SLURM_STEP_ID, else the parent process (the launcher that started every local rank) and its
+// start time. local_world_size from LOCAL_WORLD_SIZE, LOCAL_SIZE or SLURM_NTASKS_PER_NODE.
+Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv);
+Result<NodeJob> NodeJobFromEnvironment();
+
+// The default node host budget: MemoryLimitBytes() (the cgroup's limit, else physical memory) less
+// DefaultNodeReserve() of it, which is left for what no arena counts: the OS, the page cache, the
+// ranks' Python heaps and the DataLoader workers' private pages.
+uint64_t DefaultNodeReserve(uint64_t limit_bytes);  // max(2 GiB, limit / 8), at most limit / 2
+uint64_t DefaultNodeHostBudget(uint64_t limit_bytes);
+
+struct NodeGovernorOptions {
+  std::string job;  // required: names the segment with the user id
+  std::string dir = "/dev/shm";
+  int local_rank = -1;       // the slot this rank takes; -1: the first free one
+  int local_world_size = 0;  // ranks Admit waits for; 0: only those already joined
+  // 0: DefaultNodeHostBudget() when this rank creates the segment, the segment's when it joins.
+  // A non-zero value must equal the segment's (every rank of a job passes the same).
+  uint64_t host_budget_bytes = 0;
+  uint64_t memory_limit_bytes = 0;  // 0: MemoryLimitBytes(); what the default budget comes from
+  uint64_t nvme_budget_bytes = 0;   // 0: NVMe is counted, not capped
+  std::chrono::milliseconds trim_timeout{2000};   // how long Reserve waits for other ranks' trims
+  std::chrono::milliseconds lock_timeout{5000};   // the segment's lock; past it, an error
+  std::chrono::milliseconds watch_interval{200};  // the watcher's tick: dead ranks reaped by then
+  bool watcher = true;  // a thread that serves other ranks' trim requests and reaps dead ranks
+};
+
+struct NodeRankStats {
+  int local_rank = -1;
+  pid_t pid = 0;
+  bool alive = true;  // false: dead, not yet reaped (Stats reaps first, so only in races)
+  uint64_t bytes[kNodeTierCount] = {};  // reserved now, by tier
+  uint64_t host_bytes = 0;              // pinned + pageable
+  uint64_t peak_host_bytes = 0;
+  KindBytes host_by_kind{};  // live bytes by kind as of the rank's last region change or boundary
+  uint64_t declared_bytes = 0;         // what the rank declared at admission (0: none)
+  uint64_t workers_private_bytes = 0;  // its DataLoader workers' private pages (last published)
+  uint32_t workers = 0;
+  uint64_t trims = 0;  // trim requests it served
+};
+
+struct NodeStats {
+  std::string job;
+  std::string path;
+  uint64_t memory_limit_bytes = 0;
+  uint64_t reserve_bytes = 0;  // memory_limit - host_budget when the default was taken
+  uint64_t host_budget_bytes = 0;
+  uint64_t nvme_budget_bytes = 0;  // 0: not capped
+  uint64_t host_committed_bytes = 0;
+  uint64_t nvme_committed_bytes = 0;
+  uint64_t peak_host_committed_bytes = 0;
+  uint64_t host_headroom_bytes = 0;
+  uint64_t reaped_ranks = 0;       // dead ranks whose bytes were given back
+  uint64_t over_budget_count = 0;  // reservations refused after trimming
+  uint64_t trim_requests = 0;
+  int local_world_size = 0;
+  std::vector<NodeRankStats> ranks;  // occupied slots, by local rank
+  // The table `spillway node` prints.
+  std::string ToString() const;
+};
+
+// A live rank's view of who holds what, used in error messages: "local rank 0 (pid 12) pinned
+// 1.0 GiB, pageable 3.0 GiB (optimizer_state 2.5 GiB, ...); ...".
+std::string DescribeNodeRanks(const NodeStats& stats);
+
+// Thread-safe. The segment's robust, process-shared mutex guards the slots' byte counts and the
+// totals; it is held for bookkeeping only (no syscall under it) and taken with a deadline. A rank
+// that dies holding it leaves it to the next locker, which recomputes the totals from the slots.
+// Invariants (under the segment lock, checked by Validate):
+//   host_committed == sum over occupied slots of (pinned + pageable) <= host_budget
+//   nvme_committed == sum over occupied slots of nvme (<= nvme_budget when one is set)
+// In a forked child every call refuses (FAILED_PRECONDITION) or does nothing: the slot is the
+// parent's.
+class NodeGovernor {
+ public:
+  // Opens the job's segment, creating it if no live one exists, and claims a slot.
+  static Result<std::unique_ptr<NodeGovernor>> Join(NodeGovernorOptions options);
+  // The ledger of a segment, read from outside without joining it (`spillway node`): reaps dead
+  // ranks first, so its totals are the live ranks'.
+  static Result<NodeStats> Inspect(
+      const std::string& path, std::chrono::milliseconds lock_timeout = std::chrono::seconds(5));
+  // Segments of this user in `dir` (paths), live or not.
+  static std::vector<std::string> ListSegments(const std::string& dir = "/dev/shm");
+  // Removes this user's segments in `dir` whose ranks are all gone. Returns how many.
+  static int RemoveDeadSegments(const std::string& dir = "/dev/shm");
+  static std::string SegmentPath(const std::string& dir, const std::string& job);
+
+  // Gives back every byte this rank holds and frees its slot; the last rank out removes the
+  // segment.
+  ~NodeGovernor();
+  NodeGovernor(const NodeGovernor&) = delete;
+  NodeGovernor& operator=(const NodeGovernor&) = delete;
+
+  // Books `bytes` of `tier` for this rank. When the node budget would be crossed: reaps dead
+  // ranks, runs this rank's trimmers, asks every other rank to trim and waits for them (at most
+  // trim_timeout), then tries once more. Fails with OVER_BUDGET naming the node budget and each
+  // rank's bytes by tier and kind; on error nothing is booked.
+  Status Reserve(NodeTier tier, uint64_t bytes);
+  // Reserve without the pressure steps: OK or OVER_BUDGET at once.
+  Status TryReserve(NodeTier tier, uint64_t bytes);
+  void Release(NodeTier tier, uint64_t bytes);
+
+  // Published for reports, without the lock (relaxed stores into the slot).
+  void PublishKinds(NodeTier tier, const KindBytes& live_by_kind);
+  void PublishWorkers(uint64_t private_bytes, uint32_t workers);
+
+  // Admission: declares that this rank will hold `need_bytes` of host memory (of which
+  // `workers_fork_bytes` is its workers' expected copy-on-write), then waits until every expected
+  // local rank has declared (local_world_size; at most `timeout`) and checks the sum against the
+  // node budget. Every rank reads the same declarations, so all of them pass or all of them fail
+  // with the same OVER_BUDGET text, without a collective. `detail` (the rank's plan, the keys that
+  // would make it fit) is added to the message. A timeout names the local ranks that never
+  // declared.
+  Status Admit(uint64_t need_bytes, uint64_t workers_fork_bytes, std::chrono::milliseconds timeout,
+               const std::string& detail);
+
+  // A trimmer gives memory back to the OS on request (an arena's Trim) and returns the bytes.
+  // RemoveTrimmer returns after every call of it in flight has returned.
+  void AddTrimmer(const void* owner, std::function<uint64_t()> trim);
+  void RemoveTrimmer(const void* owner);
+  // Runs this process's trimmers now. Returns the bytes they gave back.
+  uint64_t TrimLocal();
+
+  NodeStats Stats() const;  // reaps dead ranks first
+  Status Validate() const;
+  int local_rank() const { return slot_; }
+  const std::string& path() const { return path_; }
+  const std::string& job() const { return options_.job; }
+  uint64_t host_budget_bytes() const;
+
+  // The process's governor, set by the one that joins for the process (spillway.install(),
+  // `spillway train`): arenas made with HostArenaOptions::node unset use it. Null when none.
+  static std::shared_ptr<NodeGovernor> Current();
+  static void SetCurrent(std::shared_ptr<NodeGovernor> governor);
+
+  struct Segment;  // the shared layout (node_governor.cc)
+
+ private:
+  NodeGovernor(NodeGovernorOptions options, std::string path, int fd, Segment* segment, int slot);
+  Status ReapDead() const;
+  void WatchLoop();
+  Status RequestTrimAndWait();
+  std::string DescribeOverBudget(NodeTier tier, uint64_t bytes) const;
+
+  const NodeGovernorOptions options_;
+  const std::string path_;
+  const int fd_;
+  Segment* const segment_;
+  const int slot_;
+  const ProcessTag process_;
+
+  std::mutex trim_mu_;
+  struct Trimmer {
+    const void* owner;
+    std::function<uint64_t()> trim;
+  };
+  std::vector<Trimmer> trimmers_;  // guarded by trim_mu_
+  int trims_in_flight_ = 0;        // guarded by trim_mu_
+  ForkSafeCondition trims_idle_;
+
+  std::atomic<bool> stop_{false};
+  std::thread watcher_;
+};
+
+}  // namespace spillway::allocator

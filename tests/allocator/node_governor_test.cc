@@ -1,0 +1,462 @@
+// NodeGovernor: one budget for a job's local ranks, on real shared-memory segments in /dev/shm,
+// with real forked processes as ranks (killed with SIGKILL where the test needs a dead one).
+#include "spillway/allocator/node_governor.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "spillway/allocator/host_arena.h"
+#include "spillway/base/bytes.h"
+#include "test_util.h"
+
+namespace spillway::allocator {
+namespace {
+
+using testing::Has;
+using testing::Tag;
+using namespace std::chrono_literals;
+
+std::string UniqueJob(const char* what) {
+  static int n = 0;
+  return StrCat("gtest-", what, "-", getpid(), "-", n++);
+}
+
+NodeGovernorOptions Options(const std::string& job, int rank, uint64_t budget) {
+  NodeGovernorOptions o;
+  o.job = job;
+  o.local_rank = rank;
+  o.host_budget_bytes = budget;
+  o.memory_limit_bytes = budget + (2ull << 30);
+  o.watch_interval = 50ms;
+  o.trim_timeout = 2000ms;
+  return o;
+}
+
+std::unique_ptr<NodeGovernor> JoinOrDie(const NodeGovernorOptions& o) {
+  auto g = NodeGovernor::Join(o);
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  return g.ok() ? std::move(g.value()) : nullptr;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0;
+}
+
+// A forked rank: runs `body` in the child, which writes one byte to `ready` when it has done
+// what the parent waits for and then sleeps until killed (or returns its exit code).
+struct ChildRank {
+  pid_t pid = -1;
+  int ready_fd = -1;
+  template <typename Body>
+  static ChildRank Start(Body body) {
+    int fds[2];
+    EXPECT_EQ(pipe(fds), 0);
+    ChildRank c;
+    c.pid = fork();
+    if (c.pid == 0) {
+      close(fds[0]);
+      const int rc = body(fds[1]);
+      _exit(rc);
+    }
+    close(fds[1]);
+    c.ready_fd = fds[0];
+    return c;
+  }
+  bool WaitReady() const {
+    char b = 0;
+    return read(ready_fd, &b, 1) == 1;
+  }
+  int Wait() const {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    close(ready_fd);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  void Kill() const { kill(pid, SIGKILL); }
+};
+
+void SignalReady(int fd) {
+  char b = 1;
+  if (write(fd, &b, 1) != 1) _exit(90);
+}
+
+TEST(NodeJobTest, NamedByTheLauncherEnvironment) {
+  std::map<std::string, std::string> env;
+  auto getenv = [&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  auto job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_TRUE(job->id.empty()) << "a lone process is no rank of a job";
+
+  env = {{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "8"}, {"TORCHELASTIC_RUN_ID", "abc/1 2"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->id, "torchelastic-abc_1_2");
+  EXPECT_EQ(job->local_rank, 3);
+  EXPECT_EQ(job->local_world_size, 8);
+
+  // torchrun without --rdzv-id says "none" for every job: the launcher process names it instead.
+  env = {{"LOCAL_RANK", "0"}, {"LOCAL_SIZE", "4"}, {"TORCHELASTIC_RUN_ID", "none"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->id.rfind(StrCat("launcher-", getppid(), "-"), 0), 0u) << job->id;
+  EXPECT_EQ(job->local_world_size, 4) << "the deepspeed launcher's LOCAL_SIZE";
+
+  env = {{"LOCAL_RANK", "1"}, {"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "2"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->id, "slurm-77.2");
+
+  env = {{"SPILLWAY_NODE_JOB", "my-run.1"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->id, "my-run.1");
+
+  env = {{"SPILLWAY_NODE_JOB", "../etc"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(job.status(), "SPILLWAY_NODE_JOB='../etc'")) << job.status().ToString();
+
+  env = {{"LOCAL_RANK", "x"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(job.status(), "LOCAL_RANK='x'"));
+}
+
+TEST(NodeBudgetTest, DefaultLeavesAReserve) {
+  EXPECT_EQ(DefaultNodeHostBudget(24ull << 30), 21ull << 30);  // 1/8 kept back
+  EXPECT_EQ(DefaultNodeHostBudget(8ull << 30), 6ull << 30);    // at least 2 GiB kept back
+  EXPECT_EQ(DefaultNodeHostBudget(2ull << 30), 1ull << 30);    // at most half
+  EXPECT_EQ(DefaultNodeHostBudget(2048ull << 30), 1792ull << 30);
+}
+
+TEST(NodeGovernorTest, RanksShareOneBudgetAndOneMayTakeMoreThanItsShare) {
+  const std::string job = UniqueJob("share");
+  auto r0 = JoinOrDie(Options(job, 0, 400 * kMiB));
+  auto r1 = JoinOrDie(Options(job, 1, 0));  // joins with the segment's budget
+  ASSERT_TRUE(r0 && r1);
+  EXPECT_EQ(r1->host_budget_bytes(), 400 * kMiB);
+  // Uneven ranks: rank 0 takes 3/4 of the node while rank 1 holds nothing.
+  ASSERT_TRUE(r0->Reserve(NodeTier::kPinned, 200 * kMiB).ok());
+  ASSERT_TRUE(r0->Reserve(NodeTier::kPageable, 100 * kMiB).ok());
+  Status st = r1->Reserve(NodeTier::kPageable, 150 * kMiB);
+  ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
+  EXPECT_TRUE(Has(st, "local rank 1")) << st.ToString();
+  EXPECT_TRUE(Has(st, "local rank 0 (pid")) << "names who holds what: " << st.ToString();
+  EXPECT_TRUE(Has(st, "pinned 200.0 MiB, pageable 100.0 MiB")) << st.ToString();
+  EXPECT_TRUE(Has(st, "SPILLWAY_NODE_BUDGET_BYTES")) << st.ToString();
+  ASSERT_TRUE(r1->Reserve(NodeTier::kPageable, 100 * kMiB).ok());
+  NodeStats s = r1->Stats();
+  EXPECT_EQ(s.host_committed_bytes, 400 * kMiB);
+  EXPECT_EQ(s.host_headroom_bytes, 0u);
+  ASSERT_EQ(s.ranks.size(), 2u);
+  EXPECT_EQ(s.ranks[0].host_bytes, 300 * kMiB);
+  EXPECT_EQ(s.ranks[1].host_bytes, 100 * kMiB);
+  EXPECT_GE(s.over_budget_count, 1u);
+  r0->Release(NodeTier::kPinned, 200 * kMiB);
+  EXPECT_TRUE(r1->Reserve(NodeTier::kPageable, 150 * kMiB).ok()) << "freed by rank 0";
+  EXPECT_TRUE(r0->Validate().ok()) << r0->Validate().ToString();
+  // NVMe is counted apart from host memory, and not capped without a budget.
+  EXPECT_TRUE(r0->Reserve(NodeTier::kNvme, 10ull << 30).ok());
+  EXPECT_EQ(r1->Stats().nvme_committed_bytes, 10ull << 30);
+}
+
+TEST(NodeGovernorTest, BadInputIsRefusedByName) {
+  const std::string job = UniqueJob("bad");
+  auto r0 = JoinOrDie(Options(job, 0, 100 * kMiB));
+  ASSERT_TRUE(r0);
+  auto other = NodeGovernor::Join(Options(job, 1, 200 * kMiB));
+  ASSERT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(other.status(), "Give every rank the same")) << other.status().ToString();
+  auto twice = NodeGovernor::Join(Options(job, 0, 0));
+  ASSERT_EQ(twice.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(twice.status(), "local rank 0")) << twice.status().ToString();
+  EXPECT_TRUE(Has(twice.status(), "which is alive")) << twice.status().ToString();
+  auto bad_name = NodeGovernor::Join(Options("a/b", 0, 0));
+  EXPECT_EQ(bad_name.status().code(), StatusCode::kInvalidArgument);
+  auto bad_rank = NodeGovernor::Join(Options(job, 64, 0));
+  EXPECT_EQ(bad_rank.status().code(), StatusCode::kInvalidArgument);
+  // Nothing of the first rank changed.
+  EXPECT_EQ(r0->Stats().ranks.size(), 1u);
+  EXPECT_TRUE(r0->Validate().ok());
+}
+
+TEST(NodeGovernorTest, SegmentIsTheUsersAloneAndTheLastRankRemovesIt) {
+  const std::string job = UniqueJob("perm");
+  std::string path;
+  {
+    auto r0 = JoinOrDie(Options(job, 0, 100 * kMiB));
+    ASSERT_TRUE(r0);
+    path = r0->path();
+    struct stat st {};
+    ASSERT_EQ(stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_EQ(st.st_uid, geteuid());
+    auto listed = NodeGovernor::ListSegments();
+    EXPECT_NE(std::find(listed.begin(), listed.end(), path), listed.end());
+    if (geteuid() == 0) {
+      // Another user's process (a forked child that drops to nobody) cannot open it.
+      ChildRank c = ChildRank::Start([&](int) {
+        if (setgid(65534) != 0 || setuid(65534) != 0) return 3;
+        auto seen = NodeGovernor::Inspect(path);
+        if (seen.ok()) return 1;
+        return seen.status().code() == StatusCode::kFailedPrecondition &&
+                       Has(seen.status(), "another user")
+                   ? 0
+                   : 2;
+      });
+      EXPECT_EQ(c.Wait(), 0) << "a process of another uid opened the segment";
+    }
+    auto r1 = JoinOrDie(Options(job, 1, 0));
+    r1.reset();
+    EXPECT_TRUE(Exists(path)) << "rank 0 still runs";
+  }
+  EXPECT_FALSE(Exists(path)) << "the last rank out removes the segment";
+  if (geteuid() != 0) GTEST_SKIP() << "the other-user check needs root to switch uid";
+}
+
+TEST(NodeGovernorTest, AKilledRanksBytesComeBackWithinTheWatchInterval) {
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork and signals";
+  const std::string job = UniqueJob("kill");
+  auto r0 = JoinOrDie(Options(job, 0, 1024 * kMiB));
+  ASSERT_TRUE(r0);
+  ChildRank c = ChildRank::Start([&](int ready) {
+    auto r1 = NodeGovernor::Join(Options(job, 1, 0));
+    if (!r1.ok() || !(*r1)->Reserve(NodeTier::kPinned, 600 * kMiB).ok()) return 1;
+    SignalReady(ready);
+    pause();
+    return 0;
+  });
+  ASSERT_TRUE(c.WaitReady());
+  EXPECT_EQ(r0->Stats().host_committed_bytes, 600 * kMiB);
+  EXPECT_EQ(r0->Reserve(NodeTier::kPinned, 600 * kMiB).code(), StatusCode::kOverBudget)
+      << "a live rank's bytes are held";
+  const auto killed = std::chrono::steady_clock::now();
+  c.Kill();
+  // Rank 0's watcher reaps it (even before the launcher waits for the zombie): TryReserve itself
+  // reaps nothing, so its success shows the watcher's work.
+  Status st;
+  do {
+    std::this_thread::sleep_for(1ms);
+    st = r0->TryReserve(NodeTier::kPinned, 600 * kMiB);
+  } while (!st.ok() && std::chrono::steady_clock::now() - killed < 5s);
+  const auto took = std::chrono::steady_clock::now() - killed;
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  std::printf("lease back %.1f ms after SIGKILL (watch interval 50 ms)\n",
+              std::chrono::duration<double, std::milli>(took).count());
+  EXPECT_LT(took, 5s);
+  r0->Release(NodeTier::kPinned, 600 * kMiB);
+  auto seen = NodeGovernor::Inspect(r0->path());  // a look from outside, as `spillway node`
+  ASSERT_TRUE(seen.ok()) << seen.status().ToString();
+  EXPECT_EQ(seen->host_committed_bytes, 0u);
+  EXPECT_EQ(seen->ranks.size(), 1u);
+  EXPECT_GE(seen->reaped_ranks, 1u);
+  EXPECT_EQ(c.Wait(), 128 + SIGKILL);
+  // The rank restarted (torchrun's elastic restart) rejoins in its old slot.
+  ChildRank again = ChildRank::Start([&](int) {
+    auto r1 = NodeGovernor::Join(Options(job, 1, 0));
+    return r1.ok() && (*r1)->Reserve(NodeTier::kPinned, 600 * kMiB).ok() ? 0 : 1;
+  });
+  EXPECT_EQ(again.Wait(), 0);
+  EXPECT_TRUE(r0->Reserve(NodeTier::kPinned, 600 * kMiB).ok()) << "the restarted rank left";
+  EXPECT_TRUE(r0->Validate().ok());
+}
+
+TEST(NodeGovernorTest, AJobKilledWholeLeavesASegmentTheNextJobRemoves) {
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork and signals";
+  const std::string job = UniqueJob("dead");
+  const std::string path = NodeGovernor::SegmentPath("/dev/shm", job);
+  ChildRank c = ChildRank::Start([&](int ready) {
+    auto r = NodeGovernor::Join(Options(job, 0, 100 * kMiB));
+    if (!r.ok()) return 1;
+    SignalReady(ready);
+    pause();
+    return 0;
+  });
+  ASSERT_TRUE(c.WaitReady());
+  c.Kill();
+  EXPECT_EQ(c.Wait(), 128 + SIGKILL);
+  EXPECT_TRUE(Exists(path)) << "SIGKILL runs no destructor";
+  auto next = JoinOrDie(Options(UniqueJob("next"), 0, 100 * kMiB));
+  EXPECT_FALSE(Exists(path)) << "a later job's Join removes a segment whose ranks are all dead";
+}
+
+TEST(NodeGovernorTest, PressureTrimsTheOtherRanksRetainedCaches) {
+  const std::string job = UniqueJob("trim");
+  auto g0 = JoinOrDie(Options(job, 0, 64 * kMiB));
+  auto g1 = JoinOrDie(Options(job, 1, 0));
+  ASSERT_TRUE(g0 && g1);
+  Ledger ledger;
+  HostArenaOptions o = testing::PageableOptions(&ledger);
+  o.region_bytes = 32 * kMiB;  // 16 MiB requests get regions of their own
+  o.retain_limit_bytes = 64 * kMiB;
+  o.retain_fraction = 1.0;  // keeps up to max(region, live) = 32 MiB of empty regions
+  o.node = std::shared_ptr<NodeGovernor>(std::move(g0));
+  auto a0 = testing::MakeArena(o);
+  o.node = std::shared_ptr<NodeGovernor>(std::move(g1));
+  auto a1 = testing::MakeArena(o);
+  ASSERT_TRUE(a0 && a1);
+  // Rank 0 fills three regions, then frees two: its retained cache keeps them mapped.
+  std::vector<void*> held;
+  for (int i = 0; i < 3; ++i) {
+    auto p = a0->Allocate(16 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    held.push_back(*p);
+  }
+  ASSERT_TRUE(a0->Free(held[1]).ok());
+  ASSERT_TRUE(a0->Free(held[2]).ok());
+  EXPECT_EQ(a0->Stats().committed_bytes, 48 * kMiB) << "retained, still booked on the node";
+  // Rank 1 needs 32 MiB: only rank 0's retained regions can give it.
+  auto p1 = a1->Allocate(32 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(p1.ok()) << p1.status().ToString();
+  EXPECT_EQ(a0->Stats().committed_bytes, 16 * kMiB) << "rank 0 trimmed on request";
+  NodeStats s = o.node->Stats();
+  EXPECT_GE(s.trim_requests, 1u);
+  EXPECT_EQ(s.host_committed_bytes, 48 * kMiB);
+  // Past what trimming can give, the refusal names the node and both ranks by kind.
+  auto p2 = a1->Allocate(32 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_EQ(p2.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(p2.status(), "node budget")) << p2.status().ToString();
+  EXPECT_TRUE(Has(p2.status(), "optimizer_state 16.0 MiB")) << p2.status().ToString();
+  EXPECT_TRUE(Has(p2.status(), "param 32.0 MiB")) << p2.status().ToString();
+  EXPECT_EQ(a1->Stats().node_refusals, 1u);
+  EXPECT_TRUE(a0->Validate().ok());
+  EXPECT_TRUE(a1->Validate().ok());
+  ASSERT_TRUE(a1->Free(*p1).ok());
+  ASSERT_TRUE(a0->Free(held[0]).ok());
+  a0->Trim();
+  a1->Trim();
+  EXPECT_EQ(o.node->Stats().host_committed_bytes, 0u) << "every unmapped region was given back";
+}
+
+TEST(NodeGovernorTest, AnArenaSpillsWhenTheNodeIsFull) {
+  const std::string job = UniqueJob("spill");
+  auto g = std::shared_ptr<NodeGovernor>(JoinOrDie(Options(job, 0, 32 * kMiB)));
+  Ledger ledger;
+  HostArenaOptions o = testing::PageableOptions(&ledger);
+  o.budget_bytes = 1024 * kMiB;  // the process's own budget is not what binds
+  o.region_bytes = 16 * kMiB;
+  o.node = g;
+  auto arena = testing::MakeArena(o);
+  ASSERT_TRUE(arena);
+  auto a = arena->Allocate(16 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  auto b = arena->Allocate(16 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  ASSERT_TRUE(a.ok() && b.ok());
+  int calls = 0;
+  void* victim = *a;
+  arena->SetSpillHandler(
+      [&](const HostArena::SpillRequest& r) -> uint64_t {
+        ++calls;
+        if (victim == nullptr) return 0;
+        EXPECT_EQ(r.request_bytes, 16 * kMiB);
+        EXPECT_TRUE(arena->Free(victim).ok());
+        victim = nullptr;
+        return 16 * kMiB;
+      },
+      &calls);
+  auto c = arena->Allocate(16 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(g->Stats().host_committed_bytes, 32 * kMiB);
+  auto d = arena->Allocate(16 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_EQ(d.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(d.status(), "spill handler freed nothing")) << d.status().ToString();
+  arena->ClearSpillHandler(&calls);
+  EXPECT_TRUE(arena->Validate().ok());
+}
+
+TEST(NodeGovernorTest, AdmissionFailsEveryRankWithOneMessageOrPassesThemAll) {
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork";
+  for (const uint64_t need : {100 * kMiB, 200 * kMiB}) {
+    const std::string job = UniqueJob("admit");
+    // Three ranks, each a process, each declaring `need` against a 400 MiB node.
+    std::vector<ChildRank> ranks;
+    std::vector<int> out_fds;
+    for (int r = 0; r < 3; ++r) {
+      int fds[2];
+      ASSERT_EQ(pipe(fds), 0);
+      ranks.push_back(ChildRank::Start([&, r, fds](int) {
+        close(fds[0]);
+        NodeGovernorOptions o = Options(job, r, 400 * kMiB);
+        o.local_world_size = 3;
+        auto g = NodeGovernor::Join(o);
+        if (!g.ok()) return 5;
+        Status st = (*g)->Admit(need, need / 10, 10s, "Set offload_optimizer.device to nvme.");
+        const std::string text = st.ToString();
+        if (write(fds[1], text.data(), text.size()) < 0) return 6;
+        return st.ok() ? 0 : 1;
+      }));
+      close(fds[1]);
+      out_fds.push_back(fds[0]);
+    }
+    std::vector<std::string> texts;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const int rc = ranks[r].Wait();
+      std::string text;
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(out_fds[r], buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+      close(out_fds[r]);
+      EXPECT_EQ(rc, need * 3 <= 400 * kMiB ? 0 : 1) << text;
+      texts.push_back(text);
+    }
+    if (need * 3 > 400 * kMiB) {
+      EXPECT_EQ(texts[0], texts[1]);
+      EXPECT_EQ(texts[1], texts[2]);
+      EXPECT_TRUE(texts[0].find("600.00 MiB") != std::string::npos) << texts[0];
+      EXPECT_TRUE(texts[0].find("local rank 2 200.0 MiB (of which its workers' fork copy 20.0 "
+                                "MiB)") != std::string::npos)
+          << texts[0];
+      EXPECT_TRUE(texts[0].find("offload_optimizer.device") != std::string::npos) << texts[0];
+      EXPECT_TRUE(texts[0].find("Nothing was allocated") != std::string::npos) << texts[0];
+    }
+  }
+}
+
+TEST(NodeGovernorTest, AdmissionNamesTheRanksThatNeverCame) {
+  const std::string job = UniqueJob("late");
+  NodeGovernorOptions o = Options(job, 0, 400 * kMiB);
+  o.local_world_size = 3;
+  auto g = JoinOrDie(o);
+  ASSERT_TRUE(g);
+  auto g2 = JoinOrDie(Options(job, 2, 0));
+  ASSERT_TRUE(g2);
+  std::thread other(
+      [&] { EXPECT_EQ(g2->Admit(1, 0, 300ms, "").code(), StatusCode::kUnavailable); });
+  Status st = g->Admit(1 * kMiB, 0, 300ms, "");
+  other.join();
+  ASSERT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_TRUE(Has(st, "local rank(s) 1 of job")) << st.ToString();
+}
+
+TEST(NodeGovernorTest, AForkedChildOfARankBooksNothing) {
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork";
+  auto g = JoinOrDie(Options(UniqueJob("fork"), 0, 100 * kMiB));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(g->Reserve(NodeTier::kPinned, 10 * kMiB).ok());
+  ChildRank c = ChildRank::Start([&](int) {
+    testing::RefusedInChild refused;
+    refused(g->Reserve(NodeTier::kPinned, 1 * kMiB), "Reserve");
+    refused(g->Admit(1, 0, 10ms, ""), "Admit");
+    g->Release(NodeTier::kPinned, 10 * kMiB);  // a no-op in the child
+    g.reset();  // the child does not own the slot: its destructor must not free it
+    return refused.bad;
+  });
+  EXPECT_EQ(c.Wait(), 0);
+  EXPECT_EQ(g->Stats().host_committed_bytes, 10 * kMiB);
+  EXPECT_EQ(g->Stats().ranks.size(), 1u);
+}
+
+}  // namespace
+}  // namespace spillway::allocator
