@@ -703,16 +703,19 @@ Status NodeGovernor::TryReserve(NodeTier tier, uint64_t bytes) {
 Status NodeGovernor::Reserve(NodeTier tier, uint64_t bytes) {
   Status st = TryReserve(tier, bytes);
   if (st.code() != StatusCode::kOverBudget) return st;
-  // Pressure: dead ranks' bytes first, then every rank's retained cache.
+  // Pressure: dead ranks' bytes first, then (host tiers) every rank's retained cache.
   SPILLWAY_RETURN_IF_ERROR(ReapDead());
   st = TryReserve(tier, bytes);
   if (st.code() != StatusCode::kOverBudget) return st;
-  TrimLocal();
-  SPILLWAY_RETURN_IF_ERROR(RequestTrimAndWait());
-  st = TryReserve(tier, bytes);
-  if (st.code() != StatusCode::kOverBudget) return st;
+  if (tier != NodeTier::kNvme) {  // trimming host caches frees no disk
+    TrimLocal();
+    SPILLWAY_RETURN_IF_ERROR(RequestTrimAndWait());
+    st = TryReserve(tier, bytes);
+    if (st.code() != StatusCode::kOverBudget) return st;
+  }
   {
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    SPILLWAY_ASSIGN_OR_RETURN(auto lock,
+                              SegmentLock::Take(segment_, options_.lock_timeout, path_));
     segment_->over_budget++;
   }
   return Status::OverBudget(DescribeOverBudget(tier, bytes));
@@ -733,6 +736,13 @@ void NodeGovernor::Release(NodeTier tier, uint64_t bytes) {
   }
   held -= bytes;
   committed -= bytes;
+}
+
+uint64_t NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
+  auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
+  if (!lock.ok()) return segment_->nvme_budget;  // a racy read beats none; the lock's error is logged
+  if (segment_->nvme_budget == 0) segment_->nvme_budget = bytes;
+  return segment_->nvme_budget;
 }
 
 void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
@@ -949,7 +959,18 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
 NodeStats NodeGovernor::Stats() const {
   Status st = ReapDead();
   if (!st.ok()) Log(LogLevel::kWarning, st.ToString());
-  SegmentLock lock = TakeForRelease(segment_, options_.lock_timeout, path_);
+  return Snapshot();
+}
+
+NodeStats NodeGovernor::Snapshot() const {
+  auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
+  if (!lock.ok()) {  // a report without numbers rather than a scrape that hangs
+    Log(LogLevel::kWarning, lock.status().ToString());
+    NodeStats empty;
+    empty.job = options_.job;
+    empty.path = path_;
+    return empty;
+  }
   return ReadStats(segment_, path_);
 }
 

@@ -123,6 +123,16 @@ Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options, I
   }
   options.budget_bytes = options.budget_bytes / alignment * alignment;
   options.grow_bytes = RoundUp(options.grow_bytes, alignment);
+  if (options.node == nullptr) options.node = NodeGovernor::Current();
+  if (options.node != nullptr) {
+    // The job's first NVMe arena sets the node's NVMe budget when none was given: 90% of the free
+    // space where it swaps (each rank's own default budget is the same 90%; the node's caps their
+    // sum).
+    struct statvfs vfs {};
+    if (statvfs(options.directory.c_str(), &vfs) == 0) {
+      options.node->OfferNvmeBudget(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / 10 * 9);
+    }
+  }
   Ledger* ledger = options.ledger != nullptr ? options.ledger : &Ledger::Default();
   std::unique_ptr<NvmeArena> arena(
       new NvmeArena(std::move(options), engine, ledger, *fd, *file_id, alignment, direct));
@@ -152,6 +162,7 @@ NvmeArena::~NvmeArena() {
   if (process_.InOwner()) {  // a forked child's engine refuses: only its own fd is closed
     Status st = engine_->UnregisterFile(file_id_);
     if (!st.ok()) Log(LogLevel::kError, st.ToString());
+    if (options_.node != nullptr) options_.node->Release(NodeTier::kNvme, extents_.span_bytes());
   }
   close(fd_);  // the file was never linked: closing it frees the space
 }
@@ -208,6 +219,18 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                                    options_.budget_bytes - capacity);
     growing_ = true;
     lock.unlock();
+    if (options_.node != nullptr) {  // the node's NVMe ledger first (Note [Node governor])
+      Status booked = options_.node->Reserve(NodeTier::kNvme, grow);
+      if (!booked.ok()) {
+        lock.lock();
+        growing_ = false;
+        grown_cv_.notify_all();
+        stats_.over_budget_count++;
+        return booked.WithContext(StrCat("nvme arena '", options_.name, "': growing the swap file by ",
+                                         FormatBytes(grow), " for ", KindName(tag.kind), " owner ",
+                                         tag.owner_id));
+      }
+    }
     int err = options_.faults != nullptr ? options_.faults->fallocate_errno.exchange(0) : 0;
     if (err == 0 && !without_fallocate_.load()) {
       err = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0
@@ -231,6 +254,7 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
               "' has no fallocate (EOPNOTSUPP); the swap file grows with ftruncate, so running out "
               "of space is reported by the write that meets it, not when the file grows"));
     }
+    if (err != 0 && options_.node != nullptr) options_.node->Release(NodeTier::kNvme, grow);
     if (err != 0) {
       stats_.no_space_count++;
       const bool fbig = err == EFBIG;

@@ -5,6 +5,10 @@
 //                        passed, 1 a scenario failed, 2 bad usage
 //   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad
 //   input
+//   spillway node        the live node ledger of this user's jobs (allocator/node_governor.h); exit
+//                        0 printed, 1 no segment or one could not be read
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cinttypes>
 #include <csignal>
@@ -12,8 +16,10 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "spillway/allocator/node_governor.h"
 #include "spillway/cli/leak_suite.h"
 #include "spillway/engine/cuda_kernels.h"
 #include "spillway/offload/config.h"
@@ -197,6 +203,18 @@ int main(int argc, char** argv) {
   leak->add_flag("--no-plots", no_plots, "write CSV only (no gnuplot needed)");
   leak->add_flag("--list", list, "list the scenarios and exit");
 
+  CLI::App* node_cmd = app.add_subcommand(
+      "node",
+      "The live node ledger of this user's jobs, read from their shared-memory segments: the node "
+      "budget, what each local rank holds by tier and kind, its workers, the headroom");
+  std::string node_segment, node_job, node_dir = "/dev/shm";
+  double node_watch = 0;
+  node_cmd->add_option("segment", node_segment, "a segment path (default: every one of this user's)");
+  node_cmd->add_option("--job", node_job, "the job's name (SPILLWAY_NODE_JOB or its launcher's id)");
+  node_cmd->add_option("--dir", node_dir, "where the segments are")->capture_default_str();
+  node_cmd->add_option("--watch", node_watch, "print again every SECONDS")
+      ->check(CLI::NonNegativeNumber);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -222,6 +240,43 @@ int main(int argc, char** argv) {
         "this build has no libtorch, so `train` is not available; run scripts/install-deps "
         "(it installs torch 2.13 CPU) and rebuild");
 #endif
+  }
+  if (node_cmd->parsed()) {
+    using spillway::allocator::NodeGovernor;
+    while (true) {
+      std::vector<std::string> paths;
+      if (!node_segment.empty()) {
+        paths.push_back(node_segment);
+      } else {
+        for (const std::string& p : NodeGovernor::ListSegments(node_dir)) {
+          const std::string suffix = "-" + node_job;
+          if (node_job.empty() ||
+              (p.size() > suffix.size() &&
+               p.compare(p.size() - suffix.size(), std::string::npos, suffix) == 0)) {
+            paths.push_back(p);
+          }
+        }
+      }
+      if (paths.empty()) {
+        std::fprintf(stderr, "spillway node: no node segment of uid %u in %s%s\n",
+                     static_cast<unsigned>(geteuid()), node_dir.c_str(),
+                     node_job.empty() ? "" : (" for job " + node_job).c_str());
+        return 1;
+      }
+      int bad = 0;
+      for (const std::string& p : paths) {
+        auto s = NodeGovernor::Inspect(p);
+        if (!s.ok()) {
+          std::fprintf(stderr, "spillway node: %s\n", s.status().ToString().c_str());
+          ++bad;
+          continue;
+        }
+        std::printf("%s\n", s->ToString().c_str());
+      }
+      std::fflush(stdout);
+      if (node_watch <= 0) return bad == 0 ? 0 : 1;
+      std::this_thread::sleep_for(std::chrono::duration<double>(node_watch));
+    }
   }
   if (leak->parsed()) {
     if (list) {

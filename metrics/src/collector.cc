@@ -156,6 +156,11 @@ void Collector::Watch(const engine::HostOptimizer* o) {
   optimizers_.push_back(o);
 }
 
+void Collector::Watch(const allocator::NodeGovernor* g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  nodes_.push_back(g);
+}
+
 void Collector::SetConstLabels(std::vector<std::pair<std::string, std::string>> labels) {
   std::lock_guard<std::mutex> lock(mu_);
   const_labels_ = std::move(labels);
@@ -173,6 +178,7 @@ void Collector::Unwatch(const void* c) {
   drop(stores_);
   drop(pipelines_);
   drop(optimizers_);
+  drop(nodes_);
 }
 
 std::vector<MetricFamily> Collector::Collect() const {
@@ -346,6 +352,54 @@ std::vector<MetricFamily> Collector::Collect() const {
               static_cast<double>(s.step_ns_total) / 1e9);
     f.Gauge("spillway_optimizer_last_step_seconds", "Duration of the last host optimizer step.",
             isa, static_cast<double>(s.last_step_ns) / 1e9);
+  }
+  for (const allocator::NodeGovernor* g : nodes_) {
+    const allocator::NodeStats s = g->Snapshot();  // the segment's lock only: no system call
+    const auto d = [](uint64_t v) { return static_cast<double>(v); };
+    const char* kBudgetHelp = "The node budget shared by the job's local ranks (nvme 0: not capped).";
+    f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "host"}}, d(s.host_budget_bytes));
+    f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "nvme"}}, d(s.nvme_budget_bytes));
+    const char* kCommittedHelp = "Bytes every local rank of the job has booked on the node.";
+    f.Gauge("spillway_node_committed_bytes", kCommittedHelp, {{"tier", "host"}},
+            d(s.host_committed_bytes));
+    f.Gauge("spillway_node_committed_bytes", kCommittedHelp, {{"tier", "nvme"}},
+            d(s.nvme_committed_bytes));
+    f.Gauge("spillway_node_headroom_bytes", "Host node budget not booked by any rank.", {},
+            d(s.host_headroom_bytes));
+    f.Gauge("spillway_node_memory_limit_bytes",
+            "The memory limit the node budget was taken from (cgroup memory.max, else RAM).", {},
+            d(s.memory_limit_bytes));
+    f.Gauge("spillway_node_reserve_bytes",
+            "Memory limit less the node budget: the OS, page cache, what no arena counts.", {},
+            d(s.reserve_bytes));
+    f.Gauge("spillway_node_ranks", "Local ranks holding a slot in the node segment.", {},
+            d(s.ranks.size()));
+    f.Counter("spillway_node_reaped_ranks_total", "Dead ranks whose bytes were given back.", {},
+              d(s.reaped_ranks));
+    f.Counter("spillway_node_trim_requests_total", "Cross-rank trims asked under node pressure.",
+              {}, d(s.trim_requests));
+    f.Counter("spillway_node_over_budget_total", "Reservations the node budget refused.", {},
+              d(s.over_budget_count));
+    for (const allocator::NodeRankStats& r : s.ranks) {
+      const std::string rank = std::to_string(r.local_rank);
+      for (int t = 0; t < allocator::kNodeTierCount; ++t) {
+        f.Gauge("spillway_node_rank_bytes", "Bytes each local rank has booked, by tier.",
+                {{"local_rank", rank},
+                 {"tier", allocator::NodeTierName(static_cast<allocator::NodeTier>(t))}},
+                d(r.bytes[t]));
+      }
+      for (int k = 0; k < allocator::kKindCount; ++k) {
+        f.Gauge("spillway_node_rank_live_bytes",
+                "Each local rank's live host bytes by kind (as of its last region change or "
+                "boundary).",
+                {{"local_rank", rank}, {"kind", allocator::KindName(static_cast<allocator::Kind>(k))}},
+                d(r.host_by_kind[k]));
+      }
+      f.Gauge("spillway_node_rank_workers_private_bytes",
+              "Private bytes of each local rank's child processes (DataLoader workers), read "
+              "from /proc at its last epoch boundary.",
+              {{"local_rank", rank}}, d(r.workers_private_bytes));
+    }
   }
   std::vector<MetricFamily> families = f.Take();
   if (!const_labels_.empty()) {

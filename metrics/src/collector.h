@@ -33,6 +33,7 @@ class Collector final : public prometheus::Collectable {
   void Watch(const offload::PartitionStore* s);
   void Watch(const offload::TransferPipeline* p);
   void Watch(const engine::HostOptimizer* o);
+  void Watch(const allocator::NodeGovernor* g);
   void Unwatch(const void* component);
   // Labels added to every sample of every later scrape.
   void SetConstLabels(std::vector<std::pair<std::string, std::string>> labels);
@@ -47,6 +48,7 @@ class Collector final : public prometheus::Collectable {
   std::vector<const offload::PartitionStore*> stores_;             // guarded by mu_
   std::vector<const offload::TransferPipeline*> pipelines_;        // guarded by mu_
   std::vector<const engine::HostOptimizer*> optimizers_;           // guarded by mu_
+  std::vector<const allocator::NodeGovernor*> nodes_;              // guarded by mu_
 };
 
 }  // namespace spillway::metrics

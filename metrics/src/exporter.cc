@@ -64,6 +64,7 @@ void Exporter::Watch(const allocator::Ledger* l) { collector_->Watch(l); }
 void Exporter::Watch(const offload::PartitionStore* s) { collector_->Watch(s); }
 void Exporter::Watch(const offload::TransferPipeline* p) { collector_->Watch(p); }
 void Exporter::Watch(const engine::HostOptimizer* o) { collector_->Watch(o); }
+void Exporter::Watch(const allocator::NodeGovernor* g) { collector_->Watch(g); }
 void Exporter::Unwatch(const void* c) { collector_->Unwatch(c); }
 
 std::string Exporter::address() const { return StrCat(host_, ":", port_); }

@@ -68,7 +68,7 @@ def set_log_level(level):
     _log.set_level(level)
 
 __all__ = [
-    "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "Error", "InvalidArgument",
+    "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "node", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
     "Unavailable", "Escaped", "InternalError", "ResourceExhausted", "ExternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
 ]
@@ -136,5 +136,5 @@ for _public in (Runtime, check_torch_version, install, installed, next_epoch, ta
     _public.__module__ = __name__
 del _public
 
-from . import deepspeed, engine, guard, metrics, optim  # noqa: F401,E402
+from . import deepspeed, engine, guard, metrics, node, optim  # noqa: F401,E402
 from .guard import DeviceMismatch  # noqa: F401,E402

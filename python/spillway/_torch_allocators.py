@@ -2,6 +2,7 @@
 spillway.install(), spillway.tag(), spillway.next_epoch() and the Runtime they act on. Public
 through the spillway package; this module is private.
 """
+import os
 import threading
 
 import torch
@@ -59,6 +60,9 @@ class Runtime:
 
     def mark_step(self):
         """Ends the open step (returns its boundary report, or None) and opens the next."""
+        from . import node  # noqa: PLC0415
+
+        node._sample_workers()  # at most once a second: the workers' private bytes, from /proc
         with self._lock:
             report = self._end_open_step()
             self._step += 1
@@ -69,11 +73,16 @@ class Runtime:
     def next_epoch(self):
         """Ends the open step and epoch (returns the epoch's boundary report, or None before the
         first epoch) and opens the next epoch."""
+        from . import node  # noqa: PLC0415
+
+        ledger = node._epoch_boundary()  # the node's ledger with the ended epoch's workers
         with self._lock:
             self._end_open_step()
             report = None
             if self._epoch_open:
                 report = self._keep(self.host._end_epoch())
+                if ledger is not None:
+                    report["node"] = ledger
             self._epoch += 1
             self.host._begin_epoch(self._epoch)
             self._epoch_open = True
@@ -86,7 +95,27 @@ class Runtime:
                 "pinned_blocks": _spillway._pinned_stats()}
 
 
-def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, policy="report", priority=1):
+def _join_node(node):
+    """Joins the job's node budget (spillway.node) when `node` is True, or when it is None and a
+    launcher started this process (or SPILLWAY_NODE_JOB names the job) and SPILLWAY_NODE is not 0.
+    Returns the node's host budget, or None without one."""
+    from . import node as node_mod  # noqa: PLC0415
+
+    if node is None:
+        env = node_mod.job()
+        # A launcher that says how many local ranks it started (torchrun, accelerate, deepspeed,
+        # Slurm), or a job named explicitly; a lone process with LOCAL_RANK set joins nothing.
+        node = os.environ.get("SPILLWAY_NODE", "1") != "0" and bool(env["id"]) and (
+            env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0)
+    if not node:
+        return None
+    if not node_mod.joined():
+        node_mod.join()
+    return node_mod.stats()["host_budget_bytes"]
+
+
+def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, policy="report", priority=1,
+            node=None, declare_bytes=None):
     """Makes torch's CPU allocator and its pinned (CUDA host) allocator Spillway's, once per process.
 
     - Inside `with spillway.tag(kind):`, every CPU tensor of at least `small_bytes` comes from a
@@ -97,7 +126,15 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
       completed, under its own budget (`pinned_budget_bytes`).
     The two budgets left unset share default_host_budget() (3/4 of the memory limit, which honours
     the cgroup's memory.max): the pageable arena 2/3 of it, the pinned one 1/3, so the two together
-    never exceed it. Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
+    never exceed it.
+
+    Node budget (spillway.node): when a launcher started this process (torchrun, accelerate launch,
+    the deepspeed launcher: LOCAL_RANK is set) or SPILLWAY_NODE_JOB names the job, and `node` is not
+    False (nor SPILLWAY_NODE=0), both arenas book their regions in the job's node ledger, whose
+    budget all local ranks share; the two budgets left unset are then the node's budget each (the
+    node caps their sum and every other rank's). `declare_bytes` declares this rank's host need for
+    admission (spillway.node.admit): every rank fails at once, with one message, when the ranks'
+    needs together pass the node budget. Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
     torch other than the one Spillway was built against."""
     global _runtime
     with _install_lock:
@@ -106,7 +143,19 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
                 "spillway.install() was already called in this process; torch's allocators cannot be "
                 "replaced twice. Use spillway.installed() to reach the Runtime it returned")
         check_torch_version()
+        node_budget = _join_node(node)
+        if declare_bytes is not None:
+            if node_budget is None:
+                raise FailedPrecondition(
+                    "spillway.install(declare_bytes=...) needs a node budget: start the ranks with a "
+                    "launcher (LOCAL_RANK) or set SPILLWAY_NODE_JOB, and leave node=None or True")
+            from . import node as node_mod  # noqa: PLC0415
+
+            node_mod.admit(declare_bytes)
         total = default_host_budget()
+        if node_budget is not None:
+            budget_bytes = node_budget if budget_bytes is None else budget_bytes
+            pinned_budget_bytes = node_budget if pinned_budget_bytes is None else pinned_budget_bytes
         if budget_bytes is None:
             budget_bytes = total - (pinned_budget_bytes if pinned_budget_bytes is not None else total // 3)
         if pinned_budget_bytes is None:

@@ -28,6 +28,8 @@ save_16bit_model in _deepspeed_save.py; audit, offloaded_tensors, AuditWarning, 
 save_16bit_model are spillway.deepspeed's names for them.
 """
 import functools
+import json
+import os
 import types
 import warnings
 
@@ -178,9 +180,54 @@ def _audited_initialize(original):
     return initialize
 
 
+def _ds_config(args, kwargs):
+    config = kwargs.get("config", kwargs.get("config_params"))
+    if config is None:
+        ds_args = kwargs.get("args", args[0] if args else None)
+        config = getattr(ds_args, "deepspeed_config", None)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    return config
+
+
+def _admit(args, kwargs):
+    """Node admission (spillway.node.admit) at deepspeed.initialize, before DeepSpeed allocates the
+    offloaded state: this rank's host need comes from the planner (offload/planner.h) for the
+    model's parameter count and the DeepSpeed config. Every rank of the node fails here with one
+    message when their needs together pass the node budget."""
+    from . import node  # noqa: PLC0415
+
+    if not node.joined() or os.environ.get("SPILLWAY_NODE_ADMIT", "1") == "0":
+        return
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    config = _ds_config(args, kwargs)
+    if not isinstance(model, torch.nn.Module) or not isinstance(config, dict):
+        warnings.warn("spillway.deepspeed: node admission skipped: deepspeed.initialize got no model "
+                      "or no config dict to plan from", AuditWarning, stacklevel=3)
+        return
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+    params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = node.job()["local_world_size"] or world
+    try:
+        plan = _spillway._plan_deepspeed(float(params), world, max(world // local, 1),
+                                         _spillway.memory_limit_bytes(), json.dumps(config),
+                                         get_accelerator().device_name() == "cpu")
+    except _spillway.Error as e:
+        warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
+                      AuditWarning, stacklevel=3)
+        return
+    hint = "; ".join(plan["suggestions"])
+    node.admit(plan["host_per_rank"] + plan["fork_copy_per_rank"], plan["fork_copy_per_rank"],
+               detail=(f"Settings that would make it fit: {hint}." if hint else _OVER_BUDGET_HINT.strip()))
+
+
 def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
+        _admit(args, kwargs)
         out = original(*args, **kwargs)
         try:
             _audit_and_warn(out[0], "after deepspeed.initialize")

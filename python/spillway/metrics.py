@@ -21,7 +21,9 @@ def serve(address="127.0.0.1:9464", arenas=None, rank=None):
     Watches `arenas`; by default the arenas of spillway.install() (DeepSpeed's host bytes by kind:
     param, grad, master_weight, optimizer_state, swap_buffer), with their ledger's epoch and step.
     Every sample carries `rank` (default: torch.distributed's rank, else $RANK) as a label, so the
-    ranks of one job can be summed or told apart. Serving stops when the returned exporter is
+    ranks of one job can be summed or told apart. When the process joined a node budget
+    (spillway.node), the node's ledger is served too: spillway_node_* (the same series from every
+    rank's exporter, labelled by local_rank where they are per rank). Serving stops when the returned exporter is
     garbage-collected. Raises spillway.Unavailable when the port is taken."""
     if arenas is None:
         import spillway  # noqa: PLC0415
@@ -32,4 +34,5 @@ def serve(address="127.0.0.1:9464", arenas=None, rank=None):
     exporter = _spillway._serve(address, {"rank": rank} if rank is not None else {})
     for a in arenas:
         exporter.watch(a)
+    exporter._watch_node()  # the node's ledger, when this process joined one (spillway.node)
     return exporter

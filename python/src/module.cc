@@ -15,6 +15,7 @@
 #include "errors.h"
 #include "log_bridge.h"
 #include "py_arena.h"
+#include "py_node.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/log.h"
@@ -209,8 +210,17 @@ PYBIND11_MODULE(_spillway, m) {
             e.Watch(a->get());
             e.Watch(&a->ledger());
           },
-          py::keep_alive<1, 2>());
+          py::keep_alive<1, 2>())
+      .def("_watch_node",
+           [](metrics::Exporter& e) {
+             // The node governor lives as long as the process's arenas; it is kept here too.
+             static std::shared_ptr<allocator::NodeGovernor> kept;
+             kept = allocator::NodeGovernor::Current();
+             if (kept != nullptr) e.Watch(kept.get());
+             return kept != nullptr;
+           });
   python::BindEngine(m);
+  python::BindNode(m);
   python::BindOptim(m);
   python::BindTorchAllocators(m);
   m.def(

@@ -15,6 +15,8 @@
 
 #include "spillway/allocator/host_arena.h"
 #include "spillway/base/bytes.h"
+#include "nvme_test_util.h"
+#include "spillway/allocator/nvme_arena.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
@@ -456,6 +458,54 @@ TEST(NodeGovernorTest, AForkedChildOfARankBooksNothing) {
   EXPECT_EQ(c.Wait(), 0);
   EXPECT_EQ(g->Stats().host_committed_bytes, 10 * kMiB);
   EXPECT_EQ(g->Stats().ranks.size(), 1u);
+}
+
+TEST(NodeGovernorTest, NvmeArenasShareTheNodesNvmeBudget) {
+  const std::string job = UniqueJob("nvme");
+  NodeGovernorOptions opt = Options(job, 0, 1024 * kMiB);
+  opt.nvme_budget_bytes = 64 * kMiB;
+  auto g0 = std::shared_ptr<NodeGovernor>(JoinOrDie(opt));
+  auto g1 = std::shared_ptr<NodeGovernor>(JoinOrDie(Options(job, 1, 0)));
+  testing::IoRig rig(/*thread_pool=*/false);
+  NvmeArenaOptions o;
+  o.directory = testing::NvmeTestDir();
+  o.budget_bytes = 1024 * kMiB;  // each rank's own budget is not what binds
+  o.grow_bytes = 16 * kMiB;
+  o.ledger = &rig.ledger;
+  o.node = g0;
+  auto n0 = NvmeArena::Create(o, rig.engine.get());
+  o.node = g1;
+  auto n1 = NvmeArena::Create(o, rig.engine.get());
+  ASSERT_TRUE(n0.ok() && n1.ok());
+  auto a = (*n0)->Allocate(48 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(g1->Stats().nvme_committed_bytes, 48 * kMiB);
+  auto b = (*n1)->Allocate(32 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  ASSERT_EQ(b.status().code(), StatusCode::kOverBudget);
+  EXPECT_TRUE(Has(b.status(), "NVMe budget of 64.00 MiB")) << b.status().ToString();
+  EXPECT_TRUE(Has(b.status(), "growing the swap file")) << b.status().ToString();
+  EXPECT_TRUE((*n1)->Validate().ok());
+  n0->reset();  // closing the arena frees its file and its booking
+  EXPECT_EQ(g1->Stats().nvme_committed_bytes, 0u);
+  auto c = (*n1)->Allocate(32 * kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(g1->Validate().ok());
+}
+
+TEST(NodeGovernorTest, TheFirstNvmeArenaSetsTheNodesNvmeBudget) {
+  auto g = std::shared_ptr<NodeGovernor>(JoinOrDie(Options(UniqueJob("nvme-default"), 0, kMiB)));
+  EXPECT_EQ(g->Stats().nvme_budget_bytes, 0u);
+  testing::IoRig rig(/*thread_pool=*/true);
+  NvmeArenaOptions o;
+  o.directory = testing::NvmeTestDir();
+  o.budget_bytes = 64 * kMiB;
+  o.ledger = &rig.ledger;
+  o.node = g;
+  auto n = NvmeArena::Create(o, rig.engine.get());
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  const uint64_t offered = g->Stats().nvme_budget_bytes;
+  EXPECT_GT(offered, 0u) << "90% of the free space where it swaps";
+  EXPECT_EQ(g->OfferNvmeBudget(1), offered) << "the first offer stands";
 }
 
 }  // namespace

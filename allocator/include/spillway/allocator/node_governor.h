@@ -134,13 +134,16 @@ class NodeGovernor {
   NodeGovernor& operator=(const NodeGovernor&) = delete;
 
   // Books `bytes` of `tier` for this rank. When the node budget would be crossed: reaps dead
-  // ranks, runs this rank's trimmers, asks every other rank to trim and waits for them (at most
-  // trim_timeout), then tries once more. Fails with OVER_BUDGET naming the node budget and each
+  // ranks, then (host tiers) runs this rank's trimmers, asks every other rank to trim and waits
+  // for them (at most trim_timeout), then tries once more. Fails with OVER_BUDGET naming the node budget and each
   // rank's bytes by tier and kind; on error nothing is booked.
   Status Reserve(NodeTier tier, uint64_t bytes);
   // Reserve without the pressure steps: OK or OVER_BUDGET at once.
   Status TryReserve(NodeTier tier, uint64_t bytes);
   void Release(NodeTier tier, uint64_t bytes);
+  // Sets the node's NVMe budget when none is set yet (the first NVMe arena of the job offers 90%
+  // of its directory's free space). Returns the budget in force.
+  uint64_t OfferNvmeBudget(uint64_t bytes);
 
   // Published for reports, without the lock (relaxed stores into the slot).
   void PublishKinds(NodeTier tier, const KindBytes& live_by_kind);
@@ -163,7 +166,8 @@ class NodeGovernor {
   // Runs this process's trimmers now. Returns the bytes they gave back.
   uint64_t TrimLocal();
 
-  NodeStats Stats() const;  // reaps dead ranks first
+  NodeStats Stats() const;     // reaps dead ranks first (system calls: kill, /proc)
+  NodeStats Snapshot() const;  // as the segment is now: its lock only (for metrics scrapes)
   Status Validate() const;
   int local_rank() const { return slot_; }
   const std::string& path() const { return path_; }

@@ -15,6 +15,7 @@
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/live_stats.h"
+#include "spillway/allocator/node_governor.h"
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
@@ -36,6 +37,9 @@ struct NvmeArenaOptions {
   EscapePolicy policy = EscapePolicy::kReport;
   bool checksum = true;               // CRC32C per extent, verified on read
   Ledger* ledger = nullptr;           // null = Ledger::Default()
+  // The node's NVMe ledger (Note [Node governor]): each growth of the swap file is booked there
+  // first and given back when the arena closes. Null: NodeGovernor::Current(), if any.
+  std::shared_ptr<NodeGovernor> node;
   NvmeArenaFaults* faults = nullptr;  // test seam
 };
 
@@ -134,7 +138,7 @@ class NvmeArena final : public Tier {
   Status CheckRangeLocked(uint64_t offset, uint64_t range_offset, uint64_t length,
                           const char* verb) const;
 
-  NvmeArenaOptions options_;
+  NvmeArenaOptions options_;  // options_.node: null, or the node this arena books its growth in
   IoEngine* const engine_;
   Ledger* const ledger_;
   const int fd_;

@@ -52,6 +52,8 @@ class Exporter {
   void Watch(const offload::PartitionStore* store);
   void Watch(const offload::TransferPipeline* pipeline);
   void Watch(const engine::HostOptimizer* optimizer);
+  // The node's ledger (every local rank's bytes; the same series from each rank's exporter).
+  void Watch(const allocator::NodeGovernor* node);
   void Unwatch(const void* component);
 
   // The port actually bound (useful with port 0); 0 when disabled.

@@ -1,0 +1,227 @@
+"""spillway.node: one host budget for all the local ranks of a job (Note [Node governor] in
+docs/allocator.md).
+
+spillway.install() joins the node budget by itself when a launcher started the process (torchrun,
+Accelerate and the deepspeed launcher set LOCAL_RANK; SPILLWAY_NODE_JOB names a job explicitly), so
+every rank's pinned and pageable arenas book their regions in one shared ledger: a rank may take
+what the others leave free, and the node as a whole never passes its budget. This module reads and
+steers that ledger:
+
+    spillway.node.stats()          # this job's ledger: budget, committed, each rank by tier and kind
+    python -m spillway.node        # the live ledger of every job of this user on the node
+
+Settings (environment, the same on every rank): SPILLWAY_NODE=0 turns the node budget off,
+SPILLWAY_NODE_BUDGET_BYTES sets the budget, SPILLWAY_NODE_RESERVE_BYTES the reserve kept back from
+the memory limit (default max(2 GiB, limit / 8)), SPILLWAY_NODE_NVME_BUDGET_BYTES caps NVMe.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import _spillway
+
+_DIR = "/dev/shm"
+_sampled = {"at": 0.0, "peak": 0, "workers": 0}
+
+
+def _env_bytes(name):
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise _spillway.InvalidArgument(f"{name}={text!r}: give a positive number of bytes, e.g. {64 << 30}")
+    return value
+
+
+def job():
+    """The job this process is a local rank of, from its launcher's environment: a dict with id
+    (empty when no launcher started it), source, local_rank and local_world_size."""
+    return _spillway._node_job()
+
+
+def joined():
+    return _spillway._node_joined()
+
+
+def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None, reserve_bytes=None,
+         nvme_budget_bytes=None, directory=_DIR):
+    """Joins (or creates) the job's node segment and makes it this process's: arenas made afterwards
+    book their regions there. Arguments left None come from the launcher's environment and the
+    SPILLWAY_NODE_* variables. Returns the segment's path."""
+    env = job()
+    job_id = job_id or env["id"]
+    if not job_id:
+        raise _spillway.FailedPrecondition(
+            "spillway.node.join(): no job to join. Start the ranks with torchrun, accelerate launch or "
+            "the deepspeed launcher (they set LOCAL_RANK), or name the job: SPILLWAY_NODE_JOB=<name>")
+    if local_rank is None:
+        local_rank = env["local_rank"]
+    if local_world_size is None:
+        local_world_size = env["local_world_size"]
+    budget_bytes = budget_bytes if budget_bytes is not None else _env_bytes("SPILLWAY_NODE_BUDGET_BYTES")
+    reserve_bytes = reserve_bytes if reserve_bytes is not None else _env_bytes("SPILLWAY_NODE_RESERVE_BYTES")
+    nvme_budget_bytes = (nvme_budget_bytes if nvme_budget_bytes is not None
+                         else _env_bytes("SPILLWAY_NODE_NVME_BUDGET_BYTES") or 0)
+    limit = _spillway.memory_limit_bytes()
+    if budget_bytes is None and reserve_bytes is not None:
+        if reserve_bytes >= limit:
+            raise _spillway.InvalidArgument(
+                f"SPILLWAY_NODE_RESERVE_BYTES={reserve_bytes} is not below the memory limit of {limit} "
+                f"bytes; keep back less")
+        budget_bytes = limit - reserve_bytes
+    return _spillway._node_join(job_id, local_rank, local_world_size, budget_bytes or 0, limit,
+                                nvme_budget_bytes, directory)
+
+
+def leave():
+    """Drops this process's hold on the node segment; it leaves the node when its arenas are gone."""
+    _spillway._node_leave()
+
+
+def stats():
+    """This job's node ledger (reaping dead ranks first): budget, committed, headroom, and per rank
+    its bytes by tier (pinned, pageable, nvme), live bytes by kind, declared need and workers."""
+    return _spillway._node_stats()
+
+
+def inspect(path):
+    """The ledger of any of this user's node segments, read from outside without joining."""
+    return _spillway._node_inspect(path)
+
+
+def segments(directory=_DIR):
+    """This user's node segments on the machine (paths)."""
+    return _spillway._node_segments(directory)
+
+
+def admit(need_bytes, workers_fork_bytes=0, timeout=None, detail=""):
+    """Declares this rank's host need and waits until every local rank has declared; raises
+    spillway.OverBudget on every rank, with one message, when their sum passes the node budget, and
+    spillway.Unavailable naming the ranks that never declared within `timeout` seconds (default
+    SPILLWAY_NODE_ADMIT_TIMEOUT, else 300)."""
+    if timeout is None:
+        timeout = float(os.environ.get("SPILLWAY_NODE_ADMIT_TIMEOUT", "300"))
+    _spillway._node_admit(int(need_bytes), int(workers_fork_bytes), float(timeout), detail)
+
+
+def _children(pid):
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _private_bytes(pid):
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def workers_private_bytes(pid=None):
+    """(count, bytes): the processes below `pid` (default: this one), such as DataLoader workers,
+    and their private pages (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup): what each
+    copied or made for itself since it forked."""
+    pid = os.getpid() if pid is None else pid
+    todo, count, total = _children(pid), 0, 0
+    while todo:
+        child = todo.pop()
+        count += 1
+        total += _private_bytes(child)
+        todo += _children(child)
+    return count, total
+
+
+def _sample_workers(min_interval=1.0):
+    """At a step boundary, at most once per `min_interval` seconds: reads the workers' private bytes
+    from /proc and publishes them to the node ledger, keeping the epoch's peak."""
+    now = time.monotonic()
+    if not joined() or now - _sampled["at"] < min_interval:
+        return
+    _sampled["at"] = now
+    count, total = workers_private_bytes()
+    if total >= _sampled["peak"]:
+        _sampled["peak"], _sampled["workers"] = total, count
+    _spillway._node_publish_workers(total, count)
+
+
+def _epoch_boundary():
+    """At an epoch boundary: publishes the ended epoch's peak of the workers' private bytes (they
+    have usually exited by now) and returns the node ledger for the epoch's report."""
+    if not joined():
+        return None
+    _sampled["at"] = 0.0
+    _sample_workers()
+    _spillway._node_publish_workers(_sampled["peak"], _sampled["workers"])
+    _sampled["peak"] = _sampled["workers"] = 0
+    return stats()
+
+
+def _format(ledger):
+    lines = [ledger["text"].rstrip()]
+    for r in ledger["ranks"]:
+        count, total = workers_private_bytes(r["pid"])
+        if count:
+            lines.append(f"  local rank {r['local_rank']}: {count} child process(es) now, "
+                         f"{total / (1 << 20):.1f} MiB private")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """`python -m spillway.node [SEGMENT | --job NAME] [--watch SECONDS] [--json]`: prints the live
+    ledger of each of this user's node segments (or one), as nvidia-smi does for device memory."""
+    p = argparse.ArgumentParser(prog="python -m spillway.node", description=main.__doc__)
+    p.add_argument("segment", nargs="?", help="a segment path (default: every one of this user's)")
+    p.add_argument("--job", help="the job's name (SPILLWAY_NODE_JOB, or the id its launcher gave)")
+    p.add_argument("--dir", default=_DIR, help="where the segments are (default /dev/shm)")
+    p.add_argument("--watch", type=float, default=0, help="print again every SECONDS")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = p.parse_args(argv)
+    while True:
+        if args.segment:
+            paths = [args.segment]
+        elif args.job:
+            paths = [p for p in segments(args.dir) if p.endswith("-" + args.job)]
+        else:
+            paths = segments(args.dir)
+        if not paths:
+            print(f"spillway node: no node segment of uid {os.geteuid()} in {args.dir}"
+                  f"{' for job ' + args.job if args.job else ''}", file=sys.stderr)
+            return 1
+        ledgers = []
+        for path in paths:
+            try:
+                ledgers.append(inspect(path))
+            except _spillway.Error as e:
+                print(f"spillway node: {path}: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps([{k: v for k, v in led.items() if k != "text"} for led in ledgers]))
+        else:
+            print("\n\n".join(_format(led) for led in ledgers))
+        sys.stdout.flush()
+        if not args.watch:
+            return 0 if ledgers else 1
+        time.sleep(args.watch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

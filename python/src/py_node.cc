@@ -1,0 +1,203 @@
+// The node governor's Python binding (spillway.node): join, the process's governor, admission, the
+// ledger as dicts, and the planner's per-rank need for a DeepSpeed config. Note [Node governor].
+#include "py_node.h"
+
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "errors.h"
+#include "spillway/allocator/node_governor.h"
+#include "spillway/offload/config.h"
+#include "spillway/offload/planner.h"
+
+namespace py = pybind11;
+
+namespace spillway::python {
+namespace {
+
+using allocator::NodeGovernor;
+using allocator::NodeStats;
+
+py::dict StatsToDict(const NodeStats& s) {
+  py::dict d;
+  d["job"] = s.job;
+  d["path"] = s.path;
+  d["memory_limit_bytes"] = s.memory_limit_bytes;
+  d["reserve_bytes"] = s.reserve_bytes;
+  d["host_budget_bytes"] = s.host_budget_bytes;
+  d["nvme_budget_bytes"] = s.nvme_budget_bytes;
+  d["host_committed_bytes"] = s.host_committed_bytes;
+  d["nvme_committed_bytes"] = s.nvme_committed_bytes;
+  d["peak_host_committed_bytes"] = s.peak_host_committed_bytes;
+  d["host_headroom_bytes"] = s.host_headroom_bytes;
+  d["reaped_ranks"] = s.reaped_ranks;
+  d["over_budget_count"] = s.over_budget_count;
+  d["trim_requests"] = s.trim_requests;
+  d["local_world_size"] = s.local_world_size;
+  py::list ranks;
+  for (const allocator::NodeRankStats& r : s.ranks) {
+    py::dict rd;
+    rd["local_rank"] = r.local_rank;
+    rd["pid"] = r.pid;
+    rd["pinned_bytes"] = r.bytes[0];
+    rd["pageable_bytes"] = r.bytes[1];
+    rd["nvme_bytes"] = r.bytes[2];
+    rd["host_bytes"] = r.host_bytes;
+    rd["peak_host_bytes"] = r.peak_host_bytes;
+    py::dict kinds;
+    for (int k = 0; k < allocator::kKindCount; ++k) {
+      kinds[allocator::KindName(static_cast<allocator::Kind>(k))] = r.host_by_kind[k];
+    }
+    rd["live_by_kind"] = kinds;
+    rd["declared_bytes"] = r.declared_bytes;
+    rd["workers_private_bytes"] = r.workers_private_bytes;
+    rd["workers"] = r.workers;
+    rd["trims"] = r.trims;
+    ranks.append(rd);
+  }
+  d["ranks"] = ranks;
+  d["text"] = s.ToString();
+  return d;
+}
+
+std::shared_ptr<NodeGovernor> CurrentOrRaise(const char* what) {
+  std::shared_ptr<NodeGovernor> g = NodeGovernor::Current();
+  if (g == nullptr) {
+    Raise(Status::FailedPrecondition(
+        StrCat(what, ": this process has joined no node budget; spillway.install() joins one when "
+                     "a launcher started it (LOCAL_RANK set) or SPILLWAY_NODE_JOB names the job")));
+  }
+  return g;
+}
+
+}  // namespace
+
+void BindNode(py::module_& m) {
+  m.def("_node_job", [] {
+    const allocator::NodeJob job = Check(allocator::NodeJobFromEnvironment());
+    py::dict d;
+    d["id"] = job.id;
+    d["source"] = job.source;
+    d["local_rank"] = job.local_rank;
+    d["local_world_size"] = job.local_world_size;
+    return d;
+  });
+  m.def(
+      "_node_join",
+      [](const std::string& job, int local_rank, int local_world_size, uint64_t host_budget_bytes,
+         uint64_t memory_limit_bytes, uint64_t nvme_budget_bytes, const std::string& dir) {
+        allocator::NodeGovernorOptions o;
+        o.job = job;
+        o.local_rank = local_rank;
+        o.local_world_size = local_world_size;
+        o.host_budget_bytes = host_budget_bytes;
+        o.memory_limit_bytes = memory_limit_bytes;
+        o.nvme_budget_bytes = nvme_budget_bytes;
+        o.dir = dir;
+        std::shared_ptr<NodeGovernor> g = [&] {
+          py::gil_scoped_release nogil;  // waits for a segment's creator, reaps (syscalls)
+          return std::shared_ptr<NodeGovernor>(Check(NodeGovernor::Join(std::move(o))));
+        }();
+        NodeGovernor::SetCurrent(g);
+        return g->path();
+      },
+      py::arg("job"), py::arg("local_rank"), py::arg("local_world_size"),
+      py::arg("host_budget_bytes"), py::arg("memory_limit_bytes"), py::arg("nvme_budget_bytes"),
+      py::arg("dir") = "/dev/shm");
+  // Drops the process's reference: the governor leaves the node when its last arena is gone.
+  m.def("_node_leave", [] { NodeGovernor::SetCurrent(nullptr); });
+  m.def("_node_joined", [] { return NodeGovernor::Current() != nullptr; });
+  m.def("_node_stats", [] {
+    std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.stats()");
+    NodeStats s;
+    {
+      py::gil_scoped_release nogil;
+      s = g->Stats();
+    }
+    return StatsToDict(s);
+  });
+  m.def(
+      "_node_inspect",
+      [](const std::string& path) {
+        NodeStats s;
+        {
+          py::gil_scoped_release nogil;
+          s = Check(NodeGovernor::Inspect(path));
+        }
+        return StatsToDict(s);
+      },
+      py::arg("path"));
+  m.def(
+      "_node_segments", [](const std::string& dir) { return NodeGovernor::ListSegments(dir); },
+      py::arg("dir") = "/dev/shm");
+  m.def(
+      "_node_admit",
+      [](uint64_t need_bytes, uint64_t workers_fork_bytes, double timeout_seconds,
+         const std::string& detail) {
+        std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.admit()");
+        Status st;
+        {
+          py::gil_scoped_release nogil;  // waits for the other ranks
+          st = g->Admit(need_bytes, workers_fork_bytes,
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)),
+                        detail);
+        }
+        Check(st);
+      },
+      py::arg("need_bytes"), py::arg("workers_fork_bytes"), py::arg("timeout_seconds"),
+      py::arg("detail"));
+  m.def(
+      "_node_publish_workers",
+      [](uint64_t private_bytes, uint32_t workers) {
+        CurrentOrRaise("spillway.node.publish_workers()")->PublishWorkers(private_bytes, workers);
+      },
+      py::arg("private_bytes"), py::arg("workers"));
+  m.def("_node_trim", [] {
+    std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.trim()");
+    py::gil_scoped_release nogil;
+    return g->TrimLocal();
+  });
+  m.def(
+      "_node_default_budget",
+      [](uint64_t limit) {
+        return py::make_tuple(allocator::DefaultNodeHostBudget(limit),
+                              allocator::DefaultNodeReserve(limit));
+      },
+      py::arg("memory_limit_bytes"));
+
+  // The planner's per-rank host need for a DeepSpeed run (offload/planner.h), for admission.
+  m.def(
+      "_plan_deepspeed",
+      [](double params, uint32_t world_size, uint32_t nodes, uint64_t host_ram_bytes,
+         const std::string& config_json, bool cpu_accelerator) {
+        offload::PlanInput in;
+        in.params = params;
+        in.world_size = world_size;
+        in.nodes = nodes;
+        in.host_ram_bytes = host_ram_bytes;
+        in.nvme_bytes = UINT64_MAX / 4;  // admission checks host memory; NVMe is the disk's
+        in.config = Check(offload::Config::Parse(config_json));
+        in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
+        in.gpu_mem_bytes = 0;
+        const offload::PlanReport r = Check(offload::MakePlan(in));
+        const auto host = static_cast<size_t>(offload::Place::kHostPinned);
+        const auto pageable = static_cast<size_t>(offload::Place::kHostPageable);
+        const uint32_t per_node = world_size / nodes;
+        py::dict d;
+        d["host_pinned_per_rank"] = r.per_rank[host];
+        d["host_pageable_per_rank"] = r.per_rank[pageable];
+        d["host_per_rank"] = r.per_rank[host] + r.per_rank[pageable];
+        d["fork_copy_per_rank"] = r.fork_extra_spillway_per_node / per_node;
+        d["fork_copy_naive_per_rank"] = r.fork_extra_naive_per_node / per_node;
+        d["suggestions"] = r.suggestions;
+        d["text"] = r.ToString();
+        return d;
+      },
+      py::arg("params"), py::arg("world_size"), py::arg("nodes"), py::arg("host_ram_bytes"),
+      py::arg("config_json"), py::arg("cpu_accelerator"));
+}
+
+}  // namespace spillway::python
