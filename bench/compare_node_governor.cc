@@ -101,13 +101,18 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const int v = std::atoi(argv[i + 1]);
-    if (flag == "--rounds") rounds = v;
-    else if (flag == "--pairs") pairs = v;
-    else if (flag == "--region-pairs") region_pairs = v;
-    else if (flag == "--trims") trims = v;
+    if (flag == "--rounds")
+      rounds = v;
+    else if (flag == "--pairs")
+      pairs = v;
+    else if (flag == "--region-pairs")
+      region_pairs = v;
+    else if (flag == "--trims")
+      trims = v;
     else {
-      std::fprintf(stderr, "usage: compare_node_governor [--rounds N] [--pairs N] "
-                           "[--region-pairs N] [--trims N]\n");
+      std::fprintf(stderr,
+                   "usage: compare_node_governor [--rounds N] [--pairs N] "
+                   "[--region-pairs N] [--trims N]\n");
       return 2;
     }
   }
@@ -121,22 +126,25 @@ int main(int argc, char** argv) {
   PairsNs(plain.get(), small, 1000);  // map each arena's first region before timing
   PairsNs(plain2.get(), small, 1000);
   PairsNs(governed.get(), small, 1000);
-  const Ratio aa = Interleaved(rounds, [&] { return PairsNs(plain.get(), small, pairs); },
-                               [&] { return PairsNs(plain2.get(), small, pairs); });
-  const Ratio fast = Interleaved(rounds, [&] { return PairsNs(plain.get(), small, pairs); },
-                                 [&] { return PairsNs(governed.get(), small, pairs); });
+  const Ratio aa = Interleaved(
+      rounds, [&] { return PairsNs(plain.get(), small, pairs); },
+      [&] { return PairsNs(plain2.get(), small, pairs); });
+  const Ratio fast = Interleaved(
+      rounds, [&] { return PairsNs(plain.get(), small, pairs); },
+      [&] { return PairsNs(governed.get(), small, pairs); });
   const double fast_ns = PairsNs(plain.get(), small, pairs);
   auto plain_r = MakeArena(&ledger, nullptr, 0);
   auto governed_r = MakeArena(&ledger, node, 0);
   const uint64_t big = 8 * kMiB;  // >= region / 8: a dedicated region, unmapped at free (retain 0)
-  const Ratio region =
-      Interleaved(rounds, [&] { return PairsNs(plain_r.get(), big, region_pairs); },
-                  [&] { return PairsNs(governed_r.get(), big, region_pairs); });
+  const Ratio region = Interleaved(
+      rounds, [&] { return PairsNs(plain_r.get(), big, region_pairs); },
+      [&] { return PairsNs(governed_r.get(), big, region_pairs); });
   const double region_ns = PairsNs(plain_r.get(), big, region_pairs);
 
   // Cross-rank trim: a second rank (forked) keeps 32 MiB of retained regions (its retain limit at
   // no live bytes is one region); this rank asks for 112 MiB of a 128 MiB node, which
-  // fits only once that rank trims. Each round: the other rank refills its cache, this one reserves.
+  // fits only once that rank trims. Each round: the other rank refills its cache, this one
+  // reserves.
   const std::string trim_job = StrCat("bench-trim-", getpid());
   auto r0 = Join(trim_job, 0, 128 * kMiB);
   int to_child[2], to_parent[2];
@@ -175,7 +183,8 @@ int main(int argc, char** argv) {
   const double trim_median = Median(trim_ms);
   const double trim_max = *std::max_element(trim_ms.begin(), trim_ms.end());
 
-  std::printf("compare_node_governor: %d interleaved rounds, medians of governed / plain\n", rounds);
+  std::printf("compare_node_governor: %d interleaved rounds, medians of governed / plain\n",
+              rounds);
   std::printf("  %-12s %10s %24s %12s\n", "path", "ratio", "range", "plain ns/op");
   std::printf("  %-12s %10.3f %11.3f - %-10.3f %12s\n", "A/A", aa.median, aa.low, aa.high, "");
   std::printf("  %-12s %10.3f %11.3f - %-10.3f %12.1f\n", "fast path", fast.median, fast.low,

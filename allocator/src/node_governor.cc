@@ -125,6 +125,7 @@ struct NodeGovernor::Segment {
   int32_t local_world_size;
   uint64_t memory_limit;
   uint64_t reserve;
+  uint32_t budget_explicit;  // the job set its budget; else the default from the memory limit
   uint64_t host_budget;
   uint64_t nvme_budget;
   uint64_t host_committed;          // mu
@@ -311,7 +312,7 @@ struct SlotSnapshot {
 // the lock (kill and /proc are system calls); a slot is freed only if it still holds the same
 // occupant (its generation) when the lock is taken again. Returns the ranks reaped.
 Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
-                 const std::string& path) {
+                 const std::string& path, LogLevel level = LogLevel::kWarning) {
   std::vector<SlotSnapshot> occupied;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(s, timeout, path));
@@ -345,8 +346,8 @@ Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
     }
   }
   if (reaped > 0) {
-    Log(LogLevel::kWarning, StrCat("node segment ", path, ": reaped ", reaped,
-                                   " dead rank(s), their bytes are back: ", what));
+    Log(level, StrCat("node segment ", path, ": reaped ", reaped,
+                      " dead rank(s), their bytes are back: ", what));
   }
   return reaped;
 }
@@ -357,6 +358,7 @@ NodeStats ReadStats(const Segment* s, const std::string& path) {  // assumes s->
   out.path = path;
   out.memory_limit_bytes = s->memory_limit;
   out.reserve_bytes = s->reserve;
+  out.budget_explicit = s->budget_explicit != 0;
   out.host_budget_bytes = s->host_budget;
   out.nvme_budget_bytes = s->nvme_budget;
   out.host_committed_bytes = s->host_committed;
@@ -539,6 +541,7 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
                                                       : DefaultNodeHostBudget(s->memory_limit);
       s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
+      s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
       s->nvme_budget = options.nvme_budget_bytes;
       std::snprintf(s->job, sizeof(s->job), "%s", options.job.c_str());
       for (Slot& slot : s->slots) slot.local_rank = -1;
@@ -634,6 +637,13 @@ NodeGovernor::~NodeGovernor() {
     if (watcher_.joinable()) new (&watcher_) std::thread();  // forget the parent's thread
     return;
   }
+  Leave();
+  munmap(segment_, sizeof(Segment));
+  close(fd_);
+}
+
+void NodeGovernor::Leave() {
+  if (!process_.InOwner() || left_.exchange(true)) return;
   stop_.store(true, std::memory_order_release);
   Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
   if (watcher_.joinable()) watcher_.join();
@@ -643,11 +653,11 @@ NodeGovernor::~NodeGovernor() {
   {
     SegmentLock lock = TakeForRelease(segment_, options_.lock_timeout, path_);
     Slot& mine = segment_->slots[slot_];
-    if (mine.bytes[0] + mine.bytes[1] + mine.bytes[2] != 0) {
-      Log(LogLevel::kWarning,
+    const uint64_t held = mine.bytes[0] + mine.bytes[1] + mine.bytes[2];
+    if (held != 0) {
+      Log(LogLevel::kInfo,
           StrCat("node governor: local rank ", slot_, " leaves job '", options_.job, "' with ",
-                 FormatBytes(mine.bytes[0] + mine.bytes[1] + mine.bytes[2]),
-                 " still booked (an arena outlived it); given back"));
+                 FormatBytes(held), " still booked (its arenas outlive it); given back"));
     }
     segment_->host_committed -= mine.bytes[0] + mine.bytes[1];
     segment_->nvme_committed -= mine.bytes[2];
@@ -657,8 +667,6 @@ NodeGovernor::~NodeGovernor() {
     if (last) segment_->closed = 1;
   }
   if (last) unlink(path_.c_str());  // only the rank that closed it: no newer segment is there yet
-  munmap(segment_, sizeof(Segment));
-  close(fd_);
 }
 
 uint64_t NodeGovernor::host_budget_bytes() const { return segment_->host_budget; }
@@ -679,6 +687,11 @@ Status NodeGovernor::ReapDead() const {
 
 Status NodeGovernor::TryReserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Reserve"));
+  if (left_.load(std::memory_order_acquire)) {
+    return Status::FailedPrecondition(StrCat("node governor: local rank ", slot_,
+                                             " already left job '", options_.job,
+                                             "' (the process is exiting); nothing is booked"));
+  }
   if (bytes == 0) return Status::Ok();
   SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
   Slot& mine = segment_->slots[slot_];
@@ -714,15 +727,14 @@ Status NodeGovernor::Reserve(NodeTier tier, uint64_t bytes) {
     if (st.code() != StatusCode::kOverBudget) return st;
   }
   {
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock,
-                              SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     segment_->over_budget++;
   }
   return Status::OverBudget(DescribeOverBudget(tier, bytes));
 }
 
 void NodeGovernor::Release(NodeTier tier, uint64_t bytes) {
-  if (bytes == 0 || !process_.InOwner()) return;
+  if (bytes == 0 || !process_.InOwner() || left_.load(std::memory_order_acquire)) return;
   SegmentLock lock = TakeForRelease(segment_, options_.lock_timeout, path_);
   Slot& mine = segment_->slots[slot_];
   uint64_t& held = mine.bytes[static_cast<int>(tier)];
@@ -740,7 +752,8 @@ void NodeGovernor::Release(NodeTier tier, uint64_t bytes) {
 
 uint64_t NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
   auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
-  if (!lock.ok()) return segment_->nvme_budget;  // a racy read beats none; the lock's error is logged
+  if (!lock.ok())
+    return segment_->nvme_budget;  // a racy read beats none; the lock's error is logged
   if (segment_->nvme_budget == 0) segment_->nvme_budget = bytes;
   return segment_->nvme_budget;
 }
@@ -848,6 +861,18 @@ void NodeGovernor::WatchLoop() {
   }
 }
 
+std::string DescribeNodeBudget(const NodeStats& s) {
+  if (s.budget_explicit) {
+    return StrCat(
+        "(set for this job by SPILLWAY_NODE_BUDGET_BYTES or SPILLWAY_NODE_RESERVE_BYTES; "
+        "the memory limit is ",
+        FormatBytes(s.memory_limit_bytes), ")");
+  }
+  return StrCat("(the memory limit ", FormatBytes(s.memory_limit_bytes), " less a reserve of ",
+                FormatBytes(s.reserve_bytes),
+                " for the OS, the page cache and what no arena counts)");
+}
+
 std::string DescribeNodeRanks(const NodeStats& stats) {
   std::string out;
   for (const NodeRankStats& r : stats.ranks) {
@@ -875,11 +900,7 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes) cons
   return StrCat(
       "node budget: local rank ", slot_, " of job '", options_.job, "' needs ", FormatBytes(bytes),
       " more ", NodeTierName(tier), " memory, but the node's ", host ? "host" : "NVMe",
-      " budget of ", FormatBytes(budget),
-      host ? StrCat(" (memory limit ", FormatBytes(s.memory_limit_bytes), " less a reserve of ",
-                    FormatBytes(s.reserve_bytes),
-                    " for the OS, the page cache and what no arena counts)")
-           : std::string(),
+      " budget of ", FormatBytes(budget), host ? StrCat(" ", DescribeNodeBudget(s)) : std::string(),
       " has ", FormatBytes(committed), " booked by ", s.ranks.size(),
       " rank(s) after every rank trimmed its retained cache: ", DescribeNodeRanks(s),
       ". Offload more state to NVMe (offload_optimizer.device / offload_param.device = nvme), run "
@@ -890,6 +911,9 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes) cons
 Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                            std::chrono::milliseconds timeout, const std::string& detail) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Admit"));
+  if (left_.load(std::memory_order_acquire)) {
+    return Status::FailedPrecondition("node governor: Admit after this rank left the node");
+  }
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     auto& mine = segment_->declarations[slot_];
@@ -903,7 +927,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     uint64_t need, fork;
   };
   std::vector<Declared> declared;
-  uint64_t budget = 0, limit = 0, reserve = 0;
+  NodeStats snap;
   while (true) {
     std::vector<int> missing;
     {
@@ -918,9 +942,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
           missing.push_back(r);  // expected by the launcher, or joined and not yet declared
         }
       }
-      budget = segment_->host_budget;
-      limit = segment_->memory_limit;
-      reserve = segment_->reserve;
+      snap = ReadStats(segment_, path_);
     }
     if (missing.empty()) break;
     if (NowNs() > deadline) {
@@ -946,14 +968,12 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                d.fork != 0 ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
                            : std::string());
   }
-  if (total <= budget) return Status::Ok();
-  return Status::OverBudget(
-      StrCat("node admission: the ", declared.size(), " local ranks of job '", options_.job,
-             "' need ", FormatBytes(total),
-             " of host memory together, more than the node budget of ", FormatBytes(budget),
-             " (memory limit ", FormatBytes(limit), " less a reserve of ", FormatBytes(reserve),
-             " for the OS, the page cache and what no arena counts). Each rank's need: ", each,
-             ". Nothing was allocated.", detail.empty() ? "" : " ", detail));
+  if (total <= snap.host_budget_bytes) return Status::Ok();
+  return Status::OverBudget(StrCat(
+      "node admission: the ", declared.size(), " local ranks of job '", options_.job, "' need ",
+      FormatBytes(total), " of host memory together, more than the node budget of ",
+      FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
+      ". Each rank's need: ", each, ". Nothing was allocated.", detail.empty() ? "" : " ", detail));
 }
 
 NodeStats NodeGovernor::Stats() const {
@@ -1037,7 +1057,7 @@ int NodeGovernor::RemoveDeadSegments(const std::string& dir) {
     if (!opened.ok()) continue;  // being made, or not ours to judge: left alone
     Mapped m = *opened;
     bool close_it = false;
-    if (Reap(m.segment, -1, std::chrono::milliseconds(200), path).ok()) {
+    if (Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
       auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
       if (lock.ok() && m.segment->closed == 0 &&
           std::none_of(std::begin(m.segment->slots), std::end(m.segment->slots),
@@ -1064,8 +1084,8 @@ std::string Cell(uint64_t bytes) { return bytes == 0 ? "-" : FormatMiB(bytes); }
 std::string NodeStats::ToString() const {
   std::ostringstream out;
   out << "job " << job << "  (segment " << path << ")\n";
-  out << "host budget " << FormatBytes(host_budget_bytes) << " = memory limit "
-      << FormatBytes(memory_limit_bytes) << " - reserve " << FormatBytes(reserve_bytes) << "\n";
+  out << "host budget " << FormatBytes(host_budget_bytes) << " " << DescribeNodeBudget(*this)
+      << "\n";
   out << "host committed " << FormatBytes(host_committed_bytes) << " (peak "
       << FormatBytes(peak_host_committed_bytes) << "), headroom "
       << FormatBytes(host_headroom_bytes) << "\n";

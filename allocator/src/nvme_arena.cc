@@ -226,9 +226,9 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         growing_ = false;
         grown_cv_.notify_all();
         stats_.over_budget_count++;
-        return booked.WithContext(StrCat("nvme arena '", options_.name, "': growing the swap file by ",
-                                         FormatBytes(grow), " for ", KindName(tag.kind), " owner ",
-                                         tag.owner_id));
+        return booked.WithContext(StrCat("nvme arena '", options_.name,
+                                         "': growing the swap file by ", FormatBytes(grow), " for ",
+                                         KindName(tag.kind), " owner ", tag.owner_id));
       }
     }
     int err = options_.faults != nullptr ? options_.faults->fallocate_errno.exchange(0) : 0;

@@ -209,8 +209,10 @@ int main(int argc, char** argv) {
       "budget, what each local rank holds by tier and kind, its workers, the headroom");
   std::string node_segment, node_job, node_dir = "/dev/shm";
   double node_watch = 0;
-  node_cmd->add_option("segment", node_segment, "a segment path (default: every one of this user's)");
-  node_cmd->add_option("--job", node_job, "the job's name (SPILLWAY_NODE_JOB or its launcher's id)");
+  node_cmd->add_option("segment", node_segment,
+                       "a segment path (default: every one of this user's)");
+  node_cmd->add_option("--job", node_job,
+                       "the job's name (SPILLWAY_NODE_JOB or its launcher's id)");
   node_cmd->add_option("--dir", node_dir, "where the segments are")->capture_default_str();
   node_cmd->add_option("--watch", node_watch, "print again every SECONDS")
       ->check(CLI::NonNegativeNumber);

@@ -356,7 +356,8 @@ std::vector<MetricFamily> Collector::Collect() const {
   for (const allocator::NodeGovernor* g : nodes_) {
     const allocator::NodeStats s = g->Snapshot();  // the segment's lock only: no system call
     const auto d = [](uint64_t v) { return static_cast<double>(v); };
-    const char* kBudgetHelp = "The node budget shared by the job's local ranks (nvme 0: not capped).";
+    const char* kBudgetHelp =
+        "The node budget shared by the job's local ranks (nvme 0: not capped).";
     f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "host"}}, d(s.host_budget_bytes));
     f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "nvme"}}, d(s.nvme_budget_bytes));
     const char* kCommittedHelp = "Bytes every local rank of the job has booked on the node.";
@@ -389,11 +390,12 @@ std::vector<MetricFamily> Collector::Collect() const {
                 d(r.bytes[t]));
       }
       for (int k = 0; k < allocator::kKindCount; ++k) {
-        f.Gauge("spillway_node_rank_live_bytes",
-                "Each local rank's live host bytes by kind (as of its last region change or "
-                "boundary).",
-                {{"local_rank", rank}, {"kind", allocator::KindName(static_cast<allocator::Kind>(k))}},
-                d(r.host_by_kind[k]));
+        f.Gauge(
+            "spillway_node_rank_live_bytes",
+            "Each local rank's live host bytes by kind (as of its last region change or "
+            "boundary).",
+            {{"local_rank", rank}, {"kind", allocator::KindName(static_cast<allocator::Kind>(k))}},
+            d(r.host_by_kind[k]));
       }
       f.Gauge("spillway_node_rank_workers_private_bytes",
               "Private bytes of each local rank's child processes (DataLoader workers), read "

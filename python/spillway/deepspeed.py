@@ -68,6 +68,11 @@ _OVER_BUDGET_HINT = (
     "zero_optimization.sub_group_size or reduce_bucket_size; or give Spillway more with "
     "spillway.deepspeed.install(budget_bytes=...).")
 
+_NODE_HINT = (
+    "zero_optimization.offload_optimizer.device: nvme and offload_param.device: nvme, a smaller "
+    "zero_optimization.reduce_bucket_size or sub_group_size, fewer ranks per node, or a larger node "
+    "budget (SPILLWAY_NODE_BUDGET_BYTES, SPILLWAY_NODE_RESERVE_BYTES) where the node has the memory.")
+
 _saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
 _patched = []       # (owner, name, original) for each function wrapped
 _missing = []       # sites this DeepSpeed lacks
@@ -213,7 +218,7 @@ def _admit(args, kwargs):
     local = node.job()["local_world_size"] or world
     try:
         plan = _spillway._plan_deepspeed(float(params), world, max(world // local, 1),
-                                         _spillway.memory_limit_bytes(), json.dumps(config),
+                                         node.stats()["host_budget_bytes"], json.dumps(config),
                                          get_accelerator().device_name() == "cpu")
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
@@ -221,7 +226,7 @@ def _admit(args, kwargs):
         return
     hint = "; ".join(plan["suggestions"])
     node.admit(plan["host_per_rank"] + plan["fork_copy_per_rank"], plan["fork_copy_per_rank"],
-               detail=(f"Settings that would make it fit: {hint}." if hint else _OVER_BUDGET_HINT.strip()))
+               detail=f"Settings that would make it fit: {hint + '; ' if hint else ''}{_NODE_HINT}")
 
 
 def _wrap_initialize(original):

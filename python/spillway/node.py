@@ -15,6 +15,7 @@ SPILLWAY_NODE_BUDGET_BYTES sets the budget, SPILLWAY_NODE_RESERVE_BYTES the rese
 the memory limit (default max(2 GiB, limit / 8)), SPILLWAY_NODE_NVME_BUDGET_BYTES caps NVMe.
 """
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -75,8 +76,10 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
                 f"SPILLWAY_NODE_RESERVE_BYTES={reserve_bytes} is not below the memory limit of {limit} "
                 f"bytes; keep back less")
         budget_bytes = limit - reserve_bytes
-    return _spillway._node_join(job_id, local_rank, local_world_size, budget_bytes or 0, limit,
+    path = _spillway._node_join(job_id, local_rank, local_world_size, budget_bytes or 0, limit,
                                 nvme_budget_bytes, directory)
+    atexit.register(_spillway._node_exit)  # the slot is freed at exit; the last rank removes the segment
+    return path
 
 
 def leave():

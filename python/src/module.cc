@@ -211,14 +211,13 @@ PYBIND11_MODULE(_spillway, m) {
             e.Watch(&a->ledger());
           },
           py::keep_alive<1, 2>())
-      .def("_watch_node",
-           [](metrics::Exporter& e) {
-             // The node governor lives as long as the process's arenas; it is kept here too.
-             static std::shared_ptr<allocator::NodeGovernor> kept;
-             kept = allocator::NodeGovernor::Current();
-             if (kept != nullptr) e.Watch(kept.get());
-             return kept != nullptr;
-           });
+      .def("_watch_node", [](metrics::Exporter& e) {
+        // The node governor lives as long as the process's arenas; it is kept here too.
+        static std::shared_ptr<allocator::NodeGovernor> kept;
+        kept = allocator::NodeGovernor::Current();
+        if (kept != nullptr) e.Watch(kept.get());
+        return kept != nullptr;
+      });
   python::BindEngine(m);
   python::BindNode(m);
   python::BindOptim(m);

@@ -67,8 +67,9 @@ std::shared_ptr<NodeGovernor> CurrentOrRaise(const char* what) {
   std::shared_ptr<NodeGovernor> g = NodeGovernor::Current();
   if (g == nullptr) {
     Raise(Status::FailedPrecondition(
-        StrCat(what, ": this process has joined no node budget; spillway.install() joins one when "
-                     "a launcher started it (LOCAL_RANK set) or SPILLWAY_NODE_JOB names the job")));
+        StrCat(what,
+               ": this process has joined no node budget; spillway.install() joins one when "
+               "a launcher started it (LOCAL_RANK set) or SPILLWAY_NODE_JOB names the job")));
   }
   return g;
 }
@@ -109,6 +110,14 @@ void BindNode(py::module_& m) {
       py::arg("dir") = "/dev/shm");
   // Drops the process's reference: the governor leaves the node when its last arena is gone.
   m.def("_node_leave", [] { NodeGovernor::SetCurrent(nullptr); });
+  // At interpreter exit (spillway.node registers it): frees this rank's slot now, while its arenas
+  // still exist, so the last rank out removes the segment.
+  m.def("_node_exit", [] {
+    std::shared_ptr<NodeGovernor> g = NodeGovernor::Current();
+    if (g == nullptr) return;
+    py::gil_scoped_release nogil;
+    g->Leave();
+  });
   m.def("_node_joined", [] { return NodeGovernor::Current() != nullptr; });
   m.def("_node_stats", [] {
     std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.stats()");
@@ -178,7 +187,7 @@ void BindNode(py::module_& m) {
         in.world_size = world_size;
         in.nodes = nodes;
         in.host_ram_bytes = host_ram_bytes;
-        in.nvme_bytes = UINT64_MAX / 4;  // admission checks host memory; NVMe is the disk's
+        in.nvme_bytes = 1ull << 59;  // admission checks host memory; the disk is not its to judge
         in.config = Check(offload::Config::Parse(config_json));
         in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
         in.gpu_mem_bytes = 0;

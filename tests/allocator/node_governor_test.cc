@@ -13,10 +13,10 @@
 #include <string>
 #include <thread>
 
-#include "spillway/allocator/host_arena.h"
-#include "spillway/base/bytes.h"
 #include "nvme_test_util.h"
+#include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/nvme_arena.h"
+#include "spillway/base/bytes.h"
 #include "test_util.h"
 
 namespace spillway::allocator {
@@ -226,6 +226,25 @@ TEST(NodeGovernorTest, SegmentIsTheUsersAloneAndTheLastRankRemovesIt) {
   }
   EXPECT_FALSE(Exists(path)) << "the last rank out removes the segment";
   if (geteuid() != 0) GTEST_SKIP() << "the other-user check needs root to switch uid";
+}
+
+TEST(NodeGovernorTest, ARankLeavingAtExitFreesItsSlotWhileItsArenaLives) {
+  auto g = std::shared_ptr<NodeGovernor>(JoinOrDie(Options(UniqueJob("leave"), 0, 256 * kMiB)));
+  Ledger ledger;
+  HostArenaOptions o = testing::PageableOptions(&ledger);
+  o.node = g;
+  auto arena = testing::MakeArena(o);
+  auto p = arena->Allocate(8 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_TRUE(p.ok());
+  const std::string path = g->path();
+  g->Leave();  // Python's atexit: the arenas outlive the slot
+  EXPECT_FALSE(Exists(path)) << "the last rank out removes the segment";
+  auto q = arena->Allocate(64 * kMiB, Tag(Kind::kParam, Lifetime::kPersistent));
+  ASSERT_EQ(q.status().code(), StatusCode::kFailedPrecondition) << q.status().ToString();
+  EXPECT_TRUE(Has(q.status(), "already left")) << q.status().ToString();
+  EXPECT_TRUE(arena->Free(*p).ok());  // its release is a no-op now
+  EXPECT_EQ(arena->Stats().committed_bytes, 0u) << "unmapped, though nothing is booked any more";
+  g->Leave();  // idempotent
 }
 
 TEST(NodeGovernorTest, AKilledRanksBytesComeBackWithinTheWatchInterval) {

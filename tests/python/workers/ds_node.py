@@ -43,6 +43,10 @@ config = {
     "bf16": {"enabled": True},
     "zero_optimization": {
         "stage": 3,
+        # DeepSpeed's defaults make each rank hold a 953 MiB reduce bucket on the host (CPU
+        # accelerator); small buckets keep four ranks within this machine.
+        "reduce_bucket_size": 2_000_000,
+        "stage3_prefetch_bucket_size": 2_000_000,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "offload_param": {"device": "cpu", "pin_memory": True},
     },

@@ -85,7 +85,8 @@ struct NodeStats {
   std::string job;
   std::string path;
   uint64_t memory_limit_bytes = 0;
-  uint64_t reserve_bytes = 0;  // memory_limit - host_budget when the default was taken
+  uint64_t reserve_bytes = 0;    // memory_limit - host_budget
+  bool budget_explicit = false;  // the job set its budget (else the default from the limit)
   uint64_t host_budget_bytes = 0;
   uint64_t nvme_budget_bytes = 0;  // 0: not capped
   uint64_t host_committed_bytes = 0;
@@ -101,6 +102,8 @@ struct NodeStats {
   std::string ToString() const;
 };
 
+// "(the memory limit L less a reserve of R for ...)", or how the job set its budget.
+std::string DescribeNodeBudget(const NodeStats& stats);
 // A live rank's view of who holds what, used in error messages: "local rank 0 (pid 12) pinned
 // 1.0 GiB, pageable 3.0 GiB (optimizer_state 2.5 GiB, ...); ...".
 std::string DescribeNodeRanks(const NodeStats& stats);
@@ -127,16 +130,19 @@ class NodeGovernor {
   static int RemoveDeadSegments(const std::string& dir = "/dev/shm");
   static std::string SegmentPath(const std::string& dir, const std::string& job);
 
-  // Gives back every byte this rank holds and frees its slot; the last rank out removes the
-  // segment.
+  // Leave(), then unmaps the segment.
   ~NodeGovernor();
+  // Gives back every byte this rank holds and frees its slot; the last rank out removes the
+  // segment. Afterwards Reserve and Admit refuse (FAILED_PRECONDITION) and Release does nothing:
+  // for a process that exits while its arenas still exist (Python's atexit). Idempotent.
+  void Leave();
   NodeGovernor(const NodeGovernor&) = delete;
   NodeGovernor& operator=(const NodeGovernor&) = delete;
 
   // Books `bytes` of `tier` for this rank. When the node budget would be crossed: reaps dead
   // ranks, then (host tiers) runs this rank's trimmers, asks every other rank to trim and waits
-  // for them (at most trim_timeout), then tries once more. Fails with OVER_BUDGET naming the node budget and each
-  // rank's bytes by tier and kind; on error nothing is booked.
+  // for them (at most trim_timeout), then tries once more. Fails with OVER_BUDGET naming the node
+  // budget and each rank's bytes by tier and kind; on error nothing is booked.
   Status Reserve(NodeTier tier, uint64_t bytes);
   // Reserve without the pressure steps: OK or OVER_BUDGET at once.
   Status TryReserve(NodeTier tier, uint64_t bytes);
@@ -204,6 +210,7 @@ class NodeGovernor {
   int trims_in_flight_ = 0;        // guarded by trim_mu_
   ForkSafeCondition trims_idle_;
 
+  std::atomic<bool> left_{false};
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };

@@ -35,8 +35,8 @@ struct NvmeArenaOptions {
   uint64_t budget_bytes = 0;           // the most the swap file may grow to; required
   uint64_t grow_bytes = 256ull << 20;  // fallocate step
   EscapePolicy policy = EscapePolicy::kReport;
-  bool checksum = true;               // CRC32C per extent, verified on read
-  Ledger* ledger = nullptr;           // null = Ledger::Default()
+  bool checksum = true;      // CRC32C per extent, verified on read
+  Ledger* ledger = nullptr;  // null = Ledger::Default()
   // The node's NVMe ledger (Note [Node governor]): each growth of the swap file is booked there
   // first and given back when the arena closes. Null: NodeGovernor::Current(), if any.
   std::shared_ptr<NodeGovernor> node;
