@@ -5,6 +5,7 @@
 #if SPILLWAY_WITH_CUDA
 #include "spillway/allocator/cuda_status.h"
 #include "spillway/base/bytes.h"
+#include "spillway/base/log.h"
 #endif
 
 #include <algorithm>
@@ -70,6 +71,23 @@ Status HostUnregister(void* base, size_t bytes) {
   return first;
 }
 
+int CurrentDevice() {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    spillway::cuda::ConsumeError();
+    return -1;
+  }
+  return device;
+}
+void SetDevice(int device) {
+  if (device < 0) return;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) {
+    Log(LogLevel::kWarning,
+        StrCat("cudaSetDevice(", device, ") on a Spillway thread: ", cudaGetErrorName(err)));
+    spillway::cuda::ConsumeError();
+  }
+}
 #else  // !SPILLWAY_WITH_CUDA
 
 bool DeviceAvailable(std::string* why) {
@@ -82,6 +100,8 @@ Status HostRegister(void*, size_t) {
                       "SPILLWAY_WITH_CUDA=ON or use pin mode mlock");
 }
 Status HostUnregister(void*, size_t) { return Status::Ok(); }
+int CurrentDevice() { return -1; }
+void SetDevice(int) {}
 
 #endif
 

@@ -101,9 +101,15 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   std::unique_ptr<HostArena> arena(new HostArena(std::move(options), resolved, ledger, node));
   ledger->Attach(arena.get());
   if (node != nullptr) {
-    // Another rank short of node budget asks this one to give its retained regions back.
+    // Another rank short of node budget asks this one to give its retained regions back. On the
+    // governor's watcher thread a CUDA arena first makes its device the thread's: unregistering
+    // on a thread without one would make a context on device 0 (Note [Node governor]).
     HostArena* a = arena.get();
-    node->AddTrimmer(a, [a] { return a->Trim(); });
+    const int device = a->pin_mode_ == PinMode::kCuda ? cuda::CurrentDevice() : -1;
+    node->AddTrimmer(a, [a, device] {
+      if (device >= 0 && NodeGovernor::OnWatcherThread()) cuda::SetDevice(device);
+      return a->Trim();
+    });
   }
   return arena;
 }

@@ -1,16 +1,13 @@
-// NodeGovernor: the node's shared ledger (a file in /dev/shm, mode 0600), its robust lock, slot
-// claims, dead-rank reaping, cross-rank trims and admission. Note [Node governor] in
-// docs/allocator.md.
+// NodeGovernor: joining a job's node segment, booking and giving back bytes, cross-rank trims,
+// admission, the watcher thread, leaving. The segment's mechanics are in node_segment.*.
+// Note [Node governor] in docs/allocator.md.
 #include "spillway/allocator/node_governor.h"
 
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <pthread.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,78 +15,77 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
-#include <fstream>
 #include <new>
 #include <sstream>
 
+#include "node_segment.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/base/bytes.h"
 #include "spillway/base/log.h"
 
 namespace spillway::allocator {
 
+using node::ClearSlot;
+using node::Declaration;
+using node::DirLock;
+using node::kMaxSlots;
+using node::Mapped;
+using node::NowNs;
+using node::Segment;
+using node::SegmentLock;
+using node::SleepMs;
+using node::Slot;
+using node::Verdict;
+
 namespace {
 
-constexpr uint64_t kMagic = 0x31454430'4e4c5753ull;  // "SWLN0DE1"
-constexpr uint32_t kVersion = 1;
-constexpr int kMaxSlots = 64;
-constexpr size_t kJobChars = 80;
-constexpr int kHostTiers = 2;  // pinned, pageable
-
-uint64_t NowNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
-void SleepMs(int ms) {
-  timespec ts{ms / 1000, (ms % 1000) * 1'000'000L};
-  nanosleep(&ts, nullptr);
-}
-
-bool ValidJobChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-         c == '_' || c == '-';
-}
+constexpr size_t kJobChars = node::kJobChars;
 
 std::string SanitizeJob(std::string_view text) {
   std::string out;
-  for (char c : text.substr(0, kJobChars)) out += ValidJobChar(c) ? c : '_';
+  for (char c : text.substr(0, kJobChars)) out += node::ValidJobChar(c) ? c : '_';
   return out;
 }
 
-// Field 3 (state) and 22 (starttime, clock ticks since boot) of /proc/<pid>/stat. The command
-// name (field 2) may hold spaces and parentheses: fields are counted after its last ')'.
-bool ReadProcStat(pid_t pid, char* state, uint64_t* start_ticks) {
-  std::ifstream in(StrCat("/proc/", pid, "/stat"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return false;
-  std::istringstream fields(text.substr(close + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i) {
-    if (!(fields >> field)) return false;
-    if (i == 3) *state = field.empty() ? '?' : field[0];
+bool ValidJob(const std::string& job) {
+  return !job.empty() && job.size() <= kJobChars &&
+         std::all_of(job.begin(), job.end(), node::ValidJobChar);
+}
+
+std::mutex g_current_mu;                  // never taken in a forked child (see Current)
+std::shared_ptr<NodeGovernor> g_current;  // guarded by g_current_mu
+std::atomic<const ProcessTag*> g_current_process{nullptr};
+thread_local bool t_on_watcher = false;
+
+// Under the DirLock: removes the segment at `path` when it was left half made (never initialized),
+// half removed (closed), or holds no live rank. Returns true when it was removed.
+bool RemoveIfDead(const std::string& path, LogLevel level) {
+  auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
+  if (!opened.ok()) {
+    // EBADF: never initialized, and no creator holds the DirLock: abandoned.
+    if (opened.status().sys_error() != EBADF) return false;
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return false;
+    const bool removed = node::UnlinkIfSame(path, fd);
+    close(fd);
+    if (removed) Log(level, StrCat("node governor: removed ", path, ": it was never initialized"));
+    return removed;
   }
-  *start_ticks = std::strtoull(field.c_str(), nullptr, 10);
-  return true;
-}
-
-// A rank is alive when its pid exists, is not a zombie (a killed rank its launcher has not yet
-// waited for) and started when the slot says (the pid was not reused).
-bool Alive(pid_t pid, uint64_t start_ticks) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  char state = '?';
-  uint64_t start = 0;
-  if (!ReadProcStat(pid, &state, &start)) return kill(pid, 0) == 0 || errno != ESRCH;
-  if (state == 'Z' || state == 'X') return false;
-  return start == start_ticks;
-}
-
-int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
-  return static_cast<int>(
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0));
+  Mapped m = *opened;
+  bool remove = false;
+  if (node::Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
+    auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
+    if (lock.ok()) {
+      remove = m.segment->closed != 0 ||
+               std::none_of(std::begin(m.segment->slots), std::end(m.segment->slots),
+                            [](const Slot& s) { return s.pid != 0; });
+      if (remove) m.segment->closed = 1;
+    }
+  }
+  const bool removed = remove && node::UnlinkIfSame(path, m.fd);
+  Unmap(m);
+  if (removed) Log(level, StrCat("node governor: removed ", path, ": every rank of it is gone"));
+  return removed;
 }
 
 }  // namespace
@@ -98,307 +94,6 @@ const char* NodeTierName(NodeTier tier) {
   static constexpr const char* kNames[kNodeTierCount] = {"pinned", "pageable", "nvme"};
   return kNames[static_cast<int>(tier)];
 }
-
-// One rank's place in the segment. Fields marked "mu" change only under Segment::mu; the atomics
-// are published without it.
-struct Slot {
-  int32_t pid;                     // mu; 0: free
-  int32_t local_rank;              // mu
-  uint64_t start_ticks;            // mu
-  uint64_t generation;             // mu; bumped whenever the slot is freed
-  uint64_t bytes[kNodeTierCount];  // mu
-  uint64_t peak_host;              // mu
-  std::atomic<uint64_t> kinds[kHostTiers][kKindCount];
-  std::atomic<uint64_t> workers_private;
-  std::atomic<uint32_t> workers;
-  std::atomic<uint32_t> trim_ack;  // the last trim request this rank served
-  std::atomic<uint64_t> trims;
-};
-
-struct NodeGovernor::Segment {
-  std::atomic<uint64_t> magic;  // set last by the creator (release)
-  uint32_t version;
-  uint32_t slot_count;
-  uint64_t size;
-  pthread_mutex_t mu;  // robust, process-shared
-  uint32_t closed;     // mu: the last rank left or the segment was found dead; reopen instead
-  int32_t local_world_size;
-  uint64_t memory_limit;
-  uint64_t reserve;
-  uint32_t budget_explicit;  // the job set its budget; else the default from the memory limit
-  uint64_t host_budget;
-  uint64_t nvme_budget;
-  uint64_t host_committed;          // mu
-  uint64_t nvme_committed;          // mu
-  uint64_t peak_host_committed;     // mu
-  uint64_t reaped;                  // mu
-  uint64_t over_budget;             // mu
-  uint64_t trim_requests;           // mu
-  std::atomic<uint32_t> trim_word;  // futex: bumped by each trim request
-  char job[kJobChars + 1];
-  // Admission declarations by local rank (mu). Kept when a rank leaves, so every rank that checks
-  // the sum sees the same declarations, however soon a rank that already passed exits.
-  struct Declaration {
-    uint64_t need;
-    uint64_t fork;
-    uint32_t made;
-  } declarations[kMaxSlots];
-  Slot slots[kMaxSlots];
-};
-
-namespace {
-
-using Segment = NodeGovernor::Segment;
-
-void RecomputeTotals(Segment* s) {
-  s->host_committed = s->nvme_committed = 0;
-  for (const Slot& slot : s->slots) {
-    if (slot.pid == 0) continue;
-    s->host_committed += slot.bytes[0] + slot.bytes[1];
-    s->nvme_committed += slot.bytes[2];
-  }
-}
-
-void ClearSlot(Slot* slot) {
-  slot->pid = 0;
-  slot->local_rank = -1;
-  slot->start_ticks = 0;
-  slot->generation++;
-  for (uint64_t& b : slot->bytes) b = 0;
-  slot->peak_host = 0;
-  for (auto& tier : slot->kinds) {
-    for (auto& k : tier) k.store(0, std::memory_order_relaxed);
-  }
-  slot->workers_private.store(0, std::memory_order_relaxed);
-  slot->workers.store(0, std::memory_order_relaxed);
-}
-
-// The segment's lock, taken with a deadline. A rank that died holding it (EOWNERDEAD) may have
-// left a slot's bytes and the totals disagreeing: the totals are recomputed from the slots.
-class SegmentLock {
- public:
-  static Result<SegmentLock> Take(Segment* s, std::chrono::milliseconds timeout,
-                                  const std::string& path) {
-    timespec deadline{};
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    const int64_t ns = deadline.tv_nsec + (timeout.count() % 1000) * 1'000'000;
-    deadline.tv_sec += timeout.count() / 1000 + ns / 1'000'000'000;
-    deadline.tv_nsec = ns % 1'000'000'000;
-    const int rc = pthread_mutex_timedlock(&s->mu, &deadline);
-    if (rc == EOWNERDEAD) {
-      RecomputeTotals(s);
-      pthread_mutex_consistent(&s->mu);
-      Log(LogLevel::kWarning,
-          StrCat("node segment ", path, ": a rank died holding its lock; totals recomputed"));
-    } else if (rc == ETIMEDOUT) {
-      return Status::Make(
-          StatusCode::kUnavailable,
-          StrCat("node segment ", path, ": its lock was held for more than ", timeout.count(),
-                 " ms (a rank stopped while holding it?); resume or kill that "
-                 "rank, or remove the segment when no rank of the job runs"));
-    } else if (rc != 0) {
-      return Status::FromErrno(StatusCode::kInternal, rc,
-                               StrCat("node segment ", path, ": locking it failed"));
-    }
-    return SegmentLock(s);
-  }
-  SegmentLock(SegmentLock&& o) noexcept : s_(o.s_) { o.s_ = nullptr; }
-  SegmentLock& operator=(SegmentLock&&) = delete;
-  ~SegmentLock() {
-    if (s_ != nullptr) pthread_mutex_unlock(&s_->mu);
-  }
-
- private:
-  explicit SegmentLock(Segment* s) : s_(s) {}
-  Segment* s_;
-};
-
-// A lock that release paths cannot do without: retried (and logged) until it is taken.
-SegmentLock TakeForRelease(Segment* s, std::chrono::milliseconds timeout, const std::string& path) {
-  while (true) {
-    auto lock = SegmentLock::Take(s, timeout, path);
-    if (lock.ok()) return std::move(lock.value());
-    Log(LogLevel::kError, StrCat(lock.status().ToString(), "; retrying to give bytes back"));
-  }
-}
-
-struct Mapped {
-  int fd = -1;
-  Segment* segment = nullptr;
-};
-
-void Unmap(const Mapped& m) {
-  if (m.segment != nullptr) munmap(m.segment, sizeof(Segment));
-  if (m.fd >= 0) close(m.fd);
-}
-
-// Opens an existing segment: this user's, mode 0600, of this layout, initialized (waits for its
-// creator at most `timeout`). NOT_FOUND-like errors come back as kUnavailable with errno ENOENT.
-Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds timeout) {
-  Mapped m;
-  m.fd = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  if (m.fd < 0) {
-    const int err = errno;
-    if (err == EACCES || err == EPERM) {
-      return Status::FromErrno(StatusCode::kFailedPrecondition, err,
-                               StrCat("node segment ", path,
-                                      " belongs to another user; a job's segment is its own "
-                                      "user's (mode 0600): name this job differently "
-                                      "(SPILLWAY_NODE_JOB)"));
-    }
-    return Status::FromErrno(StatusCode::kUnavailable, err, StrCat("opening node segment ", path));
-  }
-  struct stat st {};
-  if (fstat(m.fd, &st) != 0) {
-    const int err = errno;
-    Unmap(m);
-    return Status::FromErrno(StatusCode::kInternal, err, StrCat("fstat of ", path));
-  }
-  if (st.st_uid != geteuid() || (st.st_mode & 0777) != 0600 || !S_ISREG(st.st_mode)) {
-    Unmap(m);
-    return Status::FailedPrecondition(StrCat("node segment ", path, " is owned by uid ", st.st_uid,
-                                             " with mode 0", std::oct, (st.st_mode & 0777),
-                                             std::dec, "; Spillway makes its segments mode 0600 ",
-                                             "for their own user (uid ", geteuid(),
-                                             ") and uses no other. Remove it, or name "
-                                             "this job differently (SPILLWAY_NODE_JOB)"));
-  }
-  const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
-  while (static_cast<uint64_t>(st.st_size) < sizeof(Segment)) {  // its creator is sizing it
-    if (NowNs() > deadline) {
-      Unmap(m);
-      return Status::FailedPrecondition(
-          StrCat("node segment ", path, " is ", st.st_size, " bytes, not the ", sizeof(Segment),
-                 " of this Spillway's layout, and did not grow: its creator died while making it "
-                 "or another Spillway version made it. Remove it when no rank of the job runs"));
-    }
-    SleepMs(1);
-    if (fstat(m.fd, &st) != 0) st.st_size = 0;
-  }
-  void* p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, m.fd, 0);
-  if (p == MAP_FAILED) {
-    const int err = errno;
-    Unmap(m);
-    return Status::FromErrno(StatusCode::kOutOfMemory, err, StrCat("mapping node segment ", path));
-  }
-  m.segment = static_cast<Segment*>(p);
-  while (m.segment->magic.load(std::memory_order_acquire) != kMagic) {
-    if (NowNs() > deadline) {
-      Unmap(m);
-      return Status::FailedPrecondition(
-          StrCat("node segment ", path, " was never initialized (its creator died while making ",
-                 "it); remove it when no rank of the job runs"));
-    }
-    SleepMs(1);
-  }
-  if (m.segment->version != kVersion || m.segment->size != sizeof(Segment)) {
-    const uint32_t version = m.segment->version;
-    Unmap(m);
-    return Status::FailedPrecondition(StrCat("node segment ", path, " has layout version ", version,
-                                             "; this Spillway uses ", kVersion,
-                                             ". Every rank of a job must run the same Spillway"));
-  }
-  return m;
-}
-
-struct SlotSnapshot {
-  int index;
-  pid_t pid;
-  uint64_t start_ticks;
-  uint64_t generation;
-};
-
-// Frees the slots of ranks that are gone, giving their bytes back. Liveness is checked without
-// the lock (kill and /proc are system calls); a slot is freed only if it still holds the same
-// occupant (its generation) when the lock is taken again. Returns the ranks reaped.
-Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
-                 const std::string& path, LogLevel level = LogLevel::kWarning) {
-  std::vector<SlotSnapshot> occupied;
-  {
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(s, timeout, path));
-    for (int i = 0; i < kMaxSlots; ++i) {
-      const Slot& slot = s->slots[i];
-      if (i != own_slot && slot.pid != 0) {
-        occupied.push_back({i, slot.pid, slot.start_ticks, slot.generation});
-      }
-    }
-  }
-  std::vector<SlotSnapshot> dead;
-  for (const SlotSnapshot& o : occupied) {
-    if (!Alive(o.pid, o.start_ticks)) dead.push_back(o);
-  }
-  if (dead.empty()) return 0;
-  int reaped = 0;
-  std::string what;
-  {
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(s, timeout, path));
-    for (const SlotSnapshot& d : dead) {
-      Slot& slot = s->slots[d.index];
-      if (slot.pid != d.pid || slot.generation != d.generation) continue;
-      what +=
-          StrCat(reaped ? "; " : "", "local rank ", slot.local_rank, " (pid ", d.pid, "): host ",
-                 FormatMiB(slot.bytes[0] + slot.bytes[1]), ", nvme ", FormatMiB(slot.bytes[2]));
-      s->host_committed -= slot.bytes[0] + slot.bytes[1];
-      s->nvme_committed -= slot.bytes[2];
-      ClearSlot(&slot);
-      s->reaped++;
-      ++reaped;
-    }
-  }
-  if (reaped > 0) {
-    Log(level, StrCat("node segment ", path, ": reaped ", reaped,
-                      " dead rank(s), their bytes are back: ", what));
-  }
-  return reaped;
-}
-
-NodeStats ReadStats(const Segment* s, const std::string& path) {  // assumes s->mu
-  NodeStats out;
-  out.job = s->job;
-  out.path = path;
-  out.memory_limit_bytes = s->memory_limit;
-  out.reserve_bytes = s->reserve;
-  out.budget_explicit = s->budget_explicit != 0;
-  out.host_budget_bytes = s->host_budget;
-  out.nvme_budget_bytes = s->nvme_budget;
-  out.host_committed_bytes = s->host_committed;
-  out.nvme_committed_bytes = s->nvme_committed;
-  out.peak_host_committed_bytes = s->peak_host_committed;
-  out.host_headroom_bytes =
-      s->host_budget > s->host_committed ? s->host_budget - s->host_committed : 0;
-  out.reaped_ranks = s->reaped;
-  out.over_budget_count = s->over_budget;
-  out.trim_requests = s->trim_requests;
-  out.local_world_size = s->local_world_size;
-  for (const Slot& slot : s->slots) {
-    if (slot.pid == 0) continue;
-    NodeRankStats r;
-    r.local_rank = slot.local_rank;
-    r.pid = slot.pid;
-    for (int t = 0; t < kNodeTierCount; ++t) r.bytes[t] = slot.bytes[t];
-    r.host_bytes = slot.bytes[0] + slot.bytes[1];
-    r.peak_host_bytes = slot.peak_host;
-    for (int t = 0; t < kHostTiers; ++t) {
-      for (int k = 0; k < kKindCount; ++k) {
-        r.host_by_kind[k] += slot.kinds[t][k].load(std::memory_order_relaxed);
-      }
-    }
-    r.declared_bytes = s->declarations[slot.local_rank].need;
-    r.workers_private_bytes = slot.workers_private.load(std::memory_order_relaxed);
-    r.workers = slot.workers.load(std::memory_order_relaxed);
-    r.trims = slot.trims.load(std::memory_order_relaxed);
-    out.ranks.push_back(r);
-  }
-  std::sort(out.ranks.begin(), out.ranks.end(), [](const NodeRankStats& a, const NodeRankStats& b) {
-    return a.local_rank < b.local_rank;
-  });
-  return out;
-}
-
-std::mutex g_current_mu;
-std::shared_ptr<NodeGovernor> g_current;  // guarded by g_current_mu
-
-}  // namespace
 
 uint64_t DefaultNodeReserve(uint64_t limit_bytes) {
   return std::min(std::max(uint64_t{2} << 30, limit_bytes / 8), limit_bytes / 2);
@@ -426,7 +121,9 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
     return Status::Ok();
   };
   NodeJob job;
-  SPILLWAY_RETURN_IF_ERROR(parse_int("LOCAL_RANK", &job.local_rank));
+  // torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK; srun sets SLURM_LOCALID.
+  const char* rank_var = !get("LOCAL_RANK").empty() ? "LOCAL_RANK" : "SLURM_LOCALID";
+  SPILLWAY_RETURN_IF_ERROR(parse_int(rank_var, &job.local_rank));
   for (const char* name : {"LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
     if (!get(name).empty()) {
       SPILLWAY_RETURN_IF_ERROR(parse_int(name, &job.local_world_size));
@@ -435,8 +132,7 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
   }
   const std::string explicit_job = get("SPILLWAY_NODE_JOB");
   if (!explicit_job.empty()) {
-    if (explicit_job.size() > kJobChars ||
-        !std::all_of(explicit_job.begin(), explicit_job.end(), ValidJobChar)) {
+    if (!ValidJob(explicit_job)) {
       return Status::InvalidArgument(StrCat("SPILLWAY_NODE_JOB='", explicit_job, "': use at most ",
                                             kJobChars,
                                             " characters of A-Z, a-z, 0-9, '.', '_' and '-'"));
@@ -445,19 +141,18 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
     job.source = "SPILLWAY_NODE_JOB";
     return job;
   }
-  if (get("LOCAL_RANK").empty()) return job;  // not one rank of a launched job
+  if (get(rank_var).empty()) return job;  // not one rank of a launched job
   const std::string run_id = get("TORCHELASTIC_RUN_ID");
   if (!run_id.empty() && run_id != "none") {
     job.id = SanitizeJob(StrCat("torchelastic-", run_id));
     job.source = "TORCHELASTIC_RUN_ID";
-  } else if (!get("SLURM_JOB_ID").empty()) {
-    job.id = SanitizeJob(StrCat("slurm-", get("SLURM_JOB_ID"), ".", get("SLURM_STEP_ID")));
-    job.source = "SLURM_JOB_ID";
   } else {
+    // The launcher that started every local rank (torchrun's agent, the deepspeed launcher,
+    // slurmstepd): two launches in one Slurm allocation are two jobs.
     const pid_t parent = getppid();
     char state = '?';
     uint64_t start = 0;
-    ReadProcStat(parent, &state, &start);
+    node::ReadProcStat(parent, &state, &start);
     job.id = StrCat("launcher-", parent, "-", start);
     job.source = "the launcher's pid (the parent of every local rank)";
   }
@@ -465,7 +160,9 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
 }
 
 Result<NodeJob> NodeJobFromEnvironment() {
-  return NodeJobFromEnvironment([](const char* name) { return std::getenv(name); });
+  return NodeJobFromEnvironment([](const char* name) {
+    return std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read-only, Spillway never setenv()s
+  });
 }
 
 std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string& job) {
@@ -473,8 +170,7 @@ std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string&
 }
 
 Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
-  if (options.job.empty() || options.job.size() > kJobChars ||
-      !std::all_of(options.job.begin(), options.job.end(), ValidJobChar)) {
+  if (!ValidJob(options.job)) {
     return Status::InvalidArgument(StrCat("node governor: job '", options.job, "' must be 1 to ",
                                           kJobChars,
                                           " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
@@ -492,81 +188,87 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       NowNs() + static_cast<uint64_t>(options.lock_timeout.count()) * 1'000'000ull;
   char state = '?';
   uint64_t my_start = 0;
-  ReadProcStat(getpid(), &state, &my_start);
+  node::ReadProcStat(getpid(), &state, &my_start);
   while (true) {
     if (NowNs() > deadline) {
       return Status::Make(StatusCode::kUnavailable,
                           StrCat("node governor: segment ", path, " stayed closed for ",
-                                 options.lock_timeout.count(), " ms while its last rank left"));
+                                 options.lock_timeout.count(), " ms while its last rank left; rm ",
+                                 path, " if no rank of the job runs"));
     }
-    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd >= 0) {  // this rank makes the segment: initialized whole before magic is published
-      Mapped m;
-      m.fd = fd;
-      if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
-        const int err = errno;
-        Unmap(m);
-        unlink(path.c_str());
-        return Status::FromErrno(
-            StatusCode::kOutOfMemory, err,
-            StrCat("node governor: sizing segment ", path, " (is /dev/shm full or too small?)"));
+    Mapped m;
+    {
+      SPILLWAY_ASSIGN_OR_RETURN(DirLock dir_lock, DirLock::Take(options.dir, options.lock_timeout));
+      const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd >= 0) {  // this rank makes the segment: initialized whole before magic is published
+        m.fd = fd;
+        void* p = MAP_FAILED;
+        int err = 0;
+        if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
+          err = errno;
+        } else {
+          p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+          if (p == MAP_FAILED) err = errno;
+        }
+        if (err != 0) {
+          unlink(path.c_str());
+          Unmap(m);
+          return Status::FromErrno(StatusCode::kOutOfMemory, err,
+                                   StrCat("node governor: sizing and mapping segment ", path,
+                                          " (is /dev/shm full or too small?)"));
+        }
+        auto* s = new (p) Segment();
+        m.segment = s;
+        pthread_mutexattr_t attr;
+        pthread_mutexattr_init(&attr);
+        pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+        const int rc = pthread_mutex_init(&s->mu, &attr);
+        pthread_mutexattr_destroy(&attr);
+        if (rc != 0) {
+          unlink(path.c_str());
+          Unmap(m);
+          return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
+        }
+        s->version = node::kVersion;
+        s->slot_count = kMaxSlots;
+        s->size = sizeof(Segment);
+        s->local_world_size = options.local_world_size;
+        s->memory_limit =
+            options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
+        s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
+                                                        : DefaultNodeHostBudget(s->memory_limit);
+        s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
+        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
+        s->nvme_budget = options.nvme_budget_bytes;
+        std::snprintf(s->job, sizeof(s->job), "%s", options.job.c_str());
+        for (Slot& slot : s->slots) slot.local_rank = -1;
+        const int slot = options.local_rank >= 0 ? options.local_rank : 0;
+        s->slots[slot].pid = getpid();
+        s->slots[slot].local_rank = slot;
+        s->slots[slot].start_ticks = my_start;
+        s->magic.store(node::kMagic, std::memory_order_release);
+        return std::unique_ptr<NodeGovernor>(
+            new NodeGovernor(std::move(options), path, fd, s, slot, s->slots[slot].generation));
       }
-      void* p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p == MAP_FAILED) {
-        const int err = errno;
-        Unmap(m);
-        unlink(path.c_str());
-        return Status::FromErrno(StatusCode::kOutOfMemory, err,
-                                 StrCat("node governor: mapping segment ", path));
+      if (errno != EEXIST) {
+        return Status::FromErrno(StatusCode::kUnavailable, errno,
+                                 StrCat("node governor: creating segment ", path,
+                                        " (is the directory there and writable?)"));
       }
-      auto* s = new (p) Segment();
-      m.segment = s;
-      pthread_mutexattr_t attr;
-      pthread_mutexattr_init(&attr);
-      pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-      pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-      const int rc = pthread_mutex_init(&s->mu, &attr);
-      pthread_mutexattr_destroy(&attr);
-      if (rc != 0) {
-        Unmap(m);
-        unlink(path.c_str());
-        return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
+      // It exists. Under the DirLock no creator is midway, so an uninitialized one is abandoned,
+      // and a closed one is a removal its remover did not finish: finish it, then make anew.
+      if (RemoveIfDead(path, LogLevel::kInfo)) continue;
+      auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
+      if (!opened.ok()) {
+        if (opened.status().sys_error() == ENOENT) continue;
+        return opened.status().WithContext("node governor");
       }
-      s->version = kVersion;
-      s->slot_count = kMaxSlots;
-      s->size = sizeof(Segment);
-      s->local_world_size = options.local_world_size;
-      s->memory_limit =
-          options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
-      s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
-                                                      : DefaultNodeHostBudget(s->memory_limit);
-      s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
-      s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
-      s->nvme_budget = options.nvme_budget_bytes;
-      std::snprintf(s->job, sizeof(s->job), "%s", options.job.c_str());
-      for (Slot& slot : s->slots) slot.local_rank = -1;
-      const int slot = options.local_rank >= 0 ? options.local_rank : 0;
-      s->slots[slot].pid = getpid();
-      s->slots[slot].local_rank = slot;
-      s->slots[slot].start_ticks = my_start;
-      s->slots[slot].trim_ack.store(0, std::memory_order_relaxed);
-      s->magic.store(kMagic, std::memory_order_release);
-      return std::unique_ptr<NodeGovernor>(new NodeGovernor(std::move(options), path, fd, s, slot));
+      m = *opened;
     }
-    if (errno != EEXIST) {
-      return Status::FromErrno(
-          StatusCode::kUnavailable, errno,
-          StrCat("node governor: creating segment ", path, " (is /dev/shm mounted and writable?)"));
-    }
-    auto opened = OpenExisting(path, options.lock_timeout);
-    if (!opened.ok()) {
-      if (opened.status().sys_error() == ENOENT) continue;  // unlinked meanwhile: create it
-      return opened.status().WithContext("node governor");
-    }
-    Mapped m = *opened;
     Segment* s = m.segment;
     // A dead occupant of the slot this rank wants (an elastic restart's predecessor) goes first.
-    auto reaped = Reap(s, -1, options.lock_timeout, path);
+    auto reaped = node::Reap(s, -1, options.lock_timeout, path);
     if (!reaped.ok()) {
       Unmap(m);
       return reaped.status();
@@ -576,6 +278,11 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       Unmap(m);
       return lock.status();
     }
+    auto refuse = [&](Status st) {
+      { auto unlock = std::move(*lock); }
+      Unmap(m);
+      return st;
+    };
     if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
       { auto unlock = std::move(*lock); }
       Unmap(m);
@@ -583,13 +290,11 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       continue;
     }
     if (options.host_budget_bytes != 0 && options.host_budget_bytes != s->host_budget) {
-      const uint64_t have = s->host_budget;
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
-      return Status::InvalidArgument(StrCat(
-          "node governor: job '", options.job, "' has a node budget of ", FormatBytes(have),
-          ", set by its first rank; this rank asks for ", FormatBytes(options.host_budget_bytes),
-          ". Give every rank the same SPILLWAY_NODE_BUDGET_BYTES"));
+      return refuse(Status::InvalidArgument(
+          StrCat("node governor: job '", options.job, "' has a node budget of ",
+                 FormatBytes(s->host_budget), ", set by its first rank; this rank asks for ",
+                 FormatBytes(options.host_budget_bytes),
+                 ". Give every rank the same SPILLWAY_NODE_BUDGET_BYTES")));
     }
     int slot = options.local_rank;
     if (slot < 0) {
@@ -597,37 +302,48 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
         if (s->slots[i].pid == 0) slot = i;
       }
       if (slot < 0) {
-        { auto unlock = std::move(*lock); }
-        Unmap(m);
-        return Status::ResourceExhausted(StrCat("node governor: all ", kMaxSlots, " slots of ",
-                                                path, " are held by live ranks"));
+        return refuse(Status::ResourceExhausted(StrCat(
+            "node governor: all ", kMaxSlots, " slots of ", path, " are held by live ranks")));
       }
     } else if (s->slots[slot].pid != 0) {
-      const pid_t holder = s->slots[slot].pid;
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
-      return Status::FailedPrecondition(
-          StrCat("node governor: local rank ", slot, " of job '", options.job, "' is held by pid ",
-                 holder, ", which is alive. Two processes claim one local ",
-                 "rank: check LOCAL_RANK, or give the second job its own SPILLWAY_NODE_JOB"));
+      return refuse(Status::FailedPrecondition(StrCat(
+          "node governor: local rank ", slot, " of job '", options.job, "' is held by pid ",
+          s->slots[slot].pid,
+          ", which is alive. Two processes claim one local rank: check LOCAL_RANK, or give the "
+          "second job its own SPILLWAY_NODE_JOB")));
+    }
+    if (std::none_of(std::begin(s->slots), std::end(s->slots),
+                     [](const Slot& o) { return o.pid != 0; })) {
+      // Every rank is gone (a restart of the whole job): admission starts over.
+      std::fill(std::begin(s->declarations), std::end(s->declarations), Declaration{});
+      s->verdict_round = 0;
+      s->verdict = Verdict::kNone;
     }
     Slot& mine = s->slots[slot];
+    const uint64_t generation = mine.generation;
+    ClearSlot(&mine);  // nothing of an earlier occupant stays
+    mine.generation = generation;
     mine.pid = getpid();
     mine.local_rank = slot;
     mine.start_ticks = my_start;
     mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    s->declarations[slot] = Declaration{};
     if (s->local_world_size == 0) s->local_world_size = options.local_world_size;
-    return std::unique_ptr<NodeGovernor>(new NodeGovernor(std::move(options), path, m.fd, s, slot));
+    { auto unlock = std::move(*lock); }
+    return std::unique_ptr<NodeGovernor>(
+        new NodeGovernor(std::move(options), path, m.fd, s, slot, generation));
   }
 }
 
-NodeGovernor::NodeGovernor(NodeGovernorOptions options, std::string path, int fd, Segment* segment,
-                           int slot)
+NodeGovernor::NodeGovernor(NodeGovernorOptions options, std::string path, int fd,
+                           node::Segment* segment, int slot, uint64_t generation)
     : options_(std::move(options)),
       path_(std::move(path)),
       fd_(fd),
       segment_(segment),
-      slot_(slot) {
+      slot_(slot),
+      generation_(generation),
+      pid_(process_.pid()) {
   if (options_.watcher) watcher_ = std::thread([this] { WatchLoop(); });
 }
 
@@ -645,20 +361,23 @@ NodeGovernor::~NodeGovernor() {
 void NodeGovernor::Leave() {
   if (!process_.InOwner() || left_.exchange(true)) return;
   stop_.store(true, std::memory_order_release);
-  Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
+  node::Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
   if (watcher_.joinable()) watcher_.join();
   // Dead peers must not keep the segment alive; a failure here only leaves it to a later Join.
-  Reap(segment_, slot_, options_.lock_timeout, path_).status().IgnoreError();
+  node::Reap(segment_, slot_, options_.lock_timeout, path_).status().IgnoreError();
   bool last = false;
+  uint64_t held = 0;
   {
-    SegmentLock lock = TakeForRelease(segment_, options_.lock_timeout, path_);
-    Slot& mine = segment_->slots[slot_];
-    const uint64_t held = mine.bytes[0] + mine.bytes[1] + mine.bytes[2];
-    if (held != 0) {
-      Log(LogLevel::kInfo,
-          StrCat("node governor: local rank ", slot_, " leaves job '", options_.job, "' with ",
-                 FormatBytes(held), " still booked (its arenas outlive it); given back"));
+    auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
+    if (!lock.ok()) {
+      Log(LogLevel::kError, StrCat(lock.status().ToString(), "; local rank ", slot_,
+                                   " leaves its slot to be reaped when this process exits"));
+      return;
     }
+    if (!OwnsSlotLocked()) return;  // reaped by another process meanwhile
+    SettleOwedLocked();
+    Slot& mine = segment_->slots[slot_];
+    held = mine.bytes[0] + mine.bytes[1] + mine.bytes[2];
     segment_->host_committed -= mine.bytes[0] + mine.bytes[1];
     segment_->nvme_committed -= mine.bytes[2];
     ClearSlot(&mine);
@@ -666,34 +385,77 @@ void NodeGovernor::Leave() {
                         [](const Slot& s) { return s.pid != 0; });
     if (last) segment_->closed = 1;
   }
-  if (last) unlink(path_.c_str());  // only the rank that closed it: no newer segment is there yet
+  if (held != 0) {
+    Log(LogLevel::kInfo,
+        StrCat("node governor: local rank ", slot_, " left job '", options_.job, "' with ",
+               FormatBytes(held), " still booked (its arenas outlive it); given back"));
+  }
+  if (last) {  // the closer removes it; a Join that finds it closed finishes the removal instead
+    auto dir_lock = DirLock::Take(options_.dir, options_.lock_timeout);
+    if (dir_lock.ok()) node::UnlinkIfSame(path_, fd_);
+  }
 }
 
-uint64_t NodeGovernor::host_budget_bytes() const { return segment_->host_budget; }
-
 std::shared_ptr<NodeGovernor> NodeGovernor::Current() {
+  // In a forked child the governor is the parent's, and g_current_mu may have been held at fork.
+  const ProcessTag* owner = g_current_process.load(std::memory_order_acquire);
+  if (owner == nullptr || !owner->InOwner()) return nullptr;
   std::lock_guard<std::mutex> lock(g_current_mu);
   return g_current;
 }
 
 void NodeGovernor::SetCurrent(std::shared_ptr<NodeGovernor> governor) {
+  static const ProcessTag* tags = nullptr;  // one per process that set it (never freed)
   std::lock_guard<std::mutex> lock(g_current_mu);
   g_current = std::move(governor);
+  if (tags == nullptr || !tags->InOwner()) tags = new ProcessTag();
+  g_current_process.store(g_current != nullptr ? tags : nullptr, std::memory_order_release);
 }
 
+uint64_t NodeGovernor::host_budget_bytes() const { return segment_->host_budget; }
+
 Status NodeGovernor::ReapDead() const {
-  return Reap(segment_, slot_, options_.lock_timeout, path_).status();
+  return node::Reap(segment_, slot_, options_.lock_timeout, path_).status();
+}
+
+bool NodeGovernor::OwnsSlotLocked() const {
+  // Leave and a reap both clear the slot, which bumps its generation.
+  const Slot& mine = segment_->slots[slot_];
+  return mine.pid == pid_ && mine.generation == generation_;
+}
+
+void NodeGovernor::SettleOwedLocked() {
+  for (int t = 0; t < kNodeTierCount; ++t) {
+    const uint64_t owed = owed_[t].exchange(0, std::memory_order_acq_rel);
+    if (owed != 0) ReleaseLocked(static_cast<NodeTier>(t), owed);
+  }
+}
+
+void NodeGovernor::ReleaseLocked(NodeTier tier, uint64_t bytes) {
+  if (!OwnsSlotLocked()) return;  // left, or reaped: the slot's bytes were given back whole
+  Slot& mine = segment_->slots[slot_];
+  uint64_t& held = mine.bytes[static_cast<int>(tier)];
+  uint64_t& committed =
+      tier == NodeTier::kNvme ? segment_->nvme_committed : segment_->host_committed;
+  // Never below zero: a caller's bug must not wrap the totals (Validate would name it).
+  bytes = std::min({bytes, held, committed});
+  held -= bytes;
+  committed -= bytes;
 }
 
 Status NodeGovernor::TryReserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Reserve"));
-  if (left_.load(std::memory_order_acquire)) {
+  auto left = [&] {
     return Status::FailedPrecondition(StrCat("node governor: local rank ", slot_,
                                              " already left job '", options_.job,
-                                             "' (the process is exiting); nothing is booked"));
-  }
+                                             "' (the process is exiting, or it was reaped as "
+                                             "dead); nothing is booked"));
+  };
+  if (left_.load(std::memory_order_acquire)) return left();
   if (bytes == 0) return Status::Ok();
   SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+  if (!OwnsSlotLocked()) return left();
+  SettleOwedLocked();
   Slot& mine = segment_->slots[slot_];
   const bool host = tier != NodeTier::kNvme;
   uint64_t& committed = host ? segment_->host_committed : segment_->nvme_committed;
@@ -720,9 +482,10 @@ Status NodeGovernor::Reserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(ReapDead());
   st = TryReserve(tier, bytes);
   if (st.code() != StatusCode::kOverBudget) return st;
+  std::vector<int> silent;
   if (tier != NodeTier::kNvme) {  // trimming host caches frees no disk
     TrimLocal();
-    SPILLWAY_RETURN_IF_ERROR(RequestTrimAndWait());
+    SPILLWAY_ASSIGN_OR_RETURN(silent, RequestTrimAndWait());
     st = TryReserve(tier, bytes);
     if (st.code() != StatusCode::kOverBudget) return st;
   }
@@ -730,36 +493,33 @@ Status NodeGovernor::Reserve(NodeTier tier, uint64_t bytes) {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     segment_->over_budget++;
   }
-  return Status::OverBudget(DescribeOverBudget(tier, bytes));
+  return Status::OverBudget(DescribeOverBudget(tier, bytes, silent));
 }
 
 void NodeGovernor::Release(NodeTier tier, uint64_t bytes) {
   if (bytes == 0 || !process_.InOwner() || left_.load(std::memory_order_acquire)) return;
-  SegmentLock lock = TakeForRelease(segment_, options_.lock_timeout, path_);
-  Slot& mine = segment_->slots[slot_];
-  uint64_t& held = mine.bytes[static_cast<int>(tier)];
-  uint64_t& committed =
-      tier == NodeTier::kNvme ? segment_->nvme_committed : segment_->host_committed;
-  if (bytes > held || bytes > committed) {  // a bug in the caller: never let the totals wrap
-    Log(LogLevel::kError,
-        StrCat("node governor: local rank ", slot_, " releases ", FormatBytes(bytes), " of ",
-               NodeTierName(tier), " but holds ", FormatBytes(held), "; releasing what it holds"));
-    bytes = std::min(held, committed);
+  auto lock = SegmentLock::Take(segment_, options_.release_timeout, path_);
+  if (!lock.ok()) {
+    // Owed, not lost: given back at this rank's next lock (a free must not wait on a stopped rank).
+    owed_[static_cast<int>(tier)].fetch_add(bytes, std::memory_order_acq_rel);
+    Log(LogLevel::kWarning, StrCat(lock.status().ToString(), "; ", FormatBytes(bytes), " of ",
+                                   NodeTierName(tier), " are owed to the node until then"));
+    return;
   }
-  held -= bytes;
-  committed -= bytes;
+  SettleOwedLocked();
+  ReleaseLocked(tier, bytes);
 }
 
-uint64_t NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
-  auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
-  if (!lock.ok())
-    return segment_->nvme_budget;  // a racy read beats none; the lock's error is logged
+Result<uint64_t> NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
   if (segment_->nvme_budget == 0) segment_->nvme_budget = bytes;
   return segment_->nvme_budget;
 }
 
 void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
-  if (tier == NodeTier::kNvme || !process_.InOwner()) return;
+  if (tier == NodeTier::kNvme || !process_.InOwner() || left_.load(std::memory_order_acquire)) {
+    return;
+  }
   Slot& mine = segment_->slots[slot_];
   for (int k = 0; k < kKindCount; ++k) {
     mine.kinds[static_cast<int>(tier)][k].store(live_by_kind[k], std::memory_order_relaxed);
@@ -767,7 +527,7 @@ void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
 }
 
 void NodeGovernor::PublishWorkers(uint64_t private_bytes, uint32_t workers) {
-  if (!process_.InOwner()) return;
+  if (!process_.InOwner() || left_.load(std::memory_order_acquire)) return;
   Slot& mine = segment_->slots[slot_];
   mine.workers_private.store(private_bytes, std::memory_order_relaxed);
   mine.workers.store(workers, std::memory_order_relaxed);
@@ -775,35 +535,50 @@ void NodeGovernor::PublishWorkers(uint64_t private_bytes, uint32_t workers) {
 
 void NodeGovernor::AddTrimmer(const void* owner, std::function<uint64_t()> trim) {
   std::lock_guard<std::mutex> lock(trim_mu_);
-  trimmers_.push_back({owner, std::move(trim)});
+  trimmers_.push_back(Trimmer{owner, std::move(trim)});
 }
 
 void NodeGovernor::RemoveTrimmer(const void* owner) {
   if (!process_.InOwner()) return;
   std::unique_lock<std::mutex> lock(trim_mu_);
-  trimmers_.erase(std::remove_if(trimmers_.begin(), trimmers_.end(),
-                                 [owner](const Trimmer& t) { return t.owner == owner; }),
-                  trimmers_.end());
-  trims_idle_.wait(lock, [this] { return trims_in_flight_ == 0; });
+  for (Trimmer& t : trimmers_) {
+    if (t.owner == owner) t.removed = true;  // calls that start from now on skip it
+  }
+  trims_idle_.wait(lock, [&] {
+    return std::none_of(trimmers_.begin(), trimmers_.end(),
+                        [&](const Trimmer& t) { return t.owner == owner && t.in_flight != 0; });
+  });
+  trimmers_.remove_if([&](const Trimmer& t) { return t.owner == owner; });
 }
 
 uint64_t NodeGovernor::TrimLocal() {
   if (!process_.InOwner()) return 0;
-  std::vector<std::function<uint64_t()>> calls;
+  std::vector<Trimmer*> calls;
   {
     std::lock_guard<std::mutex> lock(trim_mu_);
-    for (const Trimmer& t : trimmers_) calls.push_back(t.trim);
-    ++trims_in_flight_;
+    for (Trimmer& t : trimmers_) {
+      if (t.removed) continue;
+      ++t.in_flight;
+      calls.push_back(&t);
+    }
   }
   uint64_t freed = 0;
-  for (auto& call : calls) freed += call();  // without trim_mu_: they unmap
+  for (Trimmer* t : calls) freed += t->trim();  // without trim_mu_: they unmap
   std::lock_guard<std::mutex> lock(trim_mu_);
-  if (--trims_in_flight_ == 0) trims_idle_.notify_all();
+  for (Trimmer* t : calls) --t->in_flight;
+  trims_idle_.notify_all();
   return freed;
 }
 
-Status NodeGovernor::RequestTrimAndWait() {
-  std::vector<SlotSnapshot> others;
+bool NodeGovernor::OnWatcherThread() { return t_on_watcher; }
+
+Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
+  struct Other {
+    int index;
+    pid_t pid;
+    uint64_t start_ticks, generation;
+  };
+  std::vector<Other> others;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     segment_->trim_requests++;
@@ -814,40 +589,46 @@ Status NodeGovernor::RequestTrimAndWait() {
       }
     }
   }
-  if (others.empty()) return Status::Ok();
+  std::vector<int> silent;
+  if (others.empty()) return silent;
   const uint32_t request = segment_->trim_word.fetch_add(1, std::memory_order_acq_rel) + 1;
-  Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
+  node::Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
   const uint64_t deadline =
       NowNs() + static_cast<uint64_t>(options_.trim_timeout.count()) * 1'000'000ull;
-  for (const SlotSnapshot& o : others) {
+  for (const Other& o : others) {
     const Slot& slot = segment_->slots[o.index];
+    int polls = 0;
     while (static_cast<int32_t>(slot.trim_ack.load(std::memory_order_acquire) - request) < 0) {
-      // The slot changed hands or its rank died: nothing to wait for.
+      // The slot changed hands, or (checked every 16th poll: kill and /proc) its rank died.
       if (__atomic_load_n(&slot.generation, __ATOMIC_RELAXED) != o.generation ||
-          !Alive(o.pid, o.start_ticks)) {
+          (++polls % 16 == 0 && !node::Alive(o.pid, o.start_ticks))) {
         break;
       }
       if (NowNs() > deadline) {
-        Log(LogLevel::kWarning,
-            StrCat("node governor: local rank ", o.index, " (pid ", o.pid,
-                   ") did not answer a trim request within ", options_.trim_timeout.count(),
-                   " ms (it runs no watcher, or is stopped)"));
+        silent.push_back(o.index);
         break;
       }
       SleepMs(1);
     }
   }
-  return Status::Ok();
+  if (!silent.empty()) {
+    Log(LogLevel::kWarning, StrCat("node governor: ", silent.size(),
+                                   " local rank(s) did not answer a trim request "
+                                   "within ",
+                                   options_.trim_timeout.count(), " ms (no watcher, or stopped)"));
+  }
+  return silent;
 }
 
 void NodeGovernor::WatchLoop() {
+  t_on_watcher = true;
   Slot& mine = segment_->slots[slot_];
   uint32_t seen = mine.trim_ack.load(std::memory_order_relaxed);
   const auto interval = options_.watch_interval;
   while (!stop_.load(std::memory_order_acquire)) {
     timespec timeout{static_cast<time_t>(interval.count() / 1000),
                      static_cast<long>((interval.count() % 1000) * 1'000'000)};
-    Futex(&segment_->trim_word, FUTEX_WAIT, seen, &timeout);
+    node::Futex(&segment_->trim_word, FUTEX_WAIT, seen, &timeout);
     if (stop_.load(std::memory_order_acquire)) break;
     const uint32_t now = segment_->trim_word.load(std::memory_order_acquire);
     if (now != seen) {
@@ -878,6 +659,7 @@ std::string DescribeNodeRanks(const NodeStats& stats) {
   for (const NodeRankStats& r : stats.ranks) {
     out += StrCat(out.empty() ? "" : "; ", "local rank ", r.local_rank, " (pid ", r.pid,
                   ") pinned ", FormatMiB(r.bytes[0]), ", pageable ", FormatMiB(r.bytes[1]));
+    if (r.bytes[2] != 0) out += StrCat(", nvme ", FormatMiB(r.bytes[2]));
     std::string kinds;
     for (int k = 0; k < kKindCount; ++k) {
       if (r.host_by_kind[k] == 0) continue;
@@ -892,17 +674,34 @@ std::string DescribeNodeRanks(const NodeStats& stats) {
   return out.empty() ? "no rank holds anything" : out;
 }
 
-std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes) const {
+std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
+                                             const std::vector<int>& silent) const {
   const NodeStats s = Stats();
-  const bool host = tier != NodeTier::kNvme;
-  const uint64_t budget = host ? s.host_budget_bytes : s.nvme_budget_bytes;
-  const uint64_t committed = host ? s.host_committed_bytes : s.nvme_committed_bytes;
+  if (tier == NodeTier::kNvme) {
+    return StrCat(
+        "node budget: local rank ", slot_, " of job '", options_.job, "' needs ",
+        FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
+        FormatBytes(s.nvme_budget_bytes),
+        " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the job's first NVMe "
+        "arena swaps) has ",
+        FormatBytes(s.nvme_committed_bytes), " booked by ", s.ranks.size(),
+        " rank(s): ", DescribeNodeRanks(s),
+        ". Free space on the disk behind nvme_path and raise SPILLWAY_NODE_NVME_BUDGET_BYTES, keep "
+        "more state in host memory, or run fewer ranks per node");
+  }
+  std::string trimmed = "after every rank trimmed its retained cache";
+  if (!silent.empty()) {
+    std::string names;
+    for (int r : silent) names += StrCat(names.empty() ? "" : ", ", r);
+    trimmed = StrCat("after a trim request that local rank(s) ", names, " did not answer within ",
+                     options_.trim_timeout.count(), " ms");
+  }
   return StrCat(
       "node budget: local rank ", slot_, " of job '", options_.job, "' needs ", FormatBytes(bytes),
-      " more ", NodeTierName(tier), " memory, but the node's ", host ? "host" : "NVMe",
-      " budget of ", FormatBytes(budget), host ? StrCat(" ", DescribeNodeBudget(s)) : std::string(),
-      " has ", FormatBytes(committed), " booked by ", s.ranks.size(),
-      " rank(s) after every rank trimmed its retained cache: ", DescribeNodeRanks(s),
+      " more ", NodeTierName(tier), " memory, but the node's host budget of ",
+      FormatBytes(s.host_budget_bytes), " ", DescribeNodeBudget(s), " has ",
+      FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) ", trimmed,
+      ": ", DescribeNodeRanks(s),
       ". Offload more state to NVMe (offload_optimizer.device / offload_param.device = nvme), run "
       "fewer ranks per node, or raise SPILLWAY_NODE_BUDGET_BYTES (SPILLWAY_NODE_RESERVE_BYTES) "
       "if the node's memory holds more than the reserve keeps back");
@@ -914,66 +713,82 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   if (left_.load(std::memory_order_acquire)) {
     return Status::FailedPrecondition("node governor: Admit after this rank left the node");
   }
+  const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
-    auto& mine = segment_->declarations[slot_];
-    mine.need = need_bytes;
-    mine.fork = workers_fork_bytes;
-    mine.made = 1;
+    Declaration& mine = segment_->declarations[slot_];
+    mine.need += need_bytes;
+    mine.fork += workers_fork_bytes;
+    mine.round = round;
   }
-  const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
-  struct Declared {
-    int local_rank;
-    uint64_t need, fork;
-  };
-  std::vector<Declared> declared;
-  NodeStats snap;
-  while (true) {
-    std::vector<int> missing;
-    {
-      SPILLWAY_ASSIGN_OR_RETURN(auto lock,
-                                SegmentLock::Take(segment_, options_.lock_timeout, path_));
-      declared.clear();
-      for (int r = 0; r < kMaxSlots; ++r) {
-        const auto& d = segment_->declarations[r];
-        if (d.made != 0) {
-          declared.push_back({r, d.need, d.fork});
-        } else if (r < segment_->local_world_size || segment_->slots[r].pid != 0) {
-          missing.push_back(r);  // expected by the launcher, or joined and not yet declared
-        }
-      }
-      snap = ReadStats(segment_, path_);
+  auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
+    const std::string text = segment_->verdict_text;
+    switch (segment_->verdict) {
+      case Verdict::kFits:
+        return Status::Ok();
+      case Verdict::kOverBudget:
+        return Status::OverBudget(text);
+      default:
+        return Status::Make(StatusCode::kUnavailable, text);
     }
-    if (missing.empty()) break;
+  };
+  auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
+    segment_->verdict_round = round;
+    segment_->verdict = v;
+    std::snprintf(segment_->verdict_text, sizeof(segment_->verdict_text), "%s", text.c_str());
+  };
+  const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
+  while (true) {
+    SPILLWAY_RETURN_IF_ERROR(ReapDead());
+    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (segment_->verdict_round >= round) return verdict();
+    std::vector<int> missing;
+    for (int r = 0; r < kMaxSlots; ++r) {
+      const bool expected = r < segment_->local_world_size || segment_->slots[r].pid != 0;
+      if (expected && segment_->declarations[r].round < round) missing.push_back(r);
+    }
+    if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
+      const NodeStats snap = node::ReadStats(segment_, path_);
+      uint64_t total = 0;
+      std::string each;
+      int declared = 0;
+      for (int r = 0; r < kMaxSlots; ++r) {
+        const Declaration& d = segment_->declarations[r];
+        if (d.round == 0) continue;
+        ++declared;
+        total += d.need;
+        each += StrCat(each.empty() ? "" : "; ", "local rank ", r, " ", FormatMiB(d.need),
+                       d.fork != 0
+                           ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
+                           : std::string());
+      }
+      if (total <= snap.host_budget_bytes) {
+        write(Verdict::kFits, "");
+      } else {
+        write(Verdict::kOverBudget,
+              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
+                     "' need ", FormatBytes(total),
+                     " of host memory together, more than the node budget of ",
+                     FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
+                     ". Each rank's need: ", each, ". Nothing was allocated.",
+                     detail.empty() ? "" : " ", detail));
+      }
+      return verdict();
+    }
     if (NowNs() > deadline) {
       std::string names;
       for (int r : missing) names += StrCat(names.empty() ? "" : ", ", r);
-      return Status::Make(
-          StatusCode::kUnavailable,
-          StrCat("node admission: local rank(s) ", names, " of job '", options_.job,
-                 "' did not declare their host memory within ", timeout.count(),
-                 " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
-                 "declared size). Check that they started, or raise the timeout"));
+      write(Verdict::kAborted,
+            StrCat("node admission: local rank(s) ", names, " of job '", options_.job,
+                   "' did not declare their host memory within ", timeout.count(),
+                   " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
+                   "declared size). Check that they started, or raise "
+                   "SPILLWAY_NODE_ADMIT_TIMEOUT"));
+      return verdict();
     }
+    { auto unlock = std::move(lock); }
     SleepMs(5);
   }
-  std::sort(declared.begin(), declared.end(),
-            [](const Declared& a, const Declared& b) { return a.local_rank < b.local_rank; });
-  uint64_t total = 0;
-  std::string each;
-  for (const Declared& d : declared) {
-    total += d.need;
-    each +=
-        StrCat(each.empty() ? "" : "; ", "local rank ", d.local_rank, " ", FormatMiB(d.need),
-               d.fork != 0 ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
-                           : std::string());
-  }
-  if (total <= snap.host_budget_bytes) return Status::Ok();
-  return Status::OverBudget(StrCat(
-      "node admission: the ", declared.size(), " local ranks of job '", options_.job, "' need ",
-      FormatBytes(total), " of host memory together, more than the node budget of ",
-      FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
-      ". Each rank's need: ", each, ". Nothing was allocated.", detail.empty() ? "" : " ", detail));
 }
 
 NodeStats NodeGovernor::Stats() const {
@@ -991,7 +806,7 @@ NodeStats NodeGovernor::Snapshot() const {
     empty.path = path_;
     return empty;
   }
-  return ReadStats(segment_, path_);
+  return node::ReadStats(segment_, path_);
 }
 
 Status NodeGovernor::Validate() const {
@@ -1016,8 +831,8 @@ Status NodeGovernor::Validate() const {
 
 Result<NodeStats> NodeGovernor::Inspect(const std::string& path,
                                         std::chrono::milliseconds lock_timeout) {
-  SPILLWAY_ASSIGN_OR_RETURN(Mapped m, OpenExisting(path, lock_timeout));
-  auto reaped = Reap(m.segment, -1, lock_timeout, path);
+  SPILLWAY_ASSIGN_OR_RETURN(Mapped m, node::OpenExisting(path, lock_timeout));
+  auto reaped = node::Reap(m.segment, -1, lock_timeout, path);
   if (!reaped.ok()) {
     Unmap(m);
     return reaped.status();
@@ -1029,7 +844,7 @@ Result<NodeStats> NodeGovernor::Inspect(const std::string& path,
       Unmap(m);
       return lock.status();
     }
-    out = ReadStats(m.segment, path);
+    out = node::ReadStats(m.segment, path);
   }
   Unmap(m);
   return out;
@@ -1040,6 +855,7 @@ std::vector<std::string> NodeGovernor::ListSegments(const std::string& dir) {
   const std::string prefix = StrCat("spillway-node-", geteuid(), "-");
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return out;
+  // NOLINTNEXTLINE(concurrency-mt-unsafe): the stream is this call's own (glibc locks per DIR)
   while (dirent* e = readdir(d)) {
     if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
       out.push_back(StrCat(dir, "/", e->d_name));
@@ -1053,24 +869,9 @@ std::vector<std::string> NodeGovernor::ListSegments(const std::string& dir) {
 int NodeGovernor::RemoveDeadSegments(const std::string& dir) {
   int removed = 0;
   for (const std::string& path : ListSegments(dir)) {
-    auto opened = OpenExisting(path, std::chrono::milliseconds(50));
-    if (!opened.ok()) continue;  // being made, or not ours to judge: left alone
-    Mapped m = *opened;
-    bool close_it = false;
-    if (Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
-      auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
-      if (lock.ok() && m.segment->closed == 0 &&
-          std::none_of(std::begin(m.segment->slots), std::end(m.segment->slots),
-                       [](const Slot& s) { return s.pid != 0; })) {
-        m.segment->closed = 1;  // this process closed it, so this process unlinks it
-        close_it = true;
-      }
-    }
-    Unmap(m);
-    if (close_it && unlink(path.c_str()) == 0) {
-      ++removed;
-      Log(LogLevel::kInfo, StrCat("node governor: removed ", path, ": every rank of it is gone"));
-    }
+    auto dir_lock = DirLock::Take(dir, std::chrono::milliseconds(1000));
+    if (!dir_lock.ok()) break;  // another process is making or removing one: leave it the rest
+    if (RemoveIfDead(path, LogLevel::kInfo)) ++removed;
   }
   return removed;
 }

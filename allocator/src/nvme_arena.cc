@@ -129,8 +129,20 @@ Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options, I
     // space where it swaps (each rank's own default budget is the same 90%; the node's caps their
     // sum).
     struct statvfs vfs {};
-    if (statvfs(options.directory.c_str(), &vfs) == 0) {
-      options.node->OfferNvmeBudget(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / 10 * 9);
+    if (statvfs(options.directory.c_str(), &vfs) != 0) {
+      const int err = errno;
+      engine->UnregisterFile(*file_id).IgnoreError();  // undoing: the statvfs error is reported
+      close(*fd);
+      return Status::FromErrno(StatusCode::kUnavailable, err,
+                               StrCat("nvme arena '", options.name, "': statvfs of '",
+                                      options.directory, "' for the node's NVMe budget"));
+    }
+    auto offered =
+        options.node->OfferNvmeBudget(static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / 10 * 9);
+    if (!offered.ok()) {
+      engine->UnregisterFile(*file_id).IgnoreError();  // undoing: the lock's error is reported
+      close(*fd);
+      return offered.status().WithContext(StrCat("nvme arena '", options.name, "'"));
     }
   }
   Ledger* ledger = options.ledger != nullptr ? options.ledger : &Ledger::Default();
@@ -162,9 +174,12 @@ NvmeArena::~NvmeArena() {
   if (process_.InOwner()) {  // a forked child's engine refuses: only its own fd is closed
     Status st = engine_->UnregisterFile(file_id_);
     if (!st.ok()) Log(LogLevel::kError, st.ToString());
-    if (options_.node != nullptr) options_.node->Release(NodeTier::kNvme, extents_.span_bytes());
   }
   close(fd_);  // the file was never linked: closing it frees the space
+  // Given back once the space is free, so another rank's growth cannot meet ENOSPC for it.
+  if (process_.InOwner() && options_.node != nullptr) {
+    options_.node->Release(NodeTier::kNvme, extents_.span_bytes());
+  }
 }
 
 Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "spillway/allocator/node_governor.h"
+#include "spillway/base/bytes.h"
 #include "spillway/cli/leak_suite.h"
 #include "spillway/engine/cuda_kernels.h"
 #include "spillway/offload/config.h"
@@ -77,9 +78,16 @@ int main(int argc, char** argv) {
   std::string params_text, host_text, nvme_text = "0", config_path;
   uint32_t world = 1, nodes = 1;
   plan->add_option("--params", params_text, "model parameters, e.g. 34e9 (not with --trainer)");
-  plan->add_option("--world-size", world, "ranks (GPUs) in total")->check(CLI::PositiveNumber);
+  uint32_t nproc_per_node = 0;
+  auto* world_opt =
+      plan->add_option("--world-size", world, "ranks (GPUs) in total")->check(CLI::PositiveNumber);
+  plan->add_option("--nproc-per-node", nproc_per_node,
+                   "ranks on each node (torchrun's flag); the world size is this times --nodes")
+      ->check(CLI::PositiveNumber)
+      ->excludes(world_opt);
   plan->add_option("--nodes", nodes, "machines")->check(CLI::PositiveNumber);
-  plan->add_option("--host-ram", host_text, "host memory per node, e.g. 1TiB")->required();
+  plan->add_option("--host-ram,--host-mem", host_text, "host memory per node, e.g. 1TiB")
+      ->required();
   plan->add_option("--nvme", nvme_text, "NVMe bytes per node, e.g. 4TiB (default 0)");
   plan->add_option("--config", config_path,
                    "DeepSpeed JSON config (default: stage 3, no offload; with --trainer, spillway "
@@ -295,6 +303,7 @@ int main(int argc, char** argv) {
     return *r == 0 ? 0 : 1;
   }
   if (plan->parsed()) {
+    if (nproc_per_node != 0) world = nproc_per_node * nodes;
     PlanInput in;
     if (plan_trainer) {
 #if SPILLWAY_WITH_TORCH
@@ -354,6 +363,23 @@ int main(int argc, char** argv) {
     std::printf("spillway plan: %s%.3g parameters, %u ranks on %u node(s), GPU memory %s\n\n%s",
                 plan_trainer ? "spillway train's trainer, " : "", in.params, world, nodes,
                 gpu_mem_text == "0" ? "not checked" : gpu_mem_text.c_str(), r->ToString().c_str());
+    // The node verdict under Spillway's node budget (Note [Node governor] in docs/allocator.md):
+    // what every local rank books at the steady state, against the default node budget.
+    const uint64_t node_budget = spillway::allocator::DefaultNodeHostBudget(in.host_ram_bytes);
+    const uint64_t booked = r->host_committed_per_node;
+    std::printf(
+        "\nnode budget (host RAM %s less the reserve %s): %s; the %u ranks of a node book %s at "
+        "the steady state and declare %s at admission, %s%s\n",
+        spillway::FormatBytes(in.host_ram_bytes).c_str(),
+        spillway::FormatBytes(spillway::allocator::DefaultNodeReserve(in.host_ram_bytes)).c_str(),
+        spillway::FormatBytes(node_budget).c_str(), world / nodes,
+        spillway::FormatBytes(booked).c_str(),
+        spillway::FormatBytes(r->per_node[static_cast<int>(Place::kHostPinned)] +
+                              r->per_node[static_cast<int>(Place::kHostPageable)] +
+                              r->fork_extra_spillway_per_node)
+            .c_str(),
+        booked <= node_budget ? "within it" : "over it: every rank would fail at admission",
+        booked <= node_budget ? "" : " (see the settings above)");
     return r->fits ? 0 : 1;
   }
   return 2;

@@ -83,7 +83,8 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
 
 
 def leave():
-    """Drops this process's hold on the node segment; it leaves the node when its arenas are gone."""
+    """Leaves the node now: this rank's slot and every byte it booked are given back, and regions
+    its arenas map afterwards are refused (spillway.FailedPrecondition). Done at exit by itself."""
     _spillway._node_leave()
 
 

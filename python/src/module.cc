@@ -212,11 +212,14 @@ PYBIND11_MODULE(_spillway, m) {
           },
           py::keep_alive<1, 2>())
       .def("_watch_node", [](metrics::Exporter& e) {
-        // The node governor lives as long as the process's arenas; it is kept here too.
-        static std::shared_ptr<allocator::NodeGovernor> kept;
-        kept = allocator::NodeGovernor::Current();
-        if (kept != nullptr) e.Watch(kept.get());
-        return kept != nullptr;
+        // The exporter holds a raw pointer: every governor it watches is kept for the life of
+        // the process (one per join, at most a few).
+        static auto* kept = new std::vector<std::shared_ptr<allocator::NodeGovernor>>();
+        std::shared_ptr<allocator::NodeGovernor> g = allocator::NodeGovernor::Current();
+        if (g == nullptr) return false;
+        kept->push_back(g);
+        e.Watch(g.get());
+        return true;
       });
   python::BindEngine(m);
   python::BindNode(m);

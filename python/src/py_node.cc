@@ -108,8 +108,16 @@ void BindNode(py::module_& m) {
       py::arg("job"), py::arg("local_rank"), py::arg("local_world_size"),
       py::arg("host_budget_bytes"), py::arg("memory_limit_bytes"), py::arg("nvme_budget_bytes"),
       py::arg("dir") = "/dev/shm");
-  // Drops the process's reference: the governor leaves the node when its last arena is gone.
-  m.def("_node_leave", [] { NodeGovernor::SetCurrent(nullptr); });
+  // Leaves the node now (the slot is freed; the arenas' later regions are refused) and drops the
+  // process's reference.
+  m.def("_node_leave", [] {
+    std::shared_ptr<NodeGovernor> g = NodeGovernor::Current();
+    if (g != nullptr) {
+      py::gil_scoped_release nogil;
+      g->Leave();
+    }
+    NodeGovernor::SetCurrent(nullptr);
+  });
   // At interpreter exit (spillway.node registers it): frees this rank's slot now, while its arenas
   // still exist, so the last rank out removes the segment.
   m.def("_node_exit", [] {

@@ -246,7 +246,15 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
   (*e)->Watch(&ledger);
   auto opt = std::move(engine::HostOptimizer::Create({}).value());
   (*e)->Watch(opt.get());
+  allocator::NodeGovernorOptions go;  // the node's ledger, for the node panels
+  go.job = StrCat("exporter-test-", getpid());
+  go.local_rank = 0;
+  go.host_budget_bytes = 256 * kMiB;
+  auto node = allocator::NodeGovernor::Join(go);
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  (*e)->Watch(node->get());
   const std::string exposition = (*e)->Render();
+  (*e)->Unwatch(node->get());
   std::ifstream in(std::string(SPILLWAY_SOURCE_DIR) + "/docs/grafana/spillway.json");
   ASSERT_TRUE(in.good());
   auto dash = nlohmann::json::parse(in);
@@ -331,7 +339,25 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   g[7] = INFINITY;
   ASSERT_TRUE(opt->Step({&sg, 1})->skipped);
   (*e)->Watch(opt.get());
+  // Two local ranks of one job on the node: rank 1 books 8 MiB pinned.
+  allocator::NodeGovernorOptions go;
+  go.job = StrCat("exporter-promtool-", getpid());
+  go.local_rank = 0;
+  go.host_budget_bytes = 512 * kMiB;
+  auto rank0 = std::move(allocator::NodeGovernor::Join(go).value());
+  go.local_rank = 1;
+  go.host_budget_bytes = 0;
+  auto rank1 = std::move(allocator::NodeGovernor::Join(go).value());
+  ASSERT_TRUE(rank1->Reserve(allocator::NodeTier::kPinned, 8 * kMiB).ok());
+  (*e)->Watch(rank0.get());
   const std::string text = (*e)->Render();
+  (*e)->Unwatch(rank0.get());
+  EXPECT_EQ(Sample(text, "spillway_node_budget_bytes{tier=\"host\"}"), 512.0 * kMiB);
+  EXPECT_EQ(Sample(text, "spillway_node_committed_bytes{tier=\"host\"}"), 8.0 * kMiB);
+  EXPECT_EQ(Sample(text, "spillway_node_headroom_bytes"), 504.0 * kMiB);
+  EXPECT_EQ(Sample(text, "spillway_node_ranks"), 2);
+  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{local_rank=\"1\",tier=\"pinned\"}"), 8.0 * kMiB);
+  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{local_rank=\"0\",tier=\"pinned\"}"), 0);
   const std::string isa = StrCat("{isa=\"", engine::IsaName(opt->isa()), "\"}");
   EXPECT_EQ(Sample(text, "spillway_optimizer_steps_total" + isa), 1);
   EXPECT_EQ(Sample(text, "spillway_optimizer_skipped_steps_total" + isa), 1);

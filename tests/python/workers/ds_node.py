@@ -82,7 +82,8 @@ for epoch in range(epochs):
         engine.step()
         losses.append(loss.item())
         progress.write(f"{epoch} {step}\n")
-report = {"rank": rank, "pid": os.getpid(), "losses": losses}
+report = {"rank": rank, "pid": os.getpid(), "losses": losses, "config": config,
+          "params": sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())}
 if mode == "spillway":
     report["node"] = {k: v for k, v in spillway.node.stats().items() if k != "text"}
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

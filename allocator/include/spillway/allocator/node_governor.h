@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -55,15 +56,16 @@ struct NodeGovernorOptions {
   std::string job;  // required: names the segment with the user id
   std::string dir = "/dev/shm";
   int local_rank = -1;       // the slot this rank takes; -1: the first free one
-  int local_world_size = 0;  // ranks Admit waits for; 0: only those already joined
+  int local_world_size = 0;  // ranks Admit waits for; 0: the ranks that have joined
   // 0: DefaultNodeHostBudget() when this rank creates the segment, the segment's when it joins.
   // A non-zero value must equal the segment's (every rank of a job passes the same).
   uint64_t host_budget_bytes = 0;
   uint64_t memory_limit_bytes = 0;  // 0: MemoryLimitBytes(); what the default budget comes from
-  uint64_t nvme_budget_bytes = 0;   // 0: NVMe is counted, not capped
-  std::chrono::milliseconds trim_timeout{2000};   // how long Reserve waits for other ranks' trims
-  std::chrono::milliseconds lock_timeout{5000};   // the segment's lock; past it, an error
-  std::chrono::milliseconds watch_interval{200};  // the watcher's tick: dead ranks reaped by then
+  uint64_t nvme_budget_bytes = 0;   // 0: set by the first NVMe arena (OfferNvmeBudget)
+  std::chrono::milliseconds trim_timeout{2000};    // how long Reserve waits for other ranks' trims
+  std::chrono::milliseconds lock_timeout{5000};    // the segment's lock; past it, an error
+  std::chrono::milliseconds release_timeout{100};  // a Release past it is owed (settled later)
+  std::chrono::milliseconds watch_interval{200};   // the watcher's tick: dead ranks reaped by then
   bool watcher = true;  // a thread that serves other ranks' trim requests and reaps dead ranks
 };
 
@@ -108,9 +110,16 @@ std::string DescribeNodeBudget(const NodeStats& stats);
 // 1.0 GiB, pageable 3.0 GiB (optimizer_state 2.5 GiB, ...); ...".
 std::string DescribeNodeRanks(const NodeStats& stats);
 
+namespace node {
+struct Segment;  // the shared layout (src/node_segment.h)
+}  // namespace node
+
 // Thread-safe. The segment's robust, process-shared mutex guards the slots' byte counts and the
-// totals; it is held for bookkeeping only (no syscall under it) and taken with a deadline. A rank
-// that dies holding it leaves it to the next locker, which recomputes the totals from the slots.
+// totals; it is held for bookkeeping only (no system call under it) and taken with a deadline. A
+// rank that dies holding it leaves it to the next locker, which recomputes the totals from the
+// slots. Every change to this rank's slot is made under the lock only while the slot is still
+// this process's (its pid and generation): after Leave, or after another process reaped it, a
+// late Reserve refuses and a late Release does nothing.
 // Invariants (under the segment lock, checked by Validate):
 //   host_committed == sum over occupied slots of (pinned + pageable) <= host_budget
 //   nvme_committed == sum over occupied slots of nvme (<= nvme_budget when one is set)
@@ -126,18 +135,19 @@ class NodeGovernor {
       const std::string& path, std::chrono::milliseconds lock_timeout = std::chrono::seconds(5));
   // Segments of this user in `dir` (paths), live or not.
   static std::vector<std::string> ListSegments(const std::string& dir = "/dev/shm");
-  // Removes this user's segments in `dir` whose ranks are all gone. Returns how many.
+  // Removes this user's segments in `dir` whose ranks are all gone, and segments left half made
+  // or half removed by a killed process. Returns how many.
   static int RemoveDeadSegments(const std::string& dir = "/dev/shm");
   static std::string SegmentPath(const std::string& dir, const std::string& job);
 
   // Leave(), then unmaps the segment.
   ~NodeGovernor();
+  NodeGovernor(const NodeGovernor&) = delete;
+  NodeGovernor& operator=(const NodeGovernor&) = delete;
   // Gives back every byte this rank holds and frees its slot; the last rank out removes the
   // segment. Afterwards Reserve and Admit refuse (FAILED_PRECONDITION) and Release does nothing:
   // for a process that exits while its arenas still exist (Python's atexit). Idempotent.
   void Leave();
-  NodeGovernor(const NodeGovernor&) = delete;
-  NodeGovernor& operator=(const NodeGovernor&) = delete;
 
   // Books `bytes` of `tier` for this rank. When the node budget would be crossed: reaps dead
   // ranks, then (host tiers) runs this rank's trimmers, asks every other rank to trim and waits
@@ -146,31 +156,39 @@ class NodeGovernor {
   Status Reserve(NodeTier tier, uint64_t bytes);
   // Reserve without the pressure steps: OK or OVER_BUDGET at once.
   Status TryReserve(NodeTier tier, uint64_t bytes);
+  // Gives bytes back. Waits at most release_timeout for the segment's lock; past it the bytes are
+  // owed and given back at this rank's next lock (a release never blocks a free for long).
   void Release(NodeTier tier, uint64_t bytes);
   // Sets the node's NVMe budget when none is set yet (the first NVMe arena of the job offers 90%
-  // of its directory's free space). Returns the budget in force.
-  uint64_t OfferNvmeBudget(uint64_t bytes);
+  // of its directory's free space). Returns the budget in force, or the error taking the lock.
+  Result<uint64_t> OfferNvmeBudget(uint64_t bytes);
 
   // Published for reports, without the lock (relaxed stores into the slot).
   void PublishKinds(NodeTier tier, const KindBytes& live_by_kind);
   void PublishWorkers(uint64_t private_bytes, uint32_t workers);
 
-  // Admission: declares that this rank will hold `need_bytes` of host memory (of which
-  // `workers_fork_bytes` is its workers' expected copy-on-write), then waits until every expected
-  // local rank has declared (local_world_size; at most `timeout`) and checks the sum against the
-  // node budget. Every rank reads the same declarations, so all of them pass or all of them fail
-  // with the same OVER_BUDGET text, without a collective. `detail` (the rank's plan, the keys that
-  // would make it fit) is added to the message. A timeout names the local ranks that never
-  // declared.
+  // Admission, in rounds (one per call in each rank, e.g. one per DeepSpeed engine): declares
+  // that this rank will hold `need_bytes` more host memory (of which `workers_fork_bytes` is its
+  // workers' expected copy-on-write), waits until every expected local rank has declared this
+  // round (local_world_size; at most `timeout`), and checks the sum of every rank's declarations
+  // so far against the node budget. The first rank to see the round complete writes its verdict
+  // into the segment and every rank returns that verdict: all pass, or all fail with the same
+  // OVER_BUDGET text, without a collective. A rank that times out writes an UNAVAILABLE verdict
+  // naming the ranks that never declared, which a late rank then returns too. `detail` (the plan,
+  // the keys that would make it fit) is added to the message.
   Status Admit(uint64_t need_bytes, uint64_t workers_fork_bytes, std::chrono::milliseconds timeout,
                const std::string& detail);
 
   // A trimmer gives memory back to the OS on request (an arena's Trim) and returns the bytes.
-  // RemoveTrimmer returns after every call of it in flight has returned.
+  // RemoveTrimmer returns after every call of it in flight has returned; calls that start after
+  // it began skip it.
   void AddTrimmer(const void* owner, std::function<uint64_t()> trim);
   void RemoveTrimmer(const void* owner);
   // Runs this process's trimmers now. Returns the bytes they gave back.
   uint64_t TrimLocal();
+  // True on a governor's watcher thread (a trimmer there runs on a thread Spillway made: a CUDA
+  // arena binds it to its device first).
+  static bool OnWatcherThread();
 
   NodeStats Stats() const;     // reaps dead ranks first (system calls: kill, /proc)
   NodeStats Snapshot() const;  // as the segment is now: its lock only (for metrics scrapes)
@@ -180,37 +198,48 @@ class NodeGovernor {
   const std::string& job() const { return options_.job; }
   uint64_t host_budget_bytes() const;
 
-  // The process's governor, set by the one that joins for the process (spillway.install(),
-  // `spillway train`): arenas made with HostArenaOptions::node unset use it. Null when none.
+  // The process's governor, set by the one that joins for the process (spillway.install()):
+  // arenas made with HostArenaOptions::node unset use it. Null when none, and in a forked child.
   static std::shared_ptr<NodeGovernor> Current();
   static void SetCurrent(std::shared_ptr<NodeGovernor> governor);
 
-  struct Segment;  // the shared layout (node_governor.cc)
-
  private:
-  NodeGovernor(NodeGovernorOptions options, std::string path, int fd, Segment* segment, int slot);
+  NodeGovernor(NodeGovernorOptions options, std::string path, int fd, node::Segment* segment,
+               int slot, uint64_t generation);
   Status ReapDead() const;
   void WatchLoop();
-  Status RequestTrimAndWait();
-  std::string DescribeOverBudget(NodeTier tier, uint64_t bytes) const;
+  // Asks every other rank to trim and waits; returns the ranks that did not answer in time.
+  Result<std::vector<int>> RequestTrimAndWait();
+  std::string DescribeOverBudget(NodeTier tier, uint64_t bytes,
+                                 const std::vector<int>& silent) const;
+  // Private methods that end in Locked assume the segment's lock.
+  bool OwnsSlotLocked() const;
+  void SettleOwedLocked();
+  void ReleaseLocked(NodeTier tier, uint64_t bytes);
 
   const NodeGovernorOptions options_;
   const std::string path_;
   const int fd_;
-  Segment* const segment_;
+  node::Segment* const segment_;
   const int slot_;
+  const uint64_t generation_;  // the slot's generation when this rank claimed it
   const ProcessTag process_;
+  const pid_t pid_;
+
+  std::atomic<bool> left_{false};
+  std::atomic<uint64_t> owed_[kNodeTierCount] = {};  // releases that could not take the lock
+  std::atomic<uint32_t> admit_rounds_{0};            // Admit calls so far
 
   std::mutex trim_mu_;
   struct Trimmer {
     const void* owner;
     std::function<uint64_t()> trim;
+    int in_flight = 0;     // guarded by trim_mu_
+    bool removed = false;  // guarded by trim_mu_
   };
-  std::vector<Trimmer> trimmers_;  // guarded by trim_mu_
-  int trims_in_flight_ = 0;        // guarded by trim_mu_
+  std::list<Trimmer> trimmers_;  // guarded by trim_mu_ (a list: entries stay put while called)
   ForkSafeCondition trims_idle_;
 
-  std::atomic<bool> left_{false};
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };
