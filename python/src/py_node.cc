@@ -27,6 +27,7 @@ py::dict StatsToDict(const NodeStats& s) {
   d["path"] = s.path;
   d["memory_limit_bytes"] = s.memory_limit_bytes;
   d["reserve_bytes"] = s.reserve_bytes;
+  d["budget_explicit"] = s.budget_explicit;
   d["host_budget_bytes"] = s.host_budget_bytes;
   d["nvme_budget_bytes"] = s.nvme_budget_bytes;
   d["host_committed_bytes"] = s.host_committed_bytes;

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "spillway/allocator/node_governor.h"
+
 namespace {
 
 struct Outcome {
@@ -158,3 +160,67 @@ TEST(CliTest, AskingForAGpuThatIsNotThereIsAnErrorNotACpuRun) {
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_EQ(r.out.find("end of epoch"), std::string::npos) << "it trained anyway: " << r.out;
 }
+
+namespace {
+
+TEST(CliTest, PlanTakesTorchrunsFlagsAndGivesTheNodeVerdict) {
+  const std::string cfg = WriteConfig("node.json", R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})");
+  Outcome r = Spillway("plan --params 7e9 --nproc-per-node 8 --config " + cfg +
+                       " --host-mem 256GiB --gpu-mem 0");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("8 ranks on 1 node(s)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("node budget (host RAM 256.00 GiB (274877906944 bytes) less the reserve "
+                       "32.00 GiB (34359738368 bytes)): 224.00 GiB"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("within it"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --nproc-per-node 8 --config " + cfg +
+               " --host-mem 64GiB --gpu-mem 0");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("over it: every rank would fail at admission"), std::string::npos) << r.out;
+  r = Spillway("plan --params 7e9 --nproc-per-node 8 --world-size 8 --host-mem 64GiB");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("excludes"), std::string::npos) << r.out;
+}
+
+// `spillway node` reads a live job's segment from outside: a forked process joins as local rank 0
+// of a job named here and books 24 MiB; the command prints the ledger.
+TEST(CliTest, NodePrintsTheLedgerOfALiveJobAndSaysWhenThereIsNone) {
+  const std::string job = "cli-test-" + std::to_string(getpid());
+  int ready[2], done[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(done), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    spillway::allocator::NodeGovernorOptions o;
+    o.job = job;
+    o.local_rank = 0;
+    o.host_budget_bytes = 512ull << 20;
+    auto g = spillway::allocator::NodeGovernor::Join(o);
+    if (!g.ok() || !(*g)->Reserve(spillway::allocator::NodeTier::kPinned, 24ull << 20).ok()) {
+      _exit(1);
+    }
+    char b = 1;
+    if (write(ready[1], &b, 1) != 1 || read(done[0], &b, 1) != 1) _exit(2);
+    g->reset();
+    _exit(0);
+  }
+  char b = 0;
+  ASSERT_EQ(read(ready[0], &b, 1), 1);
+  Outcome r = Spillway("node --job " + job);
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("job " + job), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host budget 512.00 MiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host committed 24.00 MiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("24.0 MiB"), std::string::npos) << "rank 0's pinned column: " << r.out;
+  ASSERT_EQ(write(done[1], &b, 1), 1);
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  r = Spillway("node --job " + job);  // the last rank out removed the segment
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("no node segment"), std::string::npos) << r.out;
+}
+
+}  // namespace
