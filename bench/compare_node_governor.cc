@@ -1,7 +1,8 @@
 // compare_node_governor: what the node budget costs a rank (Note [Node governor]). Three
 // measurements, each interleaved A/B/A/B in one run, medians and spread of the ratios printed:
 //   fast path    alloc/free pairs inside mapped regions: HostArena with a NodeGovernor against the
-//                same arena without (the governor is not on this path at all: expect the A/A band);
+//                same arena without, fresh arenas each round (the governor is not on this path at
+//                all: expect the A/A band);
 //   region path  alloc/free pairs that map and unmap a dedicated region each (retain limit 0): the
 //                region is booked and given back on the node segment around mmap/munmap;
 //   A/A          the plain arena against itself: the noise band the other two sit in.
@@ -68,13 +69,20 @@ struct Ratio {
   double median, low, high;
 };
 
-// Interleaves a and b `rounds` times; returns the median b/a ratio and its range.
+// Interleaves a and b `rounds` times, alternating which runs first (ABBA: the second of a pair
+// runs on warmer caches); returns the median b/a ratio and its range.
 template <typename A, typename B>
 Ratio Interleaved(int rounds, A a, B b) {
   std::vector<double> ratios;
   for (int r = 0; r < rounds; ++r) {
-    const double ta = a();
-    const double tb = b();
+    double ta = 0, tb = 0;
+    if (r % 2 == 0) {
+      ta = a();
+      tb = b();
+    } else {
+      tb = b();
+      ta = a();
+    }
     ratios.push_back(tb / ta);
   }
   auto [lo, hi] = std::minmax_element(ratios.begin(), ratios.end());
@@ -119,20 +127,19 @@ int main(int argc, char** argv) {
   const std::string job = StrCat("bench-", getpid());
   auto node = Join(job, 0, 64ull << 30);
   Ledger ledger;
-  auto plain = MakeArena(&ledger, nullptr, 256 * kMiB);
-  auto plain2 = MakeArena(&ledger, nullptr, 256 * kMiB);
-  auto governed = MakeArena(&ledger, node, 256 * kMiB);
   const uint64_t small = 64 * 1024;
-  PairsNs(plain.get(), small, 1000);  // map each arena's first region before timing
-  PairsNs(plain2.get(), small, 1000);
-  PairsNs(governed.get(), small, 1000);
+  // Fresh arenas every round, so no one arena's placement in memory (which two plain arenas
+  // differ by, a few percent) decides the ratio; each maps its first region before timing.
+  auto fresh_pairs = [&](std::shared_ptr<NodeGovernor> with) {
+    auto arena = MakeArena(&ledger, std::move(with), 256 * kMiB);
+    PairsNs(arena.get(), small, 1000);
+    return PairsNs(arena.get(), small, pairs);
+  };
   const Ratio aa = Interleaved(
-      rounds, [&] { return PairsNs(plain.get(), small, pairs); },
-      [&] { return PairsNs(plain2.get(), small, pairs); });
+      rounds, [&] { return fresh_pairs(nullptr); }, [&] { return fresh_pairs(nullptr); });
   const Ratio fast = Interleaved(
-      rounds, [&] { return PairsNs(plain.get(), small, pairs); },
-      [&] { return PairsNs(governed.get(), small, pairs); });
-  const double fast_ns = PairsNs(plain.get(), small, pairs);
+      rounds, [&] { return fresh_pairs(nullptr); }, [&] { return fresh_pairs(node); });
+  const double fast_ns = fresh_pairs(nullptr);
   auto plain_r = MakeArena(&ledger, nullptr, 0);
   auto governed_r = MakeArena(&ledger, node, 0);
   const uint64_t big = 8 * kMiB;  // >= region / 8: a dedicated region, unmapped at free (retain 0)

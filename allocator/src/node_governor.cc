@@ -596,7 +596,7 @@ Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
   const uint64_t deadline =
       NowNs() + static_cast<uint64_t>(options_.trim_timeout.count()) * 1'000'000ull;
   for (const Other& o : others) {
-    const Slot& slot = segment_->slots[o.index];
+    Slot& slot = segment_->slots[o.index];
     int polls = 0;
     while (static_cast<int32_t>(slot.trim_ack.load(std::memory_order_acquire) - request) < 0) {
       // The slot changed hands, or (checked every 16th poll: kill and /proc) its rank died.
@@ -608,7 +608,12 @@ Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
         silent.push_back(o.index);
         break;
       }
-      SleepMs(1);
+      // Woken by the rank's watcher when it acknowledges (at most 1 ms, for the checks above).
+      const uint32_t ack = slot.trim_ack.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(ack - request) < 0) {
+        const timespec one_ms{0, 1'000'000};
+        node::Futex(&slot.trim_ack, FUTEX_WAIT, ack, &one_ms);
+      }
     }
   }
   if (!silent.empty()) {
@@ -635,6 +640,7 @@ void NodeGovernor::WatchLoop() {
       TrimLocal();
       mine.trims.fetch_add(1, std::memory_order_relaxed);
       mine.trim_ack.store(now, std::memory_order_release);
+      node::Futex(&mine.trim_ack, FUTEX_WAKE, INT_MAX, nullptr);
       seen = now;
     }
     Status st = ReapDead();
