@@ -98,12 +98,23 @@ void RecomputeTotals(Segment* s) {
 
 Result<SegmentLock> SegmentLock::Take(Segment* s, std::chrono::milliseconds timeout,
                                       const std::string& path) {
+#if defined(__SANITIZE_THREAD__)
+  // TSan intercepts pthread_mutex_timedlock but not pthread_mutex_clocklock (it would see every
+  // unlock as one of an unlocked mutex): the wall clock's deadline under TSan only.
+  constexpr clockid_t kClock = CLOCK_REALTIME;
+#else
+  constexpr clockid_t kClock = CLOCK_MONOTONIC;  // a wall-clock step cannot stretch the wait
+#endif
   timespec deadline{};
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  clock_gettime(kClock, &deadline);
   const int64_t ns = deadline.tv_nsec + (timeout.count() % 1000) * 1'000'000;
   deadline.tv_sec += timeout.count() / 1000 + ns / 1'000'000'000;
   deadline.tv_nsec = ns % 1'000'000'000;
-  const int rc = pthread_mutex_clocklock(&s->mu, CLOCK_MONOTONIC, &deadline);
+#if defined(__SANITIZE_THREAD__)
+  const int rc = pthread_mutex_timedlock(&s->mu, &deadline);
+#else
+  const int rc = pthread_mutex_clocklock(&s->mu, kClock, &deadline);
+#endif
   if (rc == 0) return SegmentLock(s, false, &path);
   if (rc == EOWNERDEAD) {
     RecomputeTotals(s);
