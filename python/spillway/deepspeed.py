@@ -82,12 +82,15 @@ def _aio_handle(*args, arena=None, **kwargs):
     """DeepSpeed's `aio_handle(block_size, queue_depth, single_submit, overlap_events,
     intra_op_parallelism)`: Spillway's, with its locked buffers (new_cpu_locked_tensor, DeepSpeed's
     NVMe swap buffers) in the pinned arena spillway.install() made, so they count against its budget,
-    in its ledger and in what spillway.metrics.serve() watches. Without install(), the default arena."""
+    in its ledger and in what spillway.metrics.serve() watches. Without install(), or in a process
+    forked after it, the process's default arena."""
     if arena is None:
         import spillway  # noqa: PLC0415
 
         runtime = spillway.installed()
-        if runtime is not None:
+        # In a process forked after install() the runtime's arenas are the parent's: a handle the
+        # child makes draws on a default arena of the child's own instead.
+        if runtime is not None and not _spillway._forked_after_install():
             arena = runtime.pinned
     return _spillway.aio_handle(*args, arena=arena, **kwargs)
 

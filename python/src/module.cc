@@ -74,9 +74,17 @@ std::shared_ptr<PyArena>& DefaultArena() {
   return *arena;
 }
 
+// The default arena is per process: a forked child that makes an aio handle (DeepSpeed's test
+// harness, fork-start pools) gets one of its own, made on first use; the parent's arenas refuse
+// there (Note [Fork] in docs/allocator.md). Called with the GIL held.
 std::shared_ptr<PyArena> ArenaOrDefault(std::shared_ptr<PyArena> arena) {
   if (arena) return arena;
   auto& d = DefaultArena();
+  if (d && !d->made_in_this_process()) {
+    // The parent's: never destroyed in the child (its destructor would take the parent's locks).
+    new std::shared_ptr<PyArena>(std::move(d));
+    d = nullptr;
+  }
   if (!d)
     d = std::make_shared<PyArena>(0, allocator::PinMode::kAuto, allocator::EscapePolicy::kReport,
                                   "python", nullptr);

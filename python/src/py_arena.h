@@ -31,12 +31,15 @@ class PyArena : public std::enable_shared_from_this<PyArena> {
   bool Contains(const void* ptr, uint64_t bytes) const { return arena_->Contains(ptr, bytes); }
 
   allocator::Ledger& ledger() { return *ledger_; }
+  // False in a process forked from the one that made it (whose memory the child does not have).
+  bool made_in_this_process() const { return process_.InOwner(); }
   allocator::HostArena* get() { return arena_.get(); }
   const std::string& name() const { return arena_->tier_name(); }
 
  private:
   std::shared_ptr<allocator::Ledger> ledger_;  // declared first: destroyed after the arena
   std::unique_ptr<allocator::HostArena> arena_;
+  const allocator::ProcessTag process_;
 };
 
 }  // namespace spillway::python

@@ -91,3 +91,48 @@ def test_async_tensor_swapper_flushes_through_locked_arena_buffers(ds_comm, inst
     assert h.wait() == len(tensors)
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
     assert all(h.free_cpu_locked_tensor(b) for b in buffers)
+
+
+def test_a_forked_child_makes_its_own_aio_handle_and_the_parents_still_refuse(installed, tmp_path):
+    """DeepSpeed's distributed test harness and fork-start pools fork an installed process; the
+    child's own handle (through DeepSpeed's op) must work, with unpinned and locked buffers, while
+    the parent's handle and arenas refuse by name. (Pinned buffers need CUDA: docs/gpu.md.)"""
+    import os
+
+    parents = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, False, 1)
+    assert parents.sync_pwrite(torch.full((8192,), 5, dtype=torch.uint8), str(tmp_path / "parent")) == 1
+    pid = os.fork()
+    if pid == 0:
+        code = 10
+        try:
+            h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, False, 1)
+            src = torch.arange(1 << 18, dtype=torch.float32)  # unpinned, 1 MiB
+            assert h.sync_pwrite(src, str(tmp_path / "child")) == 1
+            back = torch.zeros_like(src)
+            assert h.sync_pread(back, str(tmp_path / "child")) == 1 and torch.equal(back, src)
+            code = 11
+            locked = h.new_cpu_locked_tensor(1 << 18, torch.empty(0, dtype=torch.float32))
+            locked.copy_(src * 2)
+            assert h.async_pwrite(locked, str(tmp_path / "child-locked")) == 0 and h.wait() == 1
+            locked.zero_()
+            assert h.sync_pread(locked, str(tmp_path / "child-locked")) == 1
+            assert torch.equal(locked, src * 2)
+            h.free_cpu_locked_tensor(locked)
+            code = 12
+            try:
+                parents.sync_pwrite(src, str(tmp_path / "child-through-parent"))
+            except spillway.FailedPrecondition as e:
+                code = 13 if "fork" in str(e) else 14
+            if code == 13:
+                try:
+                    spillway.installed().pinned.empty((1024,))
+                except spillway.FailedPrecondition as e:
+                    code = 0 if "forked child" in str(e) else 15
+        except BaseException as e:  # noqa: BLE001 (the child reports by exit code)
+            import sys
+            print(f"child failed at {code}: {type(e).__name__}: {e}", file=sys.stderr)
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (tmp_path / "child-through-parent").exists()
+    assert parents.sync_pwrite(torch.ones(4096, dtype=torch.uint8), str(tmp_path / "parent2")) == 1
