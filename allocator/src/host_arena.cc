@@ -102,11 +102,12 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   ledger->Attach(arena.get());
   if (node != nullptr) {
     // Another rank short of node budget asks this one to give its retained regions back. On the
-    // governor's watcher thread a CUDA arena first makes its device the thread's: unregistering
-    // on a thread without one would make a context on device 0 (Note [Node governor]).
+    // governor's watcher thread a CUDA arena first makes the device it last registered a region
+    // from the thread's: unregistering on a thread without one would make a context on device 0
+    // in every rank (Note [Node governor]).
     HostArena* a = arena.get();
-    const int device = a->pin_mode_ == PinMode::kCuda ? cuda::CurrentDevice() : -1;
-    node->AddTrimmer(a, [a, device] {
+    node->AddTrimmer(a, [a] {
+      const int device = a->cuda_device_.load(std::memory_order_relaxed);
       if (device >= 0 && NodeGovernor::OnWatcherThread()) cuda::SetDevice(device);
       return a->Trim();
     });
@@ -212,6 +213,9 @@ Result<HostArena::Region> HostArena::MapRegion(uint64_t bytes) {
     switch (pin_mode_) {
       case PinMode::kCuda:
         st = cuda::HostRegister(base, bytes);
+        // The allocating thread's device, whose context now exists: the one a trim on the node
+        // watcher's thread makes its own before unregistering.
+        if (st.ok()) cuda_device_.store(cuda::CurrentDevice(), std::memory_order_relaxed);
         break;
       case PinMode::kMlock:
         st = os::LockPages(base, bytes, options_.faults);

@@ -66,6 +66,13 @@ bool RemoveIfDead(const std::string& path, LogLevel level) {
     if (opened.status().sys_error() != EBADF) return false;
     const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return false;
+    // A segment of another Spillway layout, in use, has its magic: not ours to remove.
+    uint64_t magic = 0;
+    if (pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+        magic == node::kMagic) {
+      close(fd);
+      return false;
+    }
     const bool removed = node::UnlinkIfSame(path, fd);
     close(fd);
     if (removed) Log(level, StrCat("node governor: removed ", path, ": it was never initialized"));
@@ -73,6 +80,10 @@ bool RemoveIfDead(const std::string& path, LogLevel level) {
   }
   Mapped m = *opened;
   bool remove = false;
+  if (m.segment->pid_ns != node::OwnPidNamespace()) {  // its pids cannot be judged from here
+    Unmap(m);
+    return false;
+  }
   if (node::Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
     auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
     if (lock.ok()) {
@@ -231,6 +242,7 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
           return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
         }
         s->version = node::kVersion;
+        s->pid_ns = node::OwnPidNamespace();
         s->slot_count = kMaxSlots;
         s->size = sizeof(Segment);
         s->local_world_size = options.local_world_size;
@@ -283,6 +295,12 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       Unmap(m);
       return st;
     };
+    if (s->pid_ns != node::OwnPidNamespace()) {
+      return refuse(Status::FailedPrecondition(StrCat(
+          "node governor: job '", options.job, "' was started in another PID namespace (another ",
+          "container sharing /dev/shm?); the ranks of one job must see each other's pids. Run "
+          "them in one container, or give this one its own SPILLWAY_NODE_JOB")));
+    }
     if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
       { auto unlock = std::move(*lock); }
       Unmap(m);
@@ -329,9 +347,14 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
     mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
     s->declarations[slot] = Declaration{};
     if (s->local_world_size == 0) s->local_world_size = options.local_world_size;
+    // A rank that joins a job whose ranks already passed admission rounds starts after them: it
+    // must not return an old round's verdict for a need nobody checked.
+    const uint32_t rounds_done = s->verdict_round;
     { auto unlock = std::move(*lock); }
-    return std::unique_ptr<NodeGovernor>(
+    auto g = std::unique_ptr<NodeGovernor>(
         new NodeGovernor(std::move(options), path, m.fd, s, slot, generation));
+    g->admit_rounds_.store(rounds_done, std::memory_order_relaxed);
+    return g;
   }
 }
 
@@ -643,6 +666,11 @@ void NodeGovernor::WatchLoop() {
       node::Futex(&mine.trim_ack, FUTEX_WAKE, INT_MAX, nullptr);
       seen = now;
     }
+    if (std::any_of(std::begin(owed_), std::end(owed_),
+                    [](const std::atomic<uint64_t>& o) { return o.load() != 0; })) {
+      auto lock = SegmentLock::Take(segment_, options_.release_timeout, path_);
+      if (lock.ok()) SettleOwedLocked();  // else the next tick tries again
+    }
     Status st = ReapDead();
     if (!st.ok()) Log(LogLevel::kWarning, st.ToString());
   }
@@ -722,21 +750,32 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (segment_->local_world_size == 0) {
+      return Status::FailedPrecondition(
+          StrCat("node admission for job '", options_.job,
+                 "': the number of local ranks is not known, so no rank can tell when all have "
+                 "declared; start the ranks with a launcher that sets LOCAL_WORLD_SIZE (torchrun, "
+                 "accelerate) or LOCAL_SIZE (deepspeed), or set LOCAL_WORLD_SIZE yourself"));
+    }
     Declaration& mine = segment_->declarations[slot_];
     mine.need += need_bytes;
     mine.fork += workers_fork_bytes;
+    mine.last_need = need_bytes;
+    mine.last_fork = workers_fork_bytes;
     mine.round = round;
   }
   auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
     const std::string text = segment_->verdict_text;
-    switch (segment_->verdict) {
-      case Verdict::kFits:
-        return Status::Ok();
-      case Verdict::kOverBudget:
-        return Status::OverBudget(text);
-      default:
-        return Status::Make(StatusCode::kUnavailable, text);
+    if (segment_->verdict == Verdict::kFits) return Status::Ok();
+    // A refused round's need is taken back: a retry with a smaller config is judged on its own.
+    Declaration& mine = segment_->declarations[slot_];
+    if (mine.round == round) {
+      mine.need -= std::min(mine.need, mine.last_need);
+      mine.fork -= std::min(mine.fork, mine.last_fork);
+      mine.last_need = mine.last_fork = 0;
     }
+    if (segment_->verdict == Verdict::kOverBudget) return Status::OverBudget(text);
+    return Status::Make(StatusCode::kUnavailable, text);
   };
   auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
     segment_->verdict_round = round;

@@ -67,6 +67,11 @@ bool Alive(pid_t pid, uint64_t start_ticks) {
   return start == start_ticks;
 }
 
+uint64_t OwnPidNamespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
 int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   return static_cast<int>(
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0));
@@ -283,6 +288,9 @@ struct SlotSnapshot {
 
 Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
                  const std::string& path, LogLevel level) {
+  // From another PID namespace (another container sharing /dev/shm, a sidecar) the slots' pids
+  // name other processes or none: nothing there can be judged dead.
+  if (s->pid_ns != OwnPidNamespace()) return 0;
   std::vector<SlotSnapshot> occupied;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(s, timeout, path));

@@ -18,7 +18,7 @@
 namespace spillway::allocator::node {
 
 inline constexpr uint64_t kMagic = 0x31454430'4e4c5753ull;  // "SWLN0DE1"
-inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kVersion = 3;
 inline constexpr int kMaxSlots = 64;
 inline constexpr size_t kJobChars = 80;
 inline constexpr int kHostTiers = 2;  // pinned, pageable
@@ -43,8 +43,10 @@ struct Slot {
 // An admission declaration, by local rank (mu). Kept when its rank leaves, so a rank that passed
 // and exited does not change what a slower one sees; cleared when a job restarts whole.
 struct Declaration {
-  uint64_t need;  // summed over the rank's Admit calls (one per engine)
+  uint64_t need;  // summed over the rank's admitted Admit calls (one per engine)
   uint64_t fork;
+  uint64_t last_need;  // the last call's, taken back when its round is refused
+  uint64_t last_fork;
   uint32_t round;  // the rank's last Admit call, counted from 1
 };
 
@@ -55,6 +57,8 @@ struct Segment {
   uint32_t version;
   uint32_t slot_count;
   uint64_t size;
+  uint64_t pid_ns;     // the creator's PID namespace (inode of /proc/self/ns/pid): pids mean
+                       // something only there
   pthread_mutex_t mu;  // robust, process-shared
   uint32_t closed;     // mu: being removed; a joiner makes a new segment instead
   int32_t local_world_size;
@@ -85,6 +89,9 @@ bool ValidJobChar(char c);
 bool ReadProcStat(pid_t pid, char* state, uint64_t* start_ticks);
 // The pid exists, is not a zombie, and started at `start_ticks` (not a reused pid).
 bool Alive(pid_t pid, uint64_t start_ticks);
+// The inode of /proc/self/ns/pid (0 when unreadable): a segment's pids are judged only from its
+// creator's PID namespace (Reap does nothing from another).
+uint64_t OwnPidNamespace();
 int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout);
 void ClearSlot(Slot* slot);
 void RecomputeTotals(Segment* s);  // assumes s->mu

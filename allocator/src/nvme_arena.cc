@@ -230,12 +230,17 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
       grown_cv_.wait(lock);
       continue;
     }
-    const uint64_t grow = std::min(std::max(options_.grow_bytes, RoundUp(need, alignment_)),
-                                   options_.budget_bytes - capacity);
+    uint64_t grow = std::min(std::max(options_.grow_bytes, RoundUp(need, alignment_)),
+                             options_.budget_bytes - capacity);
     growing_ = true;
     lock.unlock();
     if (options_.node != nullptr) {  // the node's NVMe ledger first (Note [Node governor])
       Status booked = options_.node->Reserve(NodeTier::kNvme, grow);
+      const uint64_t just_need = RoundUp(need, alignment_);
+      if (booked.code() == StatusCode::kOverBudget && grow > just_need) {
+        grow = just_need;  // the node cannot hold a whole grow step: grow by the request alone
+        booked = options_.node->Reserve(NodeTier::kNvme, grow);
+      }
       if (!booked.ok()) {
         lock.lock();
         growing_ = false;

@@ -102,6 +102,9 @@ def _join_node(node):
     from . import node as node_mod  # noqa: PLC0415
 
     if node is None:
+        member = os.environ.get("SPILLWAY_NODE_MEMBER")
+        if member and member != str(os.getpid()):
+            return None  # a child of a rank (it inherited the launcher's variables): not a rank
         env = node_mod.job()
         # A launcher that says how many local ranks it started (torchrun, accelerate, deepspeed,
         # Slurm), or a job named explicitly; a lone process with LOCAL_RANK set joins nothing.

@@ -208,6 +208,11 @@ def _admit(args, kwargs):
 
     if not node.joined() or os.environ.get("SPILLWAY_NODE_ADMIT", "1") == "0":
         return
+    if not node.stats()["local_world_size"]:
+        warnings.warn("spillway.deepspeed: node admission skipped: the number of local ranks is not "
+                      "known (set LOCAL_WORLD_SIZE, or start the ranks with torchrun, accelerate or "
+                      "the deepspeed launcher)", AuditWarning, stacklevel=3)
+        return
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     config = _ds_config(args, kwargs)
     if not isinstance(model, torch.nn.Module) or not isinstance(config, dict):

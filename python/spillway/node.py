@@ -79,6 +79,9 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
     path = _spillway._node_join(job_id, local_rank, local_world_size, budget_bytes or 0, limit,
                                 nvme_budget_bytes, directory)
     atexit.register(_spillway._node_exit)  # the slot is freed at exit; the last rank removes the segment
+    # Children (spawned DataLoader workers, subprocesses) inherit LOCAL_RANK and the job's name;
+    # this tells their spillway.install() that they are not ranks.
+    os.environ["SPILLWAY_NODE_MEMBER"] = str(os.getpid())
     return path
 
 

@@ -3,6 +3,7 @@
 #include "spillway/allocator/node_governor.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -549,7 +550,61 @@ TEST(NodeGovernorTest, AdmissionRoundsAddUpAndEveryRankGetsOneVerdict) {
       EXPECT_TRUE(Has(st0, "local rank 0 250.0 MiB; local rank 1 250.0 MiB")) << st0.ToString();
     }
   }
-  EXPECT_EQ(g1->Stats().ranks[0].declared_bytes, 250 * kMiB);
+  // The refused second round was taken back: what stands is the first engine's.
+  EXPECT_EQ(g1->Stats().ranks[0].declared_bytes, 150 * kMiB);
+}
+
+TEST(NodeGovernorTest, ARefusedRoundIsTakenBackSoASmallerRetryIsJudgedAlone) {
+  const std::string job = UniqueJob("retry");
+  NodeGovernorOptions o = Options(job, 0, 400 * kMiB);
+  o.local_world_size = 2;
+  auto g0 = JoinOrDie(o);
+  auto g1 = JoinOrDie(Options(job, 1, 0));
+  ASSERT_TRUE(g0 && g1);
+  for (const uint64_t need : {300 * kMiB, 100 * kMiB}) {  // refused, then a smaller config
+    Status st1;
+    std::thread other([&] { st1 = g1->Admit(need, 0, 5s, ""); });
+    Status st0 = g0->Admit(need, 0, 5s, "");
+    other.join();
+    EXPECT_EQ(st0.ToString(), st1.ToString());
+    EXPECT_EQ(st0.ok(), need == 100 * kMiB) << st0.ToString();
+  }
+  EXPECT_EQ(g0->Stats().ranks[1].declared_bytes, 100 * kMiB);
+}
+
+TEST(NodeGovernorTest, AdmissionWithoutTheNumberOfLocalRanksIsRefusedByName) {
+  auto g = JoinOrDie(Options(UniqueJob("no-lws"), 0, 400 * kMiB));  // local_world_size 0
+  ASSERT_TRUE(g);
+  Status st = g->Admit(kMiB, 0, 1s, "");
+  ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_TRUE(Has(st, "LOCAL_WORLD_SIZE")) << st.ToString();
+}
+
+// A process in another PID namespace (a container sharing /dev/shm, a sidecar) cannot judge the
+// segment's pids: a look from there reaps nothing and removes nothing.
+TEST(NodeGovernorTest, ALookFromAnotherPidNamespaceReapsNothing) {
+  if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork";
+  if (geteuid() != 0) GTEST_SKIP() << "unshare(CLONE_NEWPID) needs root";
+  auto g = JoinOrDie(Options(UniqueJob("pidns"), 0, 100 * kMiB));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(g->Reserve(NodeTier::kPinned, 10 * kMiB).ok());
+  ChildRank c = ChildRank::Start([&](int) {
+    if (unshare(CLONE_NEWPID) != 0) return 77;
+    const pid_t inner = fork();  // the first child of unshare() is in the new namespace
+    if (inner == 0) {
+      auto seen = NodeGovernor::Inspect(g->path());
+      NodeGovernor::RemoveDeadSegments();
+      _exit(seen.ok() && seen->ranks.size() == 1 && seen->reaped_ranks == 0 ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(inner, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 2;
+  });
+  const int rc = c.Wait();
+  if (rc == 77) GTEST_SKIP() << "this kernel or container refuses a new PID namespace";
+  EXPECT_EQ(rc, 0);
+  EXPECT_TRUE(Exists(g->path()));
+  EXPECT_EQ(g->Stats().host_committed_bytes, 10 * kMiB);
 }
 
 TEST(NodeGovernorTest, ARankLateForAdmissionGetsTheSameTimeout) {

@@ -24,6 +24,12 @@ if mode == "hold":
     spillway.next_epoch()
     report = spillway.next_epoch()
     print(json.dumps({"joined": spillway.node.joined(), "budget": report["node"]["host_budget_bytes"]}))
+elif mode == "parent":
+    spillway.install()
+    import subprocess
+    child = subprocess.run([sys.executable, "-c", "import json, spillway; spillway.install(); "
+                            "print(json.dumps(spillway.node.joined()))"], capture_output=True, text=True)
+    print(json.dumps({"parent": spillway.node.joined(), "child": child.stdout.strip(), "err": child.stderr[-500:]}))
 elif mode == "lone":
     spillway.install()
     print(json.dumps({"joined": spillway.node.joined()}))
@@ -78,6 +84,14 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
     gone = subprocess.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True, text=True,
                           timeout=120)
     assert gone.returncode == 1 and "no node segment" in gone.stderr  # the last rank out removed it
+
+
+def test_a_child_of_a_rank_that_inherits_its_variables_is_not_a_rank():
+    out = subprocess.run([sys.executable, "-c", RANK, "parent"], capture_output=True, text=True, timeout=120,
+                         env=env_with(SPILLWAY_NODE_JOB=job_name("child"), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["parent"] is True and result["child"] == "false", result
 
 
 def test_a_lone_process_with_local_rank_set_joins_nothing():

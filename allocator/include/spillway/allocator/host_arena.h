@@ -244,6 +244,7 @@ class HostArena final : public Tier {
   Ledger* const ledger_;
   const std::shared_ptr<NodeGovernor> node_;  // null: no node budget
   const NodeTier node_tier_;                  // kPinned or kPageable, from pin_mode_
+  std::atomic<int> cuda_device_{-1};          // kCuda: the device of the last registration
   const uint64_t page_;
 
   const ProcessTag process_;  // Note [Fork]: every entry point refuses in a forked child

@@ -40,9 +40,10 @@ struct NodeJob {
 using GetEnvFn = std::function<const char*(const char*)>;
 // In order: SPILLWAY_NODE_JOB (explicit; [A-Za-z0-9._-], at most 80 characters, else an
 // INVALID_ARGUMENT naming it); then, for a process with LOCAL_RANK set (torchrun, Accelerate, the
-// deepspeed launcher), TORCHELASTIC_RUN_ID unless it is "none", else SLURM_JOB_ID and
-// SLURM_STEP_ID, else the parent process (the launcher that started every local rank) and its
-// start time. local_world_size from LOCAL_WORLD_SIZE, LOCAL_SIZE or SLURM_NTASKS_PER_NODE.
+// deepspeed launcher; under srun, SLURM_LOCALID), TORCHELASTIC_RUN_ID unless it is "none", else
+// the parent process (the launcher that started every local rank: torchrun's agent, the deepspeed
+// launcher, slurmstepd) and its start time. local_world_size from LOCAL_WORLD_SIZE, LOCAL_SIZE or
+// SLURM_NTASKS_PER_NODE.
 Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv);
 Result<NodeJob> NodeJobFromEnvironment();
 
