@@ -298,6 +298,15 @@ void HostArena::PublishToNode() {
   if (node_ != nullptr) node_->PublishKinds(node_tier_, live_->stats().live_by_kind);
 }
 
+bool HostArena::TakeSpillHandlerLocked(int round, SpillHandler* handler, uint64_t* given_back) {
+  *given_back = given_back_;
+  *handler = spill_handler_;
+  if (!*handler || round >= kMaxSpillRounds) return false;
+  stats_.spill_calls++;
+  ++spill_calls_in_flight_;
+  return true;
+}
+
 // One spill-handler call in flight (see ClearSpillHandler): released with mu_ not held.
 class HostArena::SpillCallGuard {
  public:
@@ -403,13 +412,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         pending_map_bytes_ += map_bytes;
       } else {
         spill_need = rounded - headroom();
-        given_back = given_back_;
-        handler = spill_handler_;
-        if (handler && round < kMaxSpillRounds) {
-          stats_.spill_calls++;
-          ++spill_calls_in_flight_;
-          counted = true;
-        }
+        counted = TakeSpillHandlerLocked(round, &handler, &given_back);
       }
     }
     // Unmap before mapping: released regions are budget the new region may need (the node's too).
@@ -441,13 +444,7 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         stats_.node_refusals++;
         node_refusal = st;
         spill_need = rounded;
-        given_back = given_back_;
-        handler = spill_handler_;
-        if (handler && round < kMaxSpillRounds) {
-          stats_.spill_calls++;
-          ++spill_calls_in_flight_;
-          counted = true;
-        }
+        counted = TakeSpillHandlerLocked(round, &handler, &given_back);
       }
     }
     // Gives the count back on every way out of this round, after any lock below is released

@@ -30,19 +30,7 @@ MIB = 1 << 20
 
 def tree_pss_anon(root=None):
     """Pss_Anon summed over a process and its descendants (smaps_rollup), in bytes."""
-    def children(pid):
-        out = []
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            return out
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-            except FileNotFoundError:
-                pass
-        return out
+    from .node import children  # noqa: PLC0415
 
     total, stack = 0, [root or os.getpid()]
     while stack:

@@ -117,7 +117,9 @@ def admit(need_bytes, workers_fork_bytes=0, timeout=None, detail=""):
     _spillway._node_admit(int(need_bytes), int(workers_fork_bytes), float(timeout), detail)
 
 
-def _children(pid):
+def children(pid):
+    """The pids of the processes `pid` started (its threads' /proc children lists); [] when it is
+    gone."""
     out = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -149,12 +151,12 @@ def workers_private_bytes(pid=None):
     and their private pages (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup): what each
     copied or made for itself since it forked."""
     pid = os.getpid() if pid is None else pid
-    todo, count, total = _children(pid), 0, 0
+    todo, count, total = children(pid), 0, 0
     while todo:
         child = todo.pop()
         count += 1
         total += _private_bytes(child)
-        todo += _children(child)
+        todo += children(child)
     return count, total
 
 

@@ -231,8 +231,12 @@ class HostArena final : public Tier {
   std::string DescribeLive() const;  // "param 1.2 GiB, grad ..." for budget errors
   // Detaches empty regions from the map until retained <= retain_limit, largest first.
   void DetachEmptyRegions(uint64_t retain_limit, std::vector<Region>* out);
-  void NoteCommitted();          // also PublishToNode
-  void PublishToNode();          // live bytes by kind into this rank's node slot (relaxed stores)
+  void NoteCommitted();  // also PublishToNode
+  void PublishToNode();  // live bytes by kind into this rank's node slot (relaxed stores)
+  // Copies the spill handler out for this allocation round and, when there is one and rounds are
+  // left, counts its call in flight (the caller's SpillCallGuard gives it back). Also snapshots
+  // given_back_ for the "memory came back meanwhile" check.
+  bool TakeSpillHandlerLocked(int round, SpillHandler* handler, uint64_t* given_back);
   uint64_t RetainLimit() const;  // min(cap, max(region, fraction * live))
 
   // Without the lock: syscalls.
