@@ -688,18 +688,28 @@ std::string DescribeNodeBudget(const NodeStats& s) {
                 " for the OS, the page cache and what no arena counts)");
 }
 
+namespace {
+
+// "optimizer_state 2.5 MiB, param 1.0 MiB": the kinds that hold bytes.
+std::string KindsText(const KindBytes& by_kind) {
+  std::string out;
+  for (int k = 0; k < kKindCount; ++k) {
+    if (by_kind[k] == 0) continue;
+    out +=
+        StrCat(out.empty() ? "" : ", ", KindName(static_cast<Kind>(k)), " ", FormatMiB(by_kind[k]));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string DescribeNodeRanks(const NodeStats& stats) {
   std::string out;
   for (const NodeRankStats& r : stats.ranks) {
     out += StrCat(out.empty() ? "" : "; ", "local rank ", r.local_rank, " (pid ", r.pid,
                   ") pinned ", FormatMiB(r.bytes[0]), ", pageable ", FormatMiB(r.bytes[1]));
     if (r.bytes[2] != 0) out += StrCat(", nvme ", FormatMiB(r.bytes[2]));
-    std::string kinds;
-    for (int k = 0; k < kKindCount; ++k) {
-      if (r.host_by_kind[k] == 0) continue;
-      kinds += StrCat(kinds.empty() ? "" : ", ", KindName(static_cast<Kind>(k)), " ",
-                      FormatMiB(r.host_by_kind[k]));
-    }
+    const std::string kinds = KindsText(r.host_by_kind);
     if (!kinds.empty()) out += StrCat(" [", kinds, "]");
     if (r.workers != 0) {
       out += StrCat(", ", r.workers, " workers' private ", FormatMiB(r.workers_private_bytes));
@@ -946,12 +956,7 @@ std::string NodeStats::ToString() const {
                 "pinned", "pageable", "nvme", "peak host", "declared", "workers", "by kind");
   out << line;
   for (const NodeRankStats& r : ranks) {
-    std::string kinds;
-    for (int k = 0; k < kKindCount; ++k) {
-      if (r.host_by_kind[k] == 0) continue;
-      kinds += StrCat(kinds.empty() ? "" : ", ", KindName(static_cast<Kind>(k)), " ",
-                      FormatMiB(r.host_by_kind[k]));
-    }
+    const std::string kinds = KindsText(r.host_by_kind);
     const std::string workers =
         r.workers == 0 ? "-" : StrCat(r.workers, " / ", FormatMiB(r.workers_private_bytes));
     std::snprintf(line, sizeof(line), "%-5d %-8d %12s %12s %12s %12s %12s %16s  %s\n", r.local_rank,

@@ -208,7 +208,8 @@ def _admit(args, kwargs):
 
     if not node.joined() or os.environ.get("SPILLWAY_NODE_ADMIT", "1") == "0":
         return
-    if not node.stats()["local_world_size"]:
+    ledger = node.stats()
+    if not ledger["local_world_size"]:
         warnings.warn("spillway.deepspeed: node admission skipped: the number of local ranks is not "
                       "known (set LOCAL_WORLD_SIZE, or start the ranks with torchrun, accelerate or "
                       "the deepspeed launcher)", AuditWarning, stacklevel=3)
@@ -223,10 +224,9 @@ def _admit(args, kwargs):
 
     params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = node.job()["local_world_size"] or world
     try:
-        plan = _spillway._plan_deepspeed(float(params), world, max(world // local, 1),
-                                         node.stats()["host_budget_bytes"], json.dumps(config),
+        plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
+                                         ledger["host_budget_bytes"], json.dumps(config),
                                          get_accelerator().device_name() == "cpu")
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",

@@ -46,12 +46,7 @@ def tree_pss(root):
                 total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
         except OSError:
             continue
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
+        todo += spillway.node.children(pid)
     return total
 
 
