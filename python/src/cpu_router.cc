@@ -1,25 +1,113 @@
-// The router's frees: routed storages back to the arena, raw frees by where the pointer lives.
+// The router's frees, and its child path: in a process forked after install(), tagged allocations
+// come from an arena of the child's own.
 #include "cpu_router.h"
 
 #include <cstdio>
+#include <mutex>
+#include <unordered_set>
+
+#include "spillway/allocator/ledger.h"
+#include "spillway/allocator/process.h"
 
 namespace spillway::python::torch_alloc {
 
 CpuRouter* g_router = nullptr;
 
+namespace {
+
+// The arena a forked child's tagged allocations come from, made on the first one. One per process:
+// a grandchild makes its own, since its parent's is MADV_DONTFORK too. `live` names what this
+// process allocated: a pointer of an ancestor's that an inherited storage frees here may have the
+// address of one of ours (the ancestor's region is unmapped here, so mmap can reuse the range),
+// and only the set tells them apart; an ancestor's pointer is not mapped here and is left alone.
+struct ChildArena {
+  allocator::Ledger ledger;  // declared first: destroyed after the arena
+  std::unique_ptr<allocator::HostArena> arena;
+  const allocator::ProcessTag process;
+  std::mutex mu;
+  std::unordered_set<void*> live;  // guarded by mu
+};
+
+// Never destroyed: a descendant process holds a copy it must not tear down.
+std::atomic<ChildArena*> g_child{nullptr};
+
+ChildArena* ThisProcessChild() {
+  ChildArena* c = g_child.load(std::memory_order_acquire);
+  return c != nullptr && c->process.InOwner() ? c : nullptr;
+}
+
+// Owns `p` when this process's child arena allocated it (and forgets it).
+bool TakeChildPointer(ChildArena* c, void* p) {
+  std::lock_guard<std::mutex> lock(c->mu);
+  return c->live.erase(p) == 1;
+}
+
+void FreeChildPointer(ChildArena* c, void* p) {
+  const Status st = c->arena->Free(p);
+  if (!st.ok()) std::fprintf(stderr, "spillway: freeing a CPU tensor: %s\n", st.ToString().c_str());
+}
+
+}  // namespace
+
 void CpuRouter::FreeRouted(void* p) {
-  if (Forked()) return;  // the child has no mapping to free
+  if (Forked()) return;  // the parent's memory: the child has no mapping to free
   const Status st = g_router->arena_->get()->Free(p);
   if (!st.ok()) std::fprintf(stderr, "spillway: freeing a CPU tensor: %s\n", st.ToString().c_str());
 }
 
+void CpuRouter::FreeInChild(void* p) {
+  ChildArena* c = ThisProcessChild();
+  if (c != nullptr && TakeChildPointer(c, p)) FreeChildPointer(c, p);
+}
+
 void CpuRouter::RawFree(void* p) {
-  // In a forked child the arena's regions are not mapped, and malloc may reuse their addresses.
-  if (!Forked() && p != nullptr && g_router->arena_->Contains(p, 1)) {
-    FreeRouted(p);
-    return;
+  if (!Forked()) {
+    if (g_router->arena_->Contains(p, 1)) return FreeRouted(p);
+  } else if (ChildArena* c = ThisProcessChild(); c != nullptr && TakeChildPointer(c, p)) {
+    return FreeChildPointer(c, p);
   }
+  // In a forked child the parent's regions are not mapped, and malloc may reuse their addresses.
   g_router->next_->raw_deleter()(p);
+}
+
+c10::DataPtr CpuRouter::AllocateInChild(size_t n, const allocator::OwnerTag& tag) {
+  ChildArena* c = ThisProcessChild();
+  while (c == nullptr) {
+    auto made = std::make_unique<ChildArena>();
+    allocator::HostArenaOptions o;
+    o.name = "child";
+    o.budget_bytes = child_budget_bytes_;
+    o.pin = allocator::PinMode::kPageable;
+    o.ledger = &made->ledger;
+    Result<std::unique_ptr<allocator::HostArena>> arena = allocator::HostArena::Create(o);
+    TORCH_CHECK(arena.ok(),
+                "spillway: making the arena for tagged allocations in a process "
+                "forked after spillway.install(): ",
+                arena.status().ToString());
+    made->arena = std::move(*arena);
+    ChildArena* seen = g_child.load(std::memory_order_acquire);
+    if (seen != nullptr && seen->process.InOwner()) {
+      c = seen;  // another thread of this process made it first; ours is destroyed here
+    } else if (g_child.compare_exchange_strong(seen, made.get(), std::memory_order_acq_rel)) {
+      c = made.release();  // an ancestor's (in `seen`) is left as it is
+    }
+  }
+  void* p = AllocatedOrThrow(c->arena->Allocate(n, tag),
+                             "a CPU tensor allocation inside spillway.tag "
+                             "in a forked child");
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->live.insert(p);
+  }
+  stats_.routed_allocations.fetch_add(1, std::memory_order_relaxed);
+  stats_.routed_bytes.fetch_add(n, std::memory_order_relaxed);
+  return {p, p, &FreeInChild, c10::Device(c10::DeviceType::CPU)};
+}
+
+std::optional<allocator::HostArenaStats> CpuRouter::ChildStats() {
+  ChildArena* c = ThisProcessChild();
+  if (c == nullptr) return std::nullopt;
+  return c->arena->Stats();
 }
 
 }  // namespace spillway::python::torch_alloc

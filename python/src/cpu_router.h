@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "deferred_blocks.h"
 #include "py_arena.h"
@@ -28,7 +29,10 @@ struct RouterStats {
 class CpuRouter final : public c10::Allocator {
  public:
   CpuRouter(c10::Allocator* next, std::shared_ptr<PyArena> arena, uint64_t small_bytes)
-      : next_(next), arena_(std::move(arena)), small_bytes_(small_bytes) {}
+      : next_(next),
+        arena_(std::move(arena)),
+        small_bytes_(small_bytes),
+        child_budget_bytes_(arena_->get()->Stats().budget_bytes) {}
 
   c10::DataPtr allocate(size_t n) override {
     if (C10_LIKELY(g_open_scopes.load(std::memory_order_relaxed) == 0)) return next_->allocate(n);
@@ -38,6 +42,7 @@ class CpuRouter final : public c10::Allocator {
       stats_.small_forwarded.fetch_add(1, std::memory_order_relaxed);
       return next_->allocate(n);
     }
+    if (C10_UNLIKELY(Forked())) return AllocateInChild(n, scope->tag);
     void* p = ArenaAllocate(*arena_, n, scope->tag, "a CPU tensor allocation inside spillway.tag");
     stats_.routed_allocations.fetch_add(1, std::memory_order_relaxed);
     stats_.routed_bytes.fetch_add(n, std::memory_order_relaxed);
@@ -54,6 +59,12 @@ class CpuRouter final : public c10::Allocator {
 
   static void FreeRouted(void* p);
   static void RawFree(void* p);
+  // In a process forked after install(): the child's own arena, made on its first tagged
+  // allocation (Note [Fork] in docs/allocator.md). The parent's regions are not mapped there.
+  c10::DataPtr AllocateInChild(size_t n, const allocator::OwnerTag& tag);
+  static void FreeInChild(void* p);
+  // The child arena's stats, or nullopt where this process has made none.
+  static std::optional<allocator::HostArenaStats> ChildStats();
   PyArena& arena() { return *arena_; }
   const RouterStats& stats() const { return stats_; }
   uint64_t small_bytes() const { return small_bytes_; }
@@ -62,6 +73,7 @@ class CpuRouter final : public c10::Allocator {
   c10::Allocator* const next_;
   const std::shared_ptr<PyArena> arena_;
   const uint64_t small_bytes_;
+  const uint64_t child_budget_bytes_;  // a forked child's arena gets the parent's budget
   RouterStats stats_;
 };
 

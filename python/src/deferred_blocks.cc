@@ -11,6 +11,18 @@
 
 namespace spillway::python::torch_alloc {
 
+Blocks& Blocks::MakeForThisProcess() {
+  auto made = std::unique_ptr<Blocks>(new Blocks());
+  for (;;) {
+    Blocks* seen = current_.load(std::memory_order_acquire);
+    if (seen != nullptr && seen->process_.InOwner()) return *seen;  // another thread made it
+    // An ancestor's table (in `seen`) is left as it is.
+    if (current_.compare_exchange_weak(seen, made.get(), std::memory_order_acq_rel)) {
+      return *made.release();
+    }
+  }
+}
+
 Block* Blocks::Make(void* ptr, uint64_t bytes, std::shared_ptr<PyArena> arena,
                     bool pinned_allocator, const c10::Stream* stream) {
   auto* b = new Block{ptr, bytes, std::move(arena), pinned_allocator};
@@ -36,7 +48,7 @@ Block* Blocks::Make(void* ptr, uint64_t bytes, std::shared_ptr<PyArena> arena,
 }
 
 void Blocks::Release(Block* b) {
-  if (Forked()) return;  // the child has no mapping to free
+  if (!b->arena->made_in_this_process()) return;  // an ancestor's: not mapped here
   std::vector<c10::Stream> streams;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -89,7 +101,6 @@ void Blocks::Release(Block* b) {
 }
 
 bool Blocks::Record(void* ctx, c10::Stream stream) {
-  if (Forked()) return false;
   auto* b = static_cast<Block*>(ctx);
   std::lock_guard<std::mutex> lock(mu_);
   if (ctx == nullptr || live_.count(b) == 0) {
@@ -106,7 +117,6 @@ bool Blocks::Record(void* ctx, c10::Stream stream) {
 }
 
 size_t Blocks::Poll() {
-  if (Forked()) return 0;
   std::vector<Block*> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -221,16 +231,20 @@ void ReleaseBlock(void* ctx) {
 
 void* ArenaAllocate(PyArena& arena, uint64_t bytes, const allocator::OwnerTag& tag,
                     const char* what) {
-  TORCH_CHECK(
-      !Forked(), "spillway: ", what, " of ", bytes,
-      " bytes in a process forked after spillway.install(): "
-      "Spillway's arenas are not mapped in a forked child (MADV_DONTFORK). Leave the "
-      "spillway.tag() scope before forking, or allocate in the child outside any tag scope");
+  TORCH_CHECK(!Forked(), "spillway: ", what, " of ", bytes,
+              " bytes in a process forked after spillway.install(): the pinned arena and the "
+              "arenas made before the fork are the parent's, and their memory is not mapped in a "
+              "forked child (MADV_DONTFORK). Make pinned memory in the parent, or start the "
+              "process with the 'spawn' start method (CUDA cannot run in a forked child either)");
   Result<void*> r = arena.get()->Allocate(bytes, tag);
   // Parked blocks hold budget until their copies end: give back what has ended and try once more.
   if (!r.ok() && r.status().code() == StatusCode::kOverBudget && Blocks::Get().Poll() > 0) {
     r = arena.get()->Allocate(bytes, tag);
   }
+  return AllocatedOrThrow(r, what);
+}
+
+void* AllocatedOrThrow(const Result<void*>& r, const char* what) {
   if (r.ok()) return *r;
   if (r.status().code() == StatusCode::kOverBudget) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "spillway.OverBudget: ", r.status().message());

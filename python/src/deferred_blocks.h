@@ -18,6 +18,7 @@
 
 #include "py_arena.h"
 #include "spillway/allocator/owner.h"
+#include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
 
 namespace spillway::python::torch_alloc {
@@ -81,9 +82,14 @@ struct BlockStats {
 // (which may unmap) runs under it.
 class Blocks {
  public:
+  // One table per process: a forked child makes its own on first use (the parent's mutex may
+  // have been held by a thread the child does not have, and the parent's blocks are not mapped
+  // there). Never destroyed: frees may come during interpreter exit, and a child holds a copy of
+  // its parent's.
   static Blocks& Get() {
-    static auto* blocks = new Blocks();  // never destroyed: frees may come during interpreter exit
-    return *blocks;
+    Blocks* b = current_.load(std::memory_order_acquire);
+    if (C10_LIKELY(b != nullptr && b->process_.InOwner())) return *b;
+    return MakeForThisProcess();
   }
 
   // `stream`: the current stream of the allocating thread, for the pools' filters (CUDA only).
@@ -91,7 +97,8 @@ class Blocks {
               const c10::Stream* stream);
 
   // The storage died (a deleter: never throws). Frees now when no stream used the block, else
-  // records one event per stream and parks it.
+  // records one event per stream and parks it. A block whose arena an ancestor process made (a
+  // storage a forked child inherited) is left alone: its memory is not mapped here.
   void Release(Block* b);
 
   // Notes that `stream` uses the block. False when ctx is not a live block of ours.
@@ -132,6 +139,9 @@ class Blocks {
   };
 
   Blocks() = default;
+  static Blocks& MakeForThisProcess();
+  static inline std::atomic<Blocks*> current_{nullptr};
+  const allocator::ProcessTag process_;
   // Applies f to the stats every block counts in, and to the pinned allocator's own.
   template <typename F>
   void ForEach(const Block* b, F f) {  // assumes mu_
@@ -161,7 +171,11 @@ void ReleaseBlock(void* ctx);
 // An allocation of `bytes` from `arena` under `tag`, for torch. Throws c10::OutOfMemoryError
 // (torch.OutOfMemoryError in Python) over budget, with a message that starts
 // "spillway.OverBudget:" so the Python edge can re-raise it as spillway.OverBudget.
+// In a forked child it refuses by name: the pinned allocator has no child path (the CPU router
+// has one, CpuRouter::AllocateInChild).
 void* ArenaAllocate(PyArena& arena, uint64_t bytes, const allocator::OwnerTag& tag,
                     const char* what);
+// `arena->Allocate`'s result for torch: the pointer, or the throw ArenaAllocate describes.
+void* AllocatedOrThrow(const Result<void*>& r, const char* what);
 
 }  // namespace spillway::python::torch_alloc

@@ -223,6 +223,13 @@ void BindTorchAllocators(py::module_& m) {
     d["routed_bytes"] = g_router->stats().routed_bytes.load();
     d["small_forwarded"] = g_router->stats().small_forwarded.load();
     d["small_bytes"] = g_router->small_bytes();
+    // A process forked after install(): its own arena for tagged allocations, once it made one.
+    if (auto child = CpuRouter::ChildStats()) {
+      d["child_live_bytes"] = child->live_bytes;
+      d["child_live_allocations"] = child->live_allocations;
+      d["child_committed_bytes"] = child->committed_bytes;
+      d["child_budget_bytes"] = child->budget_bytes;
+    }
     return d;
   });
   m.def("_pinned_stats", [] { return BlockStatsDict(/*pinned_only=*/true); });

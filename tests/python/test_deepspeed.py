@@ -95,14 +95,17 @@ def test_async_tensor_swapper_flushes_through_locked_arena_buffers(ds_comm, inst
 
 def test_a_forked_child_makes_its_own_aio_handle_and_the_parents_still_refuse(installed, tmp_path):
     """DeepSpeed's distributed test harness and fork-start pools fork an installed process; the
-    child's own handle (through DeepSpeed's op) must work, with unpinned and locked buffers, while
-    the parent's handle and arenas refuse by name. (Pinned buffers need CUDA: docs/gpu.md.)"""
+    child's own handle (through DeepSpeed's op) must work, with unpinned, accelerator-pinned and
+    locked buffers, as must its tagged allocations and an arena it makes, while the parent's handle
+    and arenas refuse by name. (The CPU accelerator's pin_memory is a no-op; CUDA cannot run in a
+    forked child of a process that used it, so there the child's pinned buffers are moot.)"""
     import os
 
     parents = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, False, 1)
     assert parents.sync_pwrite(torch.full((8192,), 5, dtype=torch.uint8), str(tmp_path / "parent")) == 1
     pid = os.fork()
     if pid == 0:
+        torch.set_num_threads(1)  # libgomp's pool hangs in a forked child (DataLoader does this too)
         code = 10
         try:
             h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, False, 1)
@@ -118,6 +121,23 @@ def test_a_forked_child_makes_its_own_aio_handle_and_the_parents_still_refuse(in
             assert h.sync_pread(locked, str(tmp_path / "child-locked")) == 1
             assert torch.equal(locked, src * 2)
             h.free_cpu_locked_tensor(locked)
+            code = 16
+            from deepspeed.accelerator import get_accelerator
+            pinned = get_accelerator().pin_memory(torch.empty(1 << 18, dtype=torch.float32))  # the CPU's: as is
+            pinned.copy_(src + 1)
+            assert h.sync_pwrite(pinned, str(tmp_path / "child-pinned")) == 1
+            pinned.zero_()
+            assert h.sync_pread(pinned, str(tmp_path / "child-pinned")) == 1 and torch.equal(pinned, src + 1)
+            code = 17
+            with spillway.tag("optimizer_state"):  # a tagged allocation: the child's own arena
+                state = torch.zeros(1 << 18)
+            assert spillway._spillway._router_stats()["child_live_bytes"] >= state.nbytes
+            own = spillway.HostArena(budget_bytes=64 << 20, pinned=False)  # a new arena of the child's
+            t = own.empty((1 << 16,))
+            t.fill_(4.0)
+            assert h.sync_pwrite(t, str(tmp_path / "child-arena")) == 1
+            del t  # the child's own block goes back to the child's own arena
+            assert own.stats()["live_bytes"] == 0, own.stats()
             code = 12
             try:
                 parents.sync_pwrite(src, str(tmp_path / "child-through-parent"))

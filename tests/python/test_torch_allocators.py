@@ -103,24 +103,62 @@ def test_bad_input_a_torch_other_than_the_one_built_against_is_refused_and_nothi
     """)
 
 
-def test_bad_input_a_forked_child_allocating_inside_a_scope_gets_an_error_naming_the_fork():
+def test_a_forked_childs_tagged_allocations_come_from_an_arena_of_its_own():
+    """A process forked after install() (DeepSpeed's test harness, fork-start pools) that allocates
+    inside a tag scope gets an arena of its own, made on first use; the parent's tensors it drops
+    are left alone (their memory is not mapped there), and a grandchild makes its own again."""
     run("""
         import os, torch, spillway
         rt = spillway.install()
-        keep = None
+        stats = spillway._spillway._router_stats
         with spillway.tag("optimizer_state"):
             keep = torch.full((1 << 20,), 7.0)
             pid = os.fork()
             if pid == 0:
+                torch.set_num_threads(1)  # libgomp's pool hangs in a forked child (DataLoader does this too)
                 code = 3
                 try:
-                    torch.zeros(1 << 20)
-                except RuntimeError as e:
-                    code = 0 if "forked" in str(e) and "spillway.tag" in str(e) else 4
+                    assert "child_live_bytes" not in stats()          # made on first use only
+                    mine = torch.full((1 << 20,), 3.0)                # the child's own arena
+                    assert float(mine.sum()) == 3.0 * (1 << 20)
+                    assert stats()["child_live_bytes"] >= 4 << 20, stats()
+                    assert stats()["child_budget_bytes"] == rt.host.stats()["budget_bytes"]
+                    code = 4
+                    del keep                                          # the parent's: left alone
+                    again = torch.ones(1 << 20)
+                    assert float(again.sum()) == float(1 << 20)
+                    del mine, again
+                    assert stats()["child_live_bytes"] == 0, stats()
+                    code = 5
+                    theirs = torch.full((1 << 18,), 2.0)
+                    gpid = os.fork()
+                    if gpid == 0:
+                        gcode = 6
+                        try:
+                            assert "child_live_bytes" not in stats()  # the grandchild makes its own
+                            own = torch.full((1 << 18,), 9.0)
+                            del theirs                                # its parent's: left alone
+                            assert float(own.sum()) == 9.0 * (1 << 18) and stats()["child_live_bytes"] >= 1 << 20
+                            gcode = 0
+                        except BaseException as e:
+                            print(f"grandchild failed at {gcode}: {type(e).__name__}: {e}", flush=True)
+                        os._exit(gcode)
+                    _, gstatus = os.waitpid(gpid, 0)
+                    assert os.waitstatus_to_exitcode(gstatus) == 0, gstatus
+                    assert float(theirs.sum()) == 2.0 * (1 << 18)      # the child's own data is intact
+                    code = 7
+                    try:                                              # pinned memory stays the parent's
+                        spillway._spillway._host_allocator_empty(1 << 16)
+                    except RuntimeError as e:
+                        code = 0 if "forked" in str(e) and "spawn" in str(e) else 8
+                except BaseException as e:
+                    print(f"child failed at {code}: {type(e).__name__}: {e}", flush=True)
                 os._exit(code)
             _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, status
         assert float(keep.sum()) == 7.0 * (1 << 20)   # the parent's data is intact
+        assert rt.host.contains(keep.data_ptr(), keep.nbytes)
+        assert "child_live_bytes" not in stats()       # the parent never made one
         outside = torch.arange(1000.)
         pid = os.fork()
         if pid == 0:
