@@ -1,6 +1,6 @@
 """spillway.deepspeed's optimizer step: ZeRO-3's per-sub-group unscale-and-clip, DeepSpeedCPUAdam
-update and fp32 to 16-bit copy, run as Spillway's one fused pass (Note [DeepSpeed step] in
-docs/deepspeed.md). spillway.deepspeed.install(step=True) patches the seam; this module is private.
+update and fp32 to 16-bit copy, run as Spillway's one fused pass, and ZeRO-1/2's per-group
+unscale-and-clip and update (Note [DeepSpeed step] in docs/deepspeed.md). spillway.deepspeed.install(step=True) patches the seam; this module is private.
 """
 import functools
 import warnings
@@ -33,36 +33,54 @@ def _decline_once(reason):
 
 
 def _why_not_ours(opt, sub_group_id):
-    """None when Spillway's fused pass can run this sub-group's step with DeepSpeed's semantics; else
-    the reason DeepSpeed's own step runs it."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+    """None when Spillway's fused pass can run this ZeRO-3 sub-group's step with DeepSpeed's
+    semantics; else the reason DeepSpeed's own step runs it."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
 
+    if not opt.offload_optimizer or opt.subgroup_to_device[sub_group_id] != "cpu":
+        return "the sub-group's optimizer state is not on the CPU (offload_optimizer.device is not cpu or nvme)"
+    if getattr(opt, "use_muon", False) and opt.sub_groups_using_muon[sub_group_id]:
+        return "the sub-group uses Muon"
+    return _why_not_adam(opt, Stage3, _STEP_SEAM, opt.fp32_partitioned_groups_flat[sub_group_id])
+
+
+def _why_not_adam(opt, base, seam, fp32):
+    """What both ZeRO optimizers need of the step: the seam as patched, DeepSpeedCPUAdam stepping
+    an fp32 master partition on the CPU with its gradient there. None, or the reason."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+
     # A subclass that overrides part of the seam (SuperOffload's _optimizer_step, for one) calls
-    # the pieces in its own order: the three must be the ones patched here, or none is ours.
-    overridden = [n for n in _STEP_SEAM if getattr(type(opt), n) is not getattr(Stage3, n)]
+    # the pieces in its own order: they must be the ones patched here, or none is ours.
+    overridden = [n for n in seam if getattr(type(opt), n) is not getattr(base, n)]
     if overridden:
         return f"{type(opt).__name__} overrides {', '.join(overridden)}"
     inner = opt.optimizer
     if type(inner) is not DeepSpeedCPUAdam:
         return (f"the optimizer is {type(inner).__name__}; Spillway's fused step implements Adam and AdamW "
                 "(DeepSpeedCPUAdam, made by offload_optimizer with optimizer type Adam or AdamW)")
-    if not opt.offload_optimizer or opt.subgroup_to_device[sub_group_id] != "cpu":
-        return "the sub-group's optimizer state is not on the CPU (offload_optimizer.device is not cpu or nvme)"
     if getattr(opt, "torch_autocast_gradscaler", None) is not None:
         return "torch autocast's GradScaler steps the optimizer"
     if getattr(opt, "zenflow", False):
         return "ZenFlow steps the optimizer"
-    if getattr(opt, "use_muon", False) and opt.sub_groups_using_muon[sub_group_id]:
-        return "the sub-group uses Muon"
     if not getattr(inner, "fp32_optimizer_states", True):
         return "fp32_optimizer_states is off (Spillway keeps the moments in fp32)"
-    fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
     if fp32.dtype != torch.float32 or fp32.device.type != "cpu":
         return f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants fp32 on the CPU)"
-    if fp32.grad is None or fp32.grad.device.type != "cpu":
-        return "the master partition's gradient is missing or not on the CPU"
+    if fp32.grad is None or fp32.grad.device.type != "cpu" or fp32.grad.dtype != torch.float32:
+        return "the master partition's gradient is missing or not fp32 on the CPU"
     return None
+
+
+def _unscale_factor(opt, total_norm):
+    """The factor DeepSpeed's unscale_and_clip_grads multiplies each gradient element by, with its
+    arithmetic kept to the op (the same in ZeRO-1/2 and 3)."""
+    combined_scale = opt.loss_scale
+    if opt.clip_grad > 0.:
+        clip = ((total_norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * opt.loss_scale
+    factor = 1. / combined_scale
+    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
 
 
 def _fused_unscale_and_clip_grads(original):
@@ -79,16 +97,43 @@ def _fused_unscale_and_clip_grads(original):
                 _decline_once(reason)
             pending.pop(sub_group_id, None)
             return original(self, sub_group_id, total_norm)
-        # DeepSpeed's arithmetic, kept to the op: the factor each gradient element is multiplied by.
-        combined_scale = self.loss_scale
-        if self.clip_grad > 0.:
-            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
-            clip = torch.clamp(clip, min=1.0)
-            combined_scale = clip * self.loss_scale
-        factor = 1. / combined_scale
-        pending[sub_group_id] = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        pending[sub_group_id] = _unscale_factor(self, total_norm)
     unscale_and_clip_grads.__spillway_original__ = original
     return unscale_and_clip_grads
+
+
+def _fused_adam(opt, group_id, fp32, shadow, scale, what):
+    """DeepSpeedCPUAdam.step() on one flat fp32 partition as Spillway's one pass: the gradient
+    scaled by `scale` (unscale and clip folded in), the moments and the master updated, and the
+    16-bit `shadow` (or None) written from the new master. The optimizer's state is DeepSpeed's:
+    made as DeepSpeedCPUAdam makes it at the first step, its step count moved once the update is
+    made (a refused update leaves it as it was)."""
+    inner = opt.optimizer
+    if not 0 <= group_id < len(inner.param_groups):
+        raise _spillway.InvalidArgument(
+            f"spillway.deepspeed: {what} belongs to parameter group {group_id}, and the optimizer has "
+            f"{len(inner.param_groups)}; parameter groups were changed after deepspeed.initialize (add them "
+            "before it)")
+    group = inner.param_groups[group_id]
+    state = inner.state[fp32]
+    if len(state) == 0:  # as DeepSpeedCPUAdam.step does at the first step
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+        state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+    for key in ("exp_avg", "exp_avg_sq"):
+        if state[key].shape != fp32.shape:
+            raise _spillway.InvalidArgument(
+                f"spillway.deepspeed: {what}: optimizer state '{key}' has shape {tuple(state[key].shape)} and "
+                f"the fp32 partition {tuple(fp32.shape)}; the state was loaded from a checkpoint of another "
+                "model, world size or sub_group_size")
+    beta1, beta2 = group["betas"]
+    kernel = opt.__dict__.get("_spillway_kernel")
+    if kernel is None:
+        kernel = opt._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
+    kernel.update(f"DeepSpeed {what} (parameter group {group_id})", fp32.data, state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow,
+                  int(state["step"]) + 1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                  inner.adam_w_mode, group.get("bias_correction", True), scale)
+    state["step"] += 1
 
 
 def _fused_optimizer_step(original):
@@ -97,26 +142,8 @@ def _fused_optimizer_step(original):
         scale = self.__dict__.get("_spillway_scale", {}).pop(sub_group_id, None)
         if scale is None:  # unscale_and_clip_grads declined it (or a caller skipped it): DeepSpeed's path
             return original(self, sub_group_id)
-        inner = self.optimizer
         group_id = self.sub_group_to_group_id[sub_group_id]
-        if not 0 <= group_id < len(inner.param_groups):
-            raise _spillway.InvalidArgument(
-                f"spillway.deepspeed: sub-group {sub_group_id} belongs to parameter group {group_id}, and the "
-                f"optimizer has {len(inner.param_groups)}; parameter groups were changed after "
-                "deepspeed.initialize (add them before it)")
-        group = inner.param_groups[group_id]
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
-        state = inner.state[fp32]
-        if len(state) == 0:  # as DeepSpeedCPUAdam.step does at the first step
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
-            state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].shape != fp32.shape:
-                raise _spillway.InvalidArgument(
-                    f"spillway.deepspeed: sub-group {sub_group_id}: optimizer state '{key}' has shape "
-                    f"{tuple(state[key].shape)} and the fp32 partition {tuple(fp32.shape)}; the state was "
-                    "loaded from a checkpoint of another model, world size or sub_group_size")
         shadow = self.fp16_partitioned_groups_flat[sub_group_id]
         # The 16-bit partition is written in the same pass only where the pass can reach it: on
         # the CPU (with offload_param off it lives on the accelerator; DeepSpeed's own copy in
@@ -124,16 +151,7 @@ def _fused_optimizer_step(original):
         if shadow is not None and (shadow.device.type != "cpu" or shadow.dtype not in (torch.bfloat16, torch.float16)
                                    or shadow.numel() != fp32.numel() or not shadow.is_contiguous()):
             shadow = None
-        beta1, beta2 = group["betas"]
-        kernel = self.__dict__.get("_spillway_kernel")
-        if kernel is None:
-            kernel = self._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
-        # The step count moves only once the update is made: a refused update leaves it as it was.
-        kernel.update(f"DeepSpeed sub-group {sub_group_id} (parameter group {group_id})", fp32.data,
-                      state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1,
-                      group["lr"], beta1, beta2, group["eps"], group["weight_decay"], inner.adam_w_mode,
-                      group.get("bias_correction", True), scale)
-        state["step"] += 1
+        _fused_adam(self, group_id, fp32, shadow, scale, f"sub-group {sub_group_id}")
         if shadow is not None:
             self.__dict__.setdefault("_spillway_copied", set()).add(sub_group_id)
     _optimizer_step.__spillway_original__ = original
@@ -150,6 +168,75 @@ def _fused_reassign(original):
         self._unflatten_partitioned_parameters(sub_group_id)  # what the original does after its copy
     _reassign_or_swap_out_partitioned_parameters.__spillway_original__ = original
     return _reassign_or_swap_out_partitioned_parameters
+
+
+# DeepSpeedZeroOptimizer's (ZeRO-1 and 2) per-group sequence in step() with offload_optimizer,
+# read from DeepSpeed 0.19.8:
+#   unscale_and_clip_grads([fp32[i].grad], norm)  grad *= 1 / combined_scale         (pass 1)
+#   _optimizer_step(i)                            DeepSpeedCPUAdam.step()            (pass 2)
+#   buffer[i].copy_(fp32[i]); bit16[i].copy_(buffer[i])  inline in step()           (pass 3)
+# Spillway records the scale in the first and runs one fused pass in the second. The third is
+# written inline in step(), with no method to patch, so it stays DeepSpeed's: the fused pass does
+# not write the 16-bit copy here (it would be written twice).
+_STEP_SEAM_ZERO12 = ("unscale_and_clip_grads", "_optimizer_step")
+
+
+def _why_not_ours_zero12(opt, group_no):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
+
+    if not getattr(opt, "cpu_offload", False):
+        return "the optimizer state is not offloaded (offload_optimizer.device is not cpu)"
+    return _why_not_adam(opt, Zero12, _STEP_SEAM_ZERO12, opt.single_partition_of_fp32_groups[group_no])
+
+
+def _zero12_group_of(opt, grad_groups_flat):
+    """The parameter group whose fp32 gradient step() passes alone to unscale_and_clip_grads."""
+    if not getattr(opt, "cpu_offload", False) or len(grad_groups_flat) != 1:
+        return None
+    grad = grad_groups_flat[0]
+    for i, fp32 in enumerate(opt.single_partition_of_fp32_groups):
+        if fp32.grad is grad:
+            return i
+    return None
+
+
+def _fused_unscale_and_clip_grads_zero12(original):
+    from deepspeed.runtime.utils import is_invalid_grad_norm  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+        pending = self.__dict__.setdefault("_spillway_scale", {})
+        group_no = _zero12_group_of(self, grad_groups_flat)
+        if group_no is None:  # not step()'s offload path (a direct caller, or no offload)
+            return original(self, grad_groups_flat, total_norm)
+        reason = _why_not_ours_zero12(self, group_no) if getattr(self, "spillway_step", True) else "off"
+        if reason is not None:
+            if reason != "off":
+                _decline_once(reason)
+            pending.pop(group_no, None)
+            return original(self, grad_groups_flat, total_norm)
+        if self.clip_grad == 0.0 and self.loss_scale == 1.0:  # DeepSpeed returns without a pass
+            pending[group_no] = 1.0
+            return None
+        if self.clip_grad > 0. and is_invalid_grad_norm(total_norm):  # as DeepSpeed reads it
+            total_norm = torch.tensor(float("inf"), dtype=torch.float)
+        pending[group_no] = _unscale_factor(self, total_norm)
+        return None
+    unscale_and_clip_grads.__spillway_original__ = original
+    return unscale_and_clip_grads
+
+
+def _fused_optimizer_step_zero12(original):
+    @functools.wraps(original)
+    def _optimizer_step(self, group_no):
+        scale = self.__dict__.get("_spillway_scale", {}).pop(group_no, None)
+        if scale is None:  # unscale_and_clip_grads declined it (or a caller skipped it): DeepSpeed's path
+            return original(self, group_no)
+        _fused_adam(self, group_no, self.single_partition_of_fp32_groups[group_no], None, scale,
+                    f"ZeRO-{2 if self.partition_gradients else 1} partition {group_no}")
+        self._lazy_init_hp_params_optimizer_state()  # what the original does after the step
+    _optimizer_step.__spillway_original__ = original
+    return _optimizer_step
 
 
 def _install_step():
@@ -169,5 +256,15 @@ def _install_step():
     _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
     _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
            _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
+
+    missing = [name for name in _STEP_SEAM_ZERO12 if name not in Zero12.__dict__]
+    if missing:
+        _decline_once(f"DeepSpeed {version}'s ZeRO-1/2 optimizer lacks {', '.join(missing)}, the seam Spillway "
+                      "patches there (read from 0.19.8)")
+        return True
+    _patch(Zero12, "unscale_and_clip_grads",
+           _fused_unscale_and_clip_grads_zero12(Zero12.__dict__["unscale_and_clip_grads"]))
+    _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(Zero12.__dict__["_optimizer_step"]))
     return True
 

@@ -5,19 +5,21 @@ deepspeed.initialize:
 
 What it does (docs/deepspeed.md):
 - torch's CPU and pinned allocators become Spillway's (spillway.install()), and DeepSpeed's host
-  allocation sites run inside spillway.tag() scopes, so the 16-bit parameter partitions, the fp32
-  master partitions, the gradient partitions and the Adam moments are exact-size, MADV_DONTFORK
+  allocation sites (ZeRO-1, 2 and 3) run inside spillway.tag() scopes, so the 16-bit parameter
+  partitions, the fp32 master partitions, the gradient partitions and the Adam moments are exact-size, MADV_DONTFORK
   (a re-forked DataLoader worker copies none of them), budgeted, ledgered by kind and in metrics;
 - `engine.step()` marks a step boundary at each gradient-accumulation boundary;
 - after deepspeed.initialize and after the first optimizer step, an audit walks DeepSpeed's
   offloaded tensors and reports by name each one whose memory is not Spillway's;
 - DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it;
-- ZeRO-3's host optimizer step runs on Spillway's fused pass (`step=True`, the default): per
+- the host optimizer step runs on Spillway's fused pass (`step=True`, the default): in ZeRO-3, per
   sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
-  pass over the data (Note [DeepSpeed step] in docs/deepspeed.md).
-- the device guard (`guard=True`, the default) checks every op of ZeRO-3's optimizer step for tensors
-  on mixed devices and names them (spillway.DeviceMismatch), and deepspeed.initialize refuses a
-  model spread over devices (spillway.guard.audit; Note [Device guard] in docs/deepspeed.md).
+  pass over the data; in ZeRO-1/2 with offload_optimizer, per parameter group, the unscale and clip
+  and the update (Note [DeepSpeed step] in docs/deepspeed.md).
+- the device guard (`guard=True`, the default) checks every op of the ZeRO optimizer's step (stage
+  1, 2 or 3) for tensors on mixed devices and names them (spillway.DeviceMismatch), and
+  deepspeed.initialize refuses a model spread over devices (spillway.guard.audit; Note [Device
+  guard] in docs/deepspeed.md).
 
 `uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
 rest of the process (memory they handed out must keep freeing through them).
@@ -48,6 +50,8 @@ del _public
 # The DeepSpeed releases whose allocation sites were read and whose runs are tested (tests/python).
 TESTED_DEEPSPEED = ("0.19.8",)
 
+_ZERO12 = "deepspeed.runtime.zero.stage_1_and_2"
+
 # (module, class or None, function, kind): the DeepSpeed functions that allocate host state, and
 # what they allocate. Read from DeepSpeed 0.19.8 (docs/deepspeed.md has the table with line refs).
 _SITES = (
@@ -60,6 +64,16 @@ _SITES = (
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "initialize_optimizer_states", "grad"),
     # The Adam moments are made lazily by the inner optimizer at the first step.
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_optimizer_step", "optimizer_state"),
+    # ZeRO-1 and 2. The constructor makes the fp32 master partitions and, inline with no method of
+    # their own, the 16-bit staging buffers (moved to their kinds after it: _zero12_init); the flat
+    # 16-bit groups it flattens are parameters; the fp32 gradient partitions are made by
+    # initialize_optimizer_states, the per-parameter accumulation buffers (gradient accumulation
+    # with offload) during backward, the moments at the first step.
+    (_ZERO12, "DeepSpeedZeroOptimizer", "__init__", "master_weight"),
+    (_ZERO12, "DeepSpeedZeroOptimizer", "flatten_dense_tensors_aligned", "param"),
+    (_ZERO12, "DeepSpeedZeroOptimizer", "initialize_optimizer_states", "grad"),
+    (_ZERO12, "DeepSpeedZeroOptimizer", "async_accumulate_grad_in_cpu_via_gpu", "grad"),
+    (_ZERO12, "DeepSpeedZeroOptimizer", "_optimizer_step", "optimizer_state"),
 )
 
 _OVER_BUDGET_HINT = (
@@ -119,6 +133,63 @@ def _tagged(fn, kind, lifetime="persistent"):
             raise spillway.OverBudget(f"{e} (in DeepSpeed's {fn.__qualname__}, {kind}).{_OVER_BUDGET_HINT}") from e
     wrapped.__spillway_original__ = fn
     return wrapped
+
+
+def _zero12_init(original):
+    """DeepSpeedZeroOptimizer.__init__ (ZeRO-1/2) inside a master_weight scope. The flat 16-bit
+    groups it flattens meanwhile are tagged param (_while_initializing), and the two staging
+    buffers it makes inline, where no method could be tagged, are then remade in their own kinds:
+    the 16-bit copy of each master partition (param) and the gradient staging buffer (grad)."""
+    tagged = _tagged(original, "master_weight")
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        self.__dict__["_spillway_initializing"] = True
+        try:
+            tagged(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop("_spillway_initializing", None)
+        _retag_zero12_buffers(self)
+    __init__.__spillway_original__ = original
+    return __init__
+
+
+def _while_initializing(fn, kind):
+    """`fn` tagged `kind` while its ZeRO-1/2 optimizer's constructor runs, untagged after it (step()
+    flattens gradients with it too)."""
+    tagged = _tagged(fn, kind)
+
+    @functools.wraps(fn)
+    def wrapped(self, *args, **kwargs):
+        if self.__dict__.get("_spillway_initializing"):
+            return tagged(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+    wrapped.__spillway_original__ = fn
+    return wrapped
+
+
+def _retag_zero12_buffers(opt):
+    import spillway  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+    if not getattr(opt, "cpu_offload", False):
+        return
+    pin = getattr(opt, "cpu_offload_pin_memory", False)
+
+    def remade(t, kind):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+            return t
+        with spillway.tag(kind):
+            new = torch.empty_like(t)
+            if pin:
+                new = get_accelerator().pin_memory(new)
+        return new.copy_(t)
+
+    buffers = getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None) or []
+    for i, b in enumerate(buffers):
+        buffers[i] = remade(b, "param")
+    if getattr(opt, "temp_grad_buffer_for_cpu_offload", None) is not None:
+        opt.temp_grad_buffer_for_cpu_offload = remade(opt.temp_grad_buffer_for_cpu_offload, "grad")
 
 
 def _patch(owner, name, replacement):
@@ -285,8 +356,10 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
         _install_step()
     if guard:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
 
         _patch(Stage3, "step", _guarded_step(Stage3.__dict__["step"]))
+        _patch(Zero12, "step", _guarded_step(Zero12.__dict__["step"]))
         _patch(deepspeed, "initialize", _audited_initialize(deepspeed.initialize))
     if not allocators:
         return
@@ -302,7 +375,12 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
         except (ImportError, AttributeError, KeyError):
             _missing.append(f"{module_name}.{cls_name + '.' if cls_name else ''}{fn_name} ({kind})")
             continue
-        _patch(owner, fn_name, _tagged(fn, kind))
+        if (module_name, fn_name) == (_ZERO12, "__init__"):
+            _patch(owner, fn_name, _zero12_init(fn))
+        elif (module_name, fn_name) == (_ZERO12, "flatten_dense_tensors_aligned"):
+            _patch(owner, fn_name, _while_initializing(fn, kind))
+        else:
+            _patch(owner, fn_name, _tagged(fn, kind))
     from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
     # The training step's own host scratch (DeepSpeed's temporaries in backward and the optimizer

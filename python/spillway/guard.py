@@ -91,7 +91,8 @@ def named_tensors(*objects):
         if id(opt) in seen_opts:
             return
         seen_opts.add(id(opt))
-        flats = [(f"{prefix}{attr}[{i}]", t) for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat")
+        flats = [(f"{prefix}{attr}[{i}]", t) for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
+                                                          "single_partition_of_fp32_groups", "bit16_groups_flat")
                  for i, t in enumerate(getattr(opt, attr, None) or ()) if isinstance(t, torch.Tensor)]
         for name, t in flats:  # the inner optimizer's parameters are these partitions
             param_names.setdefault(t._cdata, name)
@@ -129,7 +130,8 @@ def named_tensors(*objects):
             out.extend((name, b) for name, b in module.named_buffers())
         if hasattr(obj, "param_groups"):
             # A ZeRO optimizer's flat partitions read best with its class: Stage3.fp32_..._flat[0]
-            add_optimizer(obj, f"{type(obj).__name__}." if hasattr(obj, "fp32_partitioned_groups_flat") else "")
+            zero = hasattr(obj, "fp32_partitioned_groups_flat") or hasattr(obj, "single_partition_of_fp32_groups")
+            add_optimizer(obj, f"{type(obj).__name__}." if zero else "")
         elif hasattr(getattr(obj, "optimizer", None), "param_groups"):  # a DeepSpeed engine
             add_optimizer(obj.optimizer, "optimizer.")
     return out

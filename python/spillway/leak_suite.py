@@ -169,7 +169,7 @@ def worker(args):
         dd_bytes += bytes_in_ranges(s.data_ptr(), s.nbytes(), ranges)
     out = {"run": args.worker, "params": n_params, "deepspeed": deepspeed.__version__, "epochs": epochs,
            "losses": losses, "offloaded_bytes": total, "offloaded_by_kind": by_kind,
-           "dontfork_bytes": dd_bytes}
+           "dontfork_bytes": dd_bytes, "offloaded_names": [name for name, _k, _t in state]}
     if with_spillway:
         runtime = spillway.installed()
         out["audit"] = sd.audit(engine)
@@ -236,6 +236,10 @@ def verdict(plain, ours, min_removed=0.95):
     if not saved:
         return True, lines + ["  (one epoch only: nothing to judge; run --epochs 3 or more)"]
     m_saved, m_state = statistics.median(saved), statistics.median(states)
+    if m_state == 0:  # nothing to weigh the growth against: no verdict is a pass
+        return False, lines + ["  spillway.deepspeed.offloaded_tensors found none of DeepSpeed's offloaded host state "
+                               "at the fork: this config's ZeRO stage or offload is not one the audit reads, so "
+                               "nothing can be judged"]
     ok = not (m_saved < min_removed * m_state and statistics.median(ours_growth) > 0.05 * m_state)
     lines.append(f"  median over epochs 1..: Spillway removed {m_saved / MIB:.1f} MiB of the plain run's "
                  f"growth; the offloaded state at the fork was {m_state / MIB:.1f} MiB "

@@ -17,14 +17,16 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 
 CONFIG = Path(__file__).parent / "configs" / "zero3_cpu_offload.json"
+CONFIG_ZERO2 = Path(__file__).parent / "configs" / "zero2_cpu_offload.json"
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("pin_memory", [True, False])
-def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_state(tmp_path, pin_memory):
-    config = json.loads(CONFIG.read_text())
+@pytest.mark.parametrize("stage,pin_memory", [(3, True), (3, False), (2, True)])
+def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_state(tmp_path, stage, pin_memory):
+    config = json.loads((CONFIG if stage == 3 else CONFIG_ZERO2).read_text())
     for key in ("offload_optimizer", "offload_param"):
-        config["zero_optimization"][key]["pin_memory"] = pin_memory
+        if key in config["zero_optimization"]:
+            config["zero_optimization"][key]["pin_memory"] = pin_memory
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
     out = tmp_path / "out.json"
@@ -53,6 +55,13 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
     # In Spillway's arena, by kind; in a scrape of the live exporter during the run, with the rank.
     audit = ours["audit"]
     assert audit["covered_bytes"] == audit["total_bytes"] and not audit["missed"], audit
+    # The audit reads the engine's stage: its names are that stage's attributes.
+    names = ours["offloaded_names"]
+    expected = (["optimizer.fp32_partitioned_groups_flat[0]", "optimizer.fp32_partitioned_groups_flat[0].grad"]
+                if stage == 3 else
+                ["optimizer.single_partition_of_fp32_groups[0]", "optimizer.single_partition_of_fp32_groups[0].grad",
+                 "optimizer.param_buffer_of_bit16_for_cpu_offload_groups[0]", "optimizer.bit16_groups_flat[0]"])
+    assert set(expected) <= set(names) and any("exp_avg_sq" in n for n in names), names
     arena = ours["arena"]["live_by_kind"]
     for kind in kinds:
         assert arena[kind] >= audit["by_kind"][kind], (kind, arena, audit)

@@ -102,6 +102,34 @@ def test_optimizer_state_on_nvme_and_two_micro_batches_per_step_stay_within_the_
     assert abs(ours["losses"][-1] - theirs["losses"][-1]) <= 0.01 * theirs["losses"][-1]
 
 
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero_1_and_2_with_offload_run_spillways_step_within_the_control(tmp_path, stage):
+    # ZeRO-1/2's offload step: per parameter group, the unscale and clip and DeepSpeedCPUAdam's
+    # update become the fused pass; DeepSpeed's own 16-bit copy stays (it is inline in step()).
+    variant = f"bf16-zero{stage}"
+    r = {w: run(tmp_path, w, steps=30, variant=variant) for w in ("deepspeed", "torch-adam", "spillway")}
+    ours, theirs, control = r["spillway"], r["deepspeed"], r["torch-adam"]
+    assert ours["kernel"] and not theirs["kernel"], ours["warnings"]
+    assert not [w for w in ours["warnings"] if "own optimizer step runs" in w or "audit" in w], ours["warnings"]
+    assert ours["sub_groups"] == theirs["sub_groups"] == 2
+    assert ours["steps"] == theirs["steps"] == [30, 30] and ours["lrs"] == theirs["lrs"]
+    lr = theirs["lrs"][0][0]
+    for i, (a, b) in enumerate(zip(theirs["first"]["masters"], ours["first"]["masters"])):
+        bound = 2 * ULP * torch.maximum(a.abs(), b.abs()) + 16 * ULP * lr
+        assert ((a - b).abs() - bound).max().item() <= 0, f"group {i}: first step off by {(a - b).abs().max()}"
+    for i, (a, b, c, start) in enumerate(zip(theirs["masters"], ours["masters"], control["masters"],
+                                             theirs["first"]["masters"])):
+        print(f"zero-{stage} group {i}: rms spillway-ds {rms(a, b):.3e}, torch-ds {rms(a, c):.3e}, "
+              f"moved {rms(a, start):.3e}")
+        assert rms(a, b) <= 2 * rms(a, c), i
+        assert (a - b).abs().max() <= 2 * (a - c).abs().max(), i
+        assert rms(a, b) < 0.05 * rms(a, start), i
+    for master, p16 in zip(ours["masters"], ours["params16"]):
+        assert torch.equal(master.to(p16.dtype), p16)  # DeepSpeed's copy ran on the new master
+    assert abs(ours["losses"][-1] - theirs["losses"][-1]) <= 0.01 * theirs["losses"][-1]
+    assert ours["losses"][-1] < 0.8 * ours["losses"][0]
+
+
 def test_the_16_bit_partition_is_the_round_to_nearest_even_of_the_new_master(runs):
     ours = runs["spillway"]
     for i, (master, p16) in enumerate(zip(ours["masters"], ours["params16"])):

@@ -77,7 +77,9 @@ import os, socket, sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, deepspeed, spillway
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
 OTHER = %r
+STAGE = int(sys.argv[2])
 
 # DeepSpeed 0.14.1's bug, injected into 0.19.8: the combined scale on the accelerator while the fp32
 # gradients of offload_optimizer live on the CPU (seeds 000-002: Axolotl, Qwen3-72B, XTuner Yi-34B).
@@ -85,6 +87,10 @@ def unscale_and_clip_grads(self, sub_group_id, total_norm):
     combined_scale = torch.tensor(float(self.loss_scale), device=OTHER)
     self.fp32_partitioned_groups_flat[sub_group_id].grad.mul_(1. / combined_scale)
 Stage3.unscale_and_clip_grads = unscale_and_clip_grads
+def unscale_and_clip_grads_zero12(self, grad_groups_flat, total_norm):  # the same bug in ZeRO-1/2
+    combined_scale = torch.tensor(float(self.loss_scale), device=OTHER)
+    grad_groups_flat[0].mul_(1. / combined_scale)
+Zero12.unscale_and_clip_grads = unscale_and_clip_grads_zero12
 if sys.argv[1] == "guard":
     spillway.deepspeed.install(step=False)
 with socket.socket() as s:
@@ -95,8 +101,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "bf16": {"enabled": True},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                "offload_param": {"device": "cpu"}}}
+          "zero_optimization": {"stage": STAGE, "offload_optimizer": {"device": "cpu"}}}
+if STAGE == 3:
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 loss = engine(torch.randn(4, 16).to(torch.bfloat16)).float().sum()
 engine.backward(loss)
@@ -104,22 +111,26 @@ engine.step()
 """
 
 
-def ds_run(mode):
-    p = subprocess.run([sys.executable, "-c", DS % OTHER, mode], capture_output=True, text=True, timeout=900)
+def ds_run(mode, stage):
+    p = subprocess.run([sys.executable, "-c", DS % OTHER, mode, str(stage)], capture_output=True, text=True,
+                       timeout=900)
     return p.returncode, p.stderr
 
 
-def test_deepspeed_0_14_1s_scale_on_another_device_is_named_by_the_guard_install_turns_on():
+@pytest.mark.parametrize("stage", [3, 2, 1])
+def test_deepspeed_0_14_1s_scale_on_another_device_is_named_by_the_guard_install_turns_on(stage):
     pytest.importorskip("deepspeed")
-    rc, bare = ds_run("plain")
+    rc, bare = ds_run("plain", stage)
     if OTHER == "cuda":  # the seed: torch's bare error, naming no tensor
         assert rc != 0 and "Expected all tensors to be on the same device" in bare and "DeviceMismatch" not in bare
     else:  # torch lets an in-place mul_ take a 0-dim meta tensor without a word: the step "succeeds"
         assert rc == 0, bare[-3000:]
-    rc, named = ds_run("guard")
+    rc, named = ds_run("guard", stage)
     assert rc != 0
     assert "spillway.DeviceMismatch: aten.mul_" in named, named[-3000:]
-    assert "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad float32" in named, named[-3000:]
+    grad = ("DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad" if stage == 3
+            else "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups[0].grad")
+    assert f"{grad} float32" in named, named[-3000:]
     assert f"float32[scalar] on {OTHER}" in named, named[-3000:]
     assert "in unscale_and_clip_grads" in named  # the injected function: the caller's frame
     assert "a scalar factor that enters host math belongs on the CPU" in named

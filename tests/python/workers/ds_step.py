@@ -4,8 +4,9 @@ its own, with DeepSpeed's own optimizer step or Spillway's fused one.
 
     python ds_step.py {deepspeed|torch-adam|spillway} STEPS OUT.pt [OPTIMIZER] [VARIANT]
 
-VARIANT `bf16-cpu` (the default) or `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
-swapper, on Spillway's aio op) and two micro-batches per step. (fp16 and its dynamic loss scale are
+VARIANT `bf16-cpu` (the default), `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
+swapper, on Spillway's aio op) and two micro-batches per step, or `bf16-zero2` / `bf16-zero1`:
+ZeRO-2 / ZeRO-1 with offload_optimizer cpu (one flat partition per parameter group). (fp16 and its dynamic loss scale are
 refused by DeepSpeed's CPU accelerator: GPU only.)
 
 `torch-adam` is DeepSpeed's own step with torch.optim.AdamW in place of DeepSpeedCPUAdam
@@ -70,8 +71,20 @@ if variant == "bf16-nvme-ga2":
     os.makedirs(swap, exist_ok=True)
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False}
     config["aio"] = {"block_size": 1 << 18, "queue_depth": 8}
+elif variant in ("bf16-zero2", "bf16-zero1"):
+    config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant != "bf16-cpu":
-    sys.exit(f"unknown variant {variant!r}: bf16-cpu or bf16-nvme-ga2")
+    sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-nvme-ga2, bf16-zero2 or bf16-zero1")
+
+
+def masters_of(opt):
+    """The fp32 master partitions, and the 16-bit partitions they are copied to, by ZeRO stage."""
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        return opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat
+    rank = torch.distributed.get_rank()
+    return opt.single_partition_of_fp32_groups, [g[rank] for g in opt.parallel_partitioned_bit16_groups]
+
+
 dtype = torch.bfloat16
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -89,20 +102,22 @@ with warnings.catch_warnings(record=True) as caught:
         losses.append(loss.item())
         lrs.append([pg["lr"] for pg in engine.optimizer.optimizer.param_groups])
         if step == 0:
-            first = {"masters": [t.detach().clone() for t in engine.optimizer.fp32_partitioned_groups_flat],
-                     "params16": [t.detach().clone() for t in engine.optimizer.fp16_partitioned_groups_flat]}
+            fp32, p16 = masters_of(engine.optimizer)
+            first = {"masters": [t.detach().clone() for t in fp32], "params16": [t.detach().clone() for t in p16]}
 opt = engine.optimizer
 inner = opt.optimizer
-masters = [t.detach().clone() for t in opt.fp32_partitioned_groups_flat]
-state = [inner.state.get(t, {}) for t in opt.fp32_partitioned_groups_flat]
+fp32, p16 = masters_of(opt)
+masters = [t.detach().clone() for t in fp32]
+state = [inner.state.get(t, {}) for t in fp32]
 torch.save({
     "losses": losses, "lrs": lrs, "masters": masters, "first": first,
     "exp_avg": [s["exp_avg"].clone() for s in state if "exp_avg" in s],
     "exp_avg_sq": [s["exp_avg_sq"].clone() for s in state if "exp_avg_sq" in s],
     "steps": [s.get("step") for s in state],
-    "params16": [t.detach().clone() if t is not None else None for t in opt.fp16_partitioned_groups_flat],
-    "sub_groups": len(masters), "group_of": list(opt.sub_group_to_group_id.values())
-    if isinstance(opt.sub_group_to_group_id, dict) else list(opt.sub_group_to_group_id),
+    "params16": [t.detach().clone() if t is not None else None for t in p16],
+    "sub_groups": len(masters), "group_of": list(range(len(masters))) if not hasattr(opt, "sub_group_to_group_id")
+    else list(opt.sub_group_to_group_id.values()) if isinstance(opt.sub_group_to_group_id, dict)
+    else list(opt.sub_group_to_group_id),
     "inner": type(inner).__name__,
     "warnings": [str(w.message) for w in caught if "spillway" in str(w.message)],
     "kernel": getattr(opt, "_spillway_kernel", None) is not None,
