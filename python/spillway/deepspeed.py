@@ -109,8 +109,52 @@ def _aio_handle(*args, arena=None, **kwargs):
     return _spillway.aio_handle(*args, arena=arena, **kwargs)
 
 
+def _aio_transfer(write, buffer, filename, block_size, queue_depth, single_submit, overlap_events, validate):
+    """DeepSpeed's one-shot `aio_read` / `aio_write` (ds_nvme_tune's aio_basic engine): the whole
+    tensor to or from the file, through a handle made for the call (as DeepSpeed makes an aio
+    context per call). Returns 0. Where DeepSpeed returns -1 or asserts (a file that cannot be
+    opened, a read whose buffer is not the file's size), these raise, naming the file."""
+    what = f"spillway aio_{'write' if write else 'read'}({filename!r})"
+    if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
+        raise _spillway.InvalidArgument(f"{what}: the buffer must be a contiguous CPU tensor")
+    if not write:
+        size = os.path.getsize(filename)  # FileNotFoundError names the file
+        if size != buffer.nbytes:
+            raise _spillway.InvalidArgument(
+                f"{what}: the file holds {size} bytes and the buffer {buffer.nbytes}; DeepSpeed's aio_read "
+                "reads a whole file into a buffer of its size")
+    h = _aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    done = h.sync_pwrite(buffer, filename) if write else h.sync_pread(buffer, filename)
+    if done != 1:
+        raise _spillway.IoError(f"{what}: the transfer completed {done} of 1 requests")
+    if validate:
+        with open(filename, "rb") as f:
+            on_disk = f.read()
+        if on_disk != buffer.view(torch.uint8).numpy().tobytes():
+            raise _spillway.ChecksumMismatch(f"{what}: validation failed: the file's bytes are not the buffer's")
+    return 0
+
+
+def _memcpy(dest, src):
+    """DeepSpeed's `deepspeed_memcpy(dest, src)`: the bytes of `src` into `dest`. DeepSpeed's copies
+    dest.size(0) floats whatever the dtypes; this one copies bytes and refuses tensors whose sizes
+    differ or that are not contiguous CPU tensors (DeepSpeed's would read or write past them).
+    Returns 0."""
+    for name, t in (("dest", dest), ("src", src)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            raise _spillway.InvalidArgument(f"spillway deepspeed_memcpy: {name} must be a contiguous CPU tensor")
+    if dest.nbytes != src.nbytes:
+        raise _spillway.InvalidArgument(
+            f"spillway deepspeed_memcpy: dest holds {dest.nbytes} bytes and src {src.nbytes}; they must match")
+    dest.view(-1).view(torch.uint8).copy_(src.view(-1).view(torch.uint8))
+    return 0
+
+
 def _op():
-    return types.SimpleNamespace(aio_handle=_aio_handle, __name__="spillway_async_io")
+    return types.SimpleNamespace(
+        aio_handle=_aio_handle, __name__="spillway_async_io",
+        aio_read=functools.partial(_aio_transfer, False), aio_write=functools.partial(_aio_transfer, True),
+        deepspeed_memcpy=_memcpy)
 
 
 def _deepspeed_version():
@@ -308,9 +352,23 @@ def _admit(args, kwargs):
                detail=f"Settings that would make it fit: {hint + '; ' if hint else ''}{_NODE_HINT}")
 
 
+def _warn_gds(args, kwargs):
+    try:
+        config = _ds_config(args, kwargs)
+    except (OSError, ValueError):
+        return  # DeepSpeed reads the config next and names what is wrong with it
+    if isinstance(config, dict) and (config.get("aio") or {}).get("use_gds"):
+        warnings.warn(
+            "spillway.deepspeed: aio.use_gds is set: DeepSpeed's swapper moves tensors between GPU memory and "
+            "NVMe with GPUDirect Storage (GDSBuilder's gds_handle), not through Spillway's aio op, so those swap "
+            "files are DeepSpeed's, outside Spillway's NVMe budget and metrics. Set aio.use_gds false for "
+            "Spillway's io_uring op", AuditWarning, stacklevel=3)
+
+
 def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
+        _warn_gds(args, kwargs)
         _admit(args, kwargs)
         out = original(*args, **kwargs)
         try:
@@ -349,6 +407,14 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             raise spillway.FailedPrecondition(
                 "spillway.deepspeed.install(budget_bytes=...) after spillway.install(): the arenas and "
                 "their budgets already exist; pass the budgets to spillway.install() instead")
+    if os.environ.get("DS_PIN_MEMORY_BACKEND", "torch").strip().lower() == "native":
+        warnings.warn(
+            "spillway.deepspeed: DS_PIN_MEMORY_BACKEND=native: DeepSpeed pins its offload buffers with its own "
+            "page-locked allocator (deepspeed.utils.pin_memory: posix_memalign and mlock), outside Spillway's "
+            "pinned arena, so those bytes are not budgeted, not MADV_DONTFORK (a forked DataLoader worker copies "
+            "what it touches), and not in the ledger or metrics; the audit names each one. Unset "
+            "DS_PIN_MEMORY_BACKEND (DeepSpeed's torch backend pins through torch, which is Spillway's)",
+            AuditWarning, stacklevel=2)
     _saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
     AsyncIOBuilder.load = lambda self, verbose=True: _op()
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True

@@ -156,3 +156,77 @@ def test_a_forked_child_makes_its_own_aio_handle_and_the_parents_still_refuse(in
     assert os.waitstatus_to_exitcode(status) == 0
     assert not (tmp_path / "child-through-parent").exists()
     assert parents.sync_pwrite(torch.ones(4096, dtype=torch.uint8), str(tmp_path / "parent2")) == 1
+
+
+def test_the_rest_of_deepspeeds_aio_module_aio_read_aio_write_and_deepspeed_memcpy(installed, tmp_path):
+    """What DeepSpeed's aio_basic engine (ds_io --engine aio_basic) calls: one-shot whole-file
+    transfers, with DeepSpeed's validate, and its memcpy."""
+    op = AsyncIOBuilder().load(verbose=False)
+    src = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)  # 3 MiB: three 1 MiB blocks
+    path = str(tmp_path / "basic.pt")
+    assert op.aio_write(src, path, 1 << 20, 8, False, True, True) == 0
+    back = torch.zeros_like(src)
+    assert op.aio_read(back, path, 1 << 20, 8, False, True, True) == 0 and torch.equal(back, src)
+    dest = torch.empty(1 << 10, dtype=torch.float32)
+    assert op.deepspeed_memcpy(dest, torch.arange(1 << 10, dtype=torch.float32)) == 0
+    assert torch.equal(dest, torch.arange(1 << 10, dtype=torch.float32))
+    # Bad input: each names what is wrong, and the file and the tensors are left as they were.
+    with pytest.raises(spillway.InvalidArgument, match=r"holds 3145728 bytes and the buffer 1048576"):
+        op.aio_read(torch.zeros(1 << 20, dtype=torch.uint8), path, 1 << 20, 8, False, True, False)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        op.aio_read(back, str(tmp_path / "missing.pt"), 1 << 20, 8, False, True, False)
+    with pytest.raises(spillway.InvalidArgument, match="dest holds 4096 bytes and src 8"):
+        op.deepspeed_memcpy(dest, torch.zeros(2, dtype=torch.float32))
+    with pytest.raises(spillway.InvalidArgument, match="contiguous CPU tensor"):
+        op.aio_write(src[::2], path, 1 << 20, 8, False, True, False)
+    assert torch.equal(dest, torch.arange(1 << 10, dtype=torch.float32))
+    with open(path, "rb") as f:
+        assert f.read() == src.numpy().tobytes()
+
+
+def test_ds_nvme_tune_sweeps_on_spillways_op(tmp_path):
+    """ds_nvme_tune runs every sweep point as a ds_io process; `python -m spillway.nvme_tune`
+    installs Spillway in each (and in the workers they spawn), and each log names the op."""
+    import json
+    import subprocess
+    import sys
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"block_size": ["256K", "1M"], "queue_depth": [8], "sequential_requests": [False],
+                                 "single_submit": [False], "io_parallel": [1]}))
+    logs = tmp_path / "logs"
+    p = subprocess.run([sys.executable, "-m", "spillway.nvme_tune", "--nvme_dir", str(nvme), "--sweep_config",
+                        str(sweep), "--io_size", "4M", "--log_dir", str(logs)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Best performance (GB/sec)" in p.stdout and '"block_size"' in p.stdout, p.stdout[-2000:]
+    files = sorted(logs.rglob("*.txt"))
+    assert len(files) == 4, files  # two block sizes, read and write
+    for f in files:
+        text = f.read_text()
+        assert "aio op: spillway_async_io" in text and "Speed = " in text, (f, text[-2000:])
+
+
+def test_pin_backends_and_gds_that_bypass_spillway_are_named(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, warnings, json, spillway
+        os.environ["DS_PIN_MEMORY_BACKEND"] = "native"
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            spillway.deepspeed.install()
+            spillway.deepspeed._warn_gds((), {"config": {"aio": {"use_gds": True}}})
+        print(json.dumps([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)]))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+
+    said = json.loads(p.stdout.strip().splitlines()[-1])
+    assert any("DS_PIN_MEMORY_BACKEND=native" in m and "not budgeted" in m and "Unset" in m for m in said), said
+    assert any("aio.use_gds" in m and "GPUDirect Storage" in m and "use_gds false" in m for m in said), said
