@@ -5,8 +5,11 @@ its own, with DeepSpeed's own optimizer step or Spillway's fused one.
     python ds_step.py {deepspeed|torch-adam|spillway} STEPS OUT.pt [OPTIMIZER] [VARIANT]
 
 VARIANT `bf16-cpu` (the default), `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
-swapper, on Spillway's aio op) and two micro-batches per step, or `bf16-zero2` / `bf16-zero1`:
-ZeRO-2 / ZeRO-1 with offload_optimizer cpu (one flat partition per parameter group). (fp16 and its dynamic loss scale are
+swapper, on Spillway's aio op) and two micro-batches per step, `bf16-infinity`: a 3.2M-parameter
+model whose optimizer state and parameters DeepSpeed really swaps to NVMe (above its threshold), or
+`bf16-zero2` / `bf16-zero1`: ZeRO-2 / ZeRO-1 with offload_optimizer cpu (one flat partition per
+parameter group). Also saved: each step's time, the bytes this process read and wrote
+(/proc/self/io) and the swap folder's files. (fp16 and its dynamic loss scale are
 refused by DeepSpeed's CPU accelerator: GPU only.)
 
 `torch-adam` is DeepSpeed's own step with torch.optim.AdamW in place of DeepSpeedCPUAdam
@@ -17,6 +20,7 @@ and lrs, and the 16-bit parameters to OUT.pt.
 """
 import os
 import sys
+import time
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -37,8 +41,13 @@ world_from_env_or_single()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
-                            torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+if variant == "bf16-infinity":  # sub-groups and partitions above DeepSpeed's 1 MiB swap threshold
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.LayerNorm(1024),
+                                torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.GELU(), torch.nn.Linear(1024, 8))
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
 decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
 no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
 groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
@@ -71,10 +80,28 @@ if variant == "bf16-nvme-ga2":
     os.makedirs(swap, exist_ok=True)
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False}
     config["aio"] = {"block_size": 1 << 18, "queue_depth": 8}
+elif variant == "bf16-infinity":
+    # ZeRO-Infinity: optimizer state and parameters on NVMe, each sub-group (1M elements) and each
+    # 1024x1024 weight above DeepSpeed's swap threshold, parameters kept on NVMe (max_in_cpu 0) and
+    # rewritten after every step, the optimizer state swapped in ahead and out behind the step
+    # (pipeline_read, pipeline_write). Parameter prefetch is off: with it, plain DeepSpeed 0.19.8
+    # stops at the second forward ("AssertionError: param 6 already assigned swap buffer id 4" in
+    # partitioned_param_swapper._allocate_and_return_buffers_for_swap_in, whatever buffer_count).
+    swap = out + ".swap"
+    os.makedirs(swap, exist_ok=True)
+    config["zero_optimization"].update({
+        "sub_group_size": 1 << 20,
+        "stage3_prefetch_bucket_size": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_count": 12,
+                              "pipeline_read": True, "pipeline_write": True},
+        "offload_param": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_size": 1100000,
+                          "buffer_count": 6, "max_in_cpu": 0},
+    })
+    config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
 elif variant in ("bf16-zero2", "bf16-zero1"):
     config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant != "bf16-cpu":
-    sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-nvme-ga2, bf16-zero2 or bf16-zero1")
+    sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-nvme-ga2, bf16-infinity, bf16-zero2 or bf16-zero1")
 
 
 def masters_of(opt):
@@ -86,13 +113,25 @@ def masters_of(opt):
 
 
 dtype = torch.bfloat16
+
+
+def io_bytes():
+    """This process's bytes read from and written to storage (/proc/self/io: O_DIRECT I/O counts)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(64, 8, generator=g)
     losses, lrs, first = [], [], None
+    io_before = io_bytes()
+    step_s = []
     for step in range(steps):
+        t0 = time.perf_counter()
         for _ in range(accumulate):
             x = torch.randn(16, 64, generator=g).to(dtype)
             y = (x.float() @ teacher).argmax(dim=1)
@@ -100,13 +139,25 @@ with warnings.catch_warnings(record=True) as caught:
             engine.backward(loss)
             engine.step()
         losses.append(loss.item())
+        step_s.append(time.perf_counter() - t0)
         lrs.append([pg["lr"] for pg in engine.optimizer.optimizer.param_groups])
-        if step == 0:
+        if step == 0 and variant != "bf16-infinity":  # swapped masters are on NVMe between steps
             fp32, p16 = masters_of(engine.optimizer)
             first = {"masters": [t.detach().clone() for t in fp32], "params16": [t.detach().clone() for t in p16]}
+io_after = io_bytes()
 opt = engine.optimizer
 inner = opt.optimizer
 fp32, p16 = masters_of(opt)
+swapper = getattr(opt, "optimizer_swapper", None)
+if swapper is not None:  # a swapped sub-group's master is on NVMe between steps: read from its swap file
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+    fp32 = list(fp32)
+    for i, t in enumerate(fp32):
+        info = swapper.swap_params_info.get(OptimizerSwapper.parameter_id(t))
+        if info is not None and t.numel() == 0:
+            with open(info.get_swap_paths()[0], "rb") as f:
+                data = bytearray(f.read(info.tensor_numel * 4))
+            fp32[i] = torch.frombuffer(data, dtype=torch.float32).clone()
 masters = [t.detach().clone() for t in fp32]
 state = [inner.state.get(t, {}) for t in fp32]
 torch.save({
@@ -121,5 +172,9 @@ torch.save({
     "inner": type(inner).__name__,
     "warnings": [str(w.message) for w in caught if "spillway" in str(w.message)],
     "kernel": getattr(opt, "_spillway_kernel", None) is not None,
+    "step_s": step_s,
+    "io": {"read_bytes": io_after[0] - io_before[0], "write_bytes": io_after[1] - io_before[1]},
+    "swap_files": sorted((os.path.relpath(os.path.join(d, f), out + ".swap"), os.path.getsize(os.path.join(d, f)))
+                         for d, _, fs in os.walk(out + ".swap") for f in fs),
 }, out)
 print("done", which, len(losses))
