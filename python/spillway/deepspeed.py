@@ -11,7 +11,10 @@ What it does (docs/deepspeed.md):
 - `engine.step()` marks a step boundary at each gradient-accumulation boundary;
 - after deepspeed.initialize and after the first optimizer step, an audit walks DeepSpeed's
   offloaded tensors and reports by name each one whose memory is not Spillway's;
-- DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it;
+- DeepSpeed's async I/O op becomes Spillway's aio_handle (io_uring), so NVMe swapping runs on it,
+  and ZeRO-Infinity's swapped tensors live in Spillway's NVMe arena instead of a file each
+  (`nvme_swap="arena"`, the default: one O_TMPFILE swap file per nvme_path, CRC-checked on every
+  read, budgeted; _deepspeed_swap.py, Note [DeepSpeed swap] in docs/deepspeed.md);
 - the host optimizer step runs on Spillway's fused pass (`step=True`, the default): in ZeRO-3, per
   sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
   pass over the data; in ZeRO-1/2 with offload_optimizer, per parameter group, the unscale and clip
@@ -37,7 +40,7 @@ import warnings
 
 import torch
 
-from . import _spillway
+from . import _deepspeed_swap, _spillway
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
 from ._deepspeed_save import save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
@@ -88,6 +91,7 @@ _NODE_HINT = (
     "budget (SPILLWAY_NODE_BUDGET_BYTES, SPILLWAY_NODE_RESERVE_BYTES) where the node has the memory.")
 
 _saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
+_swap_to_arena = False  # install(nvme_swap="arena"): DeepSpeed's swap files in Spillway's NVMe arena
 _patched = []       # (owner, name, original) for each function wrapped
 _missing = []       # sites this DeepSpeed lacks
 
@@ -106,7 +110,9 @@ def _aio_handle(*args, arena=None, **kwargs):
         # child makes draws on a default arena of the child's own instead.
         if runtime is not None and not _spillway._forked_after_install():
             arena = runtime.pinned
-    return _spillway.aio_handle(*args, arena=arena, **kwargs)
+    handle = _spillway.aio_handle(*args, arena=arena, **kwargs)
+    # DeepSpeed's swap files go to Spillway's NVMe arena (install(nvme_swap="arena"), the default).
+    return _deepspeed_swap.Handle(handle) if _swap_to_arena else handle
 
 
 def _aio_transfer(write, buffer, filename, block_size, queue_depth, single_submit, overlap_events, validate):
@@ -381,11 +387,21 @@ def _wrap_initialize(original):
     return initialize
 
 
-def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True, guard=True):
+def swap_stats():
+    """{nvme_path: stats} of the NVMe arenas that hold DeepSpeed's swap files in this process
+    (install(nvme_swap="arena")): files, live_bytes and live_by_kind, capacity_bytes, budget_bytes,
+    written_bytes, read_bytes, checksum_failures."""
+    return _deepspeed_swap.stats()
+
+
+def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True, guard=True,
+            nvme_swap="arena"):
     """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
     is built. `allocators=False` leaves torch's allocators alone (no spillway.install(); the aio op's
     buffers then come from the default arena); the aio op, the step and the guard are still installed
-    unless `step=False` / `guard=False`. `step=False` keeps
+    unless `step=False` / `guard=False`. `nvme_swap="arena"` (the default) keeps ZeRO-Infinity's
+    swapped tensors in Spillway's NVMe arena (Note [DeepSpeed swap] in docs/deepspeed.md);
+    `nvme_swap="files"` leaves them in DeepSpeed's files, one per tensor. `step=False` keeps
     DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic). `guard=False` leaves the
     optimizer step and deepspeed.initialize unchecked.
 
@@ -395,7 +411,10 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     import deepspeed  # noqa: PLC0415 (deepspeed is optional)
     from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
 
-    global _saved
+    global _saved, _swap_to_arena
+    if nvme_swap not in ("arena", "files"):
+        raise spillway.InvalidArgument(f"spillway.deepspeed.install(nvme_swap={nvme_swap!r}): 'arena' (DeepSpeed's "
+                                       "swap files in Spillway's NVMe arena) or 'files' (DeepSpeed's own files)")
     if _saved is not None:
         raise spillway.FailedPrecondition(
             "spillway.deepspeed.install() was already called; call it once per process (uninstall() "
@@ -418,6 +437,9 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     _saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
     AsyncIOBuilder.load = lambda self, verbose=True: _op()
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True
+    _swap_to_arena = nvme_swap == "arena"
+    if _swap_to_arena:
+        _deepspeed_swap.install(_patch)
     if step:
         _install_step()
     if guard:
@@ -469,7 +491,8 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
 
 def uninstall():
     """Restores DeepSpeed's own aio op and functions. torch's allocators stay Spillway's."""
-    global _saved
+    global _saved, _swap_to_arena
+    _swap_to_arena = False
     while _patched:
         owner, name, original = _patched.pop()
         setattr(owner, name, original)

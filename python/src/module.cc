@@ -20,6 +20,7 @@
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/log.h"
 #include "spillway/metrics/exporter.h"
+#include "swap_store.h"
 #include "torch_allocators.h"
 
 namespace py = pybind11;
@@ -232,6 +233,7 @@ PYBIND11_MODULE(_spillway, m) {
   python::BindEngine(m);
   python::BindNode(m);
   python::BindOptim(m);
+  python::BindSwapStore(m);
   python::BindTorchAllocators(m);
   m.def(
       "_serve",

@@ -38,7 +38,10 @@ def test_install_routes_the_aio_op_and_uninstall_restores_it():
     try:
         assert spillway.deepspeed.installed()
         op = AsyncIOBuilder().load(verbose=False)
-        assert isinstance(op.aio_handle(1 << 20, 8, False, True, 1), spillway.aio_handle)
+        # Spillway's handle, with DeepSpeed's swap paths routed to its NVMe arena (Note [DeepSpeed swap])
+        made = op.aio_handle(1 << 20, 8, False, True, 1)
+        assert isinstance(made, spillway.deepspeed._deepspeed_swap.Handle)
+        assert isinstance(made._inner, spillway.aio_handle)
         assert AsyncIOBuilder().is_compatible()
         with pytest.raises(spillway.FailedPrecondition, match="already called"):
             spillway.deepspeed.install()  # twice is refused, and changes nothing
@@ -53,7 +56,7 @@ def test_deepspeeds_swap_buffers_come_from_the_installed_pinned_arena(installed)
     """DeepSpeed makes its handles without an arena: their locked buffers must land in the arena
     spillway.install() made (its budget, its ledger, what serve() watches), not in a third one."""
     h = AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
-    assert isinstance(h, spillway.aio_handle)
+    assert isinstance(h._inner, spillway.aio_handle)
     pinned = spillway.installed().pinned
     before = pinned.stats()["live_by_kind"]["swap_buffer"]
     b = h.new_cpu_locked_tensor(1 << 16, torch.zeros(1, dtype=torch.float32))

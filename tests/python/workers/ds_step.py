@@ -155,9 +155,17 @@ if swapper is not None:  # a swapped sub-group's master is on NVMe between steps
     for i, t in enumerate(fp32):
         info = swapper.swap_params_info.get(OptimizerSwapper.parameter_id(t))
         if info is not None and t.numel() == 0:
-            with open(info.get_swap_paths()[0], "rb") as f:
-                data = bytearray(f.read(info.tensor_numel * 4))
-            fp32[i] = torch.frombuffer(data, dtype=torch.float32).clone()
+            path = info.get_swap_paths()[0]
+            if os.path.exists(path):  # DeepSpeed's own file
+                with open(path, "rb") as f:
+                    data = bytearray(f.read(info.tensor_numel * 4))
+                fp32[i] = torch.frombuffer(data, dtype=torch.float32).clone()
+            else:  # in Spillway's NVMe arena (install(nvme_swap="arena"))
+                from spillway import _deepspeed_swap
+                store, real = _deepspeed_swap._managed(path)
+                whole = torch.empty(store.size(real) // 4, dtype=torch.float32)
+                store.read(real, whole)
+                fp32[i] = whole[:info.tensor_numel].clone()
 masters = [t.detach().clone() for t in fp32]
 state = [inner.state.get(t, {}) for t in fp32]
 torch.save({
@@ -174,6 +182,7 @@ torch.save({
     "kernel": getattr(opt, "_spillway_kernel", None) is not None,
     "step_s": step_s,
     "io": {"read_bytes": io_after[0] - io_before[0], "write_bytes": io_after[1] - io_before[1]},
+    "swap_stats": __import__("spillway").deepspeed.swap_stats() if which == "spillway" else {},
     "swap_files": sorted((os.path.relpath(os.path.join(d, f), out + ".swap"), os.path.getsize(os.path.join(d, f)))
                          for d, _, fs in os.walk(out + ".swap") for f in fs),
 }, out)

@@ -72,4 +72,6 @@ for step in range(steps):
     losses.append(loss.item())
     if step == 0:
         swap_files = sum(len(f) for _, _, f in os.walk(swap))
-print(json.dumps({"losses": losses, "handles": handles, "swap_files": swap_files}))
+        # install()'s default keeps the swapped tensors in Spillway's NVMe arena, not in files
+        stored = sum(s["files"] for s in spillway.deepspeed.swap_stats().values()) if which == "spillway" else 0
+print(json.dumps({"losses": losses, "handles": handles, "swap_files": swap_files, "stored_files": stored}))

@@ -1,0 +1,288 @@
+"""spillway.deepspeed's NVMe swap: DeepSpeed's swap files in Spillway's NVMe arena (Note [DeepSpeed
+swap] in docs/deepspeed.md). This module is private.
+
+DeepSpeed's swappers (ZeRO-Infinity: the optimizer state with offload_optimizer nvme, the
+parameters with offload_param nvme) write each swapped tensor whole to a file of its own under
+`<nvme_path>/zero_stage_3/...` and read it back whole, through the aio handle. After install(), the
+handles Spillway's op makes route those two calls, for paths under a swapper's folder, to one
+SwapStore per nvme_path: extents of one O_TMPFILE swap file (nothing is left on disk after a kill),
+a CRC32C per extent verified on every read, a budget (SPILLWAY_NVME_BUDGET_BYTES, else the space the
+disk has free at the first swap), Spillway's stats. The folders DeepSpeed names keep existing, and
+DeepSpeed's checkpoint save and load, which copy the optimizer's swap folder as files, see files:
+save_checkpoint writes the folder's tensors out before DeepSpeed copies it and removes them after,
+and a real file found at a swap path (load_checkpoint copies them in) is taken into the store on
+its first read.
+"""
+import concurrent.futures
+import functools
+import os
+import threading
+
+import torch
+
+from . import _spillway
+
+_lock = threading.Lock()
+_stores = {}    # (pid, nvme_path) -> _SwapStore
+_folders = {}   # (pid, folder + os.sep) -> _SwapStore: the swappers' folders
+_pools = {}     # pid -> ThreadPoolExecutor running the store's transfers
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta")
+
+
+def _kind(path):
+    name = os.path.basename(path)
+    if f"{os.sep}optimizer{os.sep}" not in path:
+        return "param"
+    if "_gradient_" in name:
+        return "grad"
+    return "optimizer_state" if "-" in name and name.split("-", 1)[0] in _STATE_NAMES else "master_weight"
+
+
+def _budget():
+    raw = os.environ.get("SPILLWAY_NVME_BUDGET_BYTES", "")
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise _spillway.InvalidArgument(f"SPILLWAY_NVME_BUDGET_BYTES={raw!r}: must be a positive number of bytes")
+    return value
+
+
+def _store_for(nvme_path, block_size, queue_depth):
+    import spillway  # noqa: PLC0415
+
+    key = (os.getpid(), os.path.realpath(nvme_path))
+    with _lock:
+        store = _stores.get(key)
+        if store is None:
+            runtime = spillway.installed()
+            host = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else \
+                spillway.default_arena()
+            store = _stores[key] = _spillway._SwapStore(key[1], _budget(), block_size, queue_depth, host)
+        return store
+
+
+def register(folder, nvme_path, block_size, queue_depth, wipe=False):
+    """A swapper's folder: its paths go to the store of `nvme_path`. `wipe` forgets what the store
+    holds under it (the parameter swapper empties its folder on disk when it is made)."""
+    store = _store_for(nvme_path, block_size, queue_depth)
+    prefix = os.path.join(os.path.realpath(folder), "")
+    with _lock:
+        _folders[(os.getpid(), prefix)] = store
+    if wipe:
+        store.remove(prefix)
+
+
+def _managed(path):
+    if not isinstance(path, (str, os.PathLike)):
+        return None, None
+    real = os.path.realpath(path)
+    pid = os.getpid()
+    with _lock:
+        for (owner, prefix), store in _folders.items():
+            if owner == pid and real.startswith(prefix):
+                return store, real
+    return None, None
+
+
+def _pool():
+    pid = os.getpid()
+    with _lock:
+        pool = _pools.get(pid)
+        if pool is None:
+            pool = _pools[pid] = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                       thread_name_prefix="spillway-swap")
+        return pool
+
+
+def _buffer(t):
+    # DeepSpeed's buffers are often narrow() views of a pool: their own bytes, not the storage's.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _write(store, path, t):
+    store.write(path, _buffer(t), _kind(path))
+
+
+def _read(store, path, t):
+    if os.path.lexists(path):  # a real file (load_checkpoint copies them in): it is the newer one
+        _import(store, path, t)
+        return
+    if not t.is_contiguous():
+        raise _spillway.InvalidArgument(f"DeepSpeed swap file {path}: the read buffer is not contiguous")
+    store.read(path, t)
+
+
+def _import(store, path, t):
+    size = os.path.getsize(path)
+    if size != t.nbytes:
+        raise _spillway.InvalidArgument(
+            f"DeepSpeed swap file {path}: the file on disk holds {size} bytes and the read asks for {t.nbytes}; "
+            "it was not written by this run's configuration (another sub_group_size, world size or model)")
+    with open(path, "rb") as f:
+        if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != size:
+            raise _spillway.IoError(f"DeepSpeed swap file {path}: short read while taking it into Spillway's store")
+    store.write(path, t, _kind(path))
+    os.unlink(path)  # the store holds it now: one copy, CRC-checked
+
+
+class Handle:
+    """Spillway's aio handle with DeepSpeed's swap paths routed to the swap store. Every other call
+    is the wrapped handle's. wait() returns the handle's count plus the store transfers this
+    handle submitted since the last wait, as DeepSpeed's op counts them; a failed store transfer
+    raises its error (a checksum mismatch names the swap file) once all of them have finished."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._pending = []
+        self._mu = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _submit(self, fn, store, path, t):
+        future = _pool().submit(fn, store, path, t)
+        with self._mu:
+            self._pending.append((t, future))  # the buffer stays referenced until wait()
+        return 0
+
+    def async_pwrite(self, buffer, filename, file_offset=0):
+        store, path = _managed(filename)
+        if store is None:
+            return self._inner.async_pwrite(buffer, filename, file_offset)
+        _whole(path, file_offset)
+        return self._submit(_write, store, path, buffer)
+
+    def async_pread(self, buffer, filename, file_offset=0):
+        store, path = _managed(filename)
+        if store is None:
+            return self._inner.async_pread(buffer, filename, file_offset)
+        _whole(path, file_offset)
+        return self._submit(_read, store, path, buffer)
+
+    def sync_pwrite(self, buffer, filename, file_offset=0):
+        store, path = _managed(filename)
+        if store is None:
+            return self._inner.sync_pwrite(buffer, filename, file_offset)
+        _whole(path, file_offset)
+        self._submit(_write, store, path, buffer)
+        return self.wait()
+
+    def sync_pread(self, buffer, filename, file_offset=0):
+        store, path = _managed(filename)
+        if store is None:
+            return self._inner.sync_pread(buffer, filename, file_offset)
+        _whole(path, file_offset)
+        self._submit(_read, store, path, buffer)
+        return self.wait()
+
+    def wait(self):
+        inner = self._inner.wait()
+        with self._mu:
+            pending, self._pending = self._pending, []
+        error = None
+        for _t, future in pending:
+            try:
+                future.result()
+            except BaseException as e:  # noqa: BLE001 (every transfer finishes before one is raised)
+                error = error or e
+        if error is not None:
+            raise error
+        return inner + len(pending) if inner >= 0 else inner
+
+
+def _whole(path, offset):
+    if offset != 0:
+        raise _spillway.InvalidArgument(
+            f"DeepSpeed swap file {path}: a transfer at file offset {offset}; Spillway's swap store holds whole "
+            "files (DeepSpeed's swappers write and read them at offset 0)")
+
+
+def _registering(original, folder_of, wipe):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "use_gds", False):  # GPUDirect Storage: DeepSpeed's gds_handle, its own files
+            return
+        folder, nvme_path, aio = folder_of(self)
+        register(folder, nvme_path, aio.get("block_size", 1 << 20), aio.get("queue_depth", 8), wipe=wipe)
+    __init__.__spillway_original__ = original
+    return __init__
+
+
+def _optimizer_folder(swapper):
+    # OptimizerSwapper: swap_folder = <base_folder>/optimizer/rank<R>, base_folder = <nvme_path>/zero_stage_3
+    folder = swapper.swap_folder
+    return folder, os.path.dirname(os.path.dirname(os.path.dirname(folder))), _aio_dict(swapper.aio_config)
+
+
+def _param_folder(swapper):
+    folder = swapper.swap_folder  # <nvme_path>/zero_stage_3/<dtype>params/rank<R>
+    return folder, swapper.swap_config.nvme_path, _aio_dict(swapper.aio_config)
+
+
+def _aio_dict(aio):
+    return aio if isinstance(aio, dict) else {}
+
+
+def _saving(original):
+    """DeepSpeedEngine.save_checkpoint: DeepSpeed copies the optimizer's swap folder as files into
+    the checkpoint; the store's tensors of that folder are written out as files first and removed
+    once DeepSpeed has copied them (the store keeps its copy)."""
+    @functools.wraps(original)
+    def save_checkpoint(self, *args, **kwargs):
+        written = []
+        try:
+            if self.zero_nvme_offload_optimizer():
+                written = export(self.optimizer.optimizer_swapper.swap_folder)
+            return original(self, *args, **kwargs)
+        finally:
+            for path in written:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+    save_checkpoint.__spillway_original__ = original
+    return save_checkpoint
+
+
+def export(folder):
+    """Writes the store's tensors under `folder` (gradients excepted, as DeepSpeed's checkpoint
+    excludes them) out as the files DeepSpeed would have there. Returns their paths."""
+    store, prefix = _managed(os.path.join(folder, "x"))
+    if store is None:
+        return []
+    written = []
+    for path in store.paths(os.path.dirname(prefix) + os.sep):
+        if "gradient" in os.path.basename(path):
+            continue
+        t = torch.empty(store.size(path), dtype=torch.uint8)
+        store.read(path, t)
+        with open(path, "wb") as f:
+            f.write(memoryview(t.numpy()))
+        written.append(path)
+    return written
+
+
+def stats():
+    """{nvme_path: the store's stats} for this process's swap stores."""
+    pid = os.getpid()
+    with _lock:
+        return {root: store.stats() for (owner, root), store in _stores.items() if owner == pid}
+
+
+def install(patch):
+    """Routes DeepSpeed's swappers to the store (`patch` is spillway.deepspeed's _patch)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper  # noqa: PLC0415
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (  # noqa: PLC0415
+        AsyncPartitionedParameterSwapper,
+    )
+
+    patch(OptimizerSwapper, "__init__", _registering(OptimizerSwapper.__dict__["__init__"], _optimizer_folder, False))
+    patch(AsyncPartitionedParameterSwapper, "__init__",
+          _registering(AsyncPartitionedParameterSwapper.__dict__["__init__"], _param_folder, True))
+    patch(DeepSpeedEngine, "save_checkpoint", _saving(DeepSpeedEngine.__dict__["save_checkpoint"]))

@@ -1,0 +1,106 @@
+"""ZeRO-Infinity's swapped tensors in Spillway's NVMe arena (spillway.deepspeed.install(), whose
+nvme_swap="arena" is the default), on the real DeepSpeed 0.19.8 (CPU accelerator), each run a process
+of its own (tests/python/workers/ds_infinity.py): optimizer state and parameters on NVMe above
+DeepSpeed's swap threshold. The equivalence over 20 steps against plain DeepSpeed is in
+test_deepspeed_step.py (bf16-infinity)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+
+WORKER = Path(__file__).parent / "workers" / "ds_infinity.py"
+
+
+def worker(*args, swap_mode=None, timeout=600):
+    env = dict(os.environ)
+    if swap_mode is not None:
+        env["DS_INFINITY_SWAP"] = swap_mode
+    p = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+def files_under(folder):
+    return sorted(str(Path(d, f).relative_to(folder)) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def test_a_byte_flipped_in_a_swapped_moment_is_caught_by_its_crc_naming_the_swap_file(tmp_path):
+    out = tmp_path / "out.json"
+    worker("corrupt", tmp_path / "swap", out)
+    r = json.loads(out.read_text())
+    assert r["type"] == "ChecksumMismatch", r
+    assert os.path.basename(r["target"]).startswith("exp_avg_sq-")
+    assert f"DeepSpeed swap file {r['target']}" in r["error"] and "checksum mismatch" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("swap_mode", ["arena", "files"])
+def test_a_sigkilled_run_leaves_no_swap_file_behind(tmp_path, swap_mode):
+    # "files" is the control: DeepSpeed's own swap files stay on disk after the kill.
+    swap = tmp_path / "swap"
+    p = subprocess.Popen([sys.executable, str(WORKER), "run", str(swap), swap_mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in p.stdout:
+            if line.strip() == "step 3":
+                break
+        else:
+            pytest.fail(f"the run ended before its third step (exit {p.wait()})")
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    left = files_under(swap)
+    assert os.path.isdir(swap / "zero_stage_3" / "optimizer" / "rank0")  # the folders DeepSpeed made
+    if swap_mode == "arena":
+        assert left == [], left
+    else:
+        assert any(f.endswith(".tensor.swp") for f in left) and sum(
+            (swap / f).stat().st_size for f in left) >= 20 << 20, left
+
+
+def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_files(tmp_path):
+    """DeepSpeed's save_checkpoint copies the optimizer's swap folder as files and load_checkpoint
+    copies them back: the checkpoint of an arena run holds the bytes a run on DeepSpeed's own files
+    writes, and resuming from it trains as resuming a files run does."""
+    runs = {}
+    for mode in ("arena", "files"):
+        d = tmp_path / mode
+        worker("save", d / "swap-a", d / "ckpt", d / "save.json", swap_mode=mode)
+        worker("load", d / "swap-b", d / "ckpt", d / "load.json", swap_mode=mode)
+        runs[mode] = {"save": json.loads((d / "save.json").read_text()),
+                      "load": json.loads((d / "load.json").read_text()),
+                      "ckpt": d / "ckpt" / "t3" / "offloaded_tensors" / "rank00"}
+    arena, files = runs["arena"], runs["files"]
+    names = files_under(files["ckpt"])
+    assert names and files_under(arena["ckpt"]) == names
+    assert any(n.startswith("exp_avg_sq-") for n in names) and not any("gradient" in n for n in names), names
+    for n in names:
+        assert (arena["ckpt"] / n).read_bytes() == (files["ckpt"] / n).read_bytes(), n
+    assert arena["save"]["losses"] == files["save"]["losses"]
+    assert arena["load"]["losses"] == files["load"]["losses"]
+    # Nothing is left in the arena run's swap folders: the files written out for DeepSpeed's copy
+    # were removed after it, and the checkpoint's files taken into the store when first read.
+    assert arena["save"]["left_in_swap_folder"] == [] and arena["load"]["left_in_swap_folder"] == []
+    assert files_under(tmp_path / "arena" / "swap-a") == [] and files_under(tmp_path / "arena" / "swap-b") == []
+    (store,) = arena["load"]["stats"].values()
+    assert store["files"] >= len(names) and store["checksum_failures"] == 0
+
+
+def test_bad_input_a_swap_budget_too_small_fails_naming_the_file_and_the_budget(tmp_path):
+    env = dict(os.environ, SPILLWAY_NVME_BUDGET_BYTES=str(8 << 20))  # the run swaps ~37 MiB
+    p = subprocess.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap"), "arena"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode != 0 and "step 3" not in p.stdout
+    assert "OverBudget" in p.stderr and "DeepSpeed swap file" in p.stderr, p.stderr[-3000:]
+    assert "SPILLWAY_NVME_BUDGET_BYTES" in p.stderr, p.stderr[-3000:]
+    assert files_under(tmp_path / "swap") == []
+    env["SPILLWAY_NVME_BUDGET_BYTES"] = "lots"
+    p = subprocess.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap2"), "arena"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode != 0 and "SPILLWAY_NVME_BUDGET_BYTES='lots'" in p.stderr, p.stderr[-3000:]
