@@ -1,7 +1,7 @@
 // SwapStore: DeepSpeed's swap files as extents of one NvmeArena (an O_TMPFILE swap file in the
 // swap folder's filesystem, CRC32C per extent, a budget), keyed by the path DeepSpeed names.
-// spillway.deepspeed routes its swappers' async_pwrite/async_pread of those paths here (Note
-// [DeepSpeed swap] in docs/deepspeed.md).
+// spillway.deepspeed routes its swappers' async_pwrite/async_pread of those paths here
+// (Note [DeepSpeed swap] in docs/deepspeed.md).
 #include "swap_store.h"
 
 #include <fcntl.h>
@@ -44,7 +44,8 @@ class SwapStore {
     if (budget_bytes == 0) {
       struct statvfs vfs {};
       if (statvfs(directory.c_str(), &vfs) != 0) {
-        Raise(Status::FromErrno(StatusCode::kIoError, errno, StrCat("DeepSpeed's swap folder ", directory)));
+        Raise(Status::FromErrno(StatusCode::kIoError, errno,
+                                StrCat("DeepSpeed's swap folder ", directory)));
       }
       budget_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;  // what the disk has now
     }
@@ -83,18 +84,19 @@ class SwapStore {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = paths_.find(path);
       if (it == paths_.end()) {
-        RaiseWithGil(Status::FailedPrecondition(StrCat("DeepSpeed swap file ", path,
-                                             ": Spillway's swap store holds no such file (it was "
-                                             "never written in this process)")));
+        RaiseWithGil(
+            Status::FailedPrecondition(StrCat("DeepSpeed swap file ", path,
+                                              ": Spillway's swap store holds no such file (it was "
+                                              "never written in this process)")));
       }
       offset = it->second.offset;
       held = it->second.bytes;
     }
     if (held != bytes) {
-      RaiseWithGil(Status::InvalidArgument(
-          StrCat("DeepSpeed swap file ", path, ": holds ", held, " bytes and the read asks for ",
-                 bytes, "; Spillway's swap store reads whole files (DeepSpeed's "
-                 "offload_optimizer.fast_init reads a prefix: turn it off)")));
+      RaiseWithGil(Status::InvalidArgument(StrCat(
+          "DeepSpeed swap file ", path, ": holds ", held, " bytes and the read asks for ", bytes,
+          "; Spillway's swap store reads whole files (DeepSpeed's "
+          "offload_optimizer.fast_init reads a prefix: turn it off)")));
     }
     const Status st = arena_->Read(offset, ptr, bytes);
     if (!st.ok()) RaiseWithGil(st.WithContext(StrCat("DeepSpeed swap file ", path)));
@@ -174,14 +176,16 @@ class SwapStore {
       offset = it->second.offset;
     }
     const int fd = arena_->fd_for_testing();
-    // O_DIRECT wants aligned I/O: rewrite the whole 4 KiB page around the byte through a
-    // buffered descriptor of the same file.
+    // The arena's descriptor is O_DIRECT (aligned I/O only): the byte is flipped through a
+    // buffered descriptor of the same file, and the page cache dropped after.
     const int buffered = ::open(StrCat("/proc/self/fd/", fd).c_str(), O_RDWR);
-    if (buffered < 0) Raise(Status::FromErrno(StatusCode::kIoError, errno, "_corrupt_for_testing: reopen"));
+    if (buffered < 0)
+      Raise(Status::FromErrno(StatusCode::kIoError, errno, "_corrupt_for_testing: reopen"));
     unsigned char c = 0;
     const off_t at = static_cast<off_t>(offset + byte);
-    const bool ok = ::pread(buffered, &c, 1, at) == 1 && (c ^= 0xFF, ::pwrite(buffered, &c, 1, at) == 1) &&
-                    ::fdatasync(buffered) == 0;
+    bool ok = ::pread(buffered, &c, 1, at) == 1;
+    c ^= 0xFF;
+    ok = ok && ::pwrite(buffered, &c, 1, at) == 1 && ::fdatasync(buffered) == 0;
     ::posix_fadvise(buffered, 0, 0, POSIX_FADV_DONTNEED);
     ::close(buffered);
     if (!ok) Raise(Status::FromErrno(StatusCode::kIoError, errno, "_corrupt_for_testing: flip"));
@@ -225,8 +229,8 @@ class SwapStore {
     }
     Result<allocator::Kind> k = allocator::ParseKind(kind);
     if (!k.ok()) RaiseWithGil(k.status());
-    const allocator::OwnerTag tag{*k, allocator::Lifetime::kPersistent, 0,
-                                  allocator::kProcessScope, "deepspeed swap file"};
+    const allocator::OwnerTag tag{*k, allocator::Lifetime::kPersistent, 0, allocator::kProcessScope,
+                                  "deepspeed swap file"};
     Result<uint64_t> offset = arena_->Allocate(bytes, tag);
     if (!offset.ok()) {
       RaiseWithGil(offset.status().WithContext(
