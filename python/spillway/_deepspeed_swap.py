@@ -149,35 +149,33 @@ class Handle:
             self._pending.append((t, future))  # the buffer stays referenced until wait()
         return 0
 
-    def async_pwrite(self, buffer, filename, file_offset=0):
+    def _route(self, method, fn, args, kwargs):
+        """A call naming a swap path (positionally or as filename=) goes to the store; every other
+        one (a descriptor, fd=, a path outside the swap folders) to the handle, as it was made."""
+        filename = args[1] if len(args) > 1 else kwargs.get("filename")
         store, path = _managed(filename)
         if store is None:
-            return self._inner.async_pwrite(buffer, filename, file_offset)
-        _whole(path, file_offset)
-        return self._submit(_write, store, path, buffer)
+            return getattr(self._inner, method)(*args, **kwargs)
+        buffer = args[0] if args else kwargs["buffer"]
+        offset = args[2] if len(args) > 2 else kwargs.get("file_offset", 0)
+        if offset != 0:
+            raise _spillway.InvalidArgument(
+                f"DeepSpeed swap file {path}: a transfer at file offset {offset}; Spillway's swap store holds "
+                "whole files (DeepSpeed's swappers write and read them at offset 0)")
+        self._submit(fn, store, path, buffer)
+        return 0 if method.startswith("async_") else self.wait()
 
-    def async_pread(self, buffer, filename, file_offset=0):
-        store, path = _managed(filename)
-        if store is None:
-            return self._inner.async_pread(buffer, filename, file_offset)
-        _whole(path, file_offset)
-        return self._submit(_read, store, path, buffer)
+    def async_pwrite(self, *args, **kwargs):
+        return self._route("async_pwrite", _write, args, kwargs)
 
-    def sync_pwrite(self, buffer, filename, file_offset=0):
-        store, path = _managed(filename)
-        if store is None:
-            return self._inner.sync_pwrite(buffer, filename, file_offset)
-        _whole(path, file_offset)
-        self._submit(_write, store, path, buffer)
-        return self.wait()
+    def async_pread(self, *args, **kwargs):
+        return self._route("async_pread", _read, args, kwargs)
 
-    def sync_pread(self, buffer, filename, file_offset=0):
-        store, path = _managed(filename)
-        if store is None:
-            return self._inner.sync_pread(buffer, filename, file_offset)
-        _whole(path, file_offset)
-        self._submit(_read, store, path, buffer)
-        return self.wait()
+    def sync_pwrite(self, *args, **kwargs):
+        return self._route("sync_pwrite", _write, args, kwargs)
+
+    def sync_pread(self, *args, **kwargs):
+        return self._route("sync_pread", _read, args, kwargs)
 
     def wait(self):
         inner = self._inner.wait()
@@ -192,13 +190,6 @@ class Handle:
         if error is not None:
             raise error
         return inner + len(pending) if inner >= 0 else inner
-
-
-def _whole(path, offset):
-    if offset != 0:
-        raise _spillway.InvalidArgument(
-            f"DeepSpeed swap file {path}: a transfer at file offset {offset}; Spillway's swap store holds whole "
-            "files (DeepSpeed's swappers write and read them at offset 0)")
 
 
 def _registering(original, folder_of, wipe):
