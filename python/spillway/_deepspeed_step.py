@@ -29,7 +29,7 @@ def _decline_once(reason):
     if reason not in _declined:
         _declined.add(reason)
         warnings.warn(f"spillway.deepspeed: DeepSpeed's own optimizer step runs: {reason}", StepWarning,
-                      stacklevel=4)
+                      stacklevel=5)
 
 
 def _why_not_ours(opt, sub_group_id):
@@ -71,6 +71,19 @@ def _why_not_adam(opt, base, seam, fp32):
     return None
 
 
+def _declined_here(opt, pending, key, why_not):
+    """True when DeepSpeed's own step runs this sub-group (ZeRO-3) or group (ZeRO-1/2): said once
+    per reason, its pending scale dropped. `optimizer.spillway_step = False` on one ZeRO optimizer
+    keeps DeepSpeed's step for it, without a word."""
+    reason = why_not(opt, key) if getattr(opt, "spillway_step", True) else "off"
+    if reason is None:
+        return False
+    if reason != "off":
+        _decline_once(reason)
+    pending.pop(key, None)
+    return True
+
+
 def _unscale_factor(opt, total_norm):
     """The factor DeepSpeed's unscale_and_clip_grads multiplies each gradient element by, with its
     arithmetic kept to the op (the same in ZeRO-1/2 and 3)."""
@@ -90,12 +103,7 @@ def _fused_unscale_and_clip_grads(original):
         # A mark left by a step that raised between _optimizer_step and _reassign must not make
         # this step skip its copy.
         self.__dict__.get("_spillway_copied", set()).discard(sub_group_id)
-        # `optimizer.spillway_step = False` on one ZeRO optimizer keeps DeepSpeed's step for it.
-        reason = _why_not_ours(self, sub_group_id) if getattr(self, "spillway_step", True) else "off"
-        if reason is not None:
-            if reason != "off":
-                _decline_once(reason)
-            pending.pop(sub_group_id, None)
+        if _declined_here(self, pending, sub_group_id, _why_not_ours):
             return original(self, sub_group_id, total_norm)
         pending[sub_group_id] = _unscale_factor(self, total_norm)
     unscale_and_clip_grads.__spillway_original__ = original
@@ -209,11 +217,7 @@ def _fused_unscale_and_clip_grads_zero12(original):
         group_no = _zero12_group_of(self, grad_groups_flat)
         if group_no is None:  # not step()'s offload path (a direct caller, or no offload)
             return original(self, grad_groups_flat, total_norm)
-        reason = _why_not_ours_zero12(self, group_no) if getattr(self, "spillway_step", True) else "off"
-        if reason is not None:
-            if reason != "off":
-                _decline_once(reason)
-            pending.pop(group_no, None)
+        if _declined_here(self, pending, group_no, _why_not_ours_zero12):
             return original(self, grad_groups_flat, total_norm)
         if self.clip_grad == 0.0 and self.loss_scale == 1.0:  # DeepSpeed returns without a pass
             pending[group_no] = 1.0

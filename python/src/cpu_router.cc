@@ -16,10 +16,11 @@ CpuRouter* g_router = nullptr;
 namespace {
 
 // The arena a forked child's tagged allocations come from, made on the first one. One per process:
-// a grandchild makes its own, since its parent's is MADV_DONTFORK too. `live` names what this
-// process allocated: a pointer of an ancestor's that an inherited storage frees here may have the
-// address of one of ours (the ancestor's region is unmapped here, so mmap can reuse the range),
-// and only the set tells them apart; an ancestor's pointer is not mapped here and is left alone.
+// a grandchild makes its own. The parent's storages that die here free through FreeRouted, a
+// no-op in a child, so they never reach this arena even where mmap gave it the parent's unmapped
+// (MADV_DONTFORK) addresses; a grandchild's cannot alias ours either, since this arena is
+// MADV_WIPEONFORK and its ranges stay mapped there. `live` names what this process allocated, for
+// raw frees, which carry no deleter of their own.
 struct ChildArena {
   allocator::Ledger ledger;  // declared first: destroyed after the arena
   std::unique_ptr<allocator::HostArena> arena;
@@ -78,6 +79,10 @@ c10::DataPtr CpuRouter::AllocateInChild(size_t n, const allocator::OwnerTag& tag
     o.name = "child";
     o.budget_bytes = child_budget_bytes_;
     o.pin = allocator::PinMode::kPageable;
+    // WIPEONFORK, not DONTFORK: in a grandchild these ranges stay mapped (zero pages, nothing
+    // copied), so the grandchild's own arena cannot be placed at their addresses, and a storage
+    // of ours that dies there can never name one of its live pointers.
+    o.fork_safety = allocator::ForkSafety::kWipeOnFork;
     o.ledger = &made->ledger;
     Result<std::unique_ptr<allocator::HostArena>> arena = allocator::HostArena::Create(o);
     TORCH_CHECK(arena.ok(),

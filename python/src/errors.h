@@ -7,6 +7,7 @@
 #include <map>
 #include <utility>
 
+#include "spillway/allocator/owner.h"
 #include "spillway/base/status.h"
 
 namespace spillway::python {
@@ -31,6 +32,16 @@ template <typename T>
 T Check(Result<T> r) {
   if (!r.ok()) Raise(r.status());
   return std::move(r.value());
+}
+
+// {kind name: bytes} for a per-kind byte array (arena, node and swap-store stats).
+template <typename Array>
+pybind11::dict KindBytesDict(const Array& bytes) {
+  pybind11::dict d;
+  for (int k = 0; k < allocator::kKindCount; ++k) {
+    d[allocator::KindName(static_cast<allocator::Kind>(k))] = bytes[k];
+  }
+  return d;
 }
 
 // Defined in engine.cc (the libtorch trainer, for spillway.engine).

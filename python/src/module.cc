@@ -28,6 +28,7 @@ using namespace spillway;
 using allocator::HostArena;
 using python::Check;
 using python::ExceptionTypes;
+using python::KindBytesDict;
 using python::PyArena;
 using python::Raise;
 
@@ -42,11 +43,7 @@ py::dict ArenaStats(PyArena& a) {
   d["budget_bytes"] = s.budget_bytes;
   d["live_bytes"] = s.live_bytes;
   d["live_allocations"] = s.live_allocations;
-  py::dict by_kind;
-  for (int k = 0; k < allocator::kKindCount; ++k) {
-    by_kind[allocator::KindName(static_cast<allocator::Kind>(k))] = s.live_by_kind[k];
-  }
-  d["live_by_kind"] = by_kind;
+  d["live_by_kind"] = KindBytesDict(s.live_by_kind);
   d["committed_bytes"] = s.committed_bytes;
   d["peak_committed_bytes"] = s.peak_committed_bytes;
   d["retained_bytes"] = s.retained_bytes;

@@ -48,11 +48,7 @@ py::dict StatsToDict(const NodeStats& s) {
     rd["nvme_bytes"] = r.bytes[2];
     rd["host_bytes"] = r.host_bytes;
     rd["peak_host_bytes"] = r.peak_host_bytes;
-    py::dict kinds;
-    for (int k = 0; k < allocator::kKindCount; ++k) {
-      kinds[allocator::KindName(static_cast<allocator::Kind>(k))] = r.host_by_kind[k];
-    }
-    rd["live_by_kind"] = kinds;
+    rd["live_by_kind"] = KindBytesDict(r.host_by_kind);
     rd["declared_bytes"] = r.declared_bytes;
     rd["workers_private_bytes"] = r.workers_private_bytes;
     rd["workers"] = r.workers;

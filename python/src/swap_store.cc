@@ -156,11 +156,7 @@ class SwapStore {
     d["checksum"] = s.checksum;
     d["checksum_failures"] = s.checksum_failures;
     d["direct_io"] = s.direct_io;
-    py::dict kinds;
-    for (size_t k = 0; k < allocator::kKindCount; ++k) {
-      kinds[allocator::KindName(static_cast<allocator::Kind>(k))] = s.live_by_kind[k];
-    }
-    d["live_by_kind"] = kinds;
+    d["live_by_kind"] = KindBytesDict(s.live_by_kind);
     return d;
   }
 

@@ -168,6 +168,45 @@ def test_a_forked_childs_tagged_allocations_come_from_an_arena_of_its_own():
     """)
 
 
+def test_a_grandchild_dropping_its_parents_tagged_tensor_never_frees_its_own():
+    """The child's arena is MADV_WIPEONFORK: in a grandchild its ranges stay mapped (zero pages),
+    so the grandchild's own arena cannot be placed at the same addresses and an inherited storage
+    that dies there cannot free the grandchild's memory. (With MADV_DONTFORK the grandchild's
+    arena took the hole the child's left, `own` got the address of `theirs`, and `del theirs`
+    freed `own` while it was in use: found in review.)"""
+    run("""
+        import os, torch, spillway
+        rt = spillway.install()
+        stats = spillway._spillway._router_stats
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)
+            code = 3
+            with spillway.tag("optimizer_state"):
+                theirs = torch.full((1 << 18,), 2.0)
+                gpid = os.fork()
+                if gpid == 0:
+                    gcode = 4
+                    try:
+                        own = torch.full((1 << 18,), 9.0)
+                        live = stats()["child_live_bytes"]
+                        assert own.data_ptr() != theirs.data_ptr(), "the grandchild's arena reused the child's range"
+                        del theirs
+                        assert stats()["child_live_bytes"] == live, (live, stats())
+                        again = torch.full((1 << 18,), 5.0)  # would land on `own` if it had been freed
+                        assert float(own.sum()) == 9.0 * (1 << 18) and float(again.sum()) == 5.0 * (1 << 18)
+                        gcode = 0
+                    except BaseException as e:
+                        print(f"grandchild failed at {gcode}: {type(e).__name__}: {e}", flush=True)
+                    os._exit(gcode)
+                _, gstatus = os.waitpid(gpid, 0)
+                code = os.waitstatus_to_exitcode(gstatus)
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+    """)
+
+
 def test_bad_input_over_budget_is_spillways_error_and_names_the_budget():
     run("""
         import torch, spillway
