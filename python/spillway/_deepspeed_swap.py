@@ -10,8 +10,9 @@ a CRC32C per extent verified on every read, a budget (SPILLWAY_NVME_BUDGET_BYTES
 disk has free at the first swap), Spillway's stats. The folders DeepSpeed names keep existing, and
 DeepSpeed's checkpoint save and load, which copy the optimizer's swap folder as files, see files:
 save_checkpoint writes the folder's tensors out before DeepSpeed copies it and removes them after,
-and a real file found at a swap path (load_checkpoint copies them in) is taken into the store on
-its first read.
+and while load_checkpoint runs a real file found at a swap path (it copies them in) is taken into
+the store on its first read. Swap files an earlier run left in a folder are removed when the
+swapper is made.
 """
 import concurrent.futures
 import functools
@@ -26,6 +27,7 @@ _lock = threading.Lock()
 _stores = {}    # (pid, nvme_path) -> _SwapStore
 _folders = {}   # (pid, folder + os.sep) -> _SwapStore: the swappers' folders
 _pools = {}     # pid -> ThreadPoolExecutor running the store's transfers
+_loading = {}   # pid -> True while DeepSpeedEngine.load_checkpoint runs
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta")
 
 
@@ -67,9 +69,21 @@ def _store_for(nvme_path, block_size, queue_depth):
 
 def register(folder, nvme_path, block_size, queue_depth, wipe=False):
     """A swapper's folder: its paths go to the store of `nvme_path`. `wipe` forgets what the store
-    holds under it (the parameter swapper empties its folder on disk when it is made)."""
+    holds under it (the parameter swapper empties its folder on disk when it is made). Swap files
+    already in the folder are an earlier run's (DeepSpeed's optimizer swapper does not empty its
+    folder, and rewrites every tensor before it reads one): they are removed, and said so, so that
+    none is ever read as this run's state."""
     store = _store_for(nvme_path, block_size, queue_depth)
     prefix = os.path.join(os.path.realpath(folder), "")
+    stale = [os.path.join(prefix, f) for f in sorted(os.listdir(prefix)) if f.endswith(".tensor.swp")]
+    for path in stale:
+        os.unlink(path)
+    if stale:
+        from ._log import logger  # noqa: PLC0415
+
+        logger.warning("spillway.deepspeed: removed %d swap files an earlier run left in %s (this run's swapped "
+                       "tensors live in Spillway's NVMe arena; a checkpoint's are taken in by load_checkpoint)",
+                       len(stale), prefix)
     with _lock:
         _folders[(os.getpid(), prefix)] = store
     if wipe:
@@ -108,7 +122,9 @@ def _write(store, path, t):
 
 
 def _read(store, path, t):
-    if os.path.lexists(path):  # a real file (load_checkpoint copies them in): it is the newer one
+    # While load_checkpoint runs, a real file at a swap path is the checkpoint's (DeepSpeed copies
+    # them into the folder, then reads every sub-group): the newer copy. Outside it the store's is.
+    if _loading.get(os.getpid()) and os.path.lexists(path):
         _import(store, path, t)
         return
     if not t.is_contiguous():
@@ -240,6 +256,40 @@ def _saving(original):
     return save_checkpoint
 
 
+def _loading_checkpoint(original):
+    """DeepSpeedEngine.load_checkpoint: the swap files it copies into the optimizer's folder are
+    taken into the store as DeepSpeed reads them back (reset_swap_buffers)."""
+    @functools.wraps(original)
+    def load_checkpoint(self, *args, **kwargs):
+        pid = os.getpid()
+        _loading[pid] = True
+        try:
+            out = original(self, *args, **kwargs)
+            if self.zero_nvme_offload_optimizer():  # what reset_swap_buffers did not read yet
+                take_in(self.optimizer.optimizer_swapper.swap_folder)
+            return out
+        finally:
+            _loading.pop(pid, None)
+    load_checkpoint.__spillway_original__ = original
+    return load_checkpoint
+
+
+def take_in(folder):
+    """Takes the real swap files in `folder` (a checkpoint's, copied in by load_checkpoint) into the
+    store, each removed once the store holds it. Returns their paths."""
+    store, prefix = _managed(os.path.join(folder, "x"))
+    if store is None:
+        return []
+    taken = []
+    folder = os.path.dirname(prefix)
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(".tensor.swp") and os.path.isfile(path):
+            _import(store, path, torch.empty(os.path.getsize(path), dtype=torch.uint8))
+            taken.append(path)
+    return taken
+
+
 def export(folder):
     """Writes the store's tensors under `folder` (gradients excepted, as DeepSpeed's checkpoint
     excludes them) out as the files DeepSpeed would have there. Returns their paths."""
@@ -247,14 +297,22 @@ def export(folder):
     if store is None:
         return []
     written = []
-    for path in store.paths(os.path.dirname(prefix) + os.sep):
-        if "gradient" in os.path.basename(path):
-            continue
-        t = torch.empty(store.size(path), dtype=torch.uint8)
-        store.read(path, t)
-        with open(path, "wb") as f:
-            f.write(memoryview(t.numpy()))
-        written.append(path)
+    try:
+        for path in store.paths(os.path.dirname(prefix) + os.sep):
+            if "gradient" in os.path.basename(path):
+                continue
+            t = torch.empty(store.size(path), dtype=torch.uint8)
+            store.read(path, t)
+            written.append(path)  # before the write: a partial file is removed too
+            with open(path, "wb") as f:
+                f.write(memoryview(t.numpy()))
+    except BaseException:
+        for path in written:  # no half-written checkpoint source is left in the folder
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        raise
     return written
 
 
@@ -277,3 +335,4 @@ def install(patch):
     patch(AsyncPartitionedParameterSwapper, "__init__",
           _registering(AsyncPartitionedParameterSwapper.__dict__["__init__"], _param_folder, True))
     patch(DeepSpeedEngine, "save_checkpoint", _saving(DeepSpeedEngine.__dict__["save_checkpoint"]))
+    patch(DeepSpeedEngine, "load_checkpoint", _loading_checkpoint(DeepSpeedEngine.__dict__["load_checkpoint"]))

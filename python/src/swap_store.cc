@@ -79,18 +79,22 @@ class SwapStore {
   void Read(const std::string& path, torch::Tensor& t) {
     const auto [ptr, bytes] = Bytes(t, path);
     py::gil_scoped_release nogil;
-    uint64_t offset, held;
+    uint64_t offset = 0, held = 0;
+    bool found = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = paths_.find(path);
-      if (it == paths_.end()) {
-        RaiseWithGil(
-            Status::FailedPrecondition(StrCat("DeepSpeed swap file ", path,
-                                              ": Spillway's swap store holds no such file (it was "
-                                              "never written in this process)")));
+      if (it != paths_.end()) {
+        found = true;
+        offset = it->second.offset;
+        held = it->second.bytes;
       }
-      offset = it->second.offset;
-      held = it->second.bytes;
+    }  // raised after the lock: the GIL is never waited for while holding it
+    if (!found) {
+      RaiseWithGil(
+          Status::FailedPrecondition(StrCat("DeepSpeed swap file ", path,
+                                            ": Spillway's swap store holds no such file (it "
+                                            "was never written in this process)")));
     }
     if (held != bytes) {
       RaiseWithGil(Status::InvalidArgument(StrCat(
@@ -234,9 +238,24 @@ class SwapStore {
                  " (give Spillway's swap store more with SPILLWAY_NVME_BUDGET_BYTES, or free "
                  "space on the swap folder's disk)")));
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    paths_[path] = Entry{*offset, bytes};
-    return *offset;
+    uint64_t lost = UINT64_MAX;  // an extent a concurrent first write of the path made too
+    uint64_t kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, made] = paths_.emplace(path, Entry{*offset, bytes});
+      if (!made && it->second.bytes == bytes) {
+        lost = *offset;  // theirs stays
+      } else if (!made) {
+        lost = it->second.offset;  // another size: the path is ours now
+        it->second = Entry{*offset, bytes};
+      }
+      kept = it->second.offset;
+    }
+    if (lost != UINT64_MAX) {
+      const Status st = arena_->Free(lost);
+      if (!st.ok()) RaiseWithGil(st.WithContext(StrCat("DeepSpeed swap file ", path)));
+    }
+    return kept;
   }
 
   const std::shared_ptr<PyArena> host_;  // the engine's bounce pool and fixed buffers

@@ -104,3 +104,17 @@ def test_bad_input_a_swap_budget_too_small_fails_naming_the_file_and_the_budget(
     p = subprocess.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap2"), "arena"], capture_output=True,
                        text=True, timeout=600, env=env)
     assert p.returncode != 0 and "SPILLWAY_NVME_BUDGET_BYTES='lots'" in p.stderr, p.stderr[-3000:]
+
+
+def test_swap_files_an_earlier_run_left_in_the_folder_never_replace_this_runs_state(tmp_path):
+    """DeepSpeed's optimizer swapper does not empty its folder: a run on DeepSpeed's own files (or
+    a killed save) leaves files there. An arena run on the same nvme_path must not read them as
+    its own state (found in review: the first swap-in took the stale file)."""
+    shared = tmp_path / "shared-swap"
+    worker("save", shared, tmp_path / "ckpt-files", tmp_path / "files.json", swap_mode="files")
+    assert any(f.startswith("zero_stage_3/optimizer/") for f in files_under(shared))  # the stale files
+    worker("save", shared, tmp_path / "ckpt-after", tmp_path / "after.json", swap_mode="arena")
+    worker("save", tmp_path / "fresh-swap", tmp_path / "ckpt-fresh", tmp_path / "fresh.json", swap_mode="arena")
+    after, fresh = (json.loads((tmp_path / f).read_text()) for f in ("after.json", "fresh.json"))
+    assert after["losses"] == fresh["losses"], (after["losses"], fresh["losses"])
+    assert not any(f.startswith("zero_stage_3/optimizer/") for f in files_under(shared)), files_under(shared)
