@@ -138,8 +138,8 @@ def _fused_adam(opt, group_id, fp32, shadow, scale, what):
     kernel = opt.__dict__.get("_spillway_kernel")
     if kernel is None:
         kernel = opt._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
-    kernel.update(f"DeepSpeed {what} (parameter group {group_id})", fp32.data, state["exp_avg"], state["exp_avg_sq"], fp32.grad.data, shadow,
-                  int(state["step"]) + 1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+    kernel.update(f"DeepSpeed {what} (parameter group {group_id})", fp32.data, state["exp_avg"],
+                  state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                   inner.adam_w_mode, group.get("bias_correction", True), scale)
     state["step"] += 1
 

@@ -102,6 +102,13 @@ def _managed(path):
     return None, None
 
 
+def _folder_store(folder):
+    """(the store, the folder's real path) for a registered swapper folder; (None, None) else."""
+    real = os.path.realpath(folder)
+    with _lock:
+        return _folders.get((os.getpid(), os.path.join(real, "")), None), real
+
+
 def _pool():
     pid = os.getpid()
     with _lock:
@@ -277,11 +284,10 @@ def _loading_checkpoint(original):
 def take_in(folder):
     """Takes the real swap files in `folder` (a checkpoint's, copied in by load_checkpoint) into the
     store, each removed once the store holds it. Returns their paths."""
-    store, prefix = _managed(os.path.join(folder, "x"))
+    store, folder = _folder_store(folder)
     if store is None:
         return []
     taken = []
-    folder = os.path.dirname(prefix)
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name.endswith(".tensor.swp") and os.path.isfile(path):
@@ -293,12 +299,12 @@ def take_in(folder):
 def export(folder):
     """Writes the store's tensors under `folder` (gradients excepted, as DeepSpeed's checkpoint
     excludes them) out as the files DeepSpeed would have there. Returns their paths."""
-    store, prefix = _managed(os.path.join(folder, "x"))
+    store, folder = _folder_store(folder)
     if store is None:
         return []
     written = []
     try:
-        for path in store.paths(os.path.dirname(prefix) + os.sep):
+        for path in store.paths(os.path.join(folder, "")):
             if "gradient" in os.path.basename(path):
                 continue
             t = torch.empty(store.size(path), dtype=torch.uint8)

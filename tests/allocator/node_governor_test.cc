@@ -51,6 +51,17 @@ std::unique_ptr<NodeGovernor> JoinOrDie(const NodeGovernorOptions& o) {
   return g.ok() ? std::move(g.value()) : nullptr;
 }
 
+// Both ranks declare `need` in one admission round at once (each waits for the other); their two
+// verdicts, which must be the same.
+Status AdmitBoth(NodeGovernor& g0, NodeGovernor& g1, uint64_t need, const char* detail) {
+  Status st1;
+  std::thread other([&] { st1 = g1.Admit(need, 0, 5s, detail); });
+  Status st0 = g0.Admit(need, 0, 5s, detail);
+  other.join();
+  EXPECT_EQ(st0.ToString(), st1.ToString());
+  return st0;
+}
+
 bool Exists(const std::string& path) {
   struct stat st {};
   return stat(path.c_str(), &st) == 0;
@@ -538,11 +549,7 @@ TEST(NodeGovernorTest, AdmissionRoundsAddUpAndEveryRankGetsOneVerdict) {
   // Round 1 (one engine each): 300 MiB fits. Round 2 (a second engine each, as DeepSpeed-Chat
   // builds): the needs add up to 500 MiB, over the node for every rank alike.
   for (const uint64_t need : {150 * kMiB, 100 * kMiB}) {
-    Status st1;
-    std::thread other([&] { st1 = g1->Admit(need, 0, 5s, "more"); });
-    Status st0 = g0->Admit(need, 0, 5s, "more");
-    other.join();
-    EXPECT_EQ(st0.ToString(), st1.ToString());
+    const Status st0 = AdmitBoth(*g0, *g1, need, "more");
     if (need == 150 * kMiB) {
       EXPECT_TRUE(st0.ok()) << st0.ToString();
     } else {
@@ -562,11 +569,7 @@ TEST(NodeGovernorTest, ARefusedRoundIsTakenBackSoASmallerRetryIsJudgedAlone) {
   auto g1 = JoinOrDie(Options(job, 1, 0));
   ASSERT_TRUE(g0 && g1);
   for (const uint64_t need : {300 * kMiB, 100 * kMiB}) {  // refused, then a smaller config
-    Status st1;
-    std::thread other([&] { st1 = g1->Admit(need, 0, 5s, ""); });
-    Status st0 = g0->Admit(need, 0, 5s, "");
-    other.join();
-    EXPECT_EQ(st0.ToString(), st1.ToString());
+    const Status st0 = AdmitBoth(*g0, *g1, need, "");
     EXPECT_EQ(st0.ok(), need == 100 * kMiB) << st0.ToString();
   }
   EXPECT_EQ(g0->Stats().ranks[1].declared_bytes, 100 * kMiB);

@@ -11,3 +11,24 @@ def world_from_env_or_single():
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     os.environ["LOCAL_RANK"] = os.environ["RANK"]
+
+
+def infinity_offload(swap):
+    """The ZeRO-Infinity settings the equivalence test (ds_step.py bf16-infinity) and the swap-store
+    tests (ds_infinity.py) share: (zero_optimization keys, aio section) for optimizer state and
+    parameters on NVMe under `swap`, with 1M-element sub-groups and 1024x1024 weights above
+    DeepSpeed's 1 MiB swap threshold, parameters kept on NVMe (max_in_cpu 0) and rewritten after
+    every step, the optimizer state swapped in ahead and out behind the step (pipeline_read,
+    pipeline_write). Parameter prefetch is off: with it, plain DeepSpeed 0.19.8 stops at the second
+    forward ("AssertionError: param 6 already assigned swap buffer id 4" in
+    partitioned_param_swapper._allocate_and_return_buffers_for_swap_in, whatever buffer_count)."""
+    os.makedirs(swap, exist_ok=True)
+    zero = {
+        "sub_group_size": 1 << 20,
+        "stage3_prefetch_bucket_size": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_count": 12,
+                              "pipeline_read": True, "pipeline_write": True},
+        "offload_param": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_size": 1100000,
+                          "buffer_count": 6, "max_in_cpu": 0},
+    }
+    return zero, {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}

@@ -18,7 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
 import spillway  # noqa: E402
-from _dist import world_from_env_or_single  # noqa: E402
+from _dist import infinity_offload, world_from_env_or_single  # noqa: E402
 
 mode, swap = sys.argv[1], sys.argv[2]
 swap_mode = sys.argv[3] if mode == "run" else os.environ.get("DS_INFINITY_SWAP", "arena")
@@ -29,19 +29,13 @@ deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(),
                             torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 8))
-os.makedirs(swap, exist_ok=True)
+zero, aio = infinity_offload(swap)  # the equivalence test's settings (_dist.py)
 config = {
     "train_micro_batch_size_per_gpu": 16,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "bf16": {"enabled": True},
-    "zero_optimization": {
-        "stage": 3, "sub_group_size": 1 << 20, "stage3_prefetch_bucket_size": 0,
-        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_count": 12,
-                              "pipeline_read": True, "pipeline_write": True},
-        "offload_param": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_size": 1100000,
-                          "buffer_count": 6, "max_in_cpu": 0},
-    },
-    "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1},
+    "zero_optimization": {"stage": 3, **zero},
+    "aio": aio,
 }
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 teacher = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))

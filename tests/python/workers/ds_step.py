@@ -26,7 +26,7 @@ import warnings
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
-from _dist import world_from_env_or_single  # noqa: E402
+from _dist import infinity_offload, world_from_env_or_single  # noqa: E402
 
 which, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 optimizer = sys.argv[4] if len(sys.argv) > 4 else "AdamW"
@@ -81,23 +81,8 @@ if variant == "bf16-nvme-ga2":
     config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False}
     config["aio"] = {"block_size": 1 << 18, "queue_depth": 8}
 elif variant == "bf16-infinity":
-    # ZeRO-Infinity: optimizer state and parameters on NVMe, each sub-group (1M elements) and each
-    # 1024x1024 weight above DeepSpeed's swap threshold, parameters kept on NVMe (max_in_cpu 0) and
-    # rewritten after every step, the optimizer state swapped in ahead and out behind the step
-    # (pipeline_read, pipeline_write). Parameter prefetch is off: with it, plain DeepSpeed 0.19.8
-    # stops at the second forward ("AssertionError: param 6 already assigned swap buffer id 4" in
-    # partitioned_param_swapper._allocate_and_return_buffers_for_swap_in, whatever buffer_count).
-    swap = out + ".swap"
-    os.makedirs(swap, exist_ok=True)
-    config["zero_optimization"].update({
-        "sub_group_size": 1 << 20,
-        "stage3_prefetch_bucket_size": 0,
-        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_count": 12,
-                              "pipeline_read": True, "pipeline_write": True},
-        "offload_param": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_size": 1100000,
-                          "buffer_count": 6, "max_in_cpu": 0},
-    })
-    config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
+    zero, config["aio"] = infinity_offload(out + ".swap")  # ZeRO-Infinity, really swapping (_dist.py)
+    config["zero_optimization"].update(zero)
 elif variant in ("bf16-zero2", "bf16-zero1"):
     config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant != "bf16-cpu":
