@@ -130,6 +130,8 @@ void Collector::Watch(const allocator::HostArena* a) {
 }
 void Collector::Watch(const allocator::NvmeArena* a) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A swap store made while spillway.metrics.serve() runs is offered twice; its series appear once.
+  if (std::find(nvmes_.begin(), nvmes_.end(), a) != nvmes_.end()) return;
   nvmes_.push_back(a);
 }
 void Collector::Watch(const allocator::IoEngine* e) {

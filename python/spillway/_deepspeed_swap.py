@@ -64,7 +64,14 @@ def _store_for(nvme_path, block_size, queue_depth):
             host = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else \
                 spillway.default_arena()
             store = _stores[key] = _spillway._SwapStore(key[1], _budget(), block_size, queue_depth, host)
-        return store
+            made = True
+        else:
+            made = False
+    if made:
+        from . import metrics  # noqa: PLC0415
+
+        metrics._watch_swap_store(store)
+    return store
 
 
 def register(folder, nvme_path, block_size, queue_depth, wipe=False):
@@ -320,6 +327,13 @@ def export(folder):
                 pass
         raise
     return written
+
+
+def stores():
+    """This process's swap stores."""
+    pid = os.getpid()
+    with _lock:
+        return [store for (owner, _), store in _stores.items() if owner == pid]
 
 
 def stats():

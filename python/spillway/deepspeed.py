@@ -389,8 +389,9 @@ def _wrap_initialize(original):
 
 def swap_stats():
     """{nvme_path: stats} of the NVMe arenas that hold DeepSpeed's swap files in this process
-    (install(nvme_swap="arena")): files, live_bytes and live_by_kind, capacity_bytes, budget_bytes,
-    written_bytes, read_bytes, checksum_failures."""
+    (install(nvme_swap="arena")): arena (the name spillway.metrics.serve() labels it with), files,
+    live_bytes and live_by_kind, capacity_bytes, budget_bytes, written_bytes, read_bytes,
+    checksum_failures."""
     return _deepspeed_swap.stats()
 
 

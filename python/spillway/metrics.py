@@ -1,7 +1,12 @@
 """The live Prometheus exporter: `spillway.metrics.serve("127.0.0.1:9464")`."""
 import os
+import threading
+import weakref
 
 from . import _spillway
+
+_lock = threading.Lock()
+_exporters = {}  # pid -> WeakSet of its live exporters (a forked child never touches its parent's)
 
 
 def _rank():
@@ -35,4 +40,17 @@ def serve(address="127.0.0.1:9464", arenas=None, rank=None):
     for a in arenas:
         exporter.watch(a)
     exporter._watch_node()  # the node's ledger, when this process joined one (spillway.node)
+    from . import _deepspeed_swap  # noqa: PLC0415 (imports torch, as the module above does)
+
+    with _lock:
+        for store in _deepspeed_swap.stores():
+            store._watched_by(exporter)
+        _exporters.setdefault(os.getpid(), weakref.WeakSet()).add(exporter)
     return exporter
+
+
+def _watch_swap_store(store):
+    """A swap store made now joins every live exporter (spillway.deepspeed's swap calls it)."""
+    with _lock:
+        for exporter in list(_exporters.get(os.getpid(), ())):
+            store._watched_by(exporter)  # watching twice (made while serve() ran) renders once

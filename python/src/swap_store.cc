@@ -22,6 +22,7 @@
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
+#include "spillway/metrics/exporter.h"
 
 namespace py = pybind11;
 
@@ -50,11 +51,11 @@ class SwapStore {
       budget_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;  // what the disk has now
     }
     allocator::NvmeArenaOptions no;
-    no.name = "deepspeed-swap";
+    no.name = StrCat("deepspeed-swap:", directory);  // one store per nvme_path: the metrics' label
     no.directory = directory;
     no.budget_bytes = budget_bytes;
     no.grow_bytes = 64ull << 20;
-    no.ledger = &ledger_;
+    no.ledger = &host_->ledger();  // install()'s ledger: its boundaries and scopes see the store
     arena_ = Check(allocator::NvmeArena::Create(no, engine_.get()));
   }
   ~SwapStore() {
@@ -145,9 +146,14 @@ class SwapStore {
     return offsets.size();
   }
 
+  // The exporter renders the arena's stats at each scrape (live bytes by kind, capacity, budget,
+  // checksum failures) under arena="deepspeed-swap:<nvme_path>".
+  void WatchedBy(metrics::Exporter& exporter) const { exporter.Watch(arena_.get()); }
+
   py::dict Stats() {
     const allocator::NvmeArenaStats s = arena_->Stats();
     py::dict d;
+    d["arena"] = arena_->tier_name();
     {
       std::lock_guard<std::mutex> lock(mu_);
       d["files"] = paths_.size();
@@ -258,8 +264,9 @@ class SwapStore {
     return kept;
   }
 
-  const std::shared_ptr<PyArena> host_;  // the engine's bounce pool and fixed buffers
-  allocator::Ledger ledger_;             // declared before the arena: detached after it
+  // The engine's bounce pool and fixed buffers, and the ledger the arena is booked in: declared
+  // first, so both outlive the arena.
+  const std::shared_ptr<PyArena> host_;
   std::unique_ptr<allocator::IoEngine> engine_;
   std::unique_ptr<allocator::NvmeArena> arena_;
   std::mutex mu_;
@@ -280,6 +287,8 @@ void BindSwapStore(py::module_& m) {
       .def("paths", &SwapStore::Paths)
       .def("remove", &SwapStore::Remove)
       .def("stats", &SwapStore::Stats)
+      // The exporter keeps the store alive: it holds the arena's address until it is destroyed.
+      .def("_watched_by", &SwapStore::WatchedBy, py::keep_alive<2, 1>())
       .def("_corrupt_for_testing", &SwapStore::CorruptForTesting);
 }
 

@@ -294,6 +294,31 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
 namespace spillway::metrics {
 namespace {
 
+TEST(ExporterTest, AnNvmeArenaOfferedTwiceIsRenderedOnce) {
+  // spillway.metrics.serve() and a DeepSpeed swap store made while it runs can both watch the
+  // store's arena; a duplicated sample would make Prometheus reject the scrape.
+  allocator::Ledger ledger;
+  auto host = allocator::testing::MakeArena(allocator::testing::PageableOptions(&ledger));
+  allocator::IoEngineOptions eo;
+  eo.arena = host.get();
+  auto engine = std::move(allocator::IoEngine::Create(eo).value());
+  allocator::NvmeArenaOptions no;
+  no.name = "deepspeed-swap:/nvme";
+  no.directory = ".";
+  no.budget_bytes = 64 * kMiB;
+  no.ledger = &ledger;
+  auto nvme = std::move(allocator::NvmeArena::Create(no, engine.get()).value());
+  auto e = Exporter::Start({"127.0.0.1:0", false});
+  ASSERT_TRUE(e.ok());
+  (*e)->Watch(nvme.get());
+  (*e)->Watch(nvme.get());
+  const std::string text = (*e)->Render();
+  const std::string line = "\nspillway_budget_bytes{tier=\"nvme\",arena=\"deepspeed-swap:/nvme\"} ";
+  const size_t first = text.find(line);
+  ASSERT_NE(first, std::string::npos) << text;
+  EXPECT_EQ(text.find(line, first + 1), std::string::npos) << text;
+}
+
 TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool) {
   allocator::Ledger ledger;
   auto ho = allocator::testing::PageableOptions(&ledger);

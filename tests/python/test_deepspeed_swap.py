@@ -37,6 +37,24 @@ def test_a_byte_flipped_in_a_swapped_moment_is_caught_by_its_crc_naming_the_swap
     assert r["type"] == "ChecksumMismatch", r
     assert os.path.basename(r["target"]).startswith("exp_avg_sq-")
     assert f"DeepSpeed swap file {r['target']}" in r["error"] and "checksum mismatch" in r["error"], r["error"]
+    # The store is in Prometheus, through an exporter started before DeepSpeed made it and one after.
+    arena = f'arena="deepspeed-swap:{r["root"]}"'
+    for text in r["scrapes"]:
+        samples = {}
+        for line in text.splitlines():
+            if arena in line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                samples[name_labels] = float(value)
+
+        def sample(name, *labels):
+            (v,) = [v for k, v in samples.items() if k.startswith(name + "{") and all(lb in k for lb in labels)]
+            return v
+
+        assert sample("spillway_checksum_failures_total") == 1, samples
+        assert sample("spillway_nvme_bytes", 'state="live"') >= 30 << 20, samples  # ~37 MiB swapped
+        for kind in ("param", "master_weight", "optimizer_state"):
+            assert sample("spillway_live_bytes_by_kind", 'tier="nvme"', f'kind="{kind}"') > 0, (kind, samples)
+        assert sample("spillway_budget_bytes", 'tier="nvme"') > 0, samples
 
 
 @pytest.mark.parametrize("swap_mode", ["arena", "files"])

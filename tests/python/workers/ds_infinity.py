@@ -2,7 +2,9 @@
 parameters on NVMe above DeepSpeed's swap threshold) after spillway.deepspeed.install(), in a
 process of its own, for the swap store's tests (tests/python/test_deepspeed_swap.py):
 
-    python ds_infinity.py corrupt SWAP OUT.json        flip a byte of a swapped Adam moment on disk
+    python ds_infinity.py corrupt SWAP OUT.json        flip a byte of a swapped Adam moment on disk,
+                                                       with a metrics exporter started before the
+                                                       engine and one after (their scrapes in OUT)
     python ds_infinity.py run SWAP arena|files         train, printing "step N", until killed
     python ds_infinity.py save SWAP CKPT OUT.json      3 steps, save_checkpoint, 2 more steps
     python ds_infinity.py load SWAP CKPT OUT.json      load_checkpoint, 2 steps
@@ -25,6 +27,7 @@ swap_mode = sys.argv[3] if mode == "run" else os.environ.get("DS_INFINITY_SWAP",
 if swap_mode != "plain":  # "plain": DeepSpeed without Spillway (the control)
     spillway.deepspeed.install(nvme_swap=swap_mode)
 world_from_env_or_single()
+exporters = [spillway.metrics.serve("127.0.0.1:0")] if mode == "corrupt" else []  # before any swap store
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(),
@@ -51,6 +54,13 @@ def step(n):
     return loss.item()
 
 
+def scrape(exporter):
+    import urllib.request  # noqa: PLC0415
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
 def store_and_paths():
     if not spillway.deepspeed.swap_stats():  # nvme_swap="files": DeepSpeed's own files
         return None, []
@@ -65,14 +75,16 @@ if mode == "corrupt":
     step(1)
     step(2)
     store, paths = store_and_paths()
+    exporters.append(spillway.metrics.serve("127.0.0.1:0"))  # after the store exists
     target = next(p for p in paths if os.path.basename(p).startswith("exp_avg_sq-"))
     store._corrupt_for_testing(target, 100)
-    out = {"target": target, "error": None, "type": None}
+    out = {"target": target, "error": None, "type": None, "root": next(iter(spillway.deepspeed.swap_stats()))}
     try:
         for n in range(3, 6):
             step(n)
     except spillway.ChecksumMismatch as e:
         out.update(error=str(e), type=type(e).__name__)
+    out["scrapes"] = [scrape(e) for e in exporters]
     json.dump(out, open(sys.argv[3], "w"))
 elif mode == "run":
     n = 0
