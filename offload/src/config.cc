@@ -460,7 +460,7 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
              "with an optional unit: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"));
 }
 
-Result<Config> Config::Parse(std::string_view text) {
+Result<Config> Config::Parse(std::string_view text, bool warn_ignored) {
   json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) {
     // Parse again with exceptions on to get the position and reason.
@@ -477,7 +477,7 @@ Result<Config> Config::Parse(std::string_view text) {
   reader.Root(root);
   SPILLWAY_RETURN_IF_ERROR(reader.error);
   SPILLWAY_RETURN_IF_ERROR(CrossCheck(c));
-  if (!c.ignored_keys.empty()) {
+  if (warn_ignored && !c.ignored_keys.empty()) {
     std::string list;
     for (const auto& k : c.ignored_keys) list += StrCat(list.empty() ? "" : ", ", k);
     Log(LogLevel::kWarning,

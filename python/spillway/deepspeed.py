@@ -34,6 +34,7 @@ save_16bit_model are spillway.deepspeed's names for them.
 """
 import functools
 import json
+import math
 import os
 import types
 import warnings
@@ -320,6 +321,22 @@ def _ds_config(args, kwargs):
     return config
 
 
+def _plannable_json(config):
+    """The DeepSpeed config as strict JSON for the planner. Clients put Python values in it that
+    json.dumps writes as no JSON parser reads them: Accelerate sets steps_per_print to float('inf')
+    (written "Infinity"). Non-finite numbers become null; the planner reads none of those keys."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(config), allow_nan=False)
+
+
 def _admit(args, kwargs):
     """Node admission (spillway.node.admit) at deepspeed.initialize, before DeepSpeed allocates the
     offloaded state: this rank's host need comes from the planner (offload/planner.h) for the
@@ -347,9 +364,9 @@ def _admit(args, kwargs):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
-                                         ledger["host_budget_bytes"], json.dumps(config),
+                                         ledger["host_budget_bytes"], _plannable_json(config),
                                          get_accelerator().device_name() == "cpu")
-    except _spillway.Error as e:
+    except (_spillway.Error, TypeError, ValueError) as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
                       AuditWarning, stacklevel=3)
         return

@@ -193,7 +193,8 @@ void BindNode(py::module_& m) {
         in.nodes = nodes;
         in.host_ram_bytes = host_ram_bytes;
         in.nvme_bytes = 1ull << 59;  // admission checks host memory; the disk is not its to judge
-        in.config = Check(offload::Config::Parse(config_json));
+        // DeepSpeed's own config: the keys Spillway does not act on are DeepSpeed's to act on.
+        in.config = Check(offload::Config::Parse(config_json, /*warn_ignored=*/false));
         in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
         in.gpu_mem_bytes = 0;
         const offload::PlanReport r = Check(offload::MakePlan(in));

@@ -110,8 +110,10 @@ struct Config {
   std::vector<std::string> ignored_keys;
 
   // Reads a JSON document. Errors name the key (as a dotted path), what it was, and what is
-  // allowed. An unknown key under "spillway" is an error; unknown DeepSpeed keys are ignored_keys.
-  static Result<Config> Parse(std::string_view json);
+  // allowed. An unknown key under "spillway" is an error; unknown DeepSpeed keys are ignored_keys,
+  // named in a warning unless `warn_ignored` is false (the config of a DeepSpeed run, which
+  // Spillway only reads to plan: DeepSpeed acts on those keys).
+  static Result<Config> Parse(std::string_view json, bool warn_ignored = true);
   static Result<Config> Load(const std::string& path);
 
   // The settings each allocator-layer component takes, derived in one place.
