@@ -15,8 +15,10 @@ restored before every timed step, outside the timing.
 
 `zero3`: one DeepSpeed ZeRO-3 engine (CPU accelerator, bf16, offload_optimizer and offload_param
 cpu) after spillway.deepspeed.install(); each round times engine.step() with DeepSpeed's own step and
-no guard (optimizer.spillway_step = spillway_guard = False: plain DeepSpeed), with Spillway's step,
-and with Spillway's step under the device guard (what install() runs), interleaved.
+no guard (optimizer.spillway_step = spillway_guard = False: plain DeepSpeed), with Spillway's step
+and no guard, with Spillway's step under the default device guard (what install() runs: every op of
+the first steps and of steps whose tensors moved, Note [Device guard]), and under guard="always"
+(every op of every step), interleaved.
 
 Last line: one JSON object."""
 import argparse
@@ -141,7 +143,8 @@ def zero3(args):
                                     "offload_param": {"device": "cpu"}, "sub_group_size": int(float(args.sub_group))}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     opt = engine.optimizer
-    variants = {"deepspeed": (False, False), "spillway": (True, False), "spillway+guard": (True, True)}
+    variants = {"deepspeed": (False, False), "spillway": (True, False), "spillway+guard": (True, True),
+                "spillway+guard-always": (True, "always")}
     times = {k: [] for k in variants}
     x = torch.randn(4, width).to(torch.bfloat16)
     for r in range(args.rounds + 1):
@@ -164,9 +167,13 @@ def zero3(args):
         print(f"  {k:17s} {statistics.median(t):.3f} [{min(t):.3f}, {max(t):.3f}]  x{statistics.median(sp):.2f} "
               f"[{min(sp):.2f}, {max(sp):.2f}]")
         out[k] = {"s": statistics.median(t), "speedup": statistics.median(sp), "min": min(sp), "max": max(sp)}
-    g = [a / b for a, b in zip(times["spillway+guard"], times["spillway"])]
-    print(f"  guard cost: (spillway+guard) / spillway x{statistics.median(g):.3f} [{min(g):.3f}, {max(g):.3f}]")
-    out["guard_cost"] = statistics.median(g)
+    for k in ("spillway+guard", "spillway+guard-always"):
+        g = [a / b for a, b in zip(times[k], times["spillway"])]
+        print(f"  guard cost: ({k}) / spillway x{statistics.median(g):.3f} [{min(g):.3f}, {max(g):.3f}]")
+        out[f"{k.replace('spillway+', '').replace('-', '_')}_cost"] = statistics.median(g)
+    a = [x / y for x, y in zip(times["spillway"][1:], times["spillway"][:-1])]  # A/A: one variant against itself
+    print(f"  A/A: spillway round r / round r-1 x{statistics.median(a):.3f} [{min(a):.3f}, {max(a):.3f}]")
+    out["aa_spread"] = [min(a), max(a)]
     return {"params": n, **out}
 
 

@@ -19,10 +19,12 @@ What it does (docs/deepspeed.md):
   sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
   pass over the data; in ZeRO-1/2 with offload_optimizer, per parameter group, the unscale and clip
   and the update (Note [DeepSpeed step] in docs/deepspeed.md).
-- the device guard (`guard=True`, the default) checks every op of the ZeRO optimizer's step (stage
-  1, 2 or 3) for tensors on mixed devices and names them (spillway.DeviceMismatch), and
-  deepspeed.initialize refuses a model spread over devices (spillway.guard.audit; Note [Device
-  guard] in docs/deepspeed.md).
+- the device guard (`guard=True`, the default) checks the ops of the ZeRO optimizer's step (stage
+  1, 2 or 3) for tensors on mixed devices and names them (spillway.DeviceMismatch): every op of the
+  first two steps and of any step whose partitions, gradients or optimizer state changed device,
+  and torch's own device error from any other step is a DeviceMismatch too; `guard="always"`
+  checks every op of every step. deepspeed.initialize refuses a model spread over devices
+  (spillway.guard.audit; Note [Device guard] in docs/deepspeed.md).
 
 `uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
 rest of the process (memory they handed out must keep freeing through them).
@@ -282,15 +284,69 @@ def _wrap_step(original):
     return step
 
 
+# The guard's rule (Note [Device guard] in docs/deepspeed.md): every op of the first steps, then every
+# op of a step whose tensors changed device or dtype, and torch's own device error out of any other
+# step turned into a DeviceMismatch that says how to have the op's tensors named.
+_GUARD_FIRST_STEPS = 2
+_guard_default = True  # install(guard=...): True or "always"
+_TORCH_DEVICE_ERRORS = ("Expected all tensors to be on the same device", "is not on the expected device")
+_FLATS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "single_partition_of_fp32_groups",
+          "bit16_groups_flat")
+
+
+def _guard_fingerprint(opt):
+    """Where the tensors a ZeRO step works on live: the flat partitions and their gradients, the
+    inner optimizer's state, and the tensors the ZeRO optimizer keeps as attributes (scales, norms).
+    A few hundred tuples at most; a fraction of a millisecond against a step of tens of ms or more."""
+    out = []
+    for attr in _FLATS:
+        for t in getattr(opt, attr, None) or ():
+            if isinstance(t, torch.Tensor):
+                g = t.grad
+                out.append((t.device, t.dtype, None if g is None else (g.device, g.dtype)))
+    for name, v in vars(opt).items():
+        if isinstance(v, torch.Tensor):
+            out.append((name, v.device, v.dtype))
+    inner = getattr(opt, "optimizer", None)
+    for state in (getattr(inner, "state", None) or {}).values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                out.append((v.device, v.dtype))
+    return tuple(out)
+
+
 def _guarded_step(original):
     from . import guard  # noqa: PLC0415
 
     @functools.wraps(original)
     def step(self, *args, **kwargs):
-        if not getattr(self, "spillway_guard", True):  # `optimizer.spillway_guard = False`: unchecked
+        mode = getattr(self, "spillway_guard", _guard_default)  # `optimizer.spillway_guard = False`: unchecked
+        if not mode:
             return original(self, *args, **kwargs)
-        with guard.devices(self):
+        steps = getattr(self, "_spillway_guard_steps", 0)
+        self._spillway_guard_steps = steps + 1
+        fingerprint = _guard_fingerprint(self)
+        moved = fingerprint != getattr(self, "_spillway_guard_fingerprint", None)
+        self._spillway_guard_fingerprint = fingerprint
+        if mode == "always" or steps < _GUARD_FIRST_STEPS or moved or getattr(self, "_spillway_guard_next", False):
+            self._spillway_guard_next = False
+            self._spillway_guarded_steps = getattr(self, "_spillway_guarded_steps", 0) + 1
+            with guard.devices(self):
+                return original(self, *args, **kwargs)
+        try:
             return original(self, *args, **kwargs)
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _TORCH_DEVICE_ERRORS):
+                raise
+            self._spillway_guard_next = True
+            raise guard.DeviceMismatch(
+                f"{type(self).__name__}.step() at step {steps + 1}: torch found tensors on different devices "
+                f"({e}). Spillway's device guard checks every op of the first {_GUARD_FIRST_STEPS} steps and of any "
+                f"step whose partitions, gradients or optimizer state moved, and this step was neither: it took "
+                f"a path the earlier steps did not (an overflow, clipping, a rarely used option). Run with "
+                f"spillway.deepspeed.install(guard='always') (or engine.optimizer.spillway_guard = 'always') to "
+                f"have the op and each of its tensors named; the next step of this optimizer is checked op by "
+                f"op") from e
     step.__spillway_original__ = original
     return step
 
@@ -421,7 +477,9 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     swapped tensors in Spillway's NVMe arena (Note [DeepSpeed swap] in docs/deepspeed.md);
     `nvme_swap="files"` leaves them in DeepSpeed's files, one per tensor. `step=False` keeps
     DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic). `guard=False` leaves the
-    optimizer step and deepspeed.initialize unchecked.
+    optimizer step and deepspeed.initialize unchecked; `guard="always"` checks every op of every
+    step (the default, True, every op of the first steps and of steps whose tensors moved).
+    `engine.optimizer.spillway_guard` (True, "always" or False) sets it per optimizer.
 
     Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
     missing an allocation site, gets one warning that names the version and what still works."""
@@ -429,7 +487,11 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     import deepspeed  # noqa: PLC0415 (deepspeed is optional)
     from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
 
-    global _saved, _swap_to_arena
+    global _saved, _swap_to_arena, _guard_default
+    if guard not in (True, False, "always"):
+        raise spillway.InvalidArgument(f"spillway.deepspeed.install(guard={guard!r}): True (every op of the first "
+                                       "steps and of steps whose tensors moved), 'always' (every op of every "
+                                       "step) or False")
     if nvme_swap not in ("arena", "files"):
         raise spillway.InvalidArgument(f"spillway.deepspeed.install(nvme_swap={nvme_swap!r}): 'arena' (DeepSpeed's "
                                        "swap files in Spillway's NVMe arena) or 'files' (DeepSpeed's own files)")
@@ -460,6 +522,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
         _deepspeed_swap.install(_patch)
     if step:
         _install_step()
+    _guard_default = guard
     if guard:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
@@ -509,7 +572,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
 
 def uninstall():
     """Restores DeepSpeed's own aio op and functions. torch's allocators stay Spillway's."""
-    global _saved, _swap_to_arena
+    global _saved, _swap_to_arena, _guard_default
     _swap_to_arena = False
     while _patched:
         owner, name, original = _patched.pop()

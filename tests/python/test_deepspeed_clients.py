@@ -11,7 +11,6 @@ the fork added, the control's less Spillway's, is at least 95% of the offloaded 
 agree within the fused step's tolerance; and the one line prints no warning of Spillway's."""
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -43,10 +42,10 @@ def launch(tmp_path, name, installed, ranks):
     elif name == "accelerate":
         configs = tmp_path / "configs"
         subprocess.run([sys.executable, str(WORKER), "configs", str(configs)], env=env, check=True)
-        cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", str(configs / "accelerate.yaml"),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(configs / "accelerate.yaml"),
                "--main_process_port", str(free_port()), str(WORKER), "accelerate", str(out)]
     elif name == "deepspeed":
-        cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                str(WORKER), "engine", str(out)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",

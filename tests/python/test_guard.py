@@ -136,6 +136,90 @@ def test_deepspeed_0_14_1s_scale_on_another_device_is_named_by_the_guard_install
     assert "a scalar factor that enters host math belongs on the CPU" in named
 
 
+# A mix-up that appears late, after the steps the default guard checks op by op. "late": at step 5 the
+# unscale multiplies by a full tensor on the other device (torch's own error, even with meta). "moved":
+# before step 5 the training loop puts a scale tensor on the ZeRO optimizer on the other device, and
+# the unscale multiplies by it in place (torch lets a 0-dim meta factor through without a word).
+DS_LATE = """
+import os, socket, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, deepspeed, spillway
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+OTHER, MODE, GUARD = %r, sys.argv[1], sys.argv[2]
+calls = [0]
+original = Stage3.unscale_and_clip_grads
+def unscale_and_clip_grads(self, sub_group_id, total_norm):
+    calls[0] += 1
+    grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
+    if MODE == "late" and calls[0] == 5:
+        grad.copy_(grad * torch.ones(grad.shape, device=OTHER))
+    if MODE == "moved" and getattr(self, "extra_scale", None) is not None:
+        grad.mul_(1. / self.extra_scale)
+    return original(self, sub_group_id, total_norm)
+Stage3.unscale_and_clip_grads = unscale_and_clip_grads
+if GUARD != "plain":
+    spillway.deepspeed.install(step=False, guard=True if GUARD == "default" else GUARD)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                           "offload_param": {"device": "cpu"}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+for step in range(1, 9):
+    if MODE == "moved" and step == 5:
+        engine.optimizer.extra_scale = torch.tensor(1.0, device=OTHER)
+    if MODE == "moved" and step == 6:
+        engine.optimizer.extra_scale = None
+    loss = engine(torch.randn(4, 16).to(torch.bfloat16)).float().sum()
+    engine.backward(loss)
+    engine.step()
+print("guarded steps", getattr(engine.optimizer, "_spillway_guarded_steps", 0), "of", step)
+"""
+
+
+def ds_late(mode, guard_mode):
+    p = subprocess.run([sys.executable, "-c", DS_LATE % OTHER, mode, guard_mode], capture_output=True, text=True,
+                       timeout=900)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_default_guard_checks_the_first_steps_op_by_op_and_then_none_until_a_tensor_moves():
+    pytest.importorskip("deepspeed")
+    rc, out = ds_late("none", "default")
+    assert rc == 0 and "guarded steps 2 of 8" in out, out[-3000:]
+    rc, out = ds_late("none", "always")
+    assert rc == 0 and "guarded steps 8 of 8" in out, out[-3000:]
+    # A scale tensor put on the optimizer on the other device before step 5: that step is checked op by
+    # op and the mix-up is named, where torch itself says nothing (meta) or names no tensor (cuda).
+    rc, out = ds_late("moved", "default")
+    assert rc != 0 and "spillway.DeviceMismatch: aten.mul_" in out, out[-3000:]
+    assert "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad float32" in out, out[-3000:]
+
+
+def test_torchs_device_error_in_an_unchecked_step_becomes_a_device_mismatch_that_says_how_to_name_it():
+    pytest.importorskip("deepspeed")
+    rc, bare = ds_late("late", "plain")  # the control: torch's error, naming no tensor
+    assert rc != 0 and "DeviceMismatch" not in bare and (
+        "Expected all tensors to be on the same device" in bare or "is not on the expected device" in bare), bare[-3000:]
+    rc, out = ds_late("late", "default")
+    assert rc != 0 and "spillway.DeviceMismatch: DeepSpeedZeroOptimizer_Stage3.step() at step 5" in out, out[-3000:]
+    assert "install(guard='always')" in out, out[-3000:]
+    rc, out = ds_late("late", "always")  # op by op: the op and its tensors named
+    assert rc != 0 and "spillway.DeviceMismatch: aten.mul" in out, out[-3000:]
+    assert "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad float32" in out, out[-3000:]
+
+
+def test_bad_input_an_unknown_guard_mode_is_refused_naming_the_choices():
+    pytest.importorskip("deepspeed")
+    p = subprocess.run([sys.executable, "-c", "import spillway.deepspeed as d; d.install(guard='sometimes')"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "install(guard='sometimes')" in p.stderr and "'always'" in p.stderr, p.stderr[-2000:]
+
+
 def spread_gpt2():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
     config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
