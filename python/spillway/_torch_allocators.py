@@ -14,20 +14,22 @@ _runtime = None
 _install_lock = threading.Lock()
 
 
-def _torch_release(version):
-    return version.split("+")[0]
+def _torch_minor(version):
+    return version.split("+")[0].split(".")[:2]
 
 
 def check_torch_version():
-    """Raises FailedPrecondition when the running torch is not the one the extension was built
-    against: the allocator interfaces are C++ vtables that change between torch releases."""
-    built, running = _spillway._torch_version_built, _torch_release(torch.__version__)
-    if _torch_release(built) != running:
+    """Raises FailedPrecondition when the running torch is another minor release than the one the
+    extension was built against: the allocator interfaces are C++ vtables that change between minor
+    releases (torch keeps its C++ ABI within one, so 2.13.1 runs a 2.13.0 build)."""
+    built = _spillway._torch_version_built
+    if _torch_minor(built) != _torch_minor(torch.__version__):
         raise FailedPrecondition(
             f"spillway was built against torch {built} but torch {torch.__version__} is running; torch's "
-            f"allocator interfaces differ between releases, so spillway.install() refuses to replace them. "
-            f"Rebuild Spillway against this torch (scripts/install-deps, then cmake --build). Still "
-            f"usable without install(): spillway.HostArena, aio_handle on a matching build")
+            f"allocator interfaces differ between minor releases, so spillway.install() refuses to replace "
+            f"them. Rebuild Spillway against this torch: pip install --no-build-isolation <spillway checkout> "
+            f"(or scripts/install-deps, then cmake --build, in a CMake tree). Still usable without install(): "
+            f"spillway.HostArena, aio_handle on a matching build")
 
 
 class Runtime:

@@ -40,6 +40,19 @@ def test_a_patch_release_of_the_same_torch_is_accepted():
     spillway._check_torch("2.13.0", "2.13.1+cpu")  # no error: same minor version
 
 
+def test_install_accepts_a_patch_release_and_refuses_another_minor_with_the_pip_command():
+    """torch keeps its C++ ABI within a minor series: spillway.install() under 2.13.x of a 2.13.0
+    build replaces torch's allocators; under another minor it refuses and says how to rebuild."""
+    patch = ("import torch, spillway; torch.__version__ = spillway._build_info.torch_version.rsplit('.', 1)[0] + "
+             "'.9+cpu'; spillway.check_torch_version(); print('accepted', torch.__version__)")
+    out = subprocess.run([sys.executable, "-c", patch], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "accepted" in out.stdout, out.stderr[-2000:]
+    minor = "import torch, spillway; torch.__version__ = '2.99.0+cpu'; spillway.check_torch_version()"
+    out = subprocess.run([sys.executable, "-c", minor], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "FailedPrecondition" in out.stderr and "2.99.0" in out.stderr, out.stderr[-2000:]
+    assert "pip install --no-build-isolation" in out.stderr, out.stderr[-2000:]
+
+
 def test_the_extensions_cxx_runtime_calls_bind_to_libstdcxx_not_to_torchs_copies(tmp_path):
     """torch's libraries export C++ runtime template instantiations built with torch's own
     toolchain (std::basic_ostringstream's constructor, std::filesystem pieces). An extension whose
