@@ -19,7 +19,7 @@ See docs/python.md and docs/deepspeed.md.
 """
 import torch  # (loads libtorch and registers torch.Tensor before the extension)
 
-from . import _build_info
+from . import _build_info, _torch_abi
 
 __version__ = _build_info.version
 
@@ -27,7 +27,7 @@ __version__ = _build_info.version
 def _check_torch(built, running):
     """The extension links libtorch's C++ API, whose ABI changes between minor versions: loading it
     under another torch can crash in the loader or later. Refuse before loading it."""
-    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+    if _torch_abi.series(built) != _torch_abi.series(running):
         raise ImportError(
             f"spillway {__version__} was built against torch {built}, but this environment has torch "
             f"{running}. Rebuild it against this torch: pip install --no-build-isolation <spillway "

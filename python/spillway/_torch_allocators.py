@@ -7,15 +7,11 @@ import threading
 
 import torch
 
-from . import _spillway
+from . import _spillway, _torch_abi
 from ._spillway import FailedPrecondition, InvalidArgument, OverBudget, default_host_budget
 
 _runtime = None
 _install_lock = threading.Lock()
-
-
-def _torch_minor(version):
-    return version.split("+")[0].split(".")[:2]
 
 
 def check_torch_version():
@@ -23,7 +19,7 @@ def check_torch_version():
     extension was built against: the allocator interfaces are C++ vtables that change between minor
     releases (torch keeps its C++ ABI within one, so 2.13.1 runs a 2.13.0 build)."""
     built = _spillway._torch_version_built
-    if _torch_minor(built) != _torch_minor(torch.__version__):
+    if _torch_abi.series(built) != _torch_abi.series(torch.__version__):
         raise FailedPrecondition(
             f"spillway was built against torch {built} but torch {torch.__version__} is running; torch's "
             f"allocator interfaces differ between minor releases, so spillway.install() refuses to replace "

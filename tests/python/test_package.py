@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import spillway
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,15 @@ def test_an_import_under_another_torch_refuses_and_says_to_rebuild():
 
 def test_a_patch_release_of_the_same_torch_is_accepted():
     spillway._check_torch("2.13.0", "2.13.1+cpu")  # no error: same minor version
+
+
+def test_a_development_build_must_be_the_one_spillway_was_built_against():
+    # A nightly's C++ ABI moves from build to build: the same minor is not enough.
+    spillway._check_torch("2.13.0.dev20260101+cpu", "2.13.0.dev20260101+cpu")
+    with pytest.raises(ImportError, match="2.13.0.dev20260102"):
+        spillway._check_torch("2.13.0.dev20260101+cpu", "2.13.0.dev20260102+cpu")
+    with pytest.raises(ImportError, match="2.13.0rc1"):
+        spillway._check_torch("2.13.0", "2.13.0rc1")
 
 
 def test_install_accepts_a_patch_release_and_refuses_another_minor_with_the_pip_command():
