@@ -9,6 +9,14 @@ _lock = threading.Lock()
 _exporters = {}  # pid -> WeakSet of its live exporters (a forked child never touches its parent's)
 
 
+def _after_fork_in_child():
+    global _lock
+    _lock = threading.Lock()  # a fork while another thread held it would leave it held forever
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _rank():
     try:
         import torch.distributed as dist  # noqa: PLC0415
