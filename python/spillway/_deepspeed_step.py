@@ -2,7 +2,12 @@
 update and fp32 to 16-bit copy, run as Spillway's one fused pass, and ZeRO-1/2's per-group
 unscale-and-clip and update (Note [DeepSpeed step] in docs/deepspeed.md). spillway.deepspeed.install(step=True) patches the seam; this module is private.
 """
+import ast
 import functools
+import hashlib
+import inspect
+import math
+import sys
 import warnings
 
 import torch
@@ -208,9 +213,15 @@ def _zero12_group_of(opt, grad_groups_flat):
     return None
 
 
-def _fused_unscale_and_clip_grads_zero12(original):
-    from deepspeed.runtime.utils import is_invalid_grad_norm  # noqa: PLC0415
+def _invalid_norm(norm):
+    """deepspeed.runtime.utils.is_invalid_grad_norm of 0.19.8 (older releases lack it): not finite,
+    or negative."""
+    if isinstance(norm, torch.Tensor):
+        return bool((~torch.isfinite(norm) | (norm < 0)).any())
+    return not math.isfinite(float(norm)) or norm < 0
 
+
+def _fused_unscale_and_clip_grads_zero12(original):
     @functools.wraps(original)
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
         pending = self.__dict__.setdefault("_spillway_scale", {})
@@ -222,7 +233,9 @@ def _fused_unscale_and_clip_grads_zero12(original):
         if self.clip_grad == 0.0 and self.loss_scale == 1.0:  # DeepSpeed returns without a pass
             pending[group_no] = 1.0
             return None
-        if self.clip_grad > 0. and is_invalid_grad_norm(total_norm):  # as DeepSpeed reads it
+        # As 0.19.8 reads it; before 0.19.8 an invalid norm that reached here made every gradient
+        # NaN (the overflow check skips such steps first in every release).
+        if self.clip_grad > 0. and _invalid_norm(total_norm):
             total_norm = torch.tensor(float("inf"), dtype=torch.float)
         pending[group_no] = _unscale_factor(self, total_norm)
         return None
@@ -243,32 +256,146 @@ def _fused_optimizer_step_zero12(original):
     return _optimizer_step
 
 
-def _install_step():
-    """Patches the seam when this DeepSpeed has it as read; otherwise says once why not."""
-    from .deepspeed import TESTED_DEEPSPEED, _deepspeed_version, _patch  # noqa: PLC0415
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+def _canon(node):
+    """A parsed function as nested tuples: what it does, without comments, formatting, line numbers
+    or the fields newer Pythons add (type_params), so it reads the same on Python 3.11 to 3.13."""
+    if isinstance(node, ast.AST):
+        return (type(node).__name__,) + tuple((f, _canon(getattr(node, f, None))) for f in node._fields
+                                              if f not in ("ctx", "type_params", "type_comment"))
+    if isinstance(node, list):
+        return tuple(_canon(x) for x in node)
+    return node
 
-    version = _deepspeed_version()
-    missing = [name for name in _STEP_SEAM if name not in Stage3.__dict__]
-    if version not in TESTED_DEEPSPEED or missing:
-        _decline_once(f"DeepSpeed {version} is {'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
-                      f"{'; its ZeRO-3 optimizer lacks ' + ', '.join(missing) if missing else ''}: the seam "
-                      "Spillway patches (unscale_and_clip_grads, _optimizer_step, "
-                      "_reassign_or_swap_out_partitioned_parameters) was read from 0.19.8 only")
-        return False
-    _patch(Stage3, "unscale_and_clip_grads", _fused_unscale_and_clip_grads(Stage3.__dict__["unscale_and_clip_grads"]))
-    _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
-    _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
-           _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+
+def _methods(cls):
+    """{name: FunctionDef} of `cls` as its module's source defines it (decorators such as
+    DeepSpeed's instrument_w_nvtx wrap the function objects, so their source is the wrapper's)."""
+    tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__), [])
+    return {n.name: n for n in body if isinstance(n, ast.FunctionDef)}
+
+
+def _digest(fn_def):
+    return hashlib.sha256(repr(_canon(fn_def)).encode()).hexdigest()[:16]
+
+
+def _self_calls_in_order(fn_def):
+    """Names of the self.<method>(...) calls in a function, in source order."""
+    calls = [(n.lineno, n.col_offset, n.func.attr) for n in ast.walk(fn_def)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    return [name for *_pos, name in sorted(calls)]
+
+
+# The bodies of the functions the fused step takes over or relies on (the seam, the step() that
+# calls it, the unflatten after the copy, DeepSpeedCPUAdam.step whose state the fused pass keeps),
+# by digest (_digest), each with the DeepSpeed releases it was read from. Only releases whose
+# DeepSpeed tests passed with Spillway (scripts/check-deepspeed) are listed. A DeepSpeed whose
+# function has a body not listed keeps its own step, and the warning names the function.
+_VERIFIED = {
+    ("stage3", "step"): {
+        "ae01fb5618f6b919": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7"),
+        "00d1fe6b08243b55": ("0.19.8",),
+    },
+    ("stage3", "unscale_and_clip_grads"): {
+        "c4af4106f8679711": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7", "0.19.8"),
+    },
+    ("stage3", "_optimizer_step"): {
+        "b4f8bd0a9da2d03b": ("0.16.9",),
+        "6041066ad0436827": ("0.17.6", "0.18.0"),
+        "fec36c701e7cb1d4": ("0.18.9", "0.19.0", "0.19.4", "0.19.7"),
+        "b0a26eeea1220065": ("0.19.8",),
+    },
+    ("stage3", "_reassign_or_swap_out_partitioned_parameters"): {
+        "48dfa46d6404120b": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7", "0.19.8"),
+    },
+    ("stage3", "_unflatten_partitioned_parameters"): {
+        "275d05ec57ccc2f5": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7", "0.19.8"),
+    },
+    ("zero12", "step"): {
+        "e01cc9139d507d17": ("0.16.9",),
+        "75e6c1a6bdacb78f": ("0.17.6", "0.18.0", "0.18.9", "0.19.0"),
+        "a10342d0818ba24f": ("0.19.4",),
+        "8f8c3aa7618cd317": ("0.19.7",),
+        "0782f13f7b53f729": ("0.19.8",),
+    },
+    ("zero12", "unscale_and_clip_grads"): {
+        "7aa98b514b82854b": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4"),
+        "b1269181af0dddd3": ("0.19.7",),
+        "d68eece851406849": ("0.19.8",),
+    },
+    ("zero12", "_optimizer_step"): {
+        "7dfbdfb3d8aa5763": ("0.16.9",),
+        "e930383659fcfbc3": ("0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7", "0.19.8"),
+    },
+    ("cpu_adam", "step"): {
+        "7a71556d98c79bef": ("0.16.9", "0.17.6", "0.18.0", "0.18.9", "0.19.0", "0.19.4", "0.19.7", "0.19.8"),
+    },
+}
+# What each ZeRO optimizer's step() must call, in this order, and what else must be as verified.
+_STEP_ORDER = {"stage3": _STEP_SEAM, "zero12": _STEP_SEAM_ZERO12}
+_ALSO = {"stage3": ("step", "_unflatten_partitioned_parameters"), "zero12": ("step",)}
+
+
+def _seam_mismatch(which, cls, seam):
+    """None when `cls` (this DeepSpeed's ZeRO optimizer) and DeepSpeedCPUAdam have the functions the
+    fused step was verified against; else what differs, for the warning."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+
+    try:
+        checks = [(which, cls, _methods(cls), seam + _ALSO[which]),
+                  ("cpu_adam", DeepSpeedCPUAdam, _methods(DeepSpeedCPUAdam), ("step",))]
+    except (OSError, TypeError, SyntaxError, KeyError) as e:  # a DeepSpeed installed without its .py sources
+        return f"its source cannot be read to check the functions Spillway's step replaces ({e})"
+    for key, owner, defs, names in checks:
+        missing = [n for n in names if n not in defs]
+        if missing:
+            return f"its {owner.__name__} lacks {', '.join(missing)}"
+        for name in names:
+            digest = _digest(defs[name])
+            if digest not in _VERIFIED[(key, name)]:
+                return (f"its {owner.__name__}.{name} is not one Spillway's fused step was verified against "
+                        f"(body {digest}; verified: DeepSpeed {_verified_range(key, name)})")
+    calls = [c for c in _self_calls_in_order(checks[0][2]["step"]) if c in _STEP_ORDER[which]]
+    order = list(_STEP_ORDER[which])
+    if not calls or calls != order * (len(calls) // len(order)):  # each branch runs the whole seam, in order
+        return (f"its {cls.__name__}.step() calls [{', '.join(calls)}], not {', '.join(order)} in that order "
+                "(once per branch)")
+    return None
+
+
+def _verified_range(which, name):
+    versions = sorted({v for vs in _VERIFIED[(which, name)].values() for v in vs},
+                      key=lambda v: [int(x) for x in v.split(".")])
+    return ", ".join(versions) if versions else "none"
+
+
+def _install_step():
+    """Patches the seam where this DeepSpeed has it as verified (by what its functions are, not by
+    its version string); otherwise says once why not."""
+    from .deepspeed import _patch  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
 
-    missing = [name for name in _STEP_SEAM_ZERO12 if name not in Zero12.__dict__]
-    if missing:
-        _decline_once(f"DeepSpeed {version}'s ZeRO-1/2 optimizer lacks {', '.join(missing)}, the seam Spillway "
-                      "patches there (read from 0.19.8)")
-        return True
-    _patch(Zero12, "unscale_and_clip_grads",
-           _fused_unscale_and_clip_grads_zero12(Zero12.__dict__["unscale_and_clip_grads"]))
-    _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(Zero12.__dict__["_optimizer_step"]))
-    return True
+    import deepspeed  # noqa: PLC0415
 
+    installed = False
+    why = _seam_mismatch("stage3", Stage3, _STEP_SEAM)
+    if why is None:
+        _patch(Stage3, "unscale_and_clip_grads",
+               _fused_unscale_and_clip_grads(Stage3.__dict__["unscale_and_clip_grads"]))
+        _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
+        _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
+               _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+        installed = True
+    else:
+        _decline_once(f"ZeRO-3 on DeepSpeed {deepspeed.__version__}: {why}")
+    why = _seam_mismatch("zero12", Zero12, _STEP_SEAM_ZERO12)
+    if why is None:
+        _patch(Zero12, "unscale_and_clip_grads",
+               _fused_unscale_and_clip_grads_zero12(Zero12.__dict__["unscale_and_clip_grads"]))
+        _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(Zero12.__dict__["_optimizer_step"]))
+        installed = True
+    else:
+        _decline_once(f"ZeRO-1/2 on DeepSpeed {deepspeed.__version__}: {why}")
+    return installed

@@ -321,8 +321,12 @@ def _guarded_step(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
         mode = getattr(self, "spillway_guard", _guard_default)  # `optimizer.spillway_guard = False`: unchecked
-        if not mode:
+        if mode is False:
             return original(self, *args, **kwargs)
+        if mode is not True and mode != "always":
+            raise _spillway.InvalidArgument(
+                f"{type(self).__name__}.spillway_guard = {mode!r}: True (every op of the first steps and of "
+                "steps whose tensors moved), 'always' (every op of every step) or False")
         steps = getattr(self, "_spillway_guard_steps", 0)
         self._spillway_guard_steps = steps + 1
         fingerprint = _guard_fingerprint(self)
@@ -342,8 +346,9 @@ def _guarded_step(original):
             raise guard.DeviceMismatch(
                 f"{type(self).__name__}.step() at step {steps + 1}: torch found tensors on different devices "
                 f"({e}). Spillway's device guard checks every op of the first {_GUARD_FIRST_STEPS} steps and of any "
-                f"step whose partitions, gradients or optimizer state moved, and this step was neither: it took "
-                f"a path the earlier steps did not (an overflow, clipping, a rarely used option). Run with "
+                f"step whose partitions, gradients or optimizer state moved, and this step was neither: it may "
+                f"have taken a path the earlier steps did not (an overflow, clipping, a rarely used option), or "
+                f"a tensor outside what the guard fingerprints moved. Run with "
                 f"spillway.deepspeed.install(guard='always') (or engine.optimizer.spillway_guard = 'always') to "
                 f"have the op and each of its tensors named; the next step of this optimizer is checked op by "
                 f"op") from e
@@ -419,10 +424,16 @@ def _admit(args, kwargs):
     params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config_json = _plannable_json(config)
+    except (TypeError, ValueError) as e:  # a value json cannot write (a client's object in the config)
+        warnings.warn(f"spillway.deepspeed: node admission skipped: the DeepSpeed config cannot be written as "
+                      f"JSON for the planner: {e}", AuditWarning, stacklevel=3)
+        return
+    try:
         plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
-                                         ledger["host_budget_bytes"], _plannable_json(config),
+                                         ledger["host_budget_bytes"], config_json,
                                          get_accelerator().device_name() == "cpu")
-    except (_spillway.Error, TypeError, ValueError) as e:
+    except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
                       AuditWarning, stacklevel=3)
         return
@@ -566,14 +577,17 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             f"{'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
             f"{'; these allocation sites are missing: ' + '; '.join(_missing) if _missing else ''}. Still in "
             f"force: torch's CPU and pinned allocators are Spillway's, every site found is tagged, the aio "
-            f"op is Spillway's, and the audit after deepspeed.initialize and after the first step names "
-            f"each offloaded tensor that is not in Spillway's arenas", AuditWarning, stacklevel=2)
+            f"op is Spillway's, the fused step wherever this DeepSpeed's step functions are ones it was "
+            f"verified against (a StepWarning names any that is not), and the audit after "
+            f"deepspeed.initialize and after the first step names each offloaded tensor that is not in "
+            f"Spillway's arenas", AuditWarning, stacklevel=2)
 
 
 def uninstall():
     """Restores DeepSpeed's own aio op and functions. torch's allocators stay Spillway's."""
     global _saved, _swap_to_arena, _guard_default
     _swap_to_arena = False
+    _guard_default = True
     while _patched:
         owner, name, original = _patched.pop()
         setattr(owner, name, original)

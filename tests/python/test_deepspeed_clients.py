@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+import spillway.deepspeed
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps installs it)")
 pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/install-deps installs it)")
 
@@ -63,6 +65,8 @@ def test_the_one_line_removes_the_fork_copy_under_each_client(tmp_path, client, 
     # Nothing of Spillway's is said to a user whose setup it supports (the planner once warned about
     # DeepSpeed's own keys at every rank, and could not read Accelerate's steps_per_print=inf).
     said = [line for line in text.splitlines() if "spillway warning" in line or "spillway.deepspeed:" in line]
+    if deepspeed.__version__ not in spillway.deepspeed.TESTED_DEEPSPEED:  # scripts/check-deepspeed on another release
+        said = [line for line in said if "outside the tested range" not in line]
     assert said == [], said
     for rank, (c, s) in enumerate(zip(control, ours)):
         assert len(c["epochs"]) == len(s["epochs"]) == 3, (c, s)

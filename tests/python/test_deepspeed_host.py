@@ -173,6 +173,35 @@ def test_a_deepspeed_outside_the_tested_range_says_so_and_what_still_works():
     """)
 
 
+def test_the_fused_step_follows_what_deepspeeds_functions_are_not_its_version_string():
+    # Another version string over the same functions: the fused step is on (it was off for any
+    # version but 0.19.8). A ZeRO-3 _optimizer_step whose body was never verified: ZeRO-3 keeps
+    # DeepSpeed's step, the warning names the function, and ZeRO-1/2's seam is still Spillway's.
+    run("""
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
+        from spillway import _deepspeed_step
+        deepspeed.__version__ = "0.99.0"
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            spillway.deepspeed.install()
+        assert not [x for x in w if issubclass(x.category, spillway.deepspeed.StepWarning)], [str(x.message) for x in w]
+        # unscale_and_clip_grads is patched by the fused step only (_optimizer_step is an allocation site too)
+        assert hasattr(Stage3.unscale_and_clip_grads, "__spillway_original__")
+        spillway.deepspeed.uninstall()
+        _deepspeed_step._VERIFIED[("stage3", "_optimizer_step")] = {"0123456789abcdef": ("0.0.1",)}
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            spillway.deepspeed.install()
+        msgs = [str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.StepWarning)]
+        assert len(msgs) == 1 and "ZeRO-3 on DeepSpeed 0.99.0" in msgs[0], msgs
+        assert "DeepSpeedZeroOptimizer_Stage3._optimizer_step is not one Spillway's fused step was verified" in msgs[0], msgs
+        assert "verified: DeepSpeed 0.0.1" in msgs[0], msgs
+        assert not hasattr(Stage3.unscale_and_clip_grads, "__spillway_original__")
+        assert hasattr(Zero12.unscale_and_clip_grads, "__spillway_original__")
+    """)
+
+
 def test_step_boundaries_follow_engine_step_and_the_epoch_boundary_is_one_line():
     run("""
         spillway.deepspeed.install()
