@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+import _ds_env  # noqa: E402
+
+if _ds_env.infinity_skip_reason():
+    pytest.skip(_ds_env.infinity_skip_reason(), allow_module_level=True)
 
 WORKER = Path(__file__).parent / "workers" / "ds_infinity.py"
 

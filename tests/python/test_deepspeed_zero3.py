@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+import _ds_env  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_zero3.py"
 STEPS = 12
@@ -29,6 +30,7 @@ def train(which, swap):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@_ds_env.needs_infinity()
 def test_zero3_nvme_offload_trains_identically_on_spillways_aio(tmp_path):
     theirs = train("deepspeed", tmp_path / "deepspeed")
     ours = train("spillway", tmp_path / "spillway")
