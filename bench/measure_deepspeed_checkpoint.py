@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Host memory of DeepSpeed's own checkpoints (engine.save_checkpoint / load_checkpoint), plain and
+after spillway.deepspeed.install(), each run a process of its own: the measurement issue 38 starts
+from (docs/deepspeed.md, "DeepSpeed's own checkpoints").
+
+    PYTHONPATH=build/default/python python3 bench/measure_deepspeed_checkpoint.py [--params 9.7e6]
+        [--saves 6] [--steps-between 2] [--stages 3 2] [--dir DIR]
+
+Per run: ZeRO-3 (or ZeRO-2) with the optimizer state (and for ZeRO-3 the parameters) offloaded to
+the CPU, bf16, DeepSpeed's CPU accelerator, an MLP of --params parameters; --saves saves of the same
+tag, --steps-between steps apart; then a fresh engine in a new process loads the last one. A thread
+samples the process's anonymous RSS (RssAnon in /proc/self/status) every millisecond while each save
+and load runs. Printed per run: the offloaded state, the anonymous RSS after each save minus before
+the first, the peak during each save and during the load over the RSS just before it, and what the
+load left behind. Memory, not time: the numbers do not depend on the machine's load.
+Last line: one JSON object."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MIB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class Peak:
+    """The highest RssAnon seen while the `with` block runs, sampled every millisecond."""
+
+    def __enter__(self):
+        self.before = rss_anon()
+        self.peak = self.before
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_anon())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.after = rss_anon()
+        self.peak = max(self.peak, self.after)
+
+
+def worker(a):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "python", "workers"))
+    import torch  # noqa: PLC0415
+
+    if a.spillway:
+        import spillway.deepspeed  # noqa: PLC0415
+
+        spillway.deepspeed.install()
+    import deepspeed  # noqa: PLC0415
+    from _dist import world_from_env_or_single  # noqa: PLC0415
+
+    from spillway.leak_suite import build_model  # noqa: PLC0415 (the leak suite's MLP, scaled to --params)
+
+    world_from_env_or_single()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    zero = {"stage": a.stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if a.stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "bf16": {"enabled": True}, "zero_optimization": zero}
+    torch.manual_seed(0)
+    model = build_model(int(float(a.params)), torch)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    from spillway.deepspeed import offloaded_tensors  # noqa: PLC0415
+
+    def step():
+        x = torch.randn(8, 64).to(torch.bfloat16)
+        loss = engine(x).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+
+    out = {"stage": a.stage, "spillway": a.spillway, "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                                                    for p in model.parameters())}
+    if a.mode == "save":
+        step()  # the moments exist
+        out["state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in offloaded_tensors(engine))
+        base = rss_anon()
+        out["saves"] = []
+        for _ in range(a.saves):
+            for _s in range(a.steps_between):
+                step()
+            with Peak() as p:
+                engine.save_checkpoint(a.dir, tag="t")
+            out["saves"].append({"after": p.after - base, "peak_over_before": p.peak - p.before})
+    else:
+        step()
+        with Peak() as p:
+            engine.load_checkpoint(a.dir, tag="t")
+        out["state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in offloaded_tensors(engine))
+        out["load"] = {"peak_over_before": p.peak - p.before, "left": p.after - p.before}
+    print(json.dumps(out))
+
+
+def run(a, stage, spillway, mode, d):
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", mode, "--stage", str(stage), "--params", a.params,
+           "--saves", str(a.saves), "--steps-between", str(a.steps_between), "--dir", d]
+    if spillway:
+        cmd.append("--spillway")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
+        raise SystemExit(f"the {mode} run (stage {stage}, spillway={spillway}) failed (exit {p.returncode})")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="9.7e6")
+    ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--steps-between", type=int, default=2)
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+    ap.add_argument("--_worker", choices=("save", "load"))
+    ap.add_argument("--stage", type=int, default=3)
+    ap.add_argument("--spillway", action="store_true")
+    a = ap.parse_args()
+    if a._worker:
+        a.mode = a._worker
+        return worker(a)
+    results = []
+    for stage in a.stages:
+        for spillway in (False, True):
+            d = tempfile.mkdtemp(prefix="ds-ckpt-", dir=a.dir)
+            s = run(a, stage, spillway, "save", d)
+            load = run(a, stage, spillway, "load", d)
+            s["load"] = load["load"]
+            results.append(s)
+            name = f"ZeRO-{stage} {'spillway' if spillway else 'plain'}"
+            print(f"{name}: {s['params'] / 1e6:.1f}M parameters, offloaded state {s['state_bytes'] / MIB:.1f} MiB")
+            print("  RssAnon after each save (MiB over before the first): "
+                  + ", ".join(f"{x['after'] / MIB:+.1f}" for x in s["saves"]))
+            print("  peak during each save (MiB over just before it):      "
+                  + ", ".join(f"{x['peak_over_before'] / MIB:+.1f}" for x in s["saves"]))
+            print(f"  load_checkpoint into a fresh engine: peak {s['load']['peak_over_before'] / MIB:+.1f} MiB, "
+                  f"left {s['load']['left'] / MIB:+.1f} MiB")
+    print(json.dumps({"bench": "deepspeed_checkpoint_memory", "runs": results}))
+
+
+if __name__ == "__main__":
+    main()
