@@ -10,6 +10,14 @@ import torch
 from . import _spillway
 
 
+# DeepSpeed releases on which the weights two ranks gather one parameter at a time were checked
+# against DeepSpeed's own engine.save_16bit_model (test_deepspeed_save.py, under scripts/check-deepspeed
+# for releases other than the installed one). On 0.18.9 (CPU accelerator, Gloo) some gathered
+# parameters held wrong values (zeros, 1e38): with several ranks the save is refused there, before
+# any collective, so every rank refuses alike. Not yet found why.
+_GATHER_VERIFIED = ("0.19.8",)
+
+
 def _consolidated_entries(engine, exclude_frozen_parameters):
     """(key, kind, tensor) in DeepSpeed's _zero3_consolidated_16bit_state_dict order: per
     module, its own parameters (a tied parameter under each of its names), then its persistent
@@ -51,6 +59,12 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         raise _spillway.InvalidArgument(
             "spillway.deepspeed.save_16bit_model: the engine is not ZeRO-3 (its weights are not "
             "partitioned); engine.module.state_dict() already holds them whole")
+    if dist.get_world_size() > 1 and deepspeed.__version__ not in _GATHER_VERIFIED:
+        raise _spillway.FailedPrecondition(
+            f"spillway.deepspeed.save_16bit_model: on DeepSpeed {deepspeed.__version__} with "
+            f"{dist.get_world_size()} ranks, gathering one parameter at a time was not verified (on 0.18.9 some "
+            f"gathered parameters held wrong values); nothing was written. Use engine.save_16bit_model, or "
+            f"DeepSpeed {', '.join(_GATHER_VERIFIED)}")
     entries = _consolidated_entries(engine, exclude_frozen_parameters)
     rank0 = dist.get_rank() == 0
     layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]

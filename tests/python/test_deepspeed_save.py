@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
 torch = pytest.importorskip("torch")
 
 from spillway import safetensors_stream  # noqa: E402
+from spillway._deepspeed_save import _GATHER_VERIFIED  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_save.py"
 MIB = 1 << 20
@@ -82,6 +83,10 @@ def save_on_two_ranks(tmp_path, **env):
     """The worker on a Gloo group of 2 (at world size 1 a gathered parameter is its own partition:
     nothing to allocate): 8 layers of width 512, 25M parameters, 49 MiB in bf16, the largest 2 MiB.
     Returns rank 0's measurements after checking that both savers wrote the same tensors."""
+    if deepspeed.__version__ not in _GATHER_VERIFIED:
+        pytest.skip(f"save_16bit_model refuses several ranks on DeepSpeed {deepspeed.__version__} (its gathered "
+                    "parameters were not verified; on 0.18.9 some held wrong values): "
+                    "test_bad_input_an_unverified_deepspeed_refuses_a_multi_rank_save checks the refusal")
     out = run_two_ranks(tmp_path, env)
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
     ours = safetensors_stream.load(tmp_path / "sp")
@@ -126,6 +131,18 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         w.commit()
     w.abort()
     assert os.listdir(tmp_path) == []  # nothing left behind, no index
+
+
+def test_bad_input_an_unverified_deepspeed_refuses_a_multi_rank_save_on_every_rank(tmp_path):
+    # DeepSpeed 0.18.9's ranks gathered wrong values for some parameters (scripts/check-deepspeed):
+    # there, every rank refuses before the first collective, names the release, writes nothing.
+    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": "unverified"}, timeout=240)
+    for r in (0, 1):
+        got = json.loads(Path(f"{out}.rank{r}").read_text())
+        assert got["raised"]["type"] == "FailedPrecondition", got
+        assert "DeepSpeed 0.18.9 with 2 ranks" in got["raised"]["message"] and "engine.save_16bit_model" in \
+            got["raised"]["message"], got
+        assert got["left"] is None, got  # the checkpoint directory was never made
 
 
 @pytest.mark.parametrize("where", ["open", "write", "commit"])

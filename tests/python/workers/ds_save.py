@@ -83,7 +83,8 @@ if os.environ.get("DS_SAVE_FILL_RANK0") == "1" and int(os.environ.get("RANK", "0
             pass
 # DS_SAVE_FAIL_RANK0=open: rank 0 cannot create the checkpoint directory (a file sits at its path);
 # =write: rank 0's third tensor write fails with ENOSPC; =commit: rank 0's commit fails with EIO
-# before it renames anything (fault seams on rank 0's Writer). Every
+# before it renames anything (fault seams on rank 0's Writer); =unverified: every rank runs as
+# DeepSpeed 0.18.9, whose multi-rank gather gave wrong values. Every
 # rank records what save_16bit_model raised in OUT.json.rankN, then all meet in a barrier: a rank
 # still inside the save's collectives would leave the others waiting there.
 fail = os.environ.get("DS_SAVE_FAIL_RANK0")
@@ -93,6 +94,8 @@ if fail:
     from spillway import safetensors_stream  # noqa: E402
 
     rank = int(os.environ["RANK"])
+    if fail == "unverified":  # every rank: a DeepSpeed whose multi-rank gather was never checked
+        deepspeed.__version__ = "0.18.9"
     if rank == 0 and fail == "open":
         open(sp_dir, "w").close()
     if rank == 0 and fail == "write":
