@@ -72,13 +72,22 @@ def test_copies_between_devices_pass():
     assert x.device.type == OTHER
 
 
+# A one-process Gloo world and the small model both DeepSpeed scripts below train.
+WORLD = """with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+"""
+
 DS = """
 import os, socket, sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, deepspeed, spillway
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
-OTHER = %r
+OTHER = %(other)r
 STAGE = int(sys.argv[2])
 
 # DeepSpeed 0.14.1's bug, injected into 0.19.8: the combined scale on the accelerator while the fp32
@@ -93,12 +102,7 @@ def unscale_and_clip_grads_zero12(self, grad_groups_flat, total_norm):  # the sa
 Zero12.unscale_and_clip_grads = unscale_and_clip_grads_zero12
 if sys.argv[1] == "guard":
     spillway.deepspeed.install(step=False)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+%(world)s
 config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "bf16": {"enabled": True},
           "zero_optimization": {"stage": STAGE, "offload_optimizer": {"device": "cpu"}}}
@@ -112,7 +116,8 @@ engine.step()
 
 
 def ds_run(mode, stage):
-    p = subprocess.run([sys.executable, "-c", DS % OTHER, mode, str(stage)], capture_output=True, text=True,
+    script = DS % {"other": OTHER, "world": WORLD}
+    p = subprocess.run([sys.executable, "-c", script, mode, str(stage)], capture_output=True, text=True,
                        timeout=900)
     return p.returncode, p.stderr
 
@@ -145,7 +150,7 @@ import os, socket, sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, deepspeed, spillway
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-OTHER, MODE, GUARD = %r, sys.argv[1], sys.argv[2]
+OTHER, MODE, GUARD = %(other)r, sys.argv[1], sys.argv[2]
 calls = [0]
 original = Stage3.unscale_and_clip_grads
 def unscale_and_clip_grads(self, sub_group_id, total_norm):
@@ -159,12 +164,7 @@ def unscale_and_clip_grads(self, sub_group_id, total_norm):
 Stage3.unscale_and_clip_grads = unscale_and_clip_grads
 if GUARD != "plain":
     spillway.deepspeed.install(step=False, guard=True if GUARD == "default" else GUARD)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+%(world)s
 config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                            "offload_param": {"device": "cpu"}}}
@@ -182,7 +182,8 @@ print("guarded steps", getattr(engine.optimizer, "_spillway_guarded_steps", 0), 
 
 
 def ds_late(mode, guard_mode):
-    p = subprocess.run([sys.executable, "-c", DS_LATE % OTHER, mode, guard_mode], capture_output=True, text=True,
+    script = DS_LATE % {"other": OTHER, "world": WORLD}
+    p = subprocess.run([sys.executable, "-c", script, mode, guard_mode], capture_output=True, text=True,
                        timeout=900)
     return p.returncode, p.stdout + p.stderr
 

@@ -102,6 +102,18 @@ def loader(dataset, batch_size):
                                        multiprocessing_context="fork")
 
 
+def train_loop(engine, data, backward, optimizer_step):
+    """The user's loop: EPOCHS passes over a DataLoader that forks its workers at each."""
+    for _epoch in range(EPOCHS):
+        for i, batch in enumerate(data):
+            if i == 0:
+                growth.first_step_begins()
+            loss = engine(**batch).loss
+            backward(loss)
+            optimizer_step()
+            growth.step_ended(loss.item())
+
+
 growth = ForkGrowth()
 if client == "configs":  # what `accelerate launch` reads
     os.makedirs(out_dir, exist_ok=True)
@@ -144,15 +156,12 @@ elif client == "accelerate":
     acc = accelerate.Accelerator()  # the DeepSpeed plugin comes from `accelerate launch`'s config
     m = model()
     engine, opt, data = acc.prepare(m, DummyOptim(m.parameters()), loader(Tokens(STEPS * MICRO), MICRO))
-    for epoch in range(EPOCHS):
-        for i, batch in enumerate(data):
-            if i == 0:
-                growth.first_step_begins()
-            loss = engine(**batch).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            growth.step_ended(loss.item())
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad()
+
+    train_loop(engine, data, acc.backward, optimizer_step)
     growth.write(acc.process_index, engine, world=acc.num_processes)
 elif client == "engine":
     import deepspeed  # noqa: E402
@@ -160,15 +169,7 @@ elif client == "engine":
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     m = model()
     engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=ds_config(auto=False))
-    data = loader(Tokens(STEPS * MICRO), MICRO)
-    for epoch in range(EPOCHS):
-        for i, batch in enumerate(data):
-            if i == 0:
-                growth.first_step_begins()
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            growth.step_ended(loss.item())
+    train_loop(engine, loader(Tokens(STEPS * MICRO), MICRO), engine.backward, engine.step)
     growth.write(int(os.environ["RANK"]), engine, world=int(os.environ["WORLD_SIZE"]))
 else:
     sys.exit(f"unknown client {client!r}: trainer, accelerate or engine")
