@@ -151,6 +151,9 @@ def test_bad_input_a_failure_on_rank_0_is_raised_on_every_rank_and_leaves_no_ran
     # ENOSPC, the commit fails with EIO) left save_16bit_model at once, the other rank would still be in the save's next
     # collective, and the two ranks' collectives would no longer pair up: the barrier after the save
     # would never complete. Every rank takes part to the end and then raises.
+    if deepspeed.__version__ not in _GATHER_VERIFIED:
+        pytest.skip(f"save_16bit_model refuses several ranks on DeepSpeed {deepspeed.__version__} before rank 0 "
+                    "opens anything (its multi-rank gather is not verified)")
     out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": where}, timeout=240)
     r0, r1 = (json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1))
     if where == "open":
