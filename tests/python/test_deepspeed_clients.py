@@ -47,7 +47,8 @@ def launch(tmp_path, name, installed, ranks):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(configs / "accelerate.yaml"),
                "--main_process_port", str(free_port()), str(WORKER), "accelerate", str(out)]
     elif name == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+               "--master_port", str(free_port()),
                str(WORKER), "engine", str(out)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
