@@ -291,16 +291,24 @@ def _wrap_step(original):
 _GUARD_FIRST_STEPS = 2
 _guard_default = True  # install(guard=...): True or "always"
 _TORCH_DEVICE_ERRORS = ("Expected all tensors to be on the same device", "is not on the expected device")
-_FLATS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "single_partition_of_fp32_groups",
-          "bit16_groups_flat")
+
+
+def _check_guard_mode(mode, where, **names):
+    """Refuses a guard mode other than True, "always" or False; `where` (formatted with `mode` and
+    `names` only then) says where it was set."""
+    if mode is not True and mode is not False and mode != "always":
+        raise _spillway.InvalidArgument(where.format(mode=mode, **names) + ": True (every op of the first steps "
+                                        "and of steps whose tensors moved), 'always' (every op of every step) or False")
 
 
 def _guard_fingerprint(opt):
     """Where the tensors a ZeRO step works on live: the flat partitions and their gradients, the
     inner optimizer's state, and the tensors the ZeRO optimizer keeps as attributes (scales, norms).
     A few hundred tuples at most; a fraction of a millisecond against a step of tens of ms or more."""
+    from .guard import ZERO_FLATS  # noqa: PLC0415
+
     out = []
-    for attr in _FLATS:
+    for attr in ZERO_FLATS:
         for t in getattr(opt, attr, None) or ():
             if isinstance(t, torch.Tensor):
                 g = t.grad
@@ -322,12 +330,9 @@ def _guarded_step(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
         mode = getattr(self, "spillway_guard", _guard_default)  # `optimizer.spillway_guard = False`: unchecked
+        _check_guard_mode(mode, "{cls}.spillway_guard = {mode!r}", cls=type(self).__name__)
         if mode is False:
             return original(self, *args, **kwargs)
-        if mode is not True and mode != "always":
-            raise _spillway.InvalidArgument(
-                f"{type(self).__name__}.spillway_guard = {mode!r}: True (every op of the first steps and of "
-                "steps whose tensors moved), 'always' (every op of every step) or False")
         steps = getattr(self, "_spillway_guard_steps", 0)
         self._spillway_guard_steps = steps + 1
         fingerprint = _guard_fingerprint(self)
@@ -500,10 +505,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
 
     global _saved, _swap_to_arena, _guard_default
-    if guard not in (True, False, "always"):
-        raise spillway.InvalidArgument(f"spillway.deepspeed.install(guard={guard!r}): True (every op of the first "
-                                       "steps and of steps whose tensors moved), 'always' (every op of every "
-                                       "step) or False")
+    _check_guard_mode(guard, "spillway.deepspeed.install(guard={mode!r})")
     if nvme_swap not in ("arena", "files"):
         raise spillway.InvalidArgument(f"spillway.deepspeed.install(nvme_swap={nvme_swap!r}): 'arena' (DeepSpeed's "
                                        "swap files in Spillway's NVMe arena) or 'files' (DeepSpeed's own files)")

@@ -46,6 +46,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+# The flat partitions DeepSpeed's ZeRO optimizers keep (stage 3, then stages 1 and 2): named here,
+# fingerprinted by spillway.deepspeed's guarded step.
+ZERO_FLATS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "single_partition_of_fp32_groups",
+              "bit16_groups_flat")
+
+
 def _describe(t):
     shape = "x".join(str(s) for s in t.shape) if t.dim() else "scalar"
     return f"{str(t.dtype).replace('torch.', '')}[{shape}] on {t.device}"
@@ -91,8 +97,7 @@ def named_tensors(*objects):
         if id(opt) in seen_opts:
             return
         seen_opts.add(id(opt))
-        flats = [(f"{prefix}{attr}[{i}]", t) for attr in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
-                                                          "single_partition_of_fp32_groups", "bit16_groups_flat")
+        flats = [(f"{prefix}{attr}[{i}]", t) for attr in ZERO_FLATS
                  for i, t in enumerate(getattr(opt, attr, None) or ()) if isinstance(t, torch.Tensor)]
         for name, t in flats:  # the inner optimizer's parameters are these partitions
             param_names.setdefault(t._cdata, name)

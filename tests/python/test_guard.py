@@ -169,6 +169,8 @@ config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "p
           "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                            "offload_param": {"device": "cpu"}}}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+if MODE == "badmode":
+    engine.optimizer.spillway_guard = "sometimes"
 for step in range(1, 9):
     if MODE == "moved" and step == 5:
         engine.optimizer.extra_scale = torch.tensor(1.0, device=OTHER)
@@ -219,6 +221,8 @@ def test_bad_input_an_unknown_guard_mode_is_refused_naming_the_choices():
     p = subprocess.run([sys.executable, "-c", "import spillway.deepspeed as d; d.install(guard='sometimes')"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "install(guard='sometimes')" in p.stderr and "'always'" in p.stderr, p.stderr[-2000:]
+    rc, out = ds_late("badmode", "default")  # the same mode set on one optimizer, refused at its step
+    assert rc != 0 and "DeepSpeedZeroOptimizer_Stage3.spillway_guard = 'sometimes': True" in out, out[-3000:]
 
 
 def spread_gpt2():
