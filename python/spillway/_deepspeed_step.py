@@ -144,8 +144,8 @@ def _fused_adam(opt, group_id, fp32, shadow, scale, what):
     if kernel is None:
         kernel = opt._spillway_kernel = _spillway.AdamKernel(torch.get_num_threads())
     kernel.update(f"DeepSpeed {what} (parameter group {group_id})", fp32.data, state["exp_avg"],
-                  state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                  inner.adam_w_mode, group.get("bias_correction", True), scale)
+                  state["exp_avg_sq"], fp32.grad.data, shadow, int(state["step"]) + 1, group["lr"], beta1, beta2,
+                  group["eps"], group["weight_decay"], inner.adam_w_mode, group.get("bias_correction", True), scale)
     state["step"] += 1
 
 
@@ -267,9 +267,11 @@ def _canon(node):
     return node
 
 
+@functools.lru_cache(maxsize=None)
 def _methods(cls):
     """{name: FunctionDef} of `cls` as its module's source defines it (decorators such as
-    DeepSpeed's instrument_w_nvtx wrap the function objects, so their source is the wrapper's)."""
+    DeepSpeed's instrument_w_nvtx wrap the function objects, so their source is the wrapper's).
+    Parsed once per class: both ZeRO stages' checks read DeepSpeedCPUAdam's."""
     tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__), [])
     return {n.name: n for n in body if isinstance(n, ast.FunctionDef)}

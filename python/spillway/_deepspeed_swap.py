@@ -59,14 +59,12 @@ def _store_for(nvme_path, block_size, queue_depth):
     key = (os.getpid(), os.path.realpath(nvme_path))
     with _lock:
         store = _stores.get(key)
-        if store is None:
+        made = store is None
+        if made:
             runtime = spillway.installed()
             host = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else \
                 spillway.default_arena()
             store = _stores[key] = _spillway._SwapStore(key[1], _budget(), block_size, queue_depth, host)
-            made = True
-        else:
-            made = False
     if made:
         from . import metrics  # noqa: PLC0415
 

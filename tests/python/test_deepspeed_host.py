@@ -90,6 +90,11 @@ CONFIG = json.load(open(%r))
 def build():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 8))
+def install_saying(category):  # spillway.deepspeed.install(), and the messages of its `category` warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        spillway.deepspeed.install()
+    return [str(x.message) for x in w if issubclass(x.category, category)]
 def train(engine, steps=2):
     x = torch.randn(8, 64).to(torch.bfloat16); y = torch.randint(0, 8, (8,))
     for _ in range(steps):
@@ -164,10 +169,7 @@ def test_bad_input_a_budget_too_small_fails_initialize_with_overbudget_naming_th
 def test_a_deepspeed_outside_the_tested_range_says_so_and_what_still_works():
     run("""
         deepspeed.__version__ = "0.99.0"
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            spillway.deepspeed.install()
-        msgs = [str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)]
+        msgs = install_saying(spillway.deepspeed.AuditWarning)
         assert msgs and "0.99.0" in msgs[0] and "outside the tested range" in msgs[0] and "Still in force" in msgs[0], msgs
         assert spillway.installed() is not None
     """)
@@ -182,18 +184,13 @@ def test_the_fused_step_follows_what_deepspeeds_functions_are_not_its_version_st
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
         from spillway import _deepspeed_step
         deepspeed.__version__ = "0.99.0"
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            spillway.deepspeed.install()
-        assert not [x for x in w if issubclass(x.category, spillway.deepspeed.StepWarning)], [str(x.message) for x in w]
+        said = install_saying(spillway.deepspeed.StepWarning)
+        assert not said, said
         # unscale_and_clip_grads is patched by the fused step only (_optimizer_step is an allocation site too)
         assert hasattr(Stage3.unscale_and_clip_grads, "__spillway_original__")
         spillway.deepspeed.uninstall()
         _deepspeed_step._VERIFIED[("stage3", "_optimizer_step")] = {"0123456789abcdef": ("0.0.1",)}
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            spillway.deepspeed.install()
-        msgs = [str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.StepWarning)]
+        msgs = install_saying(spillway.deepspeed.StepWarning)
         assert len(msgs) == 1 and "ZeRO-3 on DeepSpeed 0.99.0" in msgs[0], msgs
         assert "DeepSpeedZeroOptimizer_Stage3._optimizer_step is not one Spillway's fused step was verified" in msgs[0], msgs
         assert "verified: DeepSpeed 0.0.1" in msgs[0], msgs
