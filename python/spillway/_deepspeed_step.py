@@ -295,23 +295,23 @@ def _self_calls_in_order(fn_def):
 # DeepSpeed tests passed with Spillway (scripts/check-deepspeed) are listed. A DeepSpeed whose
 # function has a body not listed keeps its own step, and the warning names the function.
 _VERIFIED = {
-    ("stage3", "step"): {"ae01fb5618f6b919": ("0.17.6", "0.18.9"), "00d1fe6b08243b55": ("0.19.8",)},
-    ("stage3", "unscale_and_clip_grads"): {"c4af4106f8679711": ("0.17.6", "0.18.9", "0.19.8")},
-    ("stage3", "_optimizer_step"): {"6041066ad0436827": ("0.17.6",), "fec36c701e7cb1d4": ("0.18.9",),
+    ("stage3", "step"): {"ae01fb5618f6b919": ("0.17.6", "0.18.9", "0.19.0"), "00d1fe6b08243b55": ("0.19.8",)},
+    ("stage3", "unscale_and_clip_grads"): {"c4af4106f8679711": ("0.17.6", "0.18.9", "0.19.0", "0.19.8")},
+    ("stage3", "_optimizer_step"): {"6041066ad0436827": ("0.17.6",), "fec36c701e7cb1d4": ("0.18.9", "0.19.0"),
                                     "b0a26eeea1220065": ("0.19.8",)},
     ("stage3", "_reassign_or_swap_out_partitioned_parameters"): {
-        "48dfa46d6404120b": ("0.17.6", "0.18.9", "0.19.8")},
+        "48dfa46d6404120b": ("0.17.6", "0.18.9", "0.19.0", "0.19.8")},
     ("stage3", "_unflatten_partitioned_parameters"): {
-        "275d05ec57ccc2f5": ("0.17.6", "0.18.9", "0.19.8")},
-    ("zero12", "step"): {"75e6c1a6bdacb78f": ("0.17.6", "0.18.9"), "0782f13f7b53f729": ("0.19.8",)},
-    ("zero12", "unscale_and_clip_grads"): {"7aa98b514b82854b": ("0.17.6", "0.18.9"),
+        "275d05ec57ccc2f5": ("0.17.6", "0.18.9", "0.19.0", "0.19.8")},
+    ("zero12", "step"): {"75e6c1a6bdacb78f": ("0.17.6", "0.18.9", "0.19.0"), "0782f13f7b53f729": ("0.19.8",)},
+    ("zero12", "unscale_and_clip_grads"): {"7aa98b514b82854b": ("0.17.6", "0.18.9", "0.19.0"),
                                            "d68eece851406849": ("0.19.8",)},
-    ("zero12", "_optimizer_step"): {"e930383659fcfbc3": ("0.17.6", "0.18.9", "0.19.8")},
-    ("cpu_adam", "step"): {"7a71556d98c79bef": ("0.17.6", "0.18.9", "0.19.8")},
+    ("zero12", "_optimizer_step"): {"e930383659fcfbc3": ("0.17.6", "0.18.9", "0.19.0", "0.19.8")},
+    ("cpu_adam", "step"): {"7a71556d98c79bef": ("0.17.6", "0.18.9", "0.19.0", "0.19.8")},
 }
-# Read but not yet verified (scripts/check-deepspeed not yet run to its end on them): 0.19.0 has
-# 0.18.9's bodies throughout, 0.18.0 0.17.6's; 0.19.4 and 0.19.7 differ in ZeRO-1/2's step (and
-# 0.19.7 in its unscale_and_clip_grads); 0.16.9 in three. Add a release only after its check passes.
+# Read but not yet verified (scripts/check-deepspeed not yet run to its end on them): 0.18.0 has
+# 0.17.6's bodies throughout; 0.19.4 and 0.19.7 differ in ZeRO-1/2's step (and 0.19.7 in its
+# unscale_and_clip_grads); 0.16.9 in three. Add a release only after its check passes.
 
 # What each ZeRO optimizer's step() must call, in this order, and what else must be as verified.
 _STEP_ORDER = {"stage3": _STEP_SEAM, "zero12": _STEP_SEAM_ZERO12}

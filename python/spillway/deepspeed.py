@@ -55,7 +55,7 @@ del _public
 
 # The DeepSpeed releases whose runs are tested: 0.19.8 by CI (tests/python), the others by
 # scripts/check-deepspeed (docs/deepspeed.md, "Versions"; on the CPU accelerator).
-TESTED_DEEPSPEED = ("0.17.6", "0.18.9", "0.19.8")
+TESTED_DEEPSPEED = ("0.17.6", "0.18.9", "0.19.0", "0.19.8")
 
 _ZERO12 = "deepspeed.runtime.zero.stage_1_and_2"
 
