@@ -16,6 +16,7 @@
 #include "log_bridge.h"
 #include "py_arena.h"
 #include "py_node.h"
+#include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/log.h"
@@ -204,6 +205,20 @@ PYBIND11_MODULE(_spillway, m) {
       "default_host_budget", [] { return allocator::DefaultHostBudget(); },
       "3/4 of memory_limit_bytes(): what spillway.install()'s two arenas share by default.");
 
+  m.def(
+      "crc32c",
+      [](const py::object& data, uint32_t crc) {
+        // A contiguous buffer only (PyBUF_SIMPLE): a strided view would be summed in the wrong
+        // order. The GIL is released while it runs; the view keeps the memory alive.
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> release(&view, PyBuffer_Release);
+        py::gil_scoped_release unlocked;
+        return allocator::Crc32cExtend(crc, view.buf, static_cast<size_t>(view.len));
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "The CRC32C of `data` (a contiguous buffer) continuing `crc`: crc32c(b, crc32c(a)) == "
+      "crc32c(a + b).");
   python::BindAioHandle(m, [](std::shared_ptr<PyArena> a) { return ArenaOrDefault(std::move(a)); });
 
   py::class_<metrics::Exporter>(m, "Exporter")

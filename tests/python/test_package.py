@@ -2,6 +2,7 @@
 and an import under another torch that refuses with what to do instead of loading an extension of
 another C++ ABI. Under scripts/test this file, like every other, runs against the pip-installed
 package (conftest.py checks it)."""
+import os
 import re
 import subprocess
 import sys
@@ -108,3 +109,16 @@ def test_public_classes_and_functions_name_the_module_users_import_them_from():
             if origin.startswith("spillway._") and not origin.startswith("spillway._spillway"):
                 wrong.append(f"{mod.__name__}.{name} says {origin}")
     assert not wrong, wrong
+
+
+def test_crc32c_is_the_castagnoli_checksum_and_continues_across_chunks():
+    from spillway import _spillway
+
+    assert _spillway.crc32c(b"123456789") == 0xE3069283
+    a, b = os.urandom(1000), os.urandom(3001)
+    assert _spillway.crc32c(b, _spillway.crc32c(a)) == _spillway.crc32c(a + b)
+    assert _spillway.crc32c(memoryview(bytearray(a + b))[1000:]) == _spillway.crc32c(b)
+    with pytest.raises(BufferError):  # a strided view would be summed out of order
+        _spillway.crc32c(memoryview(bytearray(a))[::2])
+    with pytest.raises(TypeError):
+        _spillway.crc32c("text is not bytes")
