@@ -119,14 +119,19 @@ if fail:
     torch.distributed.barrier()
     json.dump({"raised": raised, "left": sorted(os.listdir(sp_dir)) if os.path.isdir(sp_dir) else None},
               open(f"{out}.rank{rank}", "w"))
+    torch.distributed.destroy_process_group()
     sys.exit(0)
 ds_peak, _ = peak(lambda: engine.save_16bit_model(ds_dir))
 sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
 model.config.save_pretrained(sp_dir)
 params = list(model.parameters())
-if int(os.environ["RANK"]) != 0:
-    sys.exit(0)
-json.dump({"ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
-           "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
-           "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
+if int(os.environ["RANK"]) == 0:
+    json.dump({"ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
+               "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
+               "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
+# The ranks leave the group together: a rank that exits while its peer's Gloo connections to it are
+# open can abort that peer at exit ("terminate called without an active exception"), seen once
+# rank 0's save took longer than rank 1's.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 print("done")
