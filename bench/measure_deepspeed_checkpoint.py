@@ -7,12 +7,14 @@ from (docs/deepspeed.md, "DeepSpeed's own checkpoints").
         [--saves 6] [--steps-between 2] [--stages 3 2] [--dir DIR]
 
 Per run: ZeRO-3 (or ZeRO-2) with the optimizer state (and for ZeRO-3 the parameters) offloaded to
-the CPU, bf16, DeepSpeed's CPU accelerator, an MLP of --params parameters; --saves saves of the same
-tag, --steps-between steps apart; then a fresh engine in a new process loads the last one. A thread
-samples the process's anonymous RSS (RssAnon in /proc/self/status) every millisecond while each save
-and load runs. Printed per run: the offloaded state, the anonymous RSS after each save minus before
-the first, the peak during each save and during the load over the RSS just before it, and what the
-load left behind. Memory, not time: the numbers do not depend on the machine's load.
+the CPU, bf16, DeepSpeed's CPU accelerator, an MLP of --params parameters; --saves saves, a tag
+each (t0, t1, ...), --steps-between steps apart; then a fresh engine in a new process loads the
+last one (`latest`). A thread samples the process's anonymous RSS (RssAnon in /proc/self/status)
+every millisecond while each save and load runs. Printed per run: the offloaded state, the
+anonymous RSS after each save minus before the first, the peak during each save and during the load
+over the RSS just before it, what the load left behind, and the seconds of each save and of the
+load (the memory numbers do not depend on the machine's load; the seconds do, and the plain and
+Spillway runs are sequential, not interleaved).
 Last line: one JSON object."""
 import argparse
 import json
@@ -100,15 +102,19 @@ def worker(a):
         for _ in range(a.saves):
             for _s in range(a.steps_between):
                 step()
+            t0 = time.perf_counter()
             with Peak() as p:
-                engine.save_checkpoint(a.dir, tag="t")
-            out["saves"].append({"after": p.after - base, "peak_over_before": p.peak - p.before})
+                engine.save_checkpoint(a.dir, tag=f"t{len(out['saves'])}")
+            out["saves"].append({"after": p.after - base, "peak_over_before": p.peak - p.before,
+                                 "seconds": time.perf_counter() - t0})
     else:
         step()
+        t0 = time.perf_counter()
         with Peak() as p:
-            engine.load_checkpoint(a.dir, tag="t")
+            engine.load_checkpoint(a.dir)  # `latest`: the last save
         out["state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in offloaded_tensors(engine))
-        out["load"] = {"peak_over_before": p.peak - p.before, "left": p.after - p.before}
+        out["load"] = {"peak_over_before": p.peak - p.before, "left": p.after - p.before,
+                       "seconds": time.perf_counter() - t0}
     print(json.dumps(out))
 
 
@@ -152,8 +158,10 @@ def main():
                   + ", ".join(f"{x['after'] / MIB:+.1f}" for x in s["saves"]))
             print("  peak during each save (MiB over just before it):      "
                   + ", ".join(f"{x['peak_over_before'] / MIB:+.1f}" for x in s["saves"]))
+            print("  seconds per save:                                      "
+                  + ", ".join(f"{x['seconds']:.2f}" for x in s["saves"]))
             print(f"  load_checkpoint into a fresh engine: peak {s['load']['peak_over_before'] / MIB:+.1f} MiB, "
-                  f"left {s['load']['left'] / MIB:+.1f} MiB")
+                  f"left {s['load']['left'] / MIB:+.1f} MiB, {s['load']['seconds']:.2f} s")
     print(json.dumps({"bench": "deepspeed_checkpoint_memory", "runs": results}))
 
 

@@ -25,6 +25,11 @@ What it does (docs/deepspeed.md):
   and torch's own device error from any other step is a DeviceMismatch too; `guard="always"`
   checks every op of every step. deepspeed.initialize refuses a model spread over devices
   (spillway.guard.audit; Note [Device guard] in docs/deepspeed.md).
+- DeepSpeed's own engine.save_checkpoint / load_checkpoint (`checkpoints=True`, the default), in
+  DeepSpeed's format: each file written durably under a temporary name with its CRC32C in a
+  manifest, `latest` replaced atomically once every rank committed; a load checks the manifest
+  before it changes anything, maps the files instead of reading them into memory, and copies the
+  Adam moments into the arena's (_deepspeed_checkpoint.py, Note [DeepSpeed checkpoints]).
 
 `uninstall()` restores DeepSpeed's op and its functions; torch's allocators stay Spillway's for the
 rest of the process (memory they handed out must keep freeing through them).
@@ -43,7 +48,7 @@ import warnings
 
 import torch
 
-from . import _deepspeed_swap, _spillway
+from . import _deepspeed_checkpoint, _deepspeed_swap, _spillway
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
 from ._deepspeed_save import save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
@@ -486,7 +491,7 @@ def swap_stats():
 
 
 def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=True, guard=True,
-            nvme_swap="arena"):
+            nvme_swap="arena", checkpoints=True):
     """Puts DeepSpeed's host side on Spillway (see the module's doc). Call it once, before the model
     is built. `allocators=False` leaves torch's allocators alone (no spillway.install(); the aio op's
     buffers then come from the default arena); the aio op, the step and the guard are still installed
@@ -496,6 +501,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     DeepSpeed's own optimizer step (bit-for-bit DeepSpeed arithmetic). `guard=False` leaves the
     optimizer step and deepspeed.initialize unchecked; `guard="always"` checks every op of every
     step (the default, True, every op of the first steps and of steps whose tensors moved).
+    `checkpoints=False` leaves DeepSpeed's save_checkpoint / load_checkpoint as they are.
     `engine.optimizer.spillway_guard` (True, "always" or False) sets it per optimizer.
 
     Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
@@ -536,6 +542,8 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
         _deepspeed_swap.install(_patch)
     if step:
         _install_step()
+    if checkpoints:
+        _deepspeed_checkpoint.install(_patch)
     _guard_default = guard
     if guard:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415

@@ -1,0 +1,223 @@
+"""DeepSpeed's own engine.save_checkpoint and load_checkpoint after spillway.deepspeed.install(), on
+the real DeepSpeed (CPU accelerator, Gloo, one process per run; workers/ds_checkpoint.py): a load
+reads into the arena-backed tensors without a second copy of the state and leaves nothing behind,
+saves stay flat, each file's CRC32C is in a manifest the load checks before it touches the engine,
+a save killed at any point leaves `latest` naming the previous checkpoint, the format is
+DeepSpeed's (plain DeepSpeed loads it and the reverse, zero_to_fp32 gives the same weights), and a
+resumed run continues the uninterrupted one bit for bit (docs/deepspeed.md, Note [DeepSpeed
+checkpoints])."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).parent / "workers" / "ds_checkpoint.py"
+MIB = 1 << 20
+# What a load may add to the anonymous RSS beyond the largest offloaded tensor: DeepSpeed's and
+# torch.load's small objects (the pickled dicts, the loss scaler, the parameter groups).
+SLACK = 8 * MIB
+
+
+def run(tmp_path, name, spec, expect_rc=0):
+    out = tmp_path / f"{name}.json"
+    p = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=1200, cwd=WORKER.parent)
+    assert p.returncode == expect_rc, f"{name}: exit {p.returncode}\n" + p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text()) if expect_rc == 0 else None
+
+
+def optim_file(directory):
+    (f,) = [p for p in Path(directory).iterdir() if p.name.endswith("_optim_states.pt")]
+    return f
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_load_copies_into_the_arena_tensors_and_leaves_nothing_behind(tmp_path, stage):
+    params = 4e6
+    spec = {"stage": stage, "params": params, "saves": 1, "every": 2, "tag": "t"}
+    run(tmp_path, "save", {**spec, "spillway": True, "save_dir": str(tmp_path / "ckpt")})
+    load = {"stage": stage, "params": params, "pre_steps": 1, "load_dir": str(tmp_path / "ckpt"), "load_tag": "t"}
+    ours = run(tmp_path, "ours", {**load, "spillway": True})
+    plain = run(tmp_path, "plain", load)
+    for name, r in (("plain DeepSpeed", plain), ("spillway", ours)):
+        print(f"ZeRO-{stage} {name}: offloaded state {r['state_bytes'] / MIB:.1f} MiB, largest tensor "
+              f"{r['largest'] / MIB:.1f} MiB; load_checkpoint: RssAnon peak {r['load']['peak_over_before'] / MIB:+.1f} "
+              f"MiB, left {r['load']['left'] / MIB:+.1f} MiB, RssFile peak "
+              f"{r['load']['file_peak_over_before'] / MIB:+.1f} MiB")
+    bound = ours["largest"] + SLACK
+    assert ours["load"]["peak_over_before"] <= bound, ours["load"]
+    assert ours["load"]["left"] <= SLACK, ours["load"]
+    assert ours["audit"]["missed"] == [], ours["audit"]
+    # The control: plain DeepSpeed's load holds the state read back with torch.load, over the bound.
+    assert plain["load"]["peak_over_before"] > bound, plain["load"]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path, stage):
+    # With the fused step (install()'s default): 3 steps, a save, a new process that loads it and
+    # takes 3 more, against 6 steps in one process.
+    base = {"stage": stage, "spillway": True}
+    whole = run(tmp_path, "whole", {**base, "steps": 6})
+    run(tmp_path, "first", {**base, "saves": 1, "every": 3, "save_dir": str(tmp_path / "ckpt")})
+    resumed = run(tmp_path, "resumed", {**base, "load_dir": str(tmp_path / "ckpt"), "load_tag": None, "steps": 3})
+    assert resumed["losses"] == whole["losses"][3:]
+    assert resumed["digest"] == whole["digest"]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds(tmp_path, stage):
+    for saver, loader in ((True, False), (False, True)):
+        d = tmp_path / f"saved-by-{'spillway' if saver else 'plain'}"
+        saved = run(tmp_path, "save", {"stage": stage, "spillway": saver, "saves": 1, "every": 2, "save_dir": str(d)})
+        loaded = run(tmp_path, "load", {"stage": stage, "spillway": loader, "load_dir": str(d), "load_tag": None})
+        assert loaded["digest"] == saved["digest"], f"saved by {'spillway' if saver else 'plain DeepSpeed'}"
+        assert any(f.name.startswith("spillway-checkpoint-rank") for f in (d / "global_step2").iterdir()) == saver
+
+
+def test_zero_to_fp32_gives_the_same_weights_from_either_engines_files(tmp_path):
+    # One run, saved through Spillway's checkpoint engine and then, at the same state, through
+    # DeepSpeed's own (the worker swaps it in): DeepSpeed's offline converter reads both alike.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(tmp_path / "ours"),
+                           "also_plain_dir": str(tmp_path / "plain")})
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ours"))
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "plain"))
+    assert set(ours) == set(theirs) and len(ours) > 2
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_twenty_saves_stay_flat(tmp_path):
+    # Two steps first (the moments and the step's scratch exist), then a step and a save, twenty times.
+    r = run(tmp_path, "saves", {"stage": 3, "spillway": True, "steps": 2, "saves": 20, "every": 1, "tag": "t",
+                                "save_dir": str(tmp_path / "ckpt")})
+    afters = [s["after"] for s in r["saves"]]
+    peaks = [s["peak_over_before"] for s in r["saves"]]
+    print(f"offloaded state {r['state_bytes'] / MIB:.1f} MiB, largest tensor {r['largest'] / MIB:.1f} MiB; RssAnon "
+          f"after saves 1-20 (MiB over before the first): {', '.join(f'{a / MIB:+.1f}' for a in afters)}; peak during "
+          f"each: {max(peaks) / MIB:+.1f} MiB at most")
+    assert max(afters) - afters[0] <= 2 * MIB, afters
+    assert max(peaks) <= r["largest"] + SLACK, peaks
+
+
+def corrupt(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def truncate(f):
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 4096)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
+def test_bad_input_a_damaged_file_is_refused_naming_it_and_the_engine_is_left_as_it_was(tmp_path, damage):
+    d = tmp_path / "ckpt"
+    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d)})
+    victim = optim_file(d / "global_step2")
+    {"corrupt": corrupt, "truncated": truncate, "missing": Path.unlink}[damage](victim)
+    r = run(tmp_path, "load", {"stage": 3, "spillway": True, "pre_steps": 1, "load_dir": str(d), "load_tag": None,
+                               "expect_error": "ChecksumMismatch"})
+    print(r["error"])
+    assert str(victim) in r["error"]
+    assert {"corrupt": "CRC32C", "truncated": "truncated", "missing": "missing"}[damage] in r["error"]
+    assert "nothing of the engine was changed" in r["error"]
+    assert r["digest"] == r["digest_before_error"]
+
+
+@pytest.mark.parametrize("kill_after_files", [1, 2])
+def test_a_save_killed_midway_leaves_latest_naming_the_previous_checkpoint_which_loads(tmp_path, kill_after_files):
+    # Two saves (global_step2, global_step4); the second is killed after its first file is in place,
+    # or after both are (before the manifest and `latest`).
+    d = tmp_path / "ckpt"
+    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 2, "every": 2, "save_dir": str(d),
+                           "kill_after_files": kill_after_files}, expect_rc=-signal.SIGKILL)
+    assert (d / "latest").read_text() == "global_step2"
+    r = run(tmp_path, "load", {"stage": 3, "spillway": True, "load_dir": str(d), "load_tag": None, "steps": 1})
+    assert len(r["losses"]) == 1
+    # The killed save's directory, loaded by its tag, is refused: its manifest says in progress.
+    from spillway import ChecksumMismatch
+    from spillway._deepspeed_checkpoint import verify
+
+    with pytest.raises(ChecksumMismatch, match="rank 0 did not finish.*in progress"):
+        verify(str(d), "global_step4")
+
+
+def test_a_tag_saved_again_and_killed_midway_is_refused_not_loaded_as_a_mix(tmp_path):
+    # Two saves under one tag; the second is killed after its first file replaced the first save's.
+    d = tmp_path / "ckpt"
+    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 2, "every": 2, "tag": "t", "save_dir": str(d),
+                           "kill_after_files": 1}, expect_rc=-signal.SIGKILL)
+    r = run(tmp_path, "load", {"stage": 3, "spillway": True, "load_dir": str(d), "load_tag": "t",
+                               "expect_error": "ChecksumMismatch"})
+    assert "did not finish" in r["error"]
+
+
+def run_two_ranks(tmp_path, name, spec, timeout=900):
+    """The worker on a Gloo group of two; every rank must exit 0 (an expected error raised on each)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"{name}.json"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), json.dumps(spec)], cwd=WORKER.parent,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = [p.communicate() for p in procs]
+        pytest.fail(f"{name}: a rank did not finish (left waiting in a collective?):\n" +
+                    "\n".join(o[-1500:] + e[-3000:] for o, e in logs))
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"rank {r}: exit {p.returncode}\n" + o[-2000:] + quiet(e)[-4000:] for r, (p, (o, e)) in enumerate(zip(procs, logs)))
+    return json.loads(out.read_text())
+
+
+def quiet(log):
+    """A worker's stderr without DeepSpeed's log lines and torch's deprecation warnings."""
+    return "\n".join(line for line in log.splitlines()
+                     if not line.startswith("[20") and "FutureWarning" not in line and "return func(" not in line)
+
+
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_bad_input_two_ranks_a_damaged_file_of_either_rank_is_refused_on_both(tmp_path, damaged_rank):
+    d = tmp_path / "ckpt"
+    run_two_ranks(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d)})
+    victim = d / "global_step2" / f"bf16_zero_pp_rank_{damaged_rank}_mp_rank_00_optim_states.pt"
+    corrupt(victim)
+    r = run_two_ranks(tmp_path, "load", {"stage": 3, "spillway": True, "pre_steps": 1, "load_dir": str(d),
+                                         "load_tag": None, "expect_error": "ChecksumMismatch"})
+    assert str(victim) in r["error"] and r["digest"] == r["digest_before_error"]
+
+
+def test_bad_input_two_ranks_a_file_rank_1_cannot_write_fails_the_save_on_both_and_latest_is_not_written(tmp_path):
+    # A real failure on rank 1 only: its optimizer file's name is taken by a directory, so the
+    # rename that puts the file in place fails there.
+    d = tmp_path / "ckpt"
+    blocker = d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    blocker.mkdir(parents=True)
+    (blocker / "keep").write_text("x")
+    r = run_two_ranks(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d),
+                                         "expect_save_error": "IoError"})
+    print(r["error"])
+    assert "rank 1" in r["error"] and str(blocker) in r["error"]
+    assert not (d / "latest").exists()
+    # Rank 0's part is whole and has its manifest; rank 1's has none, and a load of the tag by name
+    # is refused for it.
+    from spillway import ChecksumMismatch
+    from spillway._deepspeed_checkpoint import verify
+
+    with pytest.raises(ChecksumMismatch, match="of the 2-rank save of rank 1 did not finish"):
+        verify(str(d), "global_step2")
