@@ -233,6 +233,31 @@ PINNED = """
 """
 
 
+def test_a_forked_child_reads_pageable_memory_but_pinned_memory_made_outside_any_scope_is_not_mapped_there():
+    # What docs/deepspeed.md ("The fork restriction") says: every pinned allocation after install(),
+    # in a scope or not (a pinned dataset, pin_memory() outside any tag), is the pinned arena's,
+    # MADV_DONTFORK, so a forked DataLoader worker that reads it dies with SIGSEGV; a pageable copy
+    # made before the fork is the child's to read.
+    p = run(PINNED + """
+    import os
+    pinned = sw._host_allocator_empty(1 << 16)      # outside any scope
+    assert rt.pinned.contains(pinned.data_ptr(), 1 << 16)
+    pinned.fill_(3)
+    pageable = pinned.clone()                         # torch's memory: inherited as usual
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)
+        ok = int(pageable.sum()) == 3 * (1 << 16)
+        os.write(1, b"pageable read\\n" if ok else b"pageable wrong\\n")
+        int(pinned.sum())                             # not mapped in the child
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status))
+    """)
+    assert "pageable read" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "child exit -11" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
 def test_pinned_blocks_come_from_the_pinned_arena_exact_size_and_foreign_memory_is_forwarded():
     run(PINNED + """
     a = sw._host_allocator_empty(12345)
