@@ -29,20 +29,26 @@ MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def rss_anon():
+def status(key):
+    """A field of /proc/self/status in bytes (RssAnon, RssFile, VmRSS, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def rss_anon():
+    return status("RssAnon")
 
 
 class Peak:
-    """The highest RssAnon seen while the `with` block runs, sampled every millisecond."""
+    """The highest RssAnon (peak) and RssFile (file_peak) seen while the `with` block runs, sampled
+    every millisecond; before/after and file_before are the RssAnon and RssFile around it."""
 
     def __enter__(self):
-        self.before = rss_anon()
-        self.peak = self.before
+        self.before, self.file_before = rss_anon(), status("RssFile")
+        self.peak, self.file_peak = self.before, self.file_before
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -51,6 +57,7 @@ class Peak:
     def _run(self):
         while not self._stop.is_set():
             self.peak = max(self.peak, rss_anon())
+            self.file_peak = max(self.file_peak, status("RssFile"))
             time.sleep(0.001)
 
     def __exit__(self, *exc):

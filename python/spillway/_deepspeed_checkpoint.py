@@ -29,6 +29,7 @@ import zipfile
 import torch
 
 from . import _spillway
+from .safetensors_stream import _fsync_directory
 
 MANIFEST = "spillway-checkpoint-rank{rank:05d}.json"
 MANIFEST_FORMAT = "spillway-deepspeed-checkpoint/1"
@@ -68,14 +69,6 @@ def file_crc32c(path, buf):
             total += n
     view.release()
     return total, crc
-
-
-def _fsync_directory(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_durably(tmp, path, write):

@@ -7,7 +7,6 @@ DeepSpeed's (plain DeepSpeed loads it and the reverse, zero_to_fp32 gives the sa
 resumed run continues the uninterrupted one bit for bit (docs/deepspeed.md, Note [DeepSpeed
 checkpoints])."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 torch = pytest.importorskip("torch")
+
+from _ranks import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_checkpoint.py"
 MIB = 1 << 20
@@ -161,34 +162,11 @@ def test_a_tag_saved_again_and_killed_midway_is_refused_not_loaded_as_a_mix(tmp_
     assert "did not finish" in r["error"]
 
 
-def run_two_ranks(tmp_path, name, spec, timeout=900):
+def run_two_ranks(tmp_path, name, spec):
     """The worker on a Gloo group of two; every rank must exit 0 (an expected error raised on each)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / f"{name}.json"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), json.dumps(spec)], cwd=WORKER.parent,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = [p.communicate() for p in procs]
-        pytest.fail(f"{name}: a rank did not finish (left waiting in a collective?):\n" +
-                    "\n".join(o[-1500:] + e[-3000:] for o, e in logs))
-    assert all(p.returncode == 0 for p in procs), "\n".join(
-        f"rank {r}: exit {p.returncode}\n" + o[-2000:] + quiet(e)[-4000:] for r, (p, (o, e)) in enumerate(zip(procs, logs)))
+    run_ranks([sys.executable, str(WORKER), str(out), json.dumps(spec)], cwd=WORKER.parent, timeout=900)
     return json.loads(out.read_text())
-
-
-def quiet(log):
-    """A worker's stderr without DeepSpeed's log lines and torch's deprecation warnings."""
-    return "\n".join(line for line in log.splitlines()
-                     if not line.startswith("[20") and "FutureWarning" not in line and "return func(" not in line)
 
 
 @pytest.mark.parametrize("damaged_rank", [0, 1])

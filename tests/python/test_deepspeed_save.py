@@ -14,6 +14,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
 torch = pytest.importorskip("torch")
 
+from _ranks import run_ranks  # noqa: E402
 from spillway import safetensors_stream  # noqa: E402
 from spillway._deepspeed_save import _GATHER_VERIFIED  # noqa: E402
 
@@ -57,25 +58,9 @@ def test_it_loads_with_from_pretrained(small):
 
 
 def run_two_ranks(tmp_path, env, timeout=1200):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "out.json"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
-                               "8", "512", str(16 * MIB)],
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port), **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = [p.communicate() for p in procs]
-        pytest.fail("a rank did not finish (left waiting in a collective?):\n" +
-                    "\n".join(o[-1500:] + e[-3000:] for o, e in logs))
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
+    run_ranks([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"), "8", "512",
+               str(16 * MIB)], timeout=timeout, env=env)
     return out
 
 

@@ -26,8 +26,6 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
@@ -41,40 +39,11 @@ if spec.get("spillway"):
 import deepspeed  # noqa: E402
 from _dist import world_from_env_or_single  # noqa: E402
 
+# The bench's RSS sampler (the same numbers as bench/measure_deepspeed_checkpoint.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
+from measure_deepspeed_checkpoint import Peak, status  # noqa: E402
 from spillway.deepspeed import offloaded_tensors  # noqa: E402
 from spillway.leak_suite import build_model  # noqa: E402
-
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-class Peak:
-    """The highest RssAnon and RssFile while the block runs, sampled every millisecond."""
-
-    def __enter__(self):
-        self.before, self.file_before = status("RssAnon"), status("RssFile")
-        self.peak, self.file_peak = self.before, self.file_before
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status("RssAnon"))
-            self.file_peak = max(self.file_peak, status("RssFile"))
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.after = status("RssAnon")
-        self.peak = max(self.peak, self.after)
 
 
 world_from_env_or_single()
