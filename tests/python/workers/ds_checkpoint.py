@@ -24,7 +24,6 @@ error (the expected error's message), digest_before_error."""
 import hashlib
 import json
 import os
-import signal
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -80,6 +79,18 @@ def digest():
     return h.hexdigest()
 
 
+def raised(fn, expected):
+    """fn()'s exception, as "Class: message", where its class is named `expected`; any other
+    exception goes on, and none at all ends the worker with an error."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the test names the class it expects)
+        if type(e).__name__ != expected:
+            raise
+        return f"{type(e).__name__}: {e}"
+    raise SystemExit(f"{fn} did not raise {expected}")
+
+
 def finish():
     """Writes OUT.json (rank 0) and leaves the process group together with the other ranks (a rank
     that exits while Gloo's connections to it are open can abort its peer at exit)."""
@@ -96,14 +107,8 @@ for _ in range(spec.get("pre_steps", 0)):
 if "load_dir" in spec:
     if "expect_error" in spec:
         out["digest_before_error"] = digest()
-        try:
-            engine.load_checkpoint(spec["load_dir"], tag=spec.get("load_tag"))
-        except Exception as e:  # noqa: BLE001 (the test names the class it expects)
-            if type(e).__name__ != spec["expect_error"]:
-                raise
-            out["error"] = f"{type(e).__name__}: {e}"
-        else:
-            raise SystemExit(f"load_checkpoint did not raise {spec['expect_error']}")
+        out["error"] = raised(lambda: engine.load_checkpoint(spec["load_dir"], tag=spec.get("load_tag")),
+                              spec["expect_error"])
         out["digest"] = digest()
         finish()
     with Peak() as p:
@@ -126,16 +131,10 @@ for i in range(saves):
         step()
     if i == saves - 1 and "kill_after_files" in spec:
         os.environ["SPILLWAY_TESTING_CHECKPOINT_KILL_AFTER_FILES"] = str(spec["kill_after_files"])
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if "expect_save_error" in spec:
-        try:
-            engine.save_checkpoint(spec["save_dir"], tag=spec.get("tag"))
-        except Exception as e:  # noqa: BLE001 (the test names the class it expects)
-            if type(e).__name__ != spec["expect_save_error"]:
-                raise
-            out["error"] = f"{type(e).__name__}: {e}"
-            finish()
-        raise SystemExit(f"save_checkpoint did not raise {spec['expect_save_error']}")
+        out["error"] = raised(lambda: engine.save_checkpoint(spec["save_dir"], tag=spec.get("tag")),
+                              spec["expect_save_error"])
+        finish()
     with Peak() as p:
         engine.save_checkpoint(spec["save_dir"], tag=spec.get("tag"))
     out["saves"].append({"after": p.after - base, "peak_over_before": p.peak - p.before})
