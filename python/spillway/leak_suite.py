@@ -1,7 +1,7 @@
 """The leak regression suite for your own DeepSpeed config:
 
     python -m spillway.leak_suite --deepspeed ds_config.json [--params N] [--epochs K] [--workers W]
-                                  [--steps S] [--png out.png] [--json out.json]
+                                  [--steps S] [--accelerator cpu|cuda] [--png out.png] [--json out.json]
 
 Runs the ZeRO config through the real DeepSpeed on an MLP scaled to N parameters, K epochs, with a
 DataLoader that forks W workers at every epoch (persistent_workers=False, the default that re-forks:
@@ -85,7 +85,7 @@ def build_model(params, torch):
 
 
 def worker(args):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["DS_ACCELERATOR"] = args.accelerator
     import torch  # noqa: PLC0415
     import deepspeed  # noqa: PLC0415
 
@@ -103,7 +103,9 @@ def worker(args):
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    # On CUDA, ZeRO-3 gathers device tensors: NCCL; on DeepSpeed's CPU accelerator, Gloo.
+    deepspeed.init_distributed(dist_backend="nccl" if args.accelerator == "cuda" else "gloo",
+                               auto_mpi_discovery=False)
     with open(args.deepspeed) as f:
         config = json.load(f)
     config.setdefault("train_micro_batch_size_per_gpu", 8)
@@ -146,7 +148,7 @@ def worker(args):
                     state_at_fork = sum(t.untyped_storage().nbytes() for _n, _k, t in sd.offloaded_tensors(engine))
                     before = tree_pss_anon()
                 t0 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(engine(x.to(dtype)).float(), y)
+            loss = torch.nn.functional.cross_entropy(engine(x.to(engine.device, dtype)).float(), y.to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -167,9 +169,17 @@ def worker(args):
         by_kind[kind] = by_kind.get(kind, 0) + s.nbytes()
         total += s.nbytes()
         dd_bytes += bytes_in_ranges(s.data_ptr(), s.nbytes(), ranges)
-    out = {"run": args.worker, "params": n_params, "deepspeed": deepspeed.__version__, "epochs": epochs,
+    out = {"run": args.worker, "params": n_params, "deepspeed": deepspeed.__version__,
+           "accelerator": f"{args.accelerator} ({engine.device})", "epochs": epochs,
            "losses": losses, "offloaded_bytes": total, "offloaded_by_kind": by_kind,
            "dontfork_bytes": dd_bytes, "offloaded_names": [name for name, _k, _t in state]}
+    if args.accelerator == "cuda":
+        # torch's own pinned cache (CachingHostAllocator): what plain DeepSpeed's pins hold against
+        # what they asked for; Spillway's run reports its pinned arena's instead (below).
+        hs = torch.cuda.host_memory_stats()
+        out["torch_pinned"] = {"allocated_bytes": hs.get("allocated_bytes.current", 0),
+                               "reserved_bytes": hs.get("reserved_bytes.current", 0),
+                               "peak_reserved_bytes": hs.get("reserved_bytes.peak", 0)}
     if with_spillway:
         runtime = spillway.installed()
         out["audit"] = sd.audit(engine)
@@ -202,7 +212,7 @@ def _scrape(port):
 def run_one(which, args):
     cmd = [sys.executable, "-m", "spillway.leak_suite", "--_worker", which, "--deepspeed", args.deepspeed,
            "--params", str(args.params), "--epochs", str(args.epochs), "--workers", str(args.workers),
-           "--steps", str(args.steps), "--settle", str(args.settle)]
+           "--steps", str(args.steps), "--settle", str(args.settle), "--accelerator", args.accelerator]
     if args.budget_bytes:
         cmd += ["--budget-bytes", str(args.budget_bytes)]
     if args.metrics:
@@ -277,6 +287,10 @@ def main(argv=None):
     ap.add_argument("--min-removed", type=float, default=0.95,
                     help="fraction of the offloaded state Spillway must remove from the plain run's growth")
     ap.add_argument("--metrics", action="store_true", help="scrape Spillway's exporter during the run")
+    ap.add_argument("--accelerator", choices=("cpu", "cuda"),
+                    default="cuda" if os.environ.get("DS_ACCELERATOR") == "cuda" else "cpu",
+                    help="DeepSpeed's accelerator: cpu (its CPU accelerator, no GPU needed; the default unless "
+                         "DS_ACCELERATOR=cuda) or cuda")
     ap.add_argument("--png", default="leak_suite.png")
     ap.add_argument("--json", default=None, help="write both runs' measurements here")
     ap.add_argument("--timeout", type=int, default=1800)
@@ -287,6 +301,12 @@ def main(argv=None):
         ap.error(f"--deepspeed {args.deepspeed}: no such file")
     if args.epochs < 1 or args.steps < 1 or args.workers < 0:
         ap.error("--epochs and --steps must be at least 1 and --workers at least 0")
+    if args.accelerator == "cuda" and not args.worker:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            ap.error(f"--accelerator cuda: torch {torch.__version__} sees no CUDA device; run on a GPU machine "
+                     "with a CUDA build of torch, or use --accelerator cpu")
     if args.worker:
         worker(args)
         return 0
@@ -294,8 +314,8 @@ def main(argv=None):
     ours = run_one("spillway", args)
     ok, lines = verdict(plain, ours, args.min_removed)
     state = ours["offloaded_bytes"]
-    print(f"spillway leak suite: {args.deepspeed}, {ours['params']} parameters, DeepSpeed {ours['deepspeed']}, "
-          f"{args.epochs} epochs, {args.workers} forked workers")
+    print(f"spillway leak suite: {args.deepspeed}, {ours['params']} parameters, DeepSpeed {ours['deepspeed']} "
+          f"on its {ours['accelerator']} accelerator, {args.epochs} epochs, {args.workers} forked workers")
     print(f"  DeepSpeed's offloaded host state: {state / MIB:.1f} MiB "
           + ", ".join(f"{k} {v / MIB:.1f}" for k, v in sorted(ours["offloaded_by_kind"].items())))
     print(f"  in MADV_DONTFORK pages: plain {plain['dontfork_bytes'] / max(plain['offloaded_bytes'], 1):.1%}, "

@@ -79,6 +79,19 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
         assert e["first_step_growth_bytes"] < 0.1 * e["state_at_fork_bytes"], ours["epochs"]
 
 
+def test_bad_input_the_leak_suite_on_cuda_without_a_gpu_says_so_before_running(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here: test_gpu_deepspeed.py runs the suite on it")
+    p = subprocess.run([sys.executable, "-m", "spillway.leak_suite", "--deepspeed", str(CONFIG), "--accelerator", "cuda",
+                        "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--accelerator cuda: torch" in p.stderr and "sees no CUDA device" in p.stderr, p.stderr
+    assert "--accelerator cpu" in p.stderr
+    assert not (tmp_path / "out.json").exists()  # nothing ran, nothing written
+
+
 COMM = """
 import os, socket, warnings, json
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

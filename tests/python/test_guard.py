@@ -1,6 +1,7 @@
 """spillway.guard: the device mix-ups of the seed reports, each reproduced with its control: torch's
 bare error (or silence) without the guard, Spillway's named error with it. On this machine without a
 GPU the "other device" is meta; scripts/gpu-check runs the same file with cuda where one is lent."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -76,7 +77,8 @@ def test_copies_between_devices_pass():
 WORLD = """with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+deepspeed.init_distributed(dist_backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo",
+                           auto_mpi_discovery=False)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 """
@@ -109,28 +111,34 @@ config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "p
 if STAGE == 3:
     config["zero_optimization"]["offload_param"] = {"device": "cpu"}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-loss = engine(torch.randn(4, 16).to(torch.bfloat16)).float().sum()
+loss = engine(torch.randn(4, 16).to(engine.device, torch.bfloat16)).float().sum()
 engine.backward(loss)
 engine.step()
 """
 
 
-def ds_run(mode, stage):
+def ds_run(mode, stage, accelerator="cpu"):
     script = DS % {"other": OTHER, "world": WORLD}
     p = subprocess.run([sys.executable, "-c", script, mode, str(stage)], capture_output=True, text=True,
-                       timeout=900)
+                       timeout=900, env={**os.environ, "DS_ACCELERATOR": accelerator})
     return p.returncode, p.stderr
 
 
 @pytest.mark.parametrize("stage", [3, 2, 1])
 def test_deepspeed_0_14_1s_scale_on_another_device_is_named_by_the_guard_install_turns_on(stage):
     pytest.importorskip("deepspeed")
-    rc, bare = ds_run("plain", stage)
+    check_seed_000_is_named(stage, "cpu")
+
+
+def check_seed_000_is_named(stage, accelerator):
+    """DeepSpeed on `accelerator` (cpu: its CPU accelerator; cuda: the model on cuda:0, what users
+    run, in test_gpu_deepspeed.py) with the scale injected on OTHER."""
+    rc, bare = ds_run("plain", stage, accelerator)
     if OTHER == "cuda":  # the seed: torch's bare error, naming no tensor
         assert rc != 0 and "Expected all tensors to be on the same device" in bare and "DeviceMismatch" not in bare
     else:  # torch lets an in-place mul_ take a 0-dim meta tensor without a word: the step "succeeds"
         assert rc == 0, bare[-3000:]
-    rc, named = ds_run("guard", stage)
+    rc, named = ds_run("guard", stage, accelerator)
     assert rc != 0
     assert "spillway.DeviceMismatch: aten.mul_" in named, named[-3000:]
     grad = ("DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad" if stage == 3

@@ -26,6 +26,22 @@ def world_from_env_or_single():
     os.environ["LOCAL_RANK"] = os.environ["RANK"]
 
 
+def backend():
+    """The process group's backend for the DeepSpeed accelerator the worker runs on: NCCL on CUDA
+    (DS_ACCELERATOR=cuda, where ZeRO-3 gathers device tensors), Gloo on DeepSpeed's CPU accelerator."""
+    return "nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo"
+
+
+def device():
+    """Where DeepSpeed's engine computes: cuda:LOCAL_RANK under DS_ACCELERATOR=cuda, else cpu. The
+    workers put their batches there (DeepSpeed moves the model, not the inputs)."""
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def infinity_offload(swap):
     """The ZeRO-Infinity settings the equivalence test (ds_step.py bf16-infinity) and the swap-store
     tests (ds_infinity.py) share: (zero_optimization keys, aio section) for optimizer state and

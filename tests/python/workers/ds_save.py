@@ -17,7 +17,7 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
-from _dist import world_from_env_or_single  # noqa: E402
+from _dist import backend, device, world_from_env_or_single  # noqa: E402
 import transformers  # noqa: E402
 
 import spillway  # noqa: E402
@@ -29,7 +29,7 @@ max_shard = int(sys.argv[6]) if len(sys.argv) > 6 else 1 << 20
 if os.environ.get("DS_SAVE_INSTALL", "1") == "1":
     spillway.deepspeed.install()
 world_from_env_or_single()
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False)
 
 torch.manual_seed(0)
 cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=512, n_positions=64)
@@ -41,7 +41,7 @@ config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                                 "offload_param": {"device": "cpu"},
                                 "stage3_gather_16bit_weights_on_model_save": True}}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1)).to(device())
 for _ in range(2):
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)

@@ -1,4 +1,4 @@
-"""One DeepSpeed ZeRO-3 run (CPU accelerator, bf16, offload_optimizer cpu, two parameter groups with
+"""One DeepSpeed ZeRO-3 run (DeepSpeed's CPU accelerator, or CUDA under DS_ACCELERATOR=cuda; bf16, offload_optimizer cpu, two parameter groups with
 different weight decay, a warmup-decay learning-rate schedule, gradient clipping), in a process of
 its own, with DeepSpeed's own optimizer step or Spillway's fused one.
 
@@ -7,6 +7,8 @@ its own, with DeepSpeed's own optimizer step or Spillway's fused one.
 VARIANT `bf16-cpu` (the default), `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
 swapper, on Spillway's aio op) and two micro-batches per step, `bf16-infinity`: a 3.2M-parameter
 model whose optimizer state and parameters DeepSpeed really swaps to NVMe (above its threshold), or
+`bf16-params-on-device`: offload_optimizer only, the 16-bit partitions on the accelerator (cuda:0
+under DS_ACCELERATOR=cuda: Spillway's pass updates the master, DeepSpeed copies it down), or
 `bf16-zero2` / `bf16-zero1`: ZeRO-2 / ZeRO-1 with offload_optimizer cpu (one flat partition per
 parameter group). Also saved: each step's time, the bytes this process read and wrote
 (/proc/self/io) and the swap folder's files. (fp16 and its dynamic loss scale are
@@ -26,7 +28,7 @@ import warnings
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
-from _dist import infinity_offload, world_from_env_or_single  # noqa: E402
+from _dist import backend, device, infinity_offload, world_from_env_or_single  # noqa: E402
 
 which, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 optimizer = sys.argv[4] if len(sys.argv) > 4 else "AdamW"
@@ -38,7 +40,7 @@ elif which not in ("deepspeed", "torch-adam"):
     sys.exit(f"unknown step {which!r}: deepspeed, torch-adam or spillway")
 
 world_from_env_or_single()
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False)
 
 torch.manual_seed(0)
 if variant == "bf16-infinity":  # sub-groups and partitions above DeepSpeed's 1 MiB swap threshold
@@ -83,10 +85,13 @@ if variant == "bf16-nvme-ga2":
 elif variant == "bf16-infinity":
     zero, config["aio"] = infinity_offload(out + ".swap")  # ZeRO-Infinity, really swapping (_dist.py)
     config["zero_optimization"].update(zero)
+elif variant == "bf16-params-on-device":  # offload_optimizer only: the 16-bit partitions stay on the accelerator
+    del config["zero_optimization"]["offload_param"]
 elif variant in ("bf16-zero2", "bf16-zero1"):
     config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant != "bf16-cpu":
-    sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-nvme-ga2, bf16-infinity, bf16-zero2 or bf16-zero1")
+    sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-params-on-device, bf16-nvme-ga2, bf16-infinity, "
+             "bf16-zero2 or bf16-zero1")
 
 
 def masters_of(opt):
@@ -120,7 +125,7 @@ with warnings.catch_warnings(record=True) as caught:
         for _ in range(accumulate):
             x = torch.randn(16, 64, generator=g).to(dtype)
             y = (x.float() @ teacher).argmax(dim=1)
-            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            loss = torch.nn.functional.cross_entropy(engine(x.to(device())).float(), y.to(device()))
             engine.backward(loss)
             engine.step()
         losses.append(loss.item())

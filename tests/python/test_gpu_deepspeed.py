@@ -1,0 +1,170 @@
+"""The DeepSpeed (and FSDP2) offload tests on CUDA (DS_ACCELERATOR=cuda): the real DeepSpeed with
+its model on cuda:0, NCCL, pinned host buffers that are really page-locked, copies that really run
+asynchronously. Label `gpu`: on a machine where torch sees no CUDA device every test here skips,
+saying so by name; scripts/gpu-check runs them on a GPU machine, where a skip is a failure.
+
+Each test is the CPU accelerator's test of the same name with the accelerator as its parameter
+(the seed scenario of test_deepspeed_host.py, the fused step of test_deepspeed_step.py, seed 000 of
+test_guard.py, save_16bit_model of test_deepspeed_save.py), plus what only a GPU shows: the share
+of the growth Spillway removes when the device memory is not host memory, and the pinned bytes
+held for DeepSpeed's pins against torch's own pinned cache.
+
+With SPILLWAY_GPU_RESULTS set (scripts/gpu-check sets it), each test writes its measurements there
+as JSON: docs/gpu.md is generated from them (scripts/gpu-report)."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+
+HERE = Path(__file__).parent
+MIB = 1 << 20
+CUDA = {**os.environ, "DS_ACCELERATOR": "cuda"}
+
+
+@pytest.fixture(autouse=True)
+def cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device visible to torch (this torch: CPU build or no GPU): "
+                    "DeepSpeed's CUDA accelerator; scripts/gpu-check runs it on a GPU machine")
+
+
+def record(name, data):
+    where = os.environ.get("SPILLWAY_GPU_RESULTS")
+    if where:
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, f"{name}.json"), "w") as f:
+            json.dump(data, f, indent=1, default=str)
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_gpu_seed_scenario_removes_95_percent_of_the_first_steps_growth(tmp_path, pin_memory):
+    """The seed (Yi-34B's pattern) on the GPU: ZeRO-3, offload_optimizer and offload_param on cpu,
+    bf16, a DataLoader re-forking 2 workers per epoch, through `python -m spillway.leak_suite
+    --accelerator cuda`. On a GPU the device memory is not host memory, so DeepSpeed's host state is
+    nearly all of what the first step after a fork adds: at least 95% of that growth must be gone."""
+    config = json.loads((HERE / "configs" / "zero3_cpu_offload.json").read_text())
+    for key in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][key]["pin_memory"] = pin_memory
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    out = tmp_path / "out.json"
+    p = subprocess.run([sys.executable, "-m", "spillway.leak_suite", "--deepspeed", str(cfg),
+                        "--accelerator", CUDA["DS_ACCELERATOR"], "--epochs", "4", "--workers", "2", "--steps", "4", "--metrics", "--json", str(out),
+                        "--png", str(tmp_path / "suite.png")],
+                       capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=CUDA)
+    print(p.stdout)
+    assert out.exists(), p.stdout[-3000:] + p.stderr[-6000:]
+    r = json.loads(out.read_text())
+    plain, ours = r["plain"], r["spillway"]
+    grown = [(pe["first_step_growth_bytes"], se["first_step_growth_bytes"])
+             for pe, se in zip(plain["epochs"][1:], ours["epochs"][1:])]
+    removed = statistics.median((pg - sg) / pg for pg, sg in grown if pg > 0) if grown else 0.0
+    record(f"seed_scenario_pin_{str(pin_memory).lower()}", {
+        "accelerator": ours["accelerator"], "params": ours["params"], "offloaded_by_kind": ours["offloaded_by_kind"],
+        "growth_mib": [[pg / MIB, sg / MIB] for pg, sg in grown], "removed_fraction": removed,
+        "plain_steps_s": [[e["first_step_s"], e["median_step_s"]] for e in plain["epochs"]],
+        "spillway_steps_s": [[e["first_step_s"], e["median_step_s"]] for e in ours["epochs"]],
+        "spillway_pinned": ours.get("pinned"), "torch_pinned": plain.get("torch_pinned"),
+        "dontfork_fraction": ours["dontfork_bytes"] / max(ours["offloaded_bytes"], 1),
+        "plain_dontfork_fraction": plain["dontfork_bytes"] / max(plain["offloaded_bytes"], 1),
+        "losses_identical": r["losses_identical"], "ok": r["ok"]})
+    assert ours["accelerator"].startswith("cuda") and plain["accelerator"].startswith("cuda")
+    # The control: the Adam moments are pageable host memory in plain DeepSpeed whatever pin_memory
+    # says, so its first step after every fork copies at least them.
+    for e in plain["epochs"]:
+        assert e["first_step_growth_bytes"] >= ours["offloaded_by_kind"]["optimizer_state"], plain["epochs"]
+    assert removed >= 0.95, (removed, grown)
+    assert p.returncode == 0 and r["ok"], p.stdout[-3000:] + p.stderr[-3000:]
+    assert ours["dontfork_bytes"] >= 0.99 * ours["offloaded_bytes"], ours
+    assert r["losses_identical"], (plain["losses"], ours["losses"])
+    assert ours["last_epoch_report"]["clean"]
+    if pin_memory:
+        # Every pinned byte DeepSpeed asked for came from Spillway's pinned arena at its exact size
+        # (no power-of-two rounding): what the arena commits stays within 2% of what is live.
+        pinned = ours["pinned"]
+        assert pinned["live_bytes"] > 0, pinned
+        assert pinned["committed_bytes"] <= 1.02 * pinned["live_bytes"] + 2 * MIB, pinned
+
+
+def run_step(tmp_path, which, variant, steps=50):
+    out = tmp_path / f"{which}.pt"
+    p = subprocess.run([sys.executable, str(HERE / "workers" / "ds_step.py"), which, str(steps), str(out), "AdamW",
+                        variant],
+                       capture_output=True, text=True, timeout=1200, env=CUDA)
+    assert p.returncode == 0, f"{which} run failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return torch.load(out, map_location="cpu")
+
+
+@pytest.mark.parametrize("variant", ["bf16-cpu", "bf16-params-on-device"])
+def test_gpu_fused_step_matches_deepspeedcpuadam(tmp_path, variant):
+    """test_deepspeed_step.py's assertions with the model on cuda:0: the fused pass ran on every
+    sub-group, the first step is DeepSpeedCPUAdam's to the rounding of the update, and after 50
+    steps Spillway is no further from DeepSpeedCPUAdam than torch's AdamW is. `bf16-cpu`: the
+    16-bit partitions offloaded too (offload_param cpu); `bf16-params-on-device`: they stay on the
+    GPU, the fused pass updates the master and DeepSpeed copies it to the device."""
+    import test_deepspeed_step as cpu
+
+    runs = {w: run_step(tmp_path, w, variant) for w in ("deepspeed", "torch-adam", "spillway")}
+    ours, theirs, control = runs["spillway"], runs["deepspeed"], runs["torch-adam"]
+    record(f"fused_step_{variant}", {
+        "params16_device": "cuda" if variant == "bf16-params-on-device" else "cpu",
+        "median_step_s": {w: statistics.median(r["step_s"][5:]) for w, r in runs.items()},
+        "final_loss": {w: r["losses"][-1] for w, r in runs.items()},
+        "rms_vs_deepspeed": {w: max(cpu.rms(a, b) for a, b in zip(r["masters"], theirs["masters"]))
+                             for w, r in runs.items() if w != "deepspeed"}})
+    cpu.test_spillways_step_ran_on_every_sub_group_with_deepspeeds_counts_and_lrs(runs)
+    cpu.test_the_first_step_matches_deepspeedcpuadam_to_the_rounding_of_the_update(runs)
+    cpu.test_fifty_steps_stay_within_twice_the_distance_between_deepspeeds_own_two_adams(runs)
+    cpu.test_the_16_bit_partition_is_the_round_to_nearest_even_of_the_new_master(runs)
+    if variant == "bf16-params-on-device":
+        assert not [w for w in ours["warnings"] if "own optimizer step runs" in w], ours["warnings"]
+    assert ours["losses"][-1] < 0.8 * ours["losses"][0] and control["losses"][-1] < 0.8 * control["losses"][0]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_gpu_seed_000_scale_on_cuda_0_is_named_by_the_guard(stage):
+    """Seed 000 as users met it: DeepSpeed on CUDA, the combined scale made on cuda:0 while the fp32
+    gradients of offload_optimizer live on the CPU. torch's bare error names no tensor; the guard
+    names the gradient, the scale, the device and the caller."""
+    import test_guard
+
+    test_guard.check_seed_000_is_named(stage, "cuda")
+
+
+def test_gpu_save_16bit_model_writes_deepspeeds_tensors(tmp_path):
+    """spillway.deepspeed.save_16bit_model with the engine on cuda:0: the same tensors under the same
+    names as DeepSpeed's own engine.save_16bit_model."""
+    from spillway import safetensors_stream
+
+    out = tmp_path / "out.json"
+    p = subprocess.run([sys.executable, str(HERE / "workers" / "ds_save.py"), str(out), str(tmp_path / "ds"),
+                        str(tmp_path / "sp"), "2", "64", str(64 * 1024)],
+                       capture_output=True, text=True, timeout=1200, env=CUDA)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    r = json.loads(out.read_text())
+    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True, map_location="cpu")
+    ours = safetensors_stream.load(tmp_path / "sp")
+    record("save_16bit_model", {"files": len(r["files"]), "tensors": len(theirs),
+                                "ds_peak_mib": r["ds_peak"] / MIB, "spillway_peak_mib": r["spillway_peak"] / MIB})
+    assert set(ours) == set(theirs) and len(theirs) > 10
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+
+
+def test_gpu_fsdp2_pinned_cpu_offload_is_spillways_and_trains_identically():
+    """test_fsdp2.py's check on cuda:0 with CPUOffloadPolicy(pin_memory=True): the sharded parameters
+    are pinned by torch's host allocator, which install() makes Spillway's pinned arena; the run
+    equals the plain one bit for bit. Held against requested pinned bytes, beside torch's cache."""
+    import test_fsdp2
+
+    plain, ours = test_fsdp2.check_fsdp2_offload("cuda", pin=True)
+    record("fsdp2_pinned", {"spillway_pinned": ours["pinned"], "torch_pinned": plain.get("torch_pinned"),
+                            "losses_identical": plain["losses"] == ours["losses"]})
+    assert ours["pinned"]["committed_bytes"] <= 1.02 * ours["pinned"]["live_bytes"] + 2 * MIB, ours["pinned"]
