@@ -94,6 +94,36 @@ def test_the_extensions_cxx_runtime_calls_bind_to_libstdcxx_not_to_torchs_copies
     assert not to_torch, f"{len(to_torch)} C++ runtime symbols of the extension bind to torch's libraries: {to_torch[:5]}"
 
 
+RUNTIME = re.compile(r"symbol `_Z(N|NK|T[TVIS])?S[tabsiod]")  # std:: names, see the test above
+
+
+def test_a_library_exporting_its_own_cxx_runtime_serves_none_of_the_extensions_std_calls(tmp_path):
+    """The GPU image's segfaults (docs/gpu.md): a library loaded into the global scope before the
+    extension (there, by CUDA torch's RTLD_GLOBAL loads) that exports its own copy of the C++
+    runtime serves every later library's std:: calls the dynamic linker resolves, whatever order
+    their own dependencies are listed in: a stream built by that copy is then read through another
+    runtime's locale. Here such a library (libstdc++ linked in statically, nothing hidden) is
+    loaded RTLD_GLOBAL before torch; the control is torch's own libraries, whose std:: calls it
+    takes. The extension's must not leave the extension."""
+    foreign = os.environ.get("SPILLWAY_FOREIGN_CXX_RUNTIME_LIB")
+    if not foreign:
+        pytest.skip("SPILLWAY_FOREIGN_CXX_RUNTIME_LIB is unset: ctest sets it to the library tests/CMakeLists.txt builds")
+    code = ("import ctypes, sys; ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL); import torch, spillway; "
+            "a = spillway.HostArena(budget_bytes=1 << 22, pinned=False); a._begin_epoch(0); "
+            "print(a._end_epoch()['text'])")
+    env = {**os.environ, "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(tmp_path / "ld"), "LD_BIND_NOW": "1"}
+    p = subprocess.run([sys.executable, "-c", code, foreign], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "end of epoch 0" in p.stdout
+    lines = [line for f in tmp_path.glob("ld.*") for line in f.read_text(errors="replace").splitlines()
+             if "binding file" in line and RUNTIME.search(line)]
+    name = os.path.basename(foreign)
+    torch_to_foreign = [line for line in lines if "/torch/lib/" in line.split(" to ")[0] and name in line.split(" to ")[1]]
+    assert torch_to_foreign, "control: none of torch's std:: calls went to the foreign runtime; the setup shows nothing"
+    ours = [line for line in lines if "_spillway" in line.split(" to ")[0] and "_spillway" not in line.split(" to ")[1]]
+    assert not ours, f"{len(ours)} of the extension's std:: calls bind outside it, e.g. {ours[:3]}"
+
+
 def test_public_classes_and_functions_name_the_module_users_import_them_from():
     # Re-exported from private modules (_torch_allocators, _deepspeed_*): help(), repr and error
     # messages must show the name users write, not the private file's.
