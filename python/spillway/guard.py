@@ -219,6 +219,25 @@ class devices(TorchDispatchMode):  # noqa: N801 (used as a context manager, like
             f"tensor); a model spread over devices by device_map needs spillway.guard.audit(model)")
 
 
+def _device_key(v):
+    """One name per device, for hf_device_map values and parameter devices alike: accelerate writes
+    a CUDA device as its index (0), users write "cuda" or "cuda:0", and a parameter there says
+    cuda:0. Counting the spellings instead of the devices refused a model on one GPU."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"cuda:{v}"
+    s = str(v)
+    try:
+        d = torch.device(s)
+    except (RuntimeError, TypeError, ValueError):
+        return s  # "disk", or a name torch does not know: as written
+    if d.type in ("cpu", "meta"):
+        return d.type
+    if d.index is None:
+        current = torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
+        return f"{d.type}:{current}"
+    return str(d)
+
+
 def audit(model, parameters=True):
     """Refuses a model spread over devices (seed 003: device_map='auto' and then training it): by
     its `hf_device_map`, and (with `parameters`) by where its parameters are. Raises DeviceMismatch
@@ -228,10 +247,12 @@ def audit(model, parameters=True):
         by_device.setdefault(str(p.device), []).append(name)
     hf_map = getattr(model, "hf_device_map", None)
     mapped = sorted({str(v) for v in hf_map.values()}) if isinstance(hf_map, dict) else []
-    if (len(by_device) <= 1 or not parameters) and len(mapped) <= 1:
+    map_devices = {_device_key(v) for v in hf_map.values()} if isinstance(hf_map, dict) else set()
+    devices = map_devices | ({_device_key(d) for d in by_device} if parameters else set())
+    if len(devices) <= 1:
         return next(iter(by_device), None) if len(by_device) <= 1 else None
     parts = []
-    if len(mapped) > 1:
+    if len(map_devices) > 1:
         for d in mapped:
             layers = [k for k, v in hf_map.items() if str(v) == d]
             parts.append(f"  device_map {d}: {', '.join(layers[:6])}{f' and {len(layers) - 6} more' if len(layers) > 6 else ''}")
@@ -240,8 +261,8 @@ def audit(model, parameters=True):
         parts.append(f"  {d}: {len(params)} parameters in {', '.join(layers[:6])}"
                      f"{f' and {len(layers) - 6} more layers' if len(layers) > 6 else ''}")
     raise DeviceMismatch(
-        f"{type(model).__name__} is spread over {len(set(by_device) | set(mapped))} devices "
-        f"({'hf_device_map from device_map=...' if len(mapped) > 1 else 'its parameters'}):\n"
+        f"{type(model).__name__} is spread over {len(devices)} devices "
+        f"({'hf_device_map from device_map=...' if len(map_devices) > 1 else 'its parameters'}):\n"
         + "\n".join(parts)
         + "\n  fix: load the model without device_map (from_pretrained(..., device_map=None), or on one "
         "device) and let ZeRO-3 or FSDP place it; device_map='auto' is for inference")

@@ -262,6 +262,23 @@ def test_a_model_spread_by_device_map_is_refused_with_its_layers_named():
     assert guard.audit(one) == "cpu"
 
 
+def test_the_audit_counts_devices_not_their_spellings():
+    # accelerate writes a CUDA device as its index, users write "cuda" or "cuda:0", a parameter there
+    # says cuda:0: one device. Seen on a GPU: the spread GPT-2 (cpu and "cuda") was said to span 3.
+    assert guard._device_key(0) == guard._device_key("cuda:0") == guard._device_key(torch.device("cuda", 0)) == "cuda:0"
+    assert guard._device_key(1) == "cuda:1" and guard._device_key("cpu") == guard._device_key(torch.device("cpu")) == "cpu"
+    assert guard._device_key("disk") == "disk"
+    if not torch.cuda.is_available():
+        assert guard._device_key("cuda") == "cuda:0"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model.hf_device_map = {"0": 0, "1": "cuda:0"}  # one GPU, two spellings
+    assert guard.audit(model, parameters=False) == "cpu"
+    model.hf_device_map = {"0": 0, "1": "cuda:1"}  # two GPUs: refused, both named as the map has them
+    with pytest.raises(spillway.DeviceMismatch) as e:
+        guard.audit(model, parameters=False)
+    assert "spread over 2 devices" in str(e.value) and "device_map 0: 0" in str(e.value)
+
+
 def test_deepspeed_initialize_refuses_a_spread_model_after_install():
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers", reason="transformers is not installed (scripts/install-deps)")
