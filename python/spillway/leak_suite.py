@@ -176,10 +176,13 @@ def worker(args):
     if args.accelerator == "cuda":
         # torch's own pinned cache (CachingHostAllocator): what plain DeepSpeed's pins hold against
         # what they asked for; Spillway's run reports its pinned arena's instead (below).
+        # torch's stats count blocks at their power-of-two size: held (active + cached) and active.
         hs = torch.cuda.host_memory_stats()
-        out["torch_pinned"] = {"allocated_bytes": hs.get("allocated_bytes.current", 0),
-                               "reserved_bytes": hs.get("reserved_bytes.current", 0),
-                               "peak_reserved_bytes": hs.get("reserved_bytes.peak", 0)}
+        out["torch_pinned"] = {"held_bytes": hs.get("allocated_bytes.current", 0),
+                               "active_bytes": hs.get("active_bytes.current", 0),
+                               "peak_held_bytes": hs.get("allocated_bytes.peak", 0)}
+    # What the offloaded state asked for in pinned memory, in either run.
+    out["pinned_state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in state if t.is_pinned())
     if with_spillway:
         runtime = spillway.installed()
         out["audit"] = sd.audit(engine)

@@ -50,8 +50,8 @@ for step in range(4):
 out = {"losses": losses}
 if device == "cuda":  # torch's own pinned cache: held against asked (a plain run's pins are all there)
     hs = torch.cuda.host_memory_stats()
-    out["torch_pinned"] = {"allocated_bytes": hs.get("allocated_bytes.current", 0),
-                           "reserved_bytes": hs.get("reserved_bytes.current", 0)}
+    out["torch_pinned"] = {"held_bytes": hs.get("allocated_bytes.current", 0),
+                           "active_bytes": hs.get("active_bytes.current", 0)}
 if use:
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     def share(tensors):
@@ -66,7 +66,7 @@ if use:
     out["grads"] = share([p.grad for p in params])
     out["state"] = share([opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")])
     out["kinds"] = rt.host.stats()["live_by_kind"]
-    out["pinned"] = {k: rt.pinned.stats()[k] for k in ("live_bytes", "committed_bytes")}
+    out["pinned"] = {k: rt.pinned.stats()[k] for k in ("live_bytes", "committed_bytes", "retained_bytes")}
     out["params_pinned"] = all(local(p).is_pinned() for p in params)
 print(json.dumps(out))
 """
