@@ -224,7 +224,10 @@ def _device_key(v):
     a CUDA device as its index (0), users write "cuda" or "cuda:0", and a parameter there says
     cuda:0. Counting the spellings instead of the devices refused a model on one GPU."""
     if isinstance(v, int) and not isinstance(v, bool):
-        return f"cuda:{v}"
+        try:  # torch >= 2.6 reads an index as the current accelerator's (cuda, xpu, ...)
+            return str(torch.device(v))
+        except (RuntimeError, TypeError):
+            return f"cuda:{v}"  # no accelerator here: accelerate's indices are CUDA's then
     s = str(v)
     try:
         d = torch.device(s)
@@ -232,8 +235,8 @@ def _device_key(v):
         return s  # "disk", or a name torch does not know: as written
     if d.type in ("cpu", "meta"):
         return d.type
-    if d.index is None:
-        current = torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
+    if d.index is None:  # the current device; asking torch for it must not initialise CUDA
+        current = torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_initialized() else 0
         return f"{d.type}:{current}"
     return str(d)
 
@@ -248,11 +251,15 @@ def audit(model, parameters=True):
     hf_map = getattr(model, "hf_device_map", None)
     mapped = sorted({str(v) for v in hf_map.values()}) if isinstance(hf_map, dict) else []
     map_devices = {_device_key(v) for v in hf_map.values()} if isinstance(hf_map, dict) else set()
-    devices = map_devices | ({_device_key(d) for d in by_device} if parameters else set())
-    if len(devices) <= 1:
+    param_devices = {_device_key(d) for d in by_device}
+    # Refused when the map spans devices, or the parameters do: a stale one-device map on a model
+    # moved whole to another device is still one device.
+    spread_map, spread_params = len(map_devices) > 1, parameters and len(param_devices) > 1
+    if not (spread_map or spread_params):
         return next(iter(by_device), None) if len(by_device) <= 1 else None
+    devices = (map_devices if spread_map else set()) | (param_devices if spread_params else set())
     parts = []
-    if len(map_devices) > 1:
+    if spread_map:
         for d in mapped:
             layers = [k for k, v in hf_map.items() if str(v) == d]
             parts.append(f"  device_map {d}: {', '.join(layers[:6])}{f' and {len(layers) - 6} more' if len(layers) > 6 else ''}")
@@ -262,7 +269,7 @@ def audit(model, parameters=True):
                      f"{f' and {len(layers) - 6} more layers' if len(layers) > 6 else ''}")
     raise DeviceMismatch(
         f"{type(model).__name__} is spread over {len(devices)} devices "
-        f"({'hf_device_map from device_map=...' if len(map_devices) > 1 else 'its parameters'}):\n"
+        f"({'hf_device_map from device_map=...' if spread_map else 'its parameters'}):\n"
         + "\n".join(parts)
         + "\n  fix: load the model without device_map (from_pretrained(..., device_map=None), or on one "
         "device) and let ZeRO-3 or FSDP place it; device_map='auto' is for inference")

@@ -69,7 +69,8 @@ def test_gpu_seed_scenario_removes_95_percent_of_the_first_steps_growth(tmp_path
     plain, ours = r["plain"], r["spillway"]
     grown = [(pe["first_step_growth_bytes"], se["first_step_growth_bytes"])
              for pe, se in zip(plain["epochs"][1:], ours["epochs"][1:])]
-    removed = statistics.median((pg - sg) / pg for pg, sg in grown if pg > 0) if grown else 0.0
+    shares = [(pg - sg) / pg for pg, sg in grown if pg > 0]
+    removed = statistics.median(shares) if shares else 0.0
     record(f"seed_scenario_pin_{str(pin_memory).lower()}", {
         "accelerator": ours["accelerator"], "params": ours["params"], "offloaded_by_kind": ours["offloaded_by_kind"],
         "growth_mib": [[pg / MIB, sg / MIB] for pg, sg in grown], "removed_fraction": removed,
@@ -126,11 +127,13 @@ def test_gpu_fused_step_matches_deepspeedcpuadam(tmp_path, variant):
     runs = {w: run_step(tmp_path, w, variant) for w in ("deepspeed", "torch-adam", "spillway")}
     ours, theirs, control = runs["spillway"], runs["deepspeed"], runs["torch-adam"]
     record(f"fused_step_{variant}", {
-        "params16_device": "cuda" if variant == "bf16-params-on-device" else "cpu",
+        "params16_device": ours["params16_device"],
         "median_step_s": {w: statistics.median(r["step_s"][5:]) for w, r in runs.items()},
         "final_loss": {w: r["losses"][-1] for w, r in runs.items()},
         "rms_vs_deepspeed": {w: max(cpu.rms(a, b) for a, b in zip(r["masters"], theirs["masters"]))
                              for w, r in runs.items() if w != "deepspeed"}})
+    assert all(r["engine_device"] == "cuda:0" for r in runs.values()), [r["engine_device"] for r in runs.values()]
+    assert ours["params16_device"] == ("cuda:0" if variant == "bf16-params-on-device" else "cpu"), ours["params16_device"]
     cpu.test_spillways_step_ran_on_every_sub_group_with_deepspeeds_counts_and_lrs(runs)
     cpu.test_the_first_step_matches_deepspeedcpuadam_to_the_rounding_of_the_update(runs)
     cpu.test_fifty_steps_stay_within_twice_the_distance_between_deepspeeds_own_two_adams(runs)
@@ -161,6 +164,7 @@ def test_gpu_save_16bit_model_writes_deepspeeds_tensors(tmp_path):
                        capture_output=True, text=True, timeout=1200, env=CUDA)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     r = json.loads(out.read_text())
+    assert r["engine_device"] == "cuda:0", r
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True, map_location="cpu")
     ours = safetensors_stream.load(tmp_path / "sp")
     record("save_16bit_model", {"files": len(r["files"]), "tensors": len(theirs),

@@ -34,8 +34,7 @@ def test_a_delta_on_another_device_added_to_a_weight_is_named_easyedit_memit():
     assert isinstance(named.value, RuntimeError)  # code that catches torch's error still catches it
 
 
-@pytest.mark.skipif(OTHER != "meta", reason="meta-specific control: torch accepts an in-place add of a meta delta")
-def test_an_in_place_add_torch_lets_through_silently_is_refused():
+def test_an_in_place_add_torch_lets_through_silently_is_refused():  # on meta wherever it runs
     model = torch.nn.Linear(8, 4)
     delta = torch.randn(4, 8, device="meta")
     before = model.weight.detach().clone()
@@ -111,6 +110,7 @@ config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "p
 if STAGE == 3:
     config["zero_optimization"]["offload_param"] = {"device": "cpu"}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+print("ENGINE", engine.device, file=sys.stderr, flush=True)
 loss = engine(torch.randn(4, 16).to(engine.device, torch.bfloat16)).float().sum()
 engine.backward(loss)
 engine.step()
@@ -139,6 +139,7 @@ def check_seed_000_is_named(stage, accelerator):
     else:  # torch lets an in-place mul_ take a 0-dim meta tensor without a word: the step "succeeds"
         assert rc == 0, bare[-3000:]
     rc, named = ds_run("guard", stage, accelerator)
+    assert f"ENGINE {'cuda:0' if accelerator == 'cuda' else 'cpu'}" in named, named[-2000:]  # it ran where asked
     assert rc != 0
     assert "spillway.DeviceMismatch: aten.mul_" in named, named[-3000:]
     grad = ("DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat[0].grad" if stage == 3
@@ -273,6 +274,8 @@ def test_the_audit_counts_devices_not_their_spellings():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model.hf_device_map = {"0": 0, "1": "cuda:0"}  # one GPU, two spellings
     assert guard.audit(model, parameters=False) == "cpu"
+    model.hf_device_map = {"": "meta"}  # a stale one-device map on a model moved whole: one device each
+    assert guard.audit(model) == "cpu"
     model.hf_device_map = {"0": 0, "1": "cuda:1"}  # two GPUs: refused, both named as the map has them
     with pytest.raises(spillway.DeviceMismatch) as e:
         guard.audit(model, parameters=False)

@@ -126,7 +126,7 @@ sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir
 model.config.save_pretrained(sp_dir)
 params = list(model.parameters())
 if int(os.environ["RANK"]) == 0:
-    json.dump({"ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
+    json.dump({"engine_device": str(engine.device), "ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
                "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
                "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
 # The ranks leave the group together: a rank that exits while its peer's Gloo connections to it are

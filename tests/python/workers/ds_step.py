@@ -168,6 +168,8 @@ torch.save({
     else list(opt.sub_group_to_group_id.values()) if isinstance(opt.sub_group_to_group_id, dict)
     else list(opt.sub_group_to_group_id),
     "inner": type(inner).__name__,
+    "engine_device": str(engine.device),
+    "params16_device": str(p16[0].device) if p16 and p16[0] is not None else None,
     "warnings": [str(w.message) for w in caught if "spillway" in str(w.message)],
     "kernel": getattr(opt, "_spillway_kernel", None) is not None,
     "step_s": step_s,
