@@ -74,6 +74,14 @@ def bytes_in_ranges(ptr, nbytes, ranges):
 
 # One run, in a process of its own: DeepSpeed's comm and the install are process-wide.
 
+def torch_pinned_cache(torch):
+    """torch's own pinned cache (CachingHostAllocator), in bytes: held (active + cached) and active,
+    both counted at the blocks' power-of-two sizes, and the peak held. Needs a CUDA torch."""
+    hs = torch.cuda.host_memory_stats()
+    return {"held_bytes": hs.get("allocated_bytes.current", 0), "active_bytes": hs.get("active_bytes.current", 0),
+            "peak_held_bytes": hs.get("allocated_bytes.peak", 0)}
+
+
 def build_model(params, torch):
     d_in, d_out, hidden = 64, 8, (1024 if params >= 4 * MIB else 256)
     layers = max(1, round((params - d_in * hidden - hidden * d_out) / (hidden * hidden + hidden)))
@@ -174,13 +182,8 @@ def worker(args):
            "losses": losses, "offloaded_bytes": total, "offloaded_by_kind": by_kind,
            "dontfork_bytes": dd_bytes, "offloaded_names": [name for name, _k, _t in state]}
     if args.accelerator == "cuda":
-        # torch's own pinned cache (CachingHostAllocator): what plain DeepSpeed's pins hold against
-        # what they asked for; Spillway's run reports its pinned arena's instead (below).
-        # torch's stats count blocks at their power-of-two size: held (active + cached) and active.
-        hs = torch.cuda.host_memory_stats()
-        out["torch_pinned"] = {"held_bytes": hs.get("allocated_bytes.current", 0),
-                               "active_bytes": hs.get("active_bytes.current", 0),
-                               "peak_held_bytes": hs.get("allocated_bytes.peak", 0)}
+        # What plain DeepSpeed's pins hold in torch's cache; Spillway's run reports its arena's (below).
+        out["torch_pinned"] = torch_pinned_cache(torch)
     # What the offloaded state asked for in pinned memory, in either run.
     out["pinned_state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in state if t.is_pinned())
     if with_spillway:

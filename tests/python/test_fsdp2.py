@@ -49,9 +49,8 @@ for step in range(4):
     losses.append(loss.item())
 out = {"losses": losses}
 if device == "cuda":  # torch's own pinned cache: held against asked (a plain run's pins are all there)
-    hs = torch.cuda.host_memory_stats()
-    out["torch_pinned"] = {"held_bytes": hs.get("allocated_bytes.current", 0),
-                           "active_bytes": hs.get("active_bytes.current", 0)}
+    from spillway.leak_suite import torch_pinned_cache
+    out["torch_pinned"] = torch_pinned_cache(torch)
 if use:
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     def share(tensors):
