@@ -1,5 +1,6 @@
-// NodeGovernor: joining a job's node segment, booking and giving back bytes, cross-rank trims,
-// admission, the watcher thread, leaving. The segment's mechanics are in node_segment.*.
+// NodeGovernor: joining a job's node segment, booking and giving back bytes, cross-rank trims, the
+// watcher thread, leaving. The segment's mechanics are in node_segment.*, admission in
+// node_admission.cc, the job from the environment in node_job.cc, the reports in node_report.cc.
 // Note [Node governor] in docs/allocator.md.
 #include "spillway/allocator/node_governor.h"
 
@@ -38,19 +39,6 @@ using node::Slot;
 using node::Verdict;
 
 namespace {
-
-constexpr size_t kJobChars = node::kJobChars;
-
-std::string SanitizeJob(std::string_view text) {
-  std::string out;
-  for (char c : text.substr(0, kJobChars)) out += node::ValidJobChar(c) ? c : '_';
-  return out;
-}
-
-bool ValidJob(const std::string& job) {
-  return !job.empty() && job.size() <= kJobChars &&
-         std::all_of(job.begin(), job.end(), node::ValidJobChar);
-}
 
 std::mutex g_current_mu;                  // never taken in a forked child (see Current)
 std::shared_ptr<NodeGovernor> g_current;  // guarded by g_current_mu
@@ -101,89 +89,14 @@ bool RemoveIfDead(const std::string& path, LogLevel level) {
 
 }  // namespace
 
-const char* NodeTierName(NodeTier tier) {
-  static constexpr const char* kNames[kNodeTierCount] = {"pinned", "pageable", "nvme"};
-  return kNames[static_cast<int>(tier)];
-}
-
-uint64_t DefaultNodeReserve(uint64_t limit_bytes) {
-  return std::min(std::max(uint64_t{2} << 30, limit_bytes / 8), limit_bytes / 2);
-}
-
-uint64_t DefaultNodeHostBudget(uint64_t limit_bytes) {
-  return limit_bytes - DefaultNodeReserve(limit_bytes);
-}
-
-Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
-  auto get = [&](const char* name) -> std::string {
-    const char* v = getenv(name);
-    return v == nullptr ? std::string() : std::string(v);
-  };
-  auto parse_int = [&](const char* name, int* out) -> Status {
-    const std::string v = get(name);
-    if (v.empty()) return Status::Ok();
-    char* end = nullptr;
-    const long n = std::strtol(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0' || n < 0 || n > INT_MAX) {
-      return Status::InvalidArgument(StrCat(
-          name, "='", v, "' is not a non-negative integer; the launcher sets it, fix or unset it"));
-    }
-    *out = static_cast<int>(n);
-    return Status::Ok();
-  };
-  NodeJob job;
-  // torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK; srun sets SLURM_LOCALID.
-  const char* rank_var = !get("LOCAL_RANK").empty() ? "LOCAL_RANK" : "SLURM_LOCALID";
-  SPILLWAY_RETURN_IF_ERROR(parse_int(rank_var, &job.local_rank));
-  for (const char* name : {"LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-    if (!get(name).empty()) {
-      SPILLWAY_RETURN_IF_ERROR(parse_int(name, &job.local_world_size));
-      break;
-    }
-  }
-  const std::string explicit_job = get("SPILLWAY_NODE_JOB");
-  if (!explicit_job.empty()) {
-    if (!ValidJob(explicit_job)) {
-      return Status::InvalidArgument(StrCat("SPILLWAY_NODE_JOB='", explicit_job, "': use at most ",
-                                            kJobChars,
-                                            " characters of A-Z, a-z, 0-9, '.', '_' and '-'"));
-    }
-    job.id = explicit_job;
-    job.source = "SPILLWAY_NODE_JOB";
-    return job;
-  }
-  if (get(rank_var).empty()) return job;  // not one rank of a launched job
-  const std::string run_id = get("TORCHELASTIC_RUN_ID");
-  if (!run_id.empty() && run_id != "none") {
-    job.id = SanitizeJob(StrCat("torchelastic-", run_id));
-    job.source = "TORCHELASTIC_RUN_ID";
-  } else {
-    // The launcher that started every local rank (torchrun's agent, the deepspeed launcher,
-    // slurmstepd): two launches in one Slurm allocation are two jobs.
-    const pid_t parent = getppid();
-    char state = '?';
-    uint64_t start = 0;
-    node::ReadProcStat(parent, &state, &start);
-    job.id = StrCat("launcher-", parent, "-", start);
-    job.source = "the launcher's pid (the parent of every local rank)";
-  }
-  return job;
-}
-
-Result<NodeJob> NodeJobFromEnvironment() {
-  return NodeJobFromEnvironment([](const char* name) {
-    return std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read-only, Spillway never setenv()s
-  });
-}
-
 std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string& job) {
   return StrCat(dir, "/spillway-node-", geteuid(), "-", job);
 }
 
 Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
-  if (!ValidJob(options.job)) {
+  if (!node::ValidJob(options.job)) {
     return Status::InvalidArgument(StrCat("node governor: job '", options.job, "' must be 1 to ",
-                                          kJobChars,
+                                          node::kJobChars,
                                           " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
   }
   if (options.local_rank >= kMaxSlots || options.local_world_size > kMaxSlots ||
@@ -676,176 +589,6 @@ void NodeGovernor::WatchLoop() {
   }
 }
 
-std::string DescribeNodeBudget(const NodeStats& s) {
-  if (s.budget_explicit) {
-    return StrCat(
-        "(set for this job by SPILLWAY_NODE_BUDGET_BYTES or SPILLWAY_NODE_RESERVE_BYTES; "
-        "the memory limit is ",
-        FormatBytes(s.memory_limit_bytes), ")");
-  }
-  return StrCat("(the memory limit ", FormatBytes(s.memory_limit_bytes), " less a reserve of ",
-                FormatBytes(s.reserve_bytes),
-                " for the OS, the page cache and what no arena counts)");
-}
-
-namespace {
-
-// "optimizer_state 2.5 MiB, param 1.0 MiB": the kinds that hold bytes.
-std::string KindsText(const KindBytes& by_kind) {
-  std::string out;
-  for (int k = 0; k < kKindCount; ++k) {
-    if (by_kind[k] == 0) continue;
-    out +=
-        StrCat(out.empty() ? "" : ", ", KindName(static_cast<Kind>(k)), " ", FormatMiB(by_kind[k]));
-  }
-  return out;
-}
-
-}  // namespace
-
-std::string DescribeNodeRanks(const NodeStats& stats) {
-  std::string out;
-  for (const NodeRankStats& r : stats.ranks) {
-    out += StrCat(out.empty() ? "" : "; ", "local rank ", r.local_rank, " (pid ", r.pid,
-                  ") pinned ", FormatMiB(r.bytes[0]), ", pageable ", FormatMiB(r.bytes[1]));
-    if (r.bytes[2] != 0) out += StrCat(", nvme ", FormatMiB(r.bytes[2]));
-    const std::string kinds = KindsText(r.host_by_kind);
-    if (!kinds.empty()) out += StrCat(" [", kinds, "]");
-    if (r.workers != 0) {
-      out += StrCat(", ", r.workers, " workers' private ", FormatMiB(r.workers_private_bytes));
-    }
-  }
-  return out.empty() ? "no rank holds anything" : out;
-}
-
-std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
-                                             const std::vector<int>& silent) const {
-  const NodeStats s = Stats();
-  if (tier == NodeTier::kNvme) {
-    return StrCat(
-        "node budget: local rank ", slot_, " of job '", options_.job, "' needs ",
-        FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
-        FormatBytes(s.nvme_budget_bytes),
-        " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the job's first NVMe "
-        "arena swaps) has ",
-        FormatBytes(s.nvme_committed_bytes), " booked by ", s.ranks.size(),
-        " rank(s): ", DescribeNodeRanks(s),
-        ". Free space on the disk behind nvme_path and raise SPILLWAY_NODE_NVME_BUDGET_BYTES, keep "
-        "more state in host memory, or run fewer ranks per node");
-  }
-  std::string trimmed = "after every rank trimmed its retained cache";
-  if (!silent.empty()) {
-    std::string names;
-    for (int r : silent) names += StrCat(names.empty() ? "" : ", ", r);
-    trimmed = StrCat("after a trim request that local rank(s) ", names, " did not answer within ",
-                     options_.trim_timeout.count(), " ms");
-  }
-  return StrCat(
-      "node budget: local rank ", slot_, " of job '", options_.job, "' needs ", FormatBytes(bytes),
-      " more ", NodeTierName(tier), " memory, but the node's host budget of ",
-      FormatBytes(s.host_budget_bytes), " ", DescribeNodeBudget(s), " has ",
-      FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) ", trimmed,
-      ": ", DescribeNodeRanks(s),
-      ". Offload more state to NVMe (offload_optimizer.device / offload_param.device = nvme), run "
-      "fewer ranks per node, or raise SPILLWAY_NODE_BUDGET_BYTES (SPILLWAY_NODE_RESERVE_BYTES) "
-      "if the node's memory holds more than the reserve keeps back");
-}
-
-Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
-                           std::chrono::milliseconds timeout, const std::string& detail) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Admit"));
-  if (left_.load(std::memory_order_acquire)) {
-    return Status::FailedPrecondition("node governor: Admit after this rank left the node");
-  }
-  const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
-  {
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
-    if (segment_->local_world_size == 0) {
-      return Status::FailedPrecondition(
-          StrCat("node admission for job '", options_.job,
-                 "': the number of local ranks is not known, so no rank can tell when all have "
-                 "declared; start the ranks with a launcher that sets LOCAL_WORLD_SIZE (torchrun, "
-                 "accelerate) or LOCAL_SIZE (deepspeed), or set LOCAL_WORLD_SIZE yourself"));
-    }
-    Declaration& mine = segment_->declarations[slot_];
-    mine.need += need_bytes;
-    mine.fork += workers_fork_bytes;
-    mine.last_need = need_bytes;
-    mine.last_fork = workers_fork_bytes;
-    mine.round = round;
-  }
-  auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
-    const std::string text = segment_->verdict_text;
-    if (segment_->verdict == Verdict::kFits) return Status::Ok();
-    // A refused round's need is taken back: a retry with a smaller config is judged on its own.
-    Declaration& mine = segment_->declarations[slot_];
-    if (mine.round == round) {
-      mine.need -= std::min(mine.need, mine.last_need);
-      mine.fork -= std::min(mine.fork, mine.last_fork);
-      mine.last_need = mine.last_fork = 0;
-    }
-    if (segment_->verdict == Verdict::kOverBudget) return Status::OverBudget(text);
-    return Status::Make(StatusCode::kUnavailable, text);
-  };
-  auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
-    segment_->verdict_round = round;
-    segment_->verdict = v;
-    std::snprintf(segment_->verdict_text, sizeof(segment_->verdict_text), "%s", text.c_str());
-  };
-  const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
-  while (true) {
-    SPILLWAY_RETURN_IF_ERROR(ReapDead());
-    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
-    if (segment_->verdict_round >= round) return verdict();
-    std::vector<int> missing;
-    for (int r = 0; r < kMaxSlots; ++r) {
-      const bool expected = r < segment_->local_world_size || segment_->slots[r].pid != 0;
-      if (expected && segment_->declarations[r].round < round) missing.push_back(r);
-    }
-    if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
-      const NodeStats snap = node::ReadStats(segment_, path_);
-      uint64_t total = 0;
-      std::string each;
-      int declared = 0;
-      for (int r = 0; r < kMaxSlots; ++r) {
-        const Declaration& d = segment_->declarations[r];
-        if (d.round == 0) continue;
-        ++declared;
-        total += d.need;
-        each += StrCat(each.empty() ? "" : "; ", "local rank ", r, " ", FormatMiB(d.need),
-                       d.fork != 0
-                           ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
-                           : std::string());
-      }
-      if (total <= snap.host_budget_bytes) {
-        write(Verdict::kFits, "");
-      } else {
-        write(Verdict::kOverBudget,
-              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
-                     "' need ", FormatBytes(total),
-                     " of host memory together, more than the node budget of ",
-                     FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
-                     ". Each rank's need: ", each, ". Nothing was allocated.",
-                     detail.empty() ? "" : " ", detail));
-      }
-      return verdict();
-    }
-    if (NowNs() > deadline) {
-      std::string names;
-      for (int r : missing) names += StrCat(names.empty() ? "" : ", ", r);
-      write(Verdict::kAborted,
-            StrCat("node admission: local rank(s) ", names, " of job '", options_.job,
-                   "' did not declare their host memory within ", timeout.count(),
-                   " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
-                   "declared size). Check that they started, or raise "
-                   "SPILLWAY_NODE_ADMIT_TIMEOUT"));
-      return verdict();
-    }
-    { auto unlock = std::move(lock); }
-    SleepMs(5);
-  }
-}
-
 NodeStats NodeGovernor::Stats() const {
   Status st = ReapDead();
   if (!st.ok()) Log(LogLevel::kWarning, st.ToString());
@@ -929,44 +672,6 @@ int NodeGovernor::RemoveDeadSegments(const std::string& dir) {
     if (RemoveIfDead(path, LogLevel::kInfo)) ++removed;
   }
   return removed;
-}
-
-namespace {
-
-std::string Cell(uint64_t bytes) { return bytes == 0 ? "-" : FormatMiB(bytes); }
-
-}  // namespace
-
-std::string NodeStats::ToString() const {
-  std::ostringstream out;
-  out << "job " << job << "  (segment " << path << ")\n";
-  out << "host budget " << FormatBytes(host_budget_bytes) << " " << DescribeNodeBudget(*this)
-      << "\n";
-  out << "host committed " << FormatBytes(host_committed_bytes) << " (peak "
-      << FormatBytes(peak_host_committed_bytes) << "), headroom "
-      << FormatBytes(host_headroom_bytes) << "\n";
-  out << "nvme committed " << FormatBytes(nvme_committed_bytes) << ", budget "
-      << (nvme_budget_bytes == 0 ? std::string("not capped") : FormatBytes(nvme_budget_bytes))
-      << "\n";
-  out << "ranks " << ranks.size() << " of " << local_world_size << " expected; reaped "
-      << reaped_ranks << ", trim requests " << trim_requests << ", refusals " << over_budget_count
-      << "\n\n";
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-5s %-8s %12s %12s %12s %12s %12s %16s  %s\n", "rank", "pid",
-                "pinned", "pageable", "nvme", "peak host", "declared", "workers", "by kind");
-  out << line;
-  for (const NodeRankStats& r : ranks) {
-    const std::string kinds = KindsText(r.host_by_kind);
-    const std::string workers =
-        r.workers == 0 ? "-" : StrCat(r.workers, " / ", FormatMiB(r.workers_private_bytes));
-    std::snprintf(line, sizeof(line), "%-5d %-8d %12s %12s %12s %12s %12s %16s  %s\n", r.local_rank,
-                  static_cast<int>(r.pid), Cell(r.bytes[0]).c_str(), Cell(r.bytes[1]).c_str(),
-                  Cell(r.bytes[2]).c_str(), Cell(r.peak_host_bytes).c_str(),
-                  Cell(r.declared_bytes).c_str(), workers.c_str(),
-                  kinds.empty() ? "-" : kinds.c_str());
-    out << line;
-  }
-  return out.str();
 }
 
 }  // namespace spillway::allocator

@@ -39,6 +39,11 @@ bool ValidJobChar(char c) {
          c == '_' || c == '-';
 }
 
+bool ValidJob(const std::string& job) {
+  return !job.empty() && job.size() <= kJobChars &&
+         std::all_of(job.begin(), job.end(), ValidJobChar);
+}
+
 // The command name (field 2) may hold spaces and parentheses: fields are counted after its last
 // ')'.
 bool ReadProcStat(pid_t pid, char* state, uint64_t* start_ticks) {

@@ -85,6 +85,8 @@ struct Segment {
 uint64_t NowNs();  // CLOCK_MONOTONIC
 void SleepMs(int ms);
 bool ValidJobChar(char c);
+// 1 to kJobChars characters, each a ValidJobChar.
+bool ValidJob(const std::string& job);
 // Field 3 (state) and 22 (start time in clock ticks) of /proc/<pid>/stat.
 bool ReadProcStat(pid_t pid, char* state, uint64_t* start_ticks);
 // The pid exists, is not a zombie, and started at `start_ticks` (not a reused pid).

@@ -1,4 +1,6 @@
-// PartitionStore: home tiers, handles, swap-in, and OPT spill under the host budget.
+// PartitionStore: registration and home tiers, Acquire and Release, swap-in, the device views'
+// fill and write-back, and the store's checks and stats. Handles are in handle.cc, OPT spill under
+// the host budget in spill.cc, prefetch in store_prefetch.cc.
 // Note [Spill] in docs/offload.md.
 #include "spillway/offload/partition_store.h"
 
@@ -8,6 +10,7 @@
 
 #include "device_views.h"
 #include "prefetcher.h"
+#include "spill_note.h"
 #include "spillway/base/bytes.h"
 #include "spillway/base/check.h"
 #include "spillway/base/log.h"
@@ -29,99 +32,6 @@ const char* PlacementName(Placement placement) {
       return "device";
   }
   return "?";
-}
-
-namespace {
-
-// Per thread: the store's allocation in progress (its memory-wait deadline, which spans every
-// spill-handler call the arena makes for it), and why the last Spill freed less than asked.
-struct SpillNote {
-  const PartitionStore* store = nullptr;
-  std::string text;
-  bool has_deadline = false;
-  std::chrono::steady_clock::time_point deadline;
-};
-thread_local SpillNote t_spill_note;
-
-// Starts one of the store's own allocations: every Spill call for it shares one deadline.
-void BeginStoreAllocation(const PartitionStore* store, std::chrono::milliseconds wait) {
-  t_spill_note = SpillNote{store, std::string(), true, std::chrono::steady_clock::now() + wait};
-}
-
-#ifndef NDEBUG
-[[noreturn]] void DanglingHandle(PartitionId id) {
-  Log(LogLevel::kError, StrCat("a Handle of partition ", id,
-                               " outlived its PartitionStore: release "
-                               "every handle before destroying the store (fatal in debug builds)"));
-  std::abort();
-}
-#endif
-
-}  // namespace
-
-bool Handle::StoreAlive() const {
-  return store_alive_ != nullptr && store_alive_->load(std::memory_order_acquire);
-}
-
-void Handle::ReleaseFromDestructor() {
-  if (store_ == nullptr) return;
-  if (!StoreAlive()) {
-#ifndef NDEBUG
-    DanglingHandle(id_);
-#endif
-    store_ = nullptr;  // release builds: the store freed everything; nothing to give back
-    store_alive_.reset();
-    return;
-  }
-  if (!store_->process_.InOwner()) {
-    // A forked child: the store's mutex may have been held by a parent thread at fork, and its
-    // memory and device are the parent's. Leak the handle (Note [Fork]).
-    store_ = nullptr;
-    store_alive_.reset();
-    return;
-  }
-  bool ok;
-  // A destructor cannot return the write-back error; Release() does. Log it here.
-  Status st = store_->ReleaseHandle(handle_id_, id_, write_, device_, &ok);
-  if (!st.ok()) Log(LogLevel::kError, st.ToString());
-  store_ = nullptr;
-  store_alive_.reset();
-}
-
-Handle& Handle::operator=(Handle&& other) noexcept {
-  if (this != &other) {
-    ReleaseFromDestructor();
-    store_ = std::exchange(other.store_, nullptr);
-    store_alive_ = std::move(other.store_alive_);
-    device_ = other.device_;
-    handle_id_ = other.handle_id_;
-    id_ = other.id_;
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = other.bytes_;
-    write_ = other.write_;
-  }
-  return *this;
-}
-
-Handle::~Handle() { ReleaseFromDestructor(); }
-
-Result<void*> Handle::Data() const {
-  if (store_ == nullptr) {
-    return Status::FailedPrecondition(
-        StrCat("handle of partition ", id_, " was released (or moved from); Acquire it again"));
-  }
-  if (!StoreAlive()) {
-#ifndef NDEBUG
-    DanglingHandle(id_);
-#endif
-    return Status::FailedPrecondition(
-        StrCat("handle of partition ", id_,
-               " outlived its "
-               "PartitionStore; its memory was freed with the store"));
-  }
-  // After StoreAlive: the store is read only while it exists.
-  SPILLWAY_RETURN_IF_ERROR(store_->process_.Check("Handle", "Data"));  // Note [Fork]
-  return data_;
 }
 
 Result<std::unique_ptr<PartitionStore>> PartitionStore::Create(const Config& config,
@@ -356,13 +266,6 @@ void PartitionStore::HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const
   }
 }
 
-std::string PartitionStore::SpillShortfallNote() const {
-  std::string note;
-  if (t_spill_note.store == this) note = std::move(t_spill_note.text);
-  t_spill_note = SpillNote();
-  return note;
-}
-
 Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Placement where) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Acquire"));  // Note [Fork]
@@ -563,145 +466,6 @@ Status PartitionStore::SwapIn(PartitionId id) {
   return Status::Ok();
 }
 
-// Victims: a partition at least as large as the request first (freeing it makes room by itself:
-// its extent fits, or its region empties and is unmapped), then OPT's order (the next use
-// furthest away; with spillway.eviction "lru", the use longest ago). Among the large enough, that
-// order too. Freeing smaller ones scattered through
-// shared regions may make room nowhere, however many bytes they add up to.
-uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request) {
-  if (nvme_ == nullptr) return 0;
-  const uint64_t need = request.bytes_needed;
-  const uint64_t page =
-      host_->page_bytes();  // the arena's granule: an extent is its bytes rounded up
-  const std::thread::id me = std::this_thread::get_id();
-  const bool may_wait = me != prefetcher_id_;  // prefetching is best effort: it never waits
-  uint64_t freed = 0;
-  std::string note;
-  std::unique_lock<std::mutex> lock(mu_);
-  // One deadline per allocation, not per call: the arena calls again while calls free something.
-  const bool ours = t_spill_note.store == this && t_spill_note.has_deadline;
-  const auto deadline =
-      ours ? t_spill_note.deadline : std::chrono::steady_clock::now() + memory_wait_;
-  bool waited = false;
-  while (freed < need && !stopping_) {
-    PartitionId victim = 0;
-    uint64_t best = 0;
-    bool found = false, victim_fits = false;
-    for (PartitionId i = 0; i < parts_.size(); ++i) {
-      const Part& p = parts_[i];
-      if (p.host == nullptr || p.pins > 0 || p.busy || p.bytes == 0) continue;
-      const bool fits = (p.bytes + page - 1) / page * page >= request.request_bytes;
-      // Larger goes first: the next use's distance (OPT), or the time since the last use (LRU).
-      const uint64_t d = config_.spillway.eviction == Eviction::kLru ? use_clock_ - p.last_use
-                                                                     : schedule_.NextUseDistance(i);
-      if (!found || (fits && !victim_fits) || (fits == victim_fits && d > best)) {
-        best = d;
-        victim = i;
-        victim_fits = fits;
-        found = true;
-      }
-    }
-    if (found) {
-      MarkBusy(parts_[victim]);
-      lock.unlock();
-      Status st = SpillOne(victim, &freed);
-      lock.lock();
-      ClearBusyLocked(victim);
-      if (!st.ok()) {
-        note = st.WithContext("spilling to NVMe under the host budget").ToString();
-        Log(LogLevel::kError, note);
-        break;  // the victim keeps its host copy; the caller gets the budget error
-      }
-      if (victim_fits) break;  // its room is the request's
-      continue;
-    }
-    // Nothing can be spilled now. Wait only for memory another thread will give back.
-    uint64_t by_others = 0, by_me = 0;
-    HeldBytesLocked(&by_others, &by_me);
-    if (by_others == 0) {
-      note =
-          by_me > 0
-              ? StrCat(FormatBytes(by_me),
-                       " of host memory is held by this thread's own live "
-                       "handles and nothing else can spill; release handles before acquiring more")
-              : std::string(
-                    "no partition can spill: the budget is held by allocations outside "
-                    "the store (staging and bounce buffers, other users of the arena); "
-                    "raise the host budget");
-      break;
-    }
-    if (!may_wait) break;
-    const auto wait_ms = memory_wait_.count();
-    if (std::chrono::steady_clock::now() >= deadline) {
-      stats_.memory_wait_timeouts++;
-      note = StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others),
-                    " that other "
-                    "threads hold (live handles, spills or swap-ins in progress) and not enough "
-                    "came free; this thread's own handles hold ",
-                    FormatBytes(by_me),
-                    ". Release handles sooner, raise the host budget, or raise memory_wait");
-      break;
-    }
-    if (!waited) stats_.memory_waits++;
-    waited = true;
-    busy_cv_.wait_until(lock, deadline);  // woken when a partition's busy mark or last pin goes
-  }
-  t_spill_note = SpillNote{this, std::move(note), ours, deadline};
-  return freed;
-}
-
-void PartitionStore::SetSpillNotice(std::string notice) {
-  std::lock_guard<std::mutex> lock(mu_);
-  spill_notice_ = std::move(notice);
-}
-
-Status PartitionStore::SpillOne(PartitionId id, uint64_t* freed) {
-  uint64_t bytes, off;
-  void* host;
-  bool write;
-  allocator::OwnerTag tag;
-  std::string notice;  // the first spill's warning, logged without mu_
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Part& p = parts_[id];
-    bytes = p.bytes;
-    off = p.nvme_off;
-    host = p.host;
-    write = p.dirty || !p.nvme_valid;
-    tag = Tag(id);
-  }
-  if (off == kNoExtent) {
-    SPILLWAY_ASSIGN_OR_RETURN(off, nvme_->Allocate(bytes, tag));
-    std::lock_guard<std::mutex> lock(mu_);
-    parts_[id].nvme_off = off;
-  }
-  if (write) {
-    StoreHooks* hooks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      hooks = hooks_;
-    }
-    if (hooks != nullptr && hooks->before_spill_write) hooks->before_spill_write(id);
-    // Nothing is lost: the host copy is freed only after the write completed in full.
-    SPILLWAY_RETURN_IF_ERROR(nvme_->Write(off, host, bytes));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Part& p = parts_[id];
-    p.nvme_valid = true;
-    p.dirty = false;
-    p.host = nullptr;
-    notice.swap(spill_notice_);
-    stats_.spills++;
-    stats_.spill_bytes += bytes;
-    stats_.spill_writes += write ? 1 : 0;
-  }
-  if (!notice.empty()) Log(LogLevel::kWarning, notice);
-  SPILLWAY_RETURN_IF_ERROR(host_->Free(host));
-  *freed += bytes;
-  return Status::Ok();
-}
-
 Status PartitionStore::ReleaseHandle(uint64_t handle_id, PartitionId id, bool write, bool device,
                                      bool* ok) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
@@ -763,139 +527,6 @@ Status PartitionStore::Release(Handle& handle) {
   handle.store_ = nullptr;
   handle.data_ = nullptr;
   if (!ok) return Status::Internal("Release: a live handle was not in the live set");
-  return st;
-}
-
-void PartitionStore::QueuePrefetchLocked() {
-  if (prefetcher_ == nullptr || schedule_.size() == 0) return;
-  // The window of schedule entries after the cursor: O(window) per Acquire, in storage the
-  // prefetcher hands back. Not those already in, nor one whose device view is live (a host copy
-  // would be stale).
-  schedule_.Upcoming(prefetch_window_, &prefetch_next_);
-  std::erase_if(prefetch_next_, [this](PartitionId id) {
-    return parts_[id].host != nullptr || parts_[id].device != nullptr;
-  });
-  prefetcher_->Replace(&prefetch_next_);
-}
-
-void PartitionStore::PrefetchOne(PartitionId id) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Part& p = parts_[id];
-    // Already there, someone is on it, or its device view is live (a host copy would be stale).
-    if (stopping_ || p.host != nullptr || p.busy || p.device != nullptr || p.device_pins > 0) {
-      return;
-    }
-    MarkBusy(p);
-  }
-  Status st = SwapIn(id);  // may spill others under the budget (never a pinned one)
-  std::lock_guard<std::mutex> lock(mu_);
-  ClearBusyLocked(id);
-  if (st.ok()) {
-    parts_[id].last_use = ++use_clock_;  // brought in for a use: LRU must not spill it first
-    stats_.prefetches++;
-  } else {
-    stats_.prefetch_failures++;  // the Acquire that needs it will retry and report the error
-  }
-}
-
-void PartitionStore::DrainPrefetch() {
-  if (prefetcher_ != nullptr) prefetcher_->Drain();
-}
-
-PartitionStore::OffSchedule::OffSchedule(PartitionStore& store) : store_(store) {
-  {
-    std::lock_guard<std::mutex> lock(store_.mu_);
-    store_.off_schedule_++;  // from here no Acquire queues a prefetch
-  }
-  if (store_.prefetcher_ != nullptr) store_.prefetcher_->Cancel();  // without mu_: it waits
-}
-
-PartitionStore::OffSchedule::~OffSchedule() {
-  std::lock_guard<std::mutex> lock(store_.mu_);
-  store_.off_schedule_--;
-}
-
-Status PartitionStore::Prefetch(const std::vector<PartitionId>& ids) {
-  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Prefetch"));  // Note [Fork]
-  for (PartitionId id : ids) {
-    SPILLWAY_ASSIGN_OR_RETURN(auto h, Acquire(id, Access::kRead));
-  }
-  return Status::Ok();
-}
-
-Status PartitionStore::Flush() {
-  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Flush"));  // Note [Fork]
-  std::vector<PartitionId> todo;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (PartitionId i = 0; i < parts_.size(); ++i) {
-      const Part& p = parts_[i];
-      if (p.host != nullptr && p.dirty && (p.home == Placement::kNvme || p.nvme_off != kNoExtent)) {
-        todo.push_back(i);
-      }
-    }
-  }
-  for (PartitionId id : todo) {
-    void* host;
-    uint64_t off, bytes;
-    StoreHooks* hooks;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      TakeBusyLocked(lock, id);
-      Part& p = parts_[id];
-      // A live write handle may be writing the copy: flushing it now would read bytes in
-      // flux. It stays dirty and goes out on a later flush or spill.
-      if (p.host == nullptr || !p.dirty || p.write_pins > 0) {
-        ClearBusyLocked(id);
-        continue;
-      }
-      host = p.host;
-      off = p.nvme_off;
-      bytes = p.bytes;
-      hooks = hooks_;
-    }
-    // No write handle can come while the partition is busy (Acquire waits), so nobody writes the
-    // copy while it goes out.
-    Status st = nvme_->Write(off, host, bytes);
-    if (hooks != nullptr && hooks->after_flush_write) hooks->after_flush_write(id);
-    std::lock_guard<std::mutex> lock(mu_);
-    Part& p = parts_[id];
-    ClearBusyLocked(id);
-    if (!st.ok()) return st.WithContext(StrCat("flushing ", Describe(id)));
-    p.dirty = false;
-    p.nvme_valid = true;
-    stats_.flush_writes++;
-  }
-  return Status::Ok();
-}
-
-Status PartitionStore::Evict(PartitionId id) {
-  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Evict"));  // Note [Fork]
-  if (nvme_ == nullptr) {
-    return Status::FailedPrecondition("Evict: no NVMe arena to evict to; offload to nvme first");
-  }
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (id >= parts_.size() || parts_[id].bytes == 0) {
-      return Status::InvalidArgument(StrCat("Evict: partition ", id, " is not registered"));
-    }
-    busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
-    Part& p = parts_[id];
-    if (p.pins > 0) {
-      return Status::FailedPrecondition(StrCat("Evict: ", Describe(id), " is in use by ", p.pins,
-                                               " handles; release them first"));
-    }
-    if (p.host == nullptr) return Status::Ok();
-    MarkBusy(p);
-  }
-  uint64_t freed = 0;
-  Status st = SpillOne(id, &freed);
-  std::lock_guard<std::mutex> lock(mu_);
-  ClearBusyLocked(id);
   return st;
 }
 

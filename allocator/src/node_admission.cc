@@ -1,0 +1,153 @@
+// NodeGovernor's admission: whether a rank's declared need (and what its DataLoader workers will
+// copy at a fork) fits the node before it allocates, with the verdict in one segment-wide record,
+// and the over-budget message that names every rank's bytes. Note [Node governor] in
+// docs/allocator.md.
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "node_segment.h"
+#include "spillway/allocator/node_governor.h"
+#include "spillway/base/bytes.h"
+#include "spillway/base/log.h"
+
+namespace spillway::allocator {
+
+using node::Declaration;
+using node::kMaxSlots;
+using node::NowNs;
+using node::Segment;
+using node::SegmentLock;
+using node::SleepMs;
+using node::Slot;
+using node::Verdict;
+
+std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
+                                             const std::vector<int>& silent) const {
+  const NodeStats s = Stats();
+  if (tier == NodeTier::kNvme) {
+    return StrCat(
+        "node budget: local rank ", slot_, " of job '", options_.job, "' needs ",
+        FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
+        FormatBytes(s.nvme_budget_bytes),
+        " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the job's first NVMe "
+        "arena swaps) has ",
+        FormatBytes(s.nvme_committed_bytes), " booked by ", s.ranks.size(),
+        " rank(s): ", DescribeNodeRanks(s),
+        ". Free space on the disk behind nvme_path and raise SPILLWAY_NODE_NVME_BUDGET_BYTES, keep "
+        "more state in host memory, or run fewer ranks per node");
+  }
+  std::string trimmed = "after every rank trimmed its retained cache";
+  if (!silent.empty()) {
+    std::string names;
+    for (int r : silent) names += StrCat(names.empty() ? "" : ", ", r);
+    trimmed = StrCat("after a trim request that local rank(s) ", names, " did not answer within ",
+                     options_.trim_timeout.count(), " ms");
+  }
+  return StrCat(
+      "node budget: local rank ", slot_, " of job '", options_.job, "' needs ", FormatBytes(bytes),
+      " more ", NodeTierName(tier), " memory, but the node's host budget of ",
+      FormatBytes(s.host_budget_bytes), " ", DescribeNodeBudget(s), " has ",
+      FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) ", trimmed,
+      ": ", DescribeNodeRanks(s),
+      ". Offload more state to NVMe (offload_optimizer.device / offload_param.device = nvme), run "
+      "fewer ranks per node, or raise SPILLWAY_NODE_BUDGET_BYTES (SPILLWAY_NODE_RESERVE_BYTES) "
+      "if the node's memory holds more than the reserve keeps back");
+}
+
+Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
+                           std::chrono::milliseconds timeout, const std::string& detail) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Admit"));
+  if (left_.load(std::memory_order_acquire)) {
+    return Status::FailedPrecondition("node governor: Admit after this rank left the node");
+  }
+  const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  {
+    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (segment_->local_world_size == 0) {
+      return Status::FailedPrecondition(
+          StrCat("node admission for job '", options_.job,
+                 "': the number of local ranks is not known, so no rank can tell when all have "
+                 "declared; start the ranks with a launcher that sets LOCAL_WORLD_SIZE (torchrun, "
+                 "accelerate) or LOCAL_SIZE (deepspeed), or set LOCAL_WORLD_SIZE yourself"));
+    }
+    Declaration& mine = segment_->declarations[slot_];
+    mine.need += need_bytes;
+    mine.fork += workers_fork_bytes;
+    mine.last_need = need_bytes;
+    mine.last_fork = workers_fork_bytes;
+    mine.round = round;
+  }
+  auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
+    const std::string text = segment_->verdict_text;
+    if (segment_->verdict == Verdict::kFits) return Status::Ok();
+    // A refused round's need is taken back: a retry with a smaller config is judged on its own.
+    Declaration& mine = segment_->declarations[slot_];
+    if (mine.round == round) {
+      mine.need -= std::min(mine.need, mine.last_need);
+      mine.fork -= std::min(mine.fork, mine.last_fork);
+      mine.last_need = mine.last_fork = 0;
+    }
+    if (segment_->verdict == Verdict::kOverBudget) return Status::OverBudget(text);
+    return Status::Make(StatusCode::kUnavailable, text);
+  };
+  auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
+    segment_->verdict_round = round;
+    segment_->verdict = v;
+    std::snprintf(segment_->verdict_text, sizeof(segment_->verdict_text), "%s", text.c_str());
+  };
+  const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
+  while (true) {
+    SPILLWAY_RETURN_IF_ERROR(ReapDead());
+    SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (segment_->verdict_round >= round) return verdict();
+    std::vector<int> missing;
+    for (int r = 0; r < kMaxSlots; ++r) {
+      const bool expected = r < segment_->local_world_size || segment_->slots[r].pid != 0;
+      if (expected && segment_->declarations[r].round < round) missing.push_back(r);
+    }
+    if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
+      const NodeStats snap = node::ReadStats(segment_, path_);
+      uint64_t total = 0;
+      std::string each;
+      int declared = 0;
+      for (int r = 0; r < kMaxSlots; ++r) {
+        const Declaration& d = segment_->declarations[r];
+        if (d.round == 0) continue;
+        ++declared;
+        total += d.need;
+        each += StrCat(each.empty() ? "" : "; ", "local rank ", r, " ", FormatMiB(d.need),
+                       d.fork != 0
+                           ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
+                           : std::string());
+      }
+      if (total <= snap.host_budget_bytes) {
+        write(Verdict::kFits, "");
+      } else {
+        write(Verdict::kOverBudget,
+              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
+                     "' need ", FormatBytes(total),
+                     " of host memory together, more than the node budget of ",
+                     FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
+                     ". Each rank's need: ", each, ". Nothing was allocated.",
+                     detail.empty() ? "" : " ", detail));
+      }
+      return verdict();
+    }
+    if (NowNs() > deadline) {
+      std::string names;
+      for (int r : missing) names += StrCat(names.empty() ? "" : ", ", r);
+      write(Verdict::kAborted,
+            StrCat("node admission: local rank(s) ", names, " of job '", options_.job,
+                   "' did not declare their host memory within ", timeout.count(),
+                   " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
+                   "declared size). Check that they started, or raise "
+                   "SPILLWAY_NODE_ADMIT_TIMEOUT"));
+      return verdict();
+    }
+    { auto unlock = std::move(lock); }
+    SleepMs(5);
+  }
+}
+
+}  // namespace spillway::allocator

@@ -1,0 +1,93 @@
+// The node budget in words: the tier names, where the budget came from, what each rank holds, and
+// NodeStats' table (`spillway node` and the over-budget messages). Note [Node governor] in
+// docs/allocator.md.
+#include <cstdio>
+#include <sstream>
+
+#include "spillway/allocator/node_governor.h"
+#include "spillway/base/bytes.h"
+
+namespace spillway::allocator {
+
+const char* NodeTierName(NodeTier tier) {
+  static constexpr const char* kNames[kNodeTierCount] = {"pinned", "pageable", "nvme"};
+  return kNames[static_cast<int>(tier)];
+}
+
+std::string DescribeNodeBudget(const NodeStats& s) {
+  if (s.budget_explicit) {
+    return StrCat(
+        "(set for this job by SPILLWAY_NODE_BUDGET_BYTES or SPILLWAY_NODE_RESERVE_BYTES; "
+        "the memory limit is ",
+        FormatBytes(s.memory_limit_bytes), ")");
+  }
+  return StrCat("(the memory limit ", FormatBytes(s.memory_limit_bytes), " less a reserve of ",
+                FormatBytes(s.reserve_bytes),
+                " for the OS, the page cache and what no arena counts)");
+}
+
+namespace {
+
+// "optimizer_state 2.5 MiB, param 1.0 MiB": the kinds that hold bytes.
+std::string KindsText(const KindBytes& by_kind) {
+  std::string out;
+  for (int k = 0; k < kKindCount; ++k) {
+    if (by_kind[k] == 0) continue;
+    out +=
+        StrCat(out.empty() ? "" : ", ", KindName(static_cast<Kind>(k)), " ", FormatMiB(by_kind[k]));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string DescribeNodeRanks(const NodeStats& stats) {
+  std::string out;
+  for (const NodeRankStats& r : stats.ranks) {
+    out += StrCat(out.empty() ? "" : "; ", "local rank ", r.local_rank, " (pid ", r.pid,
+                  ") pinned ", FormatMiB(r.bytes[0]), ", pageable ", FormatMiB(r.bytes[1]));
+    if (r.bytes[2] != 0) out += StrCat(", nvme ", FormatMiB(r.bytes[2]));
+    const std::string kinds = KindsText(r.host_by_kind);
+    if (!kinds.empty()) out += StrCat(" [", kinds, "]");
+    if (r.workers != 0) {
+      out += StrCat(", ", r.workers, " workers' private ", FormatMiB(r.workers_private_bytes));
+    }
+  }
+  return out.empty() ? "no rank holds anything" : out;
+}
+
+std::string Cell(uint64_t bytes) { return bytes == 0 ? "-" : FormatMiB(bytes); }
+
+std::string NodeStats::ToString() const {
+  std::ostringstream out;
+  out << "job " << job << "  (segment " << path << ")\n";
+  out << "host budget " << FormatBytes(host_budget_bytes) << " " << DescribeNodeBudget(*this)
+      << "\n";
+  out << "host committed " << FormatBytes(host_committed_bytes) << " (peak "
+      << FormatBytes(peak_host_committed_bytes) << "), headroom "
+      << FormatBytes(host_headroom_bytes) << "\n";
+  out << "nvme committed " << FormatBytes(nvme_committed_bytes) << ", budget "
+      << (nvme_budget_bytes == 0 ? std::string("not capped") : FormatBytes(nvme_budget_bytes))
+      << "\n";
+  out << "ranks " << ranks.size() << " of " << local_world_size << " expected; reaped "
+      << reaped_ranks << ", trim requests " << trim_requests << ", refusals " << over_budget_count
+      << "\n\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-5s %-8s %12s %12s %12s %12s %12s %16s  %s\n", "rank", "pid",
+                "pinned", "pageable", "nvme", "peak host", "declared", "workers", "by kind");
+  out << line;
+  for (const NodeRankStats& r : ranks) {
+    const std::string kinds = KindsText(r.host_by_kind);
+    const std::string workers =
+        r.workers == 0 ? "-" : StrCat(r.workers, " / ", FormatMiB(r.workers_private_bytes));
+    std::snprintf(line, sizeof(line), "%-5d %-8d %12s %12s %12s %12s %12s %16s  %s\n", r.local_rank,
+                  static_cast<int>(r.pid), Cell(r.bytes[0]).c_str(), Cell(r.bytes[1]).c_str(),
+                  Cell(r.bytes[2]).c_str(), Cell(r.peak_host_bytes).c_str(),
+                  Cell(r.declared_bytes).c_str(), workers.c_str(),
+                  kinds.empty() ? "-" : kinds.c_str());
+    out << line;
+  }
+  return out.str();
+}
+
+}  // namespace spillway::allocator
