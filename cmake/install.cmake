@@ -1,13 +1,13 @@
 # `cmake --install` and find_package(spillway): the libraries, their public headers, and a package
 # config that finds what they link. A consumer writes
 #     find_package(spillway REQUIRED)
-#     target_link_libraries(app PRIVATE spillway::engine)   # or base, allocator, offload, metrics, trainer
+#     target_link_libraries(app PRIVATE spillway::engine)   # or base, allocator, aio, offload, metrics, trainer
 # tests/package builds such a consumer against an installed tree.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-set(spillway_exported spillway_base spillway_allocator spillway_offload spillway_engine spillway_metrics)
-set(spillway_header_dirs base allocator offload engine metrics)
+set(spillway_exported spillway_base spillway_allocator spillway_aio spillway_offload spillway_engine spillway_metrics)
+set(spillway_header_dirs base allocator aio offload engine metrics)
 if(SPILLWAY_WITH_TORCH)
   list(APPEND spillway_exported spillway_trainer)
   list(APPEND spillway_header_dirs trainer)

@@ -1,5 +1,5 @@
 // The `spillway._spillway` extension: Spillway's host arena for Python, the exceptions, and the
-// bindings of the parts in their own files (aio_handle.cc, torch_allocators.cc, engine.cc).
+// bindings of the parts in their own files (aio_binding.cc, torch_allocators.cc, engine.cc).
 // Pure-Python parts (exceptions, spillway.deepspeed, spillway.metrics) live in python/spillway/.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "aio_handle.h"
+#include "aio_binding.h"
 #include "errors.h"
 #include "log_bridge.h"
 #include "py_arena.h"

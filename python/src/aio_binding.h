@@ -1,6 +1,5 @@
-// spillway.aio_handle: DeepSpeed's aio_handle contract on Spillway's I/O engine, safe to share
-// between Python threads; every op goes to the file the caller names at the time of the call
-// (docs/python.md, Note [aio_handle]).
+// spillway.aio_handle: the binding of spillway::aio::AioHandle, DeepSpeed's aio_handle contract on
+// Spillway's I/O engine (Note [aio_handle] in docs/aio.md).
 #pragma once
 
 #include <pybind11/pybind11.h>

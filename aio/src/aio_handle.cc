@@ -1,14 +1,14 @@
-// spillway.aio_handle: DeepSpeed's aio_handle contract on Spillway's I/O engine (docs/python.md,
-// Note [aio_handle]). Owns the file table (named files kept open, checked against the path on every
-// use), the pending async ops, and the rules that make one handle safe to share between threads.
-#include "aio_handle.h"
+// AioHandle: DeepSpeed's aio_handle contract on Spillway's I/O engine. Owns the file table (named
+// files kept open, checked against the path on every use), the pending async ops, and the rules
+// that make one handle safe to share between threads. Note [aio_handle] in docs/aio.md.
+#include "spillway/aio/aio_handle.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <torch/extension.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -21,29 +21,17 @@
 #include <utility>
 #include <vector>
 
-#include "errors.h"
-#include "py_arena.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/base/log.h"
 
-namespace py = pybind11;
-
-namespace spillway::python {
+namespace spillway::aio {
 namespace {
 
-// A contiguous CPU tensor's bytes, or InvalidArgument naming what is wrong with it.
-Result<std::pair<void*, uint64_t>> TensorBytes(const torch::Tensor& t, const char* what) {
-  if (!t.defined()) return Status::InvalidArgument(StrCat(what, ": an undefined tensor"));
-  if (!t.device().is_cpu()) {
-    return Status::InvalidArgument(
-        StrCat(what, ": the tensor is on ", t.device().str(),
-               "; aio transfers need a CPU tensor (copy it with .cpu())"));
-  }
-  if (!t.is_contiguous()) {
-    return Status::InvalidArgument(
-        StrCat(what, ": the tensor is not contiguous; pass t.contiguous()"));
-  }
-  return std::make_pair(t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size());
+// O_DIRECT's alignment of offsets, sizes and addresses, and the engine's chunk granule.
+constexpr uint64_t kDirectAlign = 4096;
+
+Status ClosedError() {
+  return Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed; make a new one");
 }
 
 // One descriptor registered with the engine. A named file's entry is shared by the table and by the
@@ -68,167 +56,32 @@ struct Pending {
   uint64_t seq = 0;
   std::string what;
   FilePtr file;
-  torch::Tensor keep;  // the buffer stays alive until the op is waited for
-  bool done = false;   // completed early (to free its file's slot); `status` is its result
-  bool ready = true;   // for done ops: false while the thread that completes it is still waiting
+  std::shared_ptr<const void> keep;  // the buffer stays alive until the op is waited for
+  bool done = false;  // completed early (to free its file's slot); `status` is its result
+  bool ready = true;  // for done ops: false while the thread that completes it is still waiting
   Status status;
 };
 
-// Thread-safe. Python entry points validate their tensors with the GIL held, then release it before
-// taking mu_, so a thread holding mu_ never waits for the GIL. mu_ is never held across a syscall,
-// an engine call or a wait: lookups pin a file (users), the work happens unlocked, and the last
-// user of a file that left the table unregisters and closes it.
+}  // namespace
+
+// The handle's state. mu_ is never held across a syscall, an engine call or a wait: lookups pin a
+// file (users), the work happens unlocked, and the last user of a file that left the table
+// unregisters and closes it.
 //
-// Invariants: every op submitted has a seq in outstanding_ until its wait finished; wait() returns
+// Invariants: every op submitted has a seq in outstanding_ until its wait finished; Wait() returns
 // only when every op submitted before it, by any thread, has finished.
-class AioHandle {
+class AioHandleImpl {
  public:
-  AioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-            int intra_op_parallelism, std::shared_ptr<PyArena> arena, const std::string& backend)
-      : block_size_(block_size),
-        queue_depth_(queue_depth),
-        single_submit_(single_submit),
-        overlap_events_(overlap_events),
-        intra_op_(intra_op_parallelism),
-        arena_(std::move(arena)) {
-    if (block_size == 0 || queue_depth <= 0 || intra_op_parallelism <= 0) {
-      Raise(Status::InvalidArgument(
-          StrCat("aio_handle(block_size=", block_size, ", queue_depth=", queue_depth,
-                 ", intra_op_parallelism=", intra_op_parallelism, "): each must be positive")));
-    }
-    if (backend != "auto" && backend != "uring" && backend != "thread_pool") {
-      Raise(Status::InvalidArgument(
-          StrCat("aio_handle(backend='", backend, "'): one of 'auto', 'uring', 'thread_pool'")));
-    }
-    allocator::IoEngineOptions eo;
-    eo.arena = arena_->get();
-    // DeepSpeed's op takes any block size (it is how it cuts an op into iocbs); the engine's chunks
-    // are whole pages, so a smaller or odd one is rounded up to the next 4 KiB for the engine, and
-    // get_block_size() still says what was asked. A chunk size changes no byte of the transfer.
-    eo.block_size = (block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
-    eo.queue_depth = static_cast<uint32_t>(queue_depth);
-    eo.force_thread_pool = backend == "thread_pool";
-    engine_ =
-        std::shared_ptr<allocator::IoEngine>(Check(allocator::IoEngine::Create(eo)).release());
-    if (backend == "uring" && engine_->Stats().backend != allocator::IoBackend::kUring) {
-      Raise(Status::Make(
-          StatusCode::kUnavailable,
-          StrCat("aio_handle(backend='uring'): io_uring is not available here (",
-                 engine_->Stats().fallback_reason, "); use backend='auto' or 'thread_pool'")));
-    }
-  }
-  ~AioHandle() {
-    if (!process_.InOwner()) {
-      // A forked child: the ring, its threads and the files are the parent's. Destroying them here
-      // would join threads the child does not have and free buffers into the parent's arena, so
-      // they are left to the child's exit.
-      new std::shared_ptr<allocator::IoEngine>(std::move(engine_));
-      new std::map<std::string, FilePtr>(std::move(files_));
-      new std::vector<Pending>(std::move(pending_));
-      new std::vector<Pending>(std::move(done_early_));
-      new std::map<const void*, c10::Storage>(std::move(locked_));
-      return;
-    }
-    py::gil_scoped_release nogil;
-    CloseNoGil();
-  }
+  AioHandleImpl(int intra_op_parallelism, std::shared_ptr<allocator::IoEngine> engine)
+      : intra_op_(intra_op_parallelism), engine_(std::move(engine)) {}
 
-  void Close() {
-    CheckProcess();
-    py::gil_scoped_release nogil;
-    CloseNoGil();
-  }
-
-  uint64_t block_size() const { return block_size_; }
-  int queue_depth() const { return queue_depth_; }
-  bool single_submit() const { return single_submit_; }
-  bool overlap_events() const { return overlap_events_; }
-  int intra_op_parallelism() const { return intra_op_; }
-  int alignment() const { return intra_op_ * 512; }
-  std::string last_error() {
-    CheckProcess();
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    return last_error_;
-  }
-
-  // DeepSpeed's read/write: one op, on its own (its pending async ops are left to wait()).
-  int Read(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, false, Mode::kAlone, validate) < 0 ? -1 : 0;
-  }
-  int Write(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, true, Mode::kAlone, validate) < 0 ? -1 : 0;
-  }
-  // pread/pwrite, and sync_pread/sync_pwrite (async false): as DeepSpeed's, a sync call schedules
-  // its op and then waits like wait(), for the async ops before it too, and returns how many ops
-  // completed.
-  int Pread(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, false, async ? Mode::kAsync : Mode::kSync, validate);
-  }
-  int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, true, async ? Mode::kAsync : Mode::kSync, validate);
-  }
-  int PwriteFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, true, Mode::kAsync, false);
-  }
-  int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, false, Mode::kAsync, false);
-  }
-
-  // Waits for this handle's async ops: those it takes, and those other threads' wait() calls took
-  // that were submitted before this call. Returns how many it took, -1 if any failed.
-  int Wait() {
-    CheckProcess();
-    Status closed;
-    int result = 0;
-    {
-      py::gil_scoped_release nogil;
-      result = WaitNoGil(&closed);
-    }
-    if (!closed.ok()) Raise(closed);
-    return result;
-  }
-
-  torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
-    CheckProcess();
-    if (num_elem < 0)
-      Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
-    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
-                                    allocator::Lifetime::kPersistent, 0);
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    locked_[t.storage().data()] = t.storage();
-    return t;
-  }
-  bool FreeLockedTensor(const torch::Tensor& t) {
-    CheckProcess();
-    if (!t.defined() || !t.device().is_cpu()) return false;
-    py::gil_scoped_release nogil;
-    c10::Storage dropped;  // released after the lock (its deleter may free arena memory)
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = locked_.find(t.storage().data());
-    if (it == locked_.end()) return false;
-    dropped = std::move(it->second);
-    locked_.erase(it);
-    return true;
-  }
-  // Page-locked: memory of this handle's arena when that arena pins (not a pageable one), or memory
-  // torch itself reports as pinned.
-  bool IsPinned(const torch::Tensor& t) const {
-    CheckProcess();
-    const bool arena_pins = arena_->get()->pin_mode() != allocator::PinMode::kPageable;
-    return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
-  }
-
- private:
   // Open descriptors kept at most (half the engine's fixed-file slots): past that, the least
   // recently used one with no call in progress leaves the table (closed when its ops finish).
   static constexpr size_t kMaxOpenFiles = 128;
-  static constexpr uint64_t kDirectAlign = 4096;
 
-  // wait()'s body, without the GIL: the ops submitted before it, or (a sync op's drain) before
+  // Wait()'s body: the ops submitted before it, or (a sync op's drain) before
   // seq `before` only. `closed` receives the error of a closed handle.
-  int WaitNoGil(Status* closed, uint64_t before = UINT64_MAX) {
+  int Wait(Status* closed, uint64_t before = UINT64_MAX) {
     std::vector<Pending> ops;
     std::shared_ptr<allocator::IoEngine> engine;
     uint64_t horizon = 0;
@@ -278,54 +131,19 @@ class AioHandle {
     }
   }
 
-  // Every call in a process forked from the one that made the handle is refused: the child has no
-  // ring thread and must not touch the parent's ring, fixed files or buffers.
-  void CheckProcess() const {
-    if (!process_.InOwner()) {
-      Raise(Status::FailedPrecondition(
-          StrCat("aio_handle was made in process ", process_.pid(),
-                 " and this is a forked child (pid ", ::getpid(),
-                 "); its ring and files belong to the parent. Make a new aio_handle in the "
-                 "child")));
-    }
-  }
-
-  static Status ClosedError() {
-    return Status::Make(StatusCode::kFailedPrecondition, "aio_handle is closed; make a new one");
-  }
-
-  // kAsync: submitted, waited for by wait(). kSync: waits for it and every op pending before it
-  // (DeepSpeed's pread/pwrite with async false). kAlone: waits for it only (read/write).
-  enum class Mode : uint8_t { kAsync, kSync, kAlone };
-
-  // Returns 0 (kAsync, submitted), the number of completed ops (kSync: 1 and the async ops pending
-  // before it; kAlone: 1), or -1 with last_error.
-  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
-               bool write, Mode mode, bool validate) {
-    (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
-    CheckProcess();
-    auto bytes = TensorBytes(buffer, write ? "aio write" : "aio read");
-    if (!bytes.ok()) Raise(bytes.status());
-    Status raise;
-    int rc = 0;
-    {
-      py::gil_scoped_release nogil;
-      rc = TransferNoGil(buffer, bytes->first, bytes->second, filename, fd, offset, write, mode,
-                         &raise);
-    }
-    if (!raise.ok()) Raise(raise);
-    return rc;
-  }
-
   int Fail(const std::string& message) {
     std::lock_guard<std::mutex> lock(mu_);
     last_error_ = message;
     return -1;
   }
 
-  int TransferNoGil(const torch::Tensor& buffer, void* data, uint64_t n,
-                    const std::string& filename, int fd, int64_t offset, bool write, Mode mode,
-                    Status* raise) {
+  // Submit's body: returns 0 (kAsync, submitted), the number of completed ops (kSync: 1 and the
+  // async ops pending before it; kAlone: 1), or -1 with last_error. `raise` receives the error of
+  // a closed handle.
+  int Transfer(AioBuffer buffer, const std::string& filename, int fd, int64_t offset, bool write,
+               AioMode mode, Status* raise) {
+    void* const data = buffer.data;
+    const uint64_t n = buffer.bytes;
     const char* op = write ? "pwrite" : "pread";
     const std::string name = fd >= 0 ? StrCat("fd ", fd) : filename;
     if (offset < 0) return Fail(StrCat(op, " ", name, ": negative file offset ", offset));
@@ -346,7 +164,7 @@ class AioHandle {
       return -1;
     }
     struct Active {
-      AioHandle* h;
+      AioHandleImpl* h;
       ~Active() {
         {
           std::lock_guard<std::mutex> lock(h->mu_);
@@ -372,11 +190,11 @@ class AioHandle {
     }
     if (n == 0) {
       Unpin(f);
-      if (mode == Mode::kSync) {
-        const int earlier = WaitNoGil(raise);
+      if (mode == AioMode::kSync) {
+        const int earlier = Wait(raise);
         return earlier < 0 ? -1 : 1 + earlier;
       }
-      return mode == Mode::kAsync ? 0 : 1;
+      return mode == AioMode::kAsync ? 0 : 1;
     }
     Result<allocator::Ticket> t =
         write ? engine->SubmitWrite(f->id, static_cast<uint64_t>(offset), data, n)
@@ -386,9 +204,9 @@ class AioHandle {
       return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
     }
     std::unique_lock<std::mutex> lock(mu_);
-    Pending p{*t, next_seq_++, StrCat(op, " ", name), f, buffer};
+    Pending p{*t, next_seq_++, StrCat(op, " ", name), f, std::move(buffer.keep)};
     outstanding_.insert(p.seq);
-    if (mode == Mode::kAsync) {
+    if (mode == AioMode::kAsync) {
       pending_.push_back(std::move(p));  // f stays pinned by the op until it is waited for
       return 0;
     }
@@ -400,7 +218,7 @@ class AioHandle {
     const std::string error = Finish(engine.get(), &one);
     // kSync: then the async ops submitted before it, as wait() does (DeepSpeed's _wait_locked()),
     // never those other threads submitted while it ran: those are their wait()'s.
-    const int earlier = mode == Mode::kSync ? WaitNoGil(raise, own) : 0;
+    const int earlier = mode == AioMode::kSync ? Wait(raise, own) : 0;
     if (!error.empty()) return Fail(error);
     return earlier < 0 ? -1 : 1 + earlier;
   }
@@ -532,8 +350,7 @@ class AioHandle {
         if (lru == files_.end()) break;
         for (auto p = pending_.begin(); p != pending_.end();) {
           if (p->file == lru->second) {
-            early.push_back(
-                {p->ticket, p->seq, p->what, p->file, torch::Tensor(), true, false, Status()});
+            early.push_back({p->ticket, p->seq, p->what, p->file, nullptr, true, false, Status()});
             done_early_.push_back(std::move(*p));  // visible to wait()/close() from now on
             done_early_.back().done = true;
             done_early_.back().ready = false;
@@ -619,7 +436,7 @@ class AioHandle {
     if (f->owned) ::close(f->fd);
   }
 
-  void CloseNoGil() {
+  void Close() {
     std::vector<Pending> ops;
     std::vector<Pending> unclaimed;  // early-completed ops no wait() took; freed after the lock
     std::vector<FilePtr> files;
@@ -653,12 +470,23 @@ class AioHandle {
     for (const FilePtr& f : files) CloseIfUnused(f);
   }
 
-  const uint64_t block_size_;
-  const int queue_depth_;
-  const bool single_submit_, overlap_events_;
+  std::string LastError() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_error_;
+  }
+
+  // A forked child: the ring, its threads and the files are the parent's. Destroying them here
+  // would join threads the child does not have and free buffers into the parent's arena, so they
+  // are left to the child's exit.
+  void Abandon() {
+    new std::shared_ptr<allocator::IoEngine>(std::move(engine_));
+    new std::map<std::string, FilePtr>(std::move(files_));
+    new std::vector<Pending>(std::move(pending_));
+    new std::vector<Pending>(std::move(done_early_));
+  }
+
+ private:
   const int intra_op_;
-  const std::shared_ptr<PyArena> arena_;
-  const allocator::ProcessTag process_;  // the process that made it (Note [Fork])
   std::atomic<bool> direct_ok_{true};
 
   std::mutex mu_;
@@ -672,74 +500,102 @@ class AioHandle {
   std::set<uint64_t> outstanding_;  // guarded by mu_: submitted, not finished
   uint64_t next_seq_ = 0;           // guarded by mu_
   uint64_t use_clock_ = 0;          // guarded by mu_
-  std::map<const void*, c10::Storage> locked_;  // guarded by mu_
-  std::string last_error_;                      // guarded by mu_
+  std::string last_error_;          // guarded by mu_
 };
 
-}  // namespace
-
-void BindAioHandle(
-    py::module_& m,
-    std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default) {
-  py::class_<AioHandle>(m, "aio_handle")
-      .def(py::init([arena_or_default](uint64_t bs, int qd, bool ss, bool oe, int iop,
-                                       std::shared_ptr<PyArena> arena, const std::string& backend) {
-             return std::make_unique<AioHandle>(bs, qd, ss, oe, iop,
-                                                arena_or_default(std::move(arena)), backend);
-           }),
-           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
-           py::arg("single_submit") = false, py::arg("overlap_events") = false,
-           py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
-           py::arg("backend") = "auto")
-      .def("get_block_size", &AioHandle::block_size)
-      .def("get_queue_depth", &AioHandle::queue_depth)
-      .def("get_single_submit", &AioHandle::single_submit)
-      .def("get_overlap_events", &AioHandle::overlap_events)
-      .def("get_intra_op_parallelism", &AioHandle::intra_op_parallelism)
-      .def("get_alignment", &AioHandle::alignment)
-      .def("get_last_error", &AioHandle::last_error)
-      .def("read", &AioHandle::Read, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
-           py::arg("file_offset") = 0)
-      .def("write", &AioHandle::Write, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
-           py::arg("file_offset") = 0)
-      .def("pread", &AioHandle::Pread, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
-           py::arg("async"), py::arg("file_offset") = 0)
-      .def("pwrite", &AioHandle::Pwrite, py::arg("buffer"), py::arg("filename"),
-           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
-      .def(
-          "sync_pread",
-          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-            return h.Pread(b, f, false, false, o);
-          },
-          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def(
-          "sync_pwrite",
-          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-            return h.Pwrite(b, f, false, false, o);
-          },
-          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def(
-          "async_pread",
-          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-            return h.Pread(b, f, false, true, o);
-          },
-          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def(
-          "async_pwrite",
-          [](AioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
-            return h.Pwrite(b, f, false, true, o);
-          },
-          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
-      .def("async_pwrite", &AioHandle::PwriteFd, py::arg("buffer"), py::arg("fd"),
-           py::arg("file_offset") = 0)
-      .def("async_pread", &AioHandle::PreadFd, py::arg("buffer"), py::arg("fd"),
-           py::arg("file_offset") = 0)
-      .def("wait", &AioHandle::Wait)
-      .def("new_cpu_locked_tensor", &AioHandle::NewLockedTensor, py::arg("num_elem"),
-           py::arg("example_tensor"))
-      .def("free_cpu_locked_tensor", &AioHandle::FreeLockedTensor)
-      .def("is_pinned", &AioHandle::IsPinned)
-      .def("close", &AioHandle::Close);
+Result<std::unique_ptr<AioHandle>> AioHandle::Create(const AioHandleOptions& options) {
+  if (options.block_size == 0 || options.queue_depth <= 0 || options.intra_op_parallelism <= 0) {
+    return Status::InvalidArgument(StrCat(
+        "aio_handle(block_size=", options.block_size, ", queue_depth=", options.queue_depth,
+        ", intra_op_parallelism=", options.intra_op_parallelism, "): each must be positive"));
+  }
+  const std::string& backend = options.backend;
+  if (backend != "auto" && backend != "uring" && backend != "thread_pool") {
+    return Status::InvalidArgument(
+        StrCat("aio_handle(backend='", backend, "'): one of 'auto', 'uring', 'thread_pool'"));
+  }
+  if (options.arena == nullptr) {
+    return Status::InvalidArgument(
+        "aio_handle: no arena for the engine's bounce buffers; pass one");
+  }
+  allocator::IoEngineOptions eo;
+  eo.arena = options.arena;
+  eo.block_size = (options.block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  eo.queue_depth = static_cast<uint32_t>(options.queue_depth);
+  eo.force_thread_pool = backend == "thread_pool";
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<allocator::IoEngine> engine,
+                            allocator::IoEngine::Create(eo));
+  if (backend == "uring" && engine->Stats().backend != allocator::IoBackend::kUring) {
+    return Status::Make(
+        StatusCode::kUnavailable,
+        StrCat("aio_handle(backend='uring'): io_uring is not available here (",
+               engine->Stats().fallback_reason, "); use backend='auto' or 'thread_pool'"));
+  }
+  auto impl = std::make_unique<AioHandleImpl>(
+      options.intra_op_parallelism, std::shared_ptr<allocator::IoEngine>(std::move(engine)));
+  return std::unique_ptr<AioHandle>(new AioHandle(options, std::move(impl)));
 }
 
-}  // namespace spillway::python
+AioHandle::AioHandle(const AioHandleOptions& options, std::unique_ptr<AioHandleImpl> impl)
+    : options_(options), impl_(std::move(impl)) {}
+
+AioHandle::~AioHandle() {
+  if (!process_.InOwner()) {
+    impl_->Abandon();
+    // Not destroyed either: its condition variable may count waiters that were the parent's
+    // threads, and destroying it would wait for them.
+    (void)impl_.release();
+    return;
+  }
+  impl_->Close();
+}
+
+// Every call in a process forked from the one that made the handle is refused: the child has no
+// ring thread and must not touch the parent's ring, fixed files or buffers.
+Status AioHandle::CheckProcess() const {
+  if (process_.InOwner()) return Status::Ok();
+  return Status::FailedPrecondition(
+      StrCat("aio_handle was made in process ", process_.pid(), " and this is a forked child (pid ",
+             ::getpid(),
+             "); its ring and files belong to the parent. Make a new aio_handle in the child"));
+}
+
+Result<int> AioHandle::Submit(AioBuffer buffer, const std::string& filename, int64_t offset,
+                              bool write, AioMode mode) {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  Status raise;
+  const int rc = impl_->Transfer(std::move(buffer), filename, -1, offset, write, mode, &raise);
+  SPILLWAY_RETURN_IF_ERROR(raise);
+  return rc;
+}
+
+Result<int> AioHandle::SubmitFd(AioBuffer buffer, int fd, int64_t offset, bool write) {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  if (fd < 0)
+    return impl_->Fail(StrCat(write ? "pwrite" : "pread", " fd ", fd, ": not a descriptor"));
+  Status raise;
+  const int rc = impl_->Transfer(std::move(buffer), "", fd, offset, write, AioMode::kAsync, &raise);
+  SPILLWAY_RETURN_IF_ERROR(raise);
+  return rc;
+}
+
+Result<int> AioHandle::Wait() {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  Status closed;
+  const int rc = impl_->Wait(&closed);
+  SPILLWAY_RETURN_IF_ERROR(closed);
+  return rc;
+}
+
+Status AioHandle::Close() {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  impl_->Close();
+  return Status::Ok();
+}
+
+Result<std::string> AioHandle::last_error() {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  return impl_->LastError();
+}
+
+}  // namespace spillway::aio

@@ -1,0 +1,240 @@
+// spillway.aio_handle: the binding of spillway::aio::AioHandle (aio/), DeepSpeed's aio_handle
+// contract on Spillway's I/O engine. It turns tensors into buffers (checked with the GIL held),
+// releases the GIL for every call into the handle, and keeps the pinned tensors of
+// new_cpu_locked_tensor. Note [aio_handle] in docs/aio.md.
+#include "aio_binding.h"
+
+#include <torch/extension.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "errors.h"
+#include "py_arena.h"
+#include "spillway/aio/aio_handle.h"
+
+namespace py = pybind11;
+
+namespace spillway::python {
+namespace {
+
+// A contiguous CPU tensor's bytes, or InvalidArgument naming what is wrong with it. The buffer
+// holds a reference to the tensor until its op has been waited for.
+Result<aio::AioBuffer> TensorBuffer(const torch::Tensor& t, const char* what) {
+  if (!t.defined()) return Status::InvalidArgument(StrCat(what, ": an undefined tensor"));
+  if (!t.device().is_cpu()) {
+    return Status::InvalidArgument(
+        StrCat(what, ": the tensor is on ", t.device().str(),
+               "; aio transfers need a CPU tensor (copy it with .cpu())"));
+  }
+  if (!t.is_contiguous()) {
+    return Status::InvalidArgument(
+        StrCat(what, ": the tensor is not contiguous; pass t.contiguous()"));
+  }
+  return aio::AioBuffer{t.data_ptr(), static_cast<uint64_t>(t.numel()) * t.element_size(),
+                        std::make_shared<const torch::Tensor>(t)};
+}
+
+// Thread-safe. Entry points validate their tensors with the GIL held, then release it before any
+// call into the handle, so a thread holding the handle's lock never waits for the GIL.
+class PyAioHandle {
+ public:
+  PyAioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
+              int intra_op_parallelism, std::shared_ptr<PyArena> arena, const std::string& backend)
+      : arena_(std::move(arena)) {
+    aio::AioHandleOptions o;
+    o.block_size = block_size;
+    o.queue_depth = queue_depth;
+    o.single_submit = single_submit;
+    o.overlap_events = overlap_events;
+    o.intra_op_parallelism = intra_op_parallelism;
+    o.arena = arena_->get();
+    o.backend = backend;
+    handle_ = Check(aio::AioHandle::Create(o));
+  }
+  ~PyAioHandle() {
+    if (!handle_->CheckProcess().ok()) {
+      // A forked child: the locked tensors are the parent's arena memory (Note [Fork]); the
+      // handle leaves the parent's ring, threads and files alone itself.
+      new std::map<const void*, c10::Storage>(std::move(locked_));
+      return;
+    }
+    py::gil_scoped_release nogil;
+    handle_.reset();  // waits for the ops in flight
+  }
+
+  void Close() {
+    Check(handle_->CheckProcess());
+    py::gil_scoped_release nogil;
+    Check(handle_->Close());
+  }
+
+  uint64_t block_size() const { return handle_->block_size(); }
+  int queue_depth() const { return handle_->queue_depth(); }
+  bool single_submit() const { return handle_->single_submit(); }
+  bool overlap_events() const { return handle_->overlap_events(); }
+  int intra_op_parallelism() const { return handle_->intra_op_parallelism(); }
+  int alignment() const { return handle_->alignment(); }
+  std::string last_error() {
+    Check(handle_->CheckProcess());
+    py::gil_scoped_release nogil;
+    return Check(handle_->last_error());
+  }
+
+  // DeepSpeed's read/write: one op, on its own (its pending async ops are left to wait()).
+  int Read(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
+    return Transfer(b, f, -1, off, false, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
+  }
+  int Write(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
+    return Transfer(b, f, -1, off, true, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
+  }
+  // pread/pwrite, and sync_pread/sync_pwrite (async false): as DeepSpeed's, a sync call schedules
+  // its op and then waits like wait(), for the async ops before it too, and returns how many ops
+  // completed.
+  int Pread(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
+    return Transfer(b, f, -1, off, false, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
+                    validate);
+  }
+  int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
+    return Transfer(b, f, -1, off, true, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
+                    validate);
+  }
+  int PwriteFd(const torch::Tensor& b, int fd, int64_t off) {
+    return Transfer(b, "", fd, off, true, aio::AioMode::kAsync, false);
+  }
+  int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
+    return Transfer(b, "", fd, off, false, aio::AioMode::kAsync, false);
+  }
+
+  int Wait() {
+    Check(handle_->CheckProcess());
+    Result<int> r = 0;
+    {
+      py::gil_scoped_release nogil;
+      r = handle_->Wait();
+    }
+    return Check(std::move(r));
+  }
+
+  torch::Tensor NewLockedTensor(int64_t num_elem, const torch::Tensor& example) {
+    Check(handle_->CheckProcess());
+    if (num_elem < 0)
+      Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
+    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
+                                    allocator::Lifetime::kPersistent, 0);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    locked_[t.storage().data()] = t.storage();
+    return t;
+  }
+  bool FreeLockedTensor(const torch::Tensor& t) {
+    Check(handle_->CheckProcess());
+    if (!t.defined() || !t.device().is_cpu()) return false;
+    py::gil_scoped_release nogil;
+    c10::Storage dropped;  // released after the lock (its deleter may free arena memory)
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = locked_.find(t.storage().data());
+    if (it == locked_.end()) return false;
+    dropped = std::move(it->second);
+    locked_.erase(it);
+    return true;
+  }
+  // Page-locked: memory of this handle's arena when that arena pins (not a pageable one), or memory
+  // torch itself reports as pinned.
+  bool IsPinned(const torch::Tensor& t) const {
+    Check(handle_->CheckProcess());
+    const bool arena_pins = arena_->get()->pin_mode() != allocator::PinMode::kPageable;
+    return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
+  }
+
+ private:
+  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
+               bool write, aio::AioMode mode, bool validate) {
+    (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
+    Check(handle_->CheckProcess());
+    aio::AioBuffer b = Check(TensorBuffer(buffer, write ? "aio write" : "aio read"));
+    Result<int> r = 0;
+    {
+      py::gil_scoped_release nogil;
+      r = fd >= 0 ? handle_->SubmitFd(std::move(b), fd, offset, write)
+                  : handle_->Submit(std::move(b), filename, offset, write, mode);
+    }
+    return Check(std::move(r));
+  }
+
+  const std::shared_ptr<PyArena> arena_;  // declared first: the engine's arena outlives the handle
+  std::unique_ptr<aio::AioHandle> handle_;
+  std::mutex mu_;
+  std::map<const void*, c10::Storage> locked_;  // guarded by mu_
+};
+
+}  // namespace
+
+void BindAioHandle(
+    py::module_& m,
+    std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default) {
+  py::class_<PyAioHandle>(m, "aio_handle")
+      .def(py::init([arena_or_default](uint64_t bs, int qd, bool ss, bool oe, int iop,
+                                       std::shared_ptr<PyArena> arena, const std::string& backend) {
+             return std::make_unique<PyAioHandle>(bs, qd, ss, oe, iop,
+                                                  arena_or_default(std::move(arena)), backend);
+           }),
+           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
+           py::arg("single_submit") = false, py::arg("overlap_events") = false,
+           py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
+           py::arg("backend") = "auto")
+      .def("get_block_size", &PyAioHandle::block_size)
+      .def("get_queue_depth", &PyAioHandle::queue_depth)
+      .def("get_single_submit", &PyAioHandle::single_submit)
+      .def("get_overlap_events", &PyAioHandle::overlap_events)
+      .def("get_intra_op_parallelism", &PyAioHandle::intra_op_parallelism)
+      .def("get_alignment", &PyAioHandle::alignment)
+      .def("get_last_error", &PyAioHandle::last_error)
+      .def("read", &PyAioHandle::Read, py::arg("buffer"), py::arg("filename"), py::arg("validate"),
+           py::arg("file_offset") = 0)
+      .def("write", &PyAioHandle::Write, py::arg("buffer"), py::arg("filename"),
+           py::arg("validate"), py::arg("file_offset") = 0)
+      .def("pread", &PyAioHandle::Pread, py::arg("buffer"), py::arg("filename"),
+           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+      .def("pwrite", &PyAioHandle::Pwrite, py::arg("buffer"), py::arg("filename"),
+           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+      .def(
+          "sync_pread",
+          [](PyAioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pread(b, f, false, false, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "sync_pwrite",
+          [](PyAioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pwrite(b, f, false, false, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "async_pread",
+          [](PyAioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pread(b, f, false, true, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def(
+          "async_pwrite",
+          [](PyAioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
+            return h.Pwrite(b, f, false, true, o);
+          },
+          py::arg("buffer"), py::arg("filename"), py::arg("file_offset") = 0)
+      .def("async_pwrite", &PyAioHandle::PwriteFd, py::arg("buffer"), py::arg("fd"),
+           py::arg("file_offset") = 0)
+      .def("async_pread", &PyAioHandle::PreadFd, py::arg("buffer"), py::arg("fd"),
+           py::arg("file_offset") = 0)
+      .def("wait", &PyAioHandle::Wait)
+      .def("new_cpu_locked_tensor", &PyAioHandle::NewLockedTensor, py::arg("num_elem"),
+           py::arg("example_tensor"))
+      .def("free_cpu_locked_tensor", &PyAioHandle::FreeLockedTensor)
+      .def("is_pinned", &PyAioHandle::IsPinned)
+      .def("close", &PyAioHandle::Close);
+}
+
+}  // namespace spillway::python
