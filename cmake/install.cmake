@@ -1,7 +1,8 @@
 # `cmake --install` and find_package(spillway): the libraries, their public headers, and a package
-# config that finds what they link. A consumer writes
-#     find_package(spillway REQUIRED)
-#     target_link_libraries(app PRIVATE spillway::engine)   # or base, allocator, aio, offload, metrics, trainer
+# config that finds what they link, per component. A consumer writes
+#     find_package(spillway REQUIRED COMPONENTS engine)   # or base, allocator, aio, offload, metrics, trainer
+#     target_link_libraries(app PRIVATE spillway::engine)
+# (no COMPONENTS: every component this build has).
 # tests/package builds such a consumer against an installed tree.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -21,16 +22,27 @@ endforeach()
 # flags never reach a consumer's compile lines.
 set_target_properties(spillway_warnings PROPERTIES EXPORT_NAME warnings)
 
-install(TARGETS ${spillway_exported} spillway_warnings EXPORT spillway-targets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+# One export set per component, so find_package(spillway COMPONENTS allocator) loads (and finds the
+# dependencies of) the allocator and what it links, never torch's or prometheus-cpp's targets.
+# spillway_warnings is in base's set: every library links it (link-only).
+foreach(t IN LISTS spillway_exported)
+  string(REPLACE "spillway_" "" short "${t}")
+  set(extra "")
+  if(short STREQUAL "base")
+    set(extra spillway_warnings)
+  endif()
+  install(TARGETS ${t} ${extra} EXPORT spillway-${short}-targets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(EXPORT spillway-${short}-targets NAMESPACE spillway:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
+endforeach()
+string(REPLACE "spillway_" "" SPILLWAY_COMPONENTS "${spillway_exported}")
 foreach(d IN LISTS spillway_header_dirs)
   # cuda_status.h is for Spillway's own CUDA translation units (it includes the CUDA runtime's
   # header); it is not part of the interface.
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${d}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
           FILES_MATCHING PATTERN "*.h" PATTERN "cuda_status.h" EXCLUDE)
 endforeach()
-install(EXPORT spillway-targets NAMESPACE spillway:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/spillway-config.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/spillway-config.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/spillway)
