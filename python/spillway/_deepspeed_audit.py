@@ -6,6 +6,9 @@ import warnings
 
 import torch
 
+from . import _torch_allocators
+from ._deepspeed_common import _deepspeed_version
+
 
 class AuditWarning(UserWarning):
     """Some of DeepSpeed's offloaded host state is not in Spillway's arenas."""
@@ -66,10 +69,7 @@ def audit(engine):
     deepspeed (version), total_bytes, covered_bytes, by_kind ({kind: bytes}), missed (a list of
     {name, kind, bytes}), small_bytes (tensors below spillway.install's small_bytes, which stay
     torch's by design), tensors (how many were looked at)."""
-    import spillway  # noqa: PLC0415
-    from .deepspeed import _deepspeed_version  # noqa: PLC0415
-
-    runtime = spillway.installed()
+    runtime = _torch_allocators.installed()
     arenas = runtime.arenas if runtime is not None else ()
     # Below the router's small_bytes a tagged allocation stays torch's by design (a page each would
     # waste more than it holds): such tensors are counted apart, not as missed.

@@ -28,7 +28,8 @@ import zipfile
 
 import torch
 
-from . import _spillway
+from . import _spillway, _torch_allocators
+from ._log import logger
 from .safetensors_stream import _fsync_directory
 
 MANIFEST = "spillway-checkpoint-rank{rank:05d}.json"
@@ -205,8 +206,6 @@ def load_file(path, map_location=None):
         mappable = zipfile.is_zipfile(f)
     if mappable:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
-    from ._log import logger  # noqa: PLC0415
-
     logger.info("spillway.deepspeed: %s is in torch's legacy format (written with checkpoint_serialization "
                 "false): torch.load reads it whole into memory", path)
     return torch.load(path, map_location=map_location, weights_only=False)
@@ -293,8 +292,6 @@ def state_in_place(basic):
     if not isinstance(basic, torch.optim.Optimizer):
         yield
         return
-    import spillway  # noqa: PLC0415
-
     kept = {}
 
     def before(opt, state_dict):
@@ -312,7 +309,8 @@ def state_in_place(basic):
                     o.copy_(v)
                     s[key] = o
                     continue
-                tagged = spillway.tag("optimizer_state") if spillway.installed() else contextlib.nullcontext()
+                tagged = (_torch_allocators.tag("optimizer_state") if _torch_allocators.installed()
+                          else contextlib.nullcontext())
                 with tagged:
                     fresh = torch.empty_like(v, memory_format=torch.contiguous_format)
                 fresh.copy_(v)

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from . import _spillway
+from . import _spillway, _torch_allocators
+from . import safetensors_stream as st
 
 
 # DeepSpeed releases on which the weights two ranks gather one parameter at a time were checked
@@ -52,8 +53,6 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     have left the save's collectives: rank 0's own exception there, spillway.IoError elsewhere."""
     import deepspeed  # noqa: PLC0415
     import deepspeed.comm as dist  # noqa: PLC0415
-
-    from . import safetensors_stream as st  # noqa: PLC0415
 
     if not engine.zero_optimization_partition_weights():
         raise _spillway.InvalidArgument(
@@ -101,10 +100,9 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         # host copy of it); else torch's allocator does, on every rank. One rank refusing a gather
         # with OverBudget would leave the others waiting in the all-gather.
         import contextlib  # noqa: PLC0415
-        import spillway  # noqa: PLC0415
         from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
-        runtime = spillway.installed()
+        runtime = _torch_allocators.installed()
         room = 0
         if runtime is not None:
             s = runtime.host.stats()
@@ -120,7 +118,7 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
         in_arena, ok = bool(agreed[0].item()), bool(agreed[1].item())
 
         def gathering():
-            return spillway.tag("checkpoint") if in_arena else contextlib.nullcontext()
+            return _torch_allocators.tag("checkpoint") if in_arena else contextlib.nullcontext()
 
         files = []
         if ok:  # else rank 0 could not open the checkpoint, and every rank knows: nothing to gather

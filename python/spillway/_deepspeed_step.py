@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from . import _spillway
+from ._deepspeed_common import _patch
 
 # DeepSpeedZeroOptimizer_Stage3's per-sub-group sequence in step(), read from DeepSpeed 0.19.8:
 #   unscale_and_clip_grads(i, norm)                grad *= 1 / combined_scale        (pass 1)
@@ -354,7 +355,6 @@ def _verified_range(which, name):
 def _install_step():
     """Patches the seam where this DeepSpeed has it as verified (by what its functions are, not by
     its version string); otherwise says once why not."""
-    from .deepspeed import _patch  # noqa: PLC0415
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
 

@@ -21,7 +21,8 @@ import threading
 
 import torch
 
-from . import _spillway
+from . import _metrics_registry, _spillway, _torch_allocators
+from ._log import logger
 
 _lock = threading.Lock()
 _stores = {}    # (pid, nvme_path) -> _SwapStore
@@ -54,21 +55,17 @@ def _budget():
 
 
 def _store_for(nvme_path, block_size, queue_depth):
-    import spillway  # noqa: PLC0415
-
     key = (os.getpid(), os.path.realpath(nvme_path))
     with _lock:
         store = _stores.get(key)
         made = store is None
         if made:
-            runtime = spillway.installed()
+            runtime = _torch_allocators.installed()
             host = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else \
-                spillway.default_arena()
+                _spillway.default_arena()
             store = _stores[key] = _spillway._SwapStore(key[1], _budget(), block_size, queue_depth, host)
     if made:
-        from . import metrics  # noqa: PLC0415
-
-        metrics._watch_swap_store(store)
+        _metrics_registry.watch_swap_store(store)
     return store
 
 
@@ -84,8 +81,6 @@ def register(folder, nvme_path, block_size, queue_depth, wipe=False):
     for path in stale:
         os.unlink(path)
     if stale:
-        from ._log import logger  # noqa: PLC0415
-
         logger.warning("spillway.deepspeed: removed %d swap files an earlier run left in %s (this run's swapped "
                        "tensors live in Spillway's NVMe arena; a checkpoint's are taken in by load_checkpoint)",
                        len(stale), prefix)

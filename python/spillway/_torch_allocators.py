@@ -8,6 +8,8 @@ import threading
 import torch
 
 from . import _spillway, _torch_abi
+from . import node as _node
+from ._arena import HostArena
 from ._spillway import FailedPrecondition, InvalidArgument, OverBudget, default_host_budget
 
 _runtime = None
@@ -58,9 +60,7 @@ class Runtime:
 
     def mark_step(self):
         """Ends the open step (returns its boundary report, or None) and opens the next."""
-        from . import node  # noqa: PLC0415
-
-        node._sample_workers()  # at most once a second: the workers' private bytes, from /proc
+        _node._sample_workers()  # at most once a second: the workers' private bytes, from /proc
         with self._lock:
             report = self._end_open_step()
             self._step += 1
@@ -71,9 +71,7 @@ class Runtime:
     def next_epoch(self):
         """Ends the open step and epoch (returns the epoch's boundary report, or None before the
         first epoch) and opens the next epoch."""
-        from . import node  # noqa: PLC0415
-
-        ledger = node._epoch_boundary()  # the node's ledger with the ended epoch's workers
+        ledger = _node._epoch_boundary()  # the node's ledger with the ended epoch's workers
         with self._lock:
             self._end_open_step()
             report = None
@@ -97,22 +95,20 @@ def _join_node(node):
     """Joins the job's node budget (spillway.node) when `node` is True, or when it is None and a
     launcher started this process (or SPILLWAY_NODE_JOB names the job) and SPILLWAY_NODE is not 0.
     Returns the node's host budget, or None without one."""
-    from . import node as node_mod  # noqa: PLC0415
-
     if node is None:
         member = os.environ.get("SPILLWAY_NODE_MEMBER")
         if member and member != str(os.getpid()):
             return None  # a child of a rank (it inherited the launcher's variables): not a rank
-        env = node_mod.job()
+        env = _node.job()
         # A launcher that says how many local ranks it started (torchrun, accelerate, deepspeed,
         # Slurm), or a job named explicitly; a lone process with LOCAL_RANK set joins nothing.
         node = os.environ.get("SPILLWAY_NODE", "1") != "0" and bool(env["id"]) and (
             env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0)
     if not node:
         return None
-    if not node_mod.joined():
-        node_mod.join()
-    return node_mod.stats()["host_budget_bytes"]
+    if not _node.joined():
+        _node.join()
+    return _node.stats()["host_budget_bytes"]
 
 
 def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, policy="report", priority=1,
@@ -150,9 +146,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
                 raise FailedPrecondition(
                     "spillway.install(declare_bytes=...) needs a node budget: start the ranks with a "
                     "launcher (LOCAL_RANK) or set SPILLWAY_NODE_JOB, and leave node=None or True")
-            from . import node as node_mod  # noqa: PLC0415
-
-            node_mod.admit(declare_bytes)
+            _node.admit(declare_bytes)
         total = default_host_budget()
         if node_budget is not None:
             budget_bytes = node_budget if budget_bytes is None else budget_bytes
@@ -165,8 +159,6 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
             if value <= 0:
                 raise InvalidArgument(f"spillway.install({name}={value}): must be positive; the default "
                                       f"budget is {total} bytes (3/4 of the memory limit)")
-        from . import HostArena  # noqa: PLC0415 (the package's class; it is defined before this module loads)
-
         host = HostArena(budget_bytes=budget_bytes, pinned=False, policy=policy, name="host")
         pinned = HostArena(budget_bytes=pinned_budget_bytes, pinned=True, policy=policy, name="pinned",
                            share_ledger_with=host)

@@ -37,7 +37,9 @@ rest of the process (memory they handed out must keep freeing through them).
 This module is the install: the allocation sites, the aio op, the step boundary and the guard's
 wrappers. The fused step is in _deepspeed_step.py, the audit in _deepspeed_audit.py and
 save_16bit_model in _deepspeed_save.py; audit, offloaded_tensors, AuditWarning, StepWarning and
-save_16bit_model are spillway.deepspeed's names for them.
+save_16bit_model are spillway.deepspeed's names for them. What this module and those parts share
+(_patch and the record of patched functions uninstall() restores, DeepSpeed's version) is in
+_deepspeed_common.py, which they all import.
 """
 import functools
 import json
@@ -48,8 +50,11 @@ import warnings
 
 import torch
 
-from . import _deepspeed_checkpoint, _deepspeed_swap, _spillway
+from . import _deepspeed_checkpoint, _deepspeed_swap, _spillway, _torch_allocators
+from . import guard as _guard
+from . import node as _node
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
+from ._deepspeed_common import _deepspeed_version, _patch, _patched
 from ._deepspeed_save import save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
 
@@ -101,7 +106,7 @@ _NODE_HINT = (
 
 _saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
 _swap_to_arena = False  # install(nvme_swap="arena"): DeepSpeed's swap files in Spillway's NVMe arena
-_patched = []       # (owner, name, original) for each function wrapped
+# _patched, in _deepspeed_common: (owner, name, original) for each function wrapped
 _missing = []       # sites this DeepSpeed lacks
 
 
@@ -112,9 +117,7 @@ def _aio_handle(*args, arena=None, **kwargs):
     in its ledger and in what spillway.metrics.serve() watches. Without install(), or in a process
     forked after it, the process's default arena."""
     if arena is None:
-        import spillway  # noqa: PLC0415
-
-        runtime = spillway.installed()
+        runtime = _torch_allocators.installed()
         # In a process forked after install() the runtime's arenas are the parent's: a handle the
         # child makes draws on a default arena of the child's own instead.
         if runtime is not None and not _spillway._forked_after_install():
@@ -172,24 +175,16 @@ def _op():
         deepspeed_memcpy=_memcpy)
 
 
-def _deepspeed_version():
-    import deepspeed  # noqa: PLC0415
-
-    return deepspeed.__version__
-
-
 def _tagged(fn, kind, lifetime="persistent"):
-    import spillway  # noqa: PLC0415
-
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
-            with spillway.tag(kind, lifetime):
+            with _torch_allocators.tag(kind, lifetime):
                 return fn(*args, **kwargs)
-        except spillway.OverBudget as e:
+        except _spillway.OverBudget as e:
             if _OVER_BUDGET_HINT in str(e):
                 raise
-            raise spillway.OverBudget(f"{e} (in DeepSpeed's {fn.__qualname__}, {kind}).{_OVER_BUDGET_HINT}") from e
+            raise _spillway.OverBudget(f"{e} (in DeepSpeed's {fn.__qualname__}, {kind}).{_OVER_BUDGET_HINT}") from e
     wrapped.__spillway_original__ = fn
     return wrapped
 
@@ -228,7 +223,6 @@ def _while_initializing(fn, kind):
 
 
 def _retag_zero12_buffers(opt):
-    import spillway  # noqa: PLC0415
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     if not getattr(opt, "cpu_offload", False):
@@ -238,7 +232,7 @@ def _retag_zero12_buffers(opt):
     def remade(t, kind):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
             return t
-        with spillway.tag(kind):
+        with _torch_allocators.tag(kind):
             new = torch.empty_like(t)
             if pin:
                 new = get_accelerator().pin_memory(new)
@@ -251,14 +245,7 @@ def _retag_zero12_buffers(opt):
         opt.temp_grad_buffer_for_cpu_offload = remade(opt.temp_grad_buffer_for_cpu_offload, "grad")
 
 
-def _patch(owner, name, replacement):
-    _patched.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
-    setattr(owner, name, replacement)
-
-
 def _wrap_step(original):
-    import spillway  # noqa: PLC0415
-
     @functools.wraps(original)
     def step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
@@ -268,7 +255,7 @@ def _wrap_step(original):
         # The optimizer step has been applied: nothing below may raise out of engine.step() (a
         # caller that retried would apply it twice). Failures become warnings.
         try:
-            runtime = spillway.installed()
+            runtime = _torch_allocators.installed()
             # One ledger step per iteration: the first engine that steps marks them (several engines,
             # as in RLHF's actor and critic, would otherwise count one iteration several times).
             if runtime is not None:
@@ -310,10 +297,8 @@ def _guard_fingerprint(opt):
     """Where the tensors a ZeRO step works on live: the flat partitions and their gradients, the
     inner optimizer's state, and the tensors the ZeRO optimizer keeps as attributes (scales, norms).
     A few hundred tuples at most; a fraction of a millisecond against a step of tens of ms or more."""
-    from .guard import ZERO_FLATS  # noqa: PLC0415
-
     out = []
-    for attr in ZERO_FLATS:
+    for attr in _guard.ZERO_FLATS:
         for t in getattr(opt, attr, None) or ():
             if isinstance(t, torch.Tensor):
                 g = t.grad
@@ -330,8 +315,6 @@ def _guard_fingerprint(opt):
 
 
 def _guarded_step(original):
-    from . import guard  # noqa: PLC0415
-
     @functools.wraps(original)
     def step(self, *args, **kwargs):
         mode = getattr(self, "spillway_guard", _guard_default)  # `optimizer.spillway_guard = False`: unchecked
@@ -346,7 +329,7 @@ def _guarded_step(original):
         if mode == "always" or steps < _GUARD_FIRST_STEPS or moved or getattr(self, "_spillway_guard_next", False):
             self._spillway_guard_next = False
             self._spillway_guarded_steps = getattr(self, "_spillway_guarded_steps", 0) + 1
-            with guard.devices(self):
+            with _guard.devices(self):
                 return original(self, *args, **kwargs)
         try:
             return original(self, *args, **kwargs)
@@ -354,7 +337,7 @@ def _guarded_step(original):
             if not any(m in str(e) for m in _TORCH_DEVICE_ERRORS):
                 raise
             self._spillway_guard_next = True
-            raise guard.DeviceMismatch(
+            raise _guard.DeviceMismatch(
                 f"{type(self).__name__}.step() at step {steps + 1}: torch found tensors on different devices "
                 f"({e}). Spillway's device guard checks every op of the first {_GUARD_FIRST_STEPS} steps and of any "
                 f"step whose partitions, gradients or optimizer state moved, and this step was neither: it may "
@@ -368,15 +351,13 @@ def _guarded_step(original):
 
 
 def _audited_initialize(original):
-    from . import guard  # noqa: PLC0415
-
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         model = kwargs.get("model", args[1] if len(args) > 1 else None)
         if isinstance(model, torch.nn.Module):
             # DeepSpeed moves a module whose parameters merely sit on several devices to its own;
             # a device map (hf_device_map) is the placement it cannot undo.
-            guard.audit(model, parameters=False)
+            _guard.audit(model, parameters=False)
         return original(*args, **kwargs)
     initialize.__spillway_original__ = original
     return initialize
@@ -414,11 +395,9 @@ def _admit(args, kwargs):
     offloaded state: this rank's host need comes from the planner (offload/planner.h) for the
     model's parameter count and the DeepSpeed config. Every rank of the node fails here with one
     message when their needs together pass the node budget."""
-    from . import node  # noqa: PLC0415
-
-    if not node.joined() or os.environ.get("SPILLWAY_NODE_ADMIT", "1") == "0":
+    if not _node.joined() or os.environ.get("SPILLWAY_NODE_ADMIT", "1") == "0":
         return
-    ledger = node.stats()
+    ledger = _node.stats()
     if not ledger["local_world_size"]:
         warnings.warn("spillway.deepspeed: node admission skipped: the number of local ranks is not "
                       "known (set LOCAL_WORLD_SIZE, or start the ranks with torchrun, accelerate or "
@@ -449,7 +428,7 @@ def _admit(args, kwargs):
                       AuditWarning, stacklevel=3)
         return
     hint = "; ".join(plan["suggestions"])
-    node.admit(plan["host_per_rank"] + plan["fork_copy_per_rank"], plan["fork_copy_per_rank"],
+    _node.admit(plan["host_per_rank"] + plan["fork_copy_per_rank"], plan["fork_copy_per_rank"],
                detail=f"Settings that would make it fit: {hint + '; ' if hint else ''}{_NODE_HINT}")
 
 
@@ -506,24 +485,23 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
 
     Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
     missing an allocation site, gets one warning that names the version and what still works."""
-    import spillway  # noqa: PLC0415
     import deepspeed  # noqa: PLC0415 (deepspeed is optional)
     from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
 
     global _saved, _swap_to_arena, _guard_default
     _check_guard_mode(guard, "spillway.deepspeed.install(guard={mode!r})")
     if nvme_swap not in ("arena", "files"):
-        raise spillway.InvalidArgument(f"spillway.deepspeed.install(nvme_swap={nvme_swap!r}): 'arena' (DeepSpeed's "
-                                       "swap files in Spillway's NVMe arena) or 'files' (DeepSpeed's own files)")
+        raise _spillway.InvalidArgument(f"spillway.deepspeed.install(nvme_swap={nvme_swap!r}): 'arena' (DeepSpeed's "
+                                        "swap files in Spillway's NVMe arena) or 'files' (DeepSpeed's own files)")
     if _saved is not None:
-        raise spillway.FailedPrecondition(
+        raise _spillway.FailedPrecondition(
             "spillway.deepspeed.install() was already called; call it once per process (uninstall() "
             "first to install again)")
     if allocators:
-        if spillway.installed() is None:
-            spillway.install(budget_bytes=budget_bytes, pinned_budget_bytes=pinned_budget_bytes)
+        if _torch_allocators.installed() is None:
+            _torch_allocators.install(budget_bytes=budget_bytes, pinned_budget_bytes=pinned_budget_bytes)
         elif budget_bytes is not None or pinned_budget_bytes is not None:
-            raise spillway.FailedPrecondition(
+            raise _spillway.FailedPrecondition(
                 "spillway.deepspeed.install(budget_bytes=...) after spillway.install(): the arenas and "
                 "their budgets already exist; pass the budgets to spillway.install() instead")
     if os.environ.get("DS_PIN_MEMORY_BACKEND", "torch").strip().lower() == "native":

@@ -23,6 +23,11 @@ import sys
 import tempfile
 import time
 
+from . import _torch_allocators
+from . import deepspeed as _sd
+from . import metrics as _metrics
+from . import node as _node
+
 MIB = 1 << 20
 
 
@@ -30,8 +35,6 @@ MIB = 1 << 20
 
 def tree_pss_anon(root=None):
     """Pss_Anon summed over a process and its descendants (smaps_rollup), in bytes."""
-    from .node import children  # noqa: PLC0415
-
     total, stack = 0, [root or os.getpid()]
     while stack:
         pid = stack.pop()
@@ -42,7 +45,7 @@ def tree_pss_anon(root=None):
                         total += int(line.split()[1]) * 1024
         except (FileNotFoundError, ProcessLookupError):
             continue
-        stack += children(pid)
+        stack += _node.children(pid)
     return total
 
 
@@ -97,14 +100,11 @@ def worker(args):
     import torch  # noqa: PLC0415
     import deepspeed  # noqa: PLC0415
 
-    import spillway  # noqa: PLC0415
-    import spillway.deepspeed as sd  # noqa: PLC0415
-
     with_spillway = args.worker == "spillway"
     if with_spillway:
         # DeepSpeed's own optimizer step: this suite measures memory and compares the losses of the
         # two runs bit for bit. The fused step has its own equivalence test (test_deepspeed_step.py).
-        spillway.deepspeed.install(budget_bytes=args.budget_bytes or None, step=False)
+        _sd.install(budget_bytes=args.budget_bytes or None, step=False)
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -123,7 +123,7 @@ def worker(args):
     model = build_model(args.params, torch)
     n_params = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    exporter = spillway.metrics.serve("127.0.0.1:0") if with_spillway and args.metrics else None
+    exporter = _metrics.serve("127.0.0.1:0") if with_spillway and args.metrics else None
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
         torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32)
 
@@ -139,7 +139,7 @@ def worker(args):
     scrape = None
     for epoch in range(args.epochs):
         if with_spillway:
-            spillway.next_epoch()
+            _torch_allocators.next_epoch()
         # Both runs: move the interpreter's objects out of the collector's reach before the fork, so
         # a collection during the step does not copy the whole Python heap (noise that is not
         # DeepSpeed's state; the same advice applies to any fork-based DataLoader).
@@ -153,7 +153,7 @@ def worker(args):
                     # prefetching (their own refcount writes copy pages too), then what the first
                     # step adds is the copy-on-write of pages the workers still share.
                     time.sleep(args.settle)
-                    state_at_fork = sum(t.untyped_storage().nbytes() for _n, _k, t in sd.offloaded_tensors(engine))
+                    state_at_fork = sum(t.untyped_storage().nbytes() for _n, _k, t in _sd.offloaded_tensors(engine))
                     before = tree_pss_anon()
                 t0 = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(engine(x.to(engine.device, dtype)).float(), y.to(engine.device))
@@ -169,7 +169,7 @@ def worker(args):
         epochs.append({"epoch": epoch, "first_step_growth_bytes": growth, "state_at_fork_bytes": state_at_fork, "first_step_s": step_times[0],
                        "median_step_s": statistics.median(step_times), "steps": len(step_times),
                        "boundary_pss_bytes": tree_pss_anon()})
-    state = sd.offloaded_tensors(engine)
+    state = _sd.offloaded_tensors(engine)
     ranges = dontfork_ranges()
     by_kind, dd_bytes, total = {}, 0, 0
     for _name, kind, t in state:
@@ -187,8 +187,8 @@ def worker(args):
     # What the offloaded state asked for in pinned memory, in either run.
     out["pinned_state_bytes"] = sum(t.untyped_storage().nbytes() for _n, _k, t in state if t.is_pinned())
     if with_spillway:
-        runtime = spillway.installed()
-        out["audit"] = sd.audit(engine)
+        runtime = _torch_allocators.installed()
+        out["audit"] = _sd.audit(engine)
         out["arena"] = runtime.host.stats()
         out["pinned"] = runtime.pinned.stats()
         out["router"] = runtime.stats()["router"]

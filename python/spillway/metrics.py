@@ -1,20 +1,7 @@
 """The live Prometheus exporter: `spillway.metrics.serve("127.0.0.1:9464")`."""
 import os
-import threading
-import weakref
 
-from . import _spillway
-
-_lock = threading.Lock()
-_exporters = {}  # pid -> WeakSet of its live exporters (a forked child never touches its parent's)
-
-
-def _after_fork_in_child():
-    global _lock
-    _lock = threading.Lock()  # a fork while another thread held it would leave it held forever
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+from . import _deepspeed_swap, _metrics_registry, _spillway, _torch_allocators
 
 
 def _rank():
@@ -39,26 +26,13 @@ def serve(address="127.0.0.1:9464", arenas=None, rank=None):
     rank's exporter, labelled by local_rank where they are per rank). Serving stops when the returned exporter is
     garbage-collected. Raises spillway.Unavailable when the port is taken."""
     if arenas is None:
-        import spillway  # noqa: PLC0415
-
-        runtime = spillway.installed()
+        runtime = _torch_allocators.installed()
         arenas = runtime.arenas if runtime is not None else ()
     rank = _rank() if rank is None else str(rank)
     exporter = _spillway._serve(address, {"rank": rank} if rank is not None else {})
     for a in arenas:
         exporter.watch(a)
     exporter._watch_node()  # the node's ledger, when this process joined one (spillway.node)
-    from . import _deepspeed_swap  # noqa: PLC0415 (imports torch, as the module above does)
-
-    with _lock:
-        for store in _deepspeed_swap.stores():
-            store._watched_by(exporter)
-        _exporters.setdefault(os.getpid(), weakref.WeakSet()).add(exporter)
+    # DeepSpeed's NVMe swap stores: those made already, and those made later (_metrics_registry).
+    _metrics_registry.add_exporter(exporter, _deepspeed_swap.stores)
     return exporter
-
-
-def _watch_swap_store(store):
-    """A swap store made now joins every live exporter (spillway.deepspeed's swap calls it)."""
-    with _lock:
-        for exporter in list(_exporters.get(os.getpid(), ())):
-            store._watched_by(exporter)  # watching twice (made while serve() ran) renders once

@@ -15,14 +15,14 @@ import os
 import shlex
 import sys
 
+from . import deepspeed as _sd
+
 _DS_IO = "--ds-io"
 
 
 def _install():
-    import spillway.deepspeed  # noqa: PLC0415
-
-    if not spillway.deepspeed.installed():
-        spillway.deepspeed.install()
+    if not _sd.installed():
+        _sd.install()
 
 
 # ds_io's worker pool starts with 'spawn': each worker imports this module as its main module

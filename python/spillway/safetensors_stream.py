@@ -18,6 +18,8 @@ import struct
 
 import torch
 
+from . import _spillway
+
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -83,8 +85,6 @@ class Writer:
     index rather than a mix of two exports."""
 
     def __init__(self, directory, plan, block_size=1 << 20, queue_depth=8, arena=None):
-        from . import _spillway
-
         if arena is None:
             # A private pageable arena just large enough for the engine's bounce buffers (8 of
             # block_size): the default arena maps 32 MiB regions, and a large arena would have all
