@@ -63,7 +63,7 @@ def main():
     for p in (a.before, a.after):
         if not os.path.isdir(os.path.join(p, "spillway")):
             sys.exit(f"compare_builds_aio: {p} has no spillway package; pass a build's python directory")
-    sync_r, async_r = [], []
+    sync_r, async_r, rows = [], [], []
     with tempfile.TemporaryDirectory() as d:
         print("round  sync before  sync after  async before  async after   (ops/s)")
         for r in range(a.rounds):
@@ -71,11 +71,15 @@ def main():
             x = run(first, d, a.ops)
             y = run(second, d, a.ops)
             before, after = (x, y) if r % 2 == 0 else (y, x)
+            rows.append(before + after)
             sync_r.append(after[0] / before[0])
             async_r.append(after[1] / before[1])
             print(f"{r:5d}  {before[0]:11.0f}  {after[0]:10.0f}  {before[1]:12.0f}  {after[1]:11.0f}")
+    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+    print(f"  med  {med[0]:11.0f}  {med[2]:10.0f}  {med[1]:12.0f}  {med[3]:11.0f}")
     for name, v in (("sync", sync_r), ("async", async_r)):
-        print(f"{name}: after / before x{statistics.median(v):.3f} (range {min(v):.3f}-{max(v):.3f})")
+        print(f"{name}: after / before x{statistics.median(v):.3f} (range {min(v):.3f}-{max(v):.3f}), "
+              "the median of the rounds' ratios")
     print(json.dumps({"bench": "aio_builds", "sync_ratio": round(statistics.median(sync_r), 3),
                       "sync_range": [round(min(sync_r), 3), round(max(sync_r), 3)],
                       "async_ratio": round(statistics.median(async_r), 3),

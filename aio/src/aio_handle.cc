@@ -140,12 +140,13 @@ class AioHandleImpl {
   // Submit's body: returns 0 (kAsync, submitted), the number of completed ops (kSync: 1 and the
   // async ops pending before it; kAlone: 1), or -1 with last_error. `raise` receives the error of
   // a closed handle.
-  int Transfer(AioBuffer buffer, const std::string& filename, int fd, int64_t offset, bool write,
-               AioMode mode, Status* raise) {
+  // `fd_op`: the op is on the caller's descriptor `fd`, else on the file `filename` names.
+  int Transfer(AioBuffer buffer, bool fd_op, const std::string& filename, int fd, int64_t offset,
+               bool write, AioMode mode, Status* raise) {
     void* const data = buffer.data;
     const uint64_t n = buffer.bytes;
     const char* op = write ? "pwrite" : "pread";
-    const std::string name = fd >= 0 ? StrCat("fd ", fd) : filename;
+    const std::string name = fd_op ? StrCat("fd ", fd) : filename;
     if (offset < 0) return Fail(StrCat(op, " ", name, ": negative file offset ", offset));
     if (n % static_cast<uint64_t>(intra_op_) != 0) {
       return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=",
@@ -173,14 +174,15 @@ class AioHandleImpl {
         h->done_.notify_all();
       }
     } active{this};
+    if (fd_op && fd < 0) return Fail(StrCat(op, " ", name, ": not a descriptor"));
     // Page-aligned requests on a named file go through O_DIRECT (DeepSpeed's mode: no page cache,
     // no double copy); others through a buffered descriptor, so no size or offset is refused.
-    const bool direct = fd < 0 && direct_ok_.load() && offset % kDirectAlign == 0 &&
+    const bool direct = !fd_op && direct_ok_.load() && offset % kDirectAlign == 0 &&
                         n % kDirectAlign == 0 &&
                         reinterpret_cast<uintptr_t>(data) % kDirectAlign == 0;
     struct stat now {};  // the file as it is at this call (its size, for reads)
-    Result<FilePtr> file = fd >= 0 ? DupFd(engine, fd, write ? nullptr : &now)
-                                   : OpenNamed(engine, filename, write, direct, &now);
+    Result<FilePtr> file = fd_op ? DupFd(engine, fd, write ? nullptr : &now)
+                                 : OpenNamed(engine, filename, write, direct, &now);
     if (!file.ok()) return Fail(StrCat(op, " ", name, ": ", file.status().message()));
     FilePtr f = *file;
     if (!write && static_cast<uint64_t>(offset) + n > static_cast<uint64_t>(now.st_size)) {
@@ -564,17 +566,17 @@ Result<int> AioHandle::Submit(AioBuffer buffer, const std::string& filename, int
                               bool write, AioMode mode) {
   SPILLWAY_RETURN_IF_ERROR(CheckProcess());
   Status raise;
-  const int rc = impl_->Transfer(std::move(buffer), filename, -1, offset, write, mode, &raise);
+  const int rc = impl_->Transfer(std::move(buffer), /*fd_op=*/false, filename, -1, offset, write,
+                                 mode, &raise);
   SPILLWAY_RETURN_IF_ERROR(raise);
   return rc;
 }
 
 Result<int> AioHandle::SubmitFd(AioBuffer buffer, int fd, int64_t offset, bool write) {
   SPILLWAY_RETURN_IF_ERROR(CheckProcess());
-  if (fd < 0)
-    return impl_->Fail(StrCat(write ? "pwrite" : "pread", " fd ", fd, ": not a descriptor"));
   Status raise;
-  const int rc = impl_->Transfer(std::move(buffer), "", fd, offset, write, AioMode::kAsync, &raise);
+  const int rc = impl_->Transfer(std::move(buffer), /*fd_op=*/true, "", fd, offset, write,
+                                 AioMode::kAsync, &raise);
   SPILLWAY_RETURN_IF_ERROR(raise);
   return rc;
 }

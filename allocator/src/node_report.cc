@@ -56,7 +56,11 @@ std::string DescribeNodeRanks(const NodeStats& stats) {
   return out.empty() ? "no rank holds anything" : out;
 }
 
+namespace {
+
 std::string Cell(uint64_t bytes) { return bytes == 0 ? "-" : FormatMiB(bytes); }
+
+}  // namespace
 
 std::string NodeStats::ToString() const {
   std::ostringstream out;

@@ -68,8 +68,12 @@ class PyAioHandle {
 
   void Close() {
     Check(handle_->CheckProcess());
-    py::gil_scoped_release nogil;
-    Check(handle_->Close());
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = handle_->Close();
+    }
+    Check(st);  // with the GIL: raising builds a Python exception
   }
 
   uint64_t block_size() const { return handle_->block_size(); }
@@ -80,33 +84,37 @@ class PyAioHandle {
   int alignment() const { return handle_->alignment(); }
   std::string last_error() {
     Check(handle_->CheckProcess());
-    py::gil_scoped_release nogil;
-    return Check(handle_->last_error());
+    Result<std::string> r = std::string();
+    {
+      py::gil_scoped_release nogil;
+      r = handle_->last_error();
+    }
+    return Check(std::move(r));
   }
 
   // DeepSpeed's read/write: one op, on its own (its pending async ops are left to wait()).
   int Read(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, false, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
+    return Transfer(b, false, f, -1, off, false, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
   }
   int Write(const torch::Tensor& b, const std::string& f, bool validate, int64_t off) {
-    return Transfer(b, f, -1, off, true, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
+    return Transfer(b, false, f, -1, off, true, aio::AioMode::kAlone, validate) < 0 ? -1 : 0;
   }
   // pread/pwrite, and sync_pread/sync_pwrite (async false): as DeepSpeed's, a sync call schedules
   // its op and then waits like wait(), for the async ops before it too, and returns how many ops
   // completed.
   int Pread(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, false, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
+    return Transfer(b, false, f, -1, off, false, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
                     validate);
   }
   int Pwrite(const torch::Tensor& b, const std::string& f, bool validate, bool async, int64_t off) {
-    return Transfer(b, f, -1, off, true, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
+    return Transfer(b, false, f, -1, off, true, async ? aio::AioMode::kAsync : aio::AioMode::kSync,
                     validate);
   }
   int PwriteFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, true, aio::AioMode::kAsync, false);
+    return Transfer(b, true, "", fd, off, true, aio::AioMode::kAsync, false);
   }
   int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
-    return Transfer(b, "", fd, off, false, aio::AioMode::kAsync, false);
+    return Transfer(b, true, "", fd, off, false, aio::AioMode::kAsync, false);
   }
 
   int Wait() {
@@ -151,16 +159,18 @@ class PyAioHandle {
   }
 
  private:
-  int Transfer(const torch::Tensor& buffer, const std::string& filename, int fd, int64_t offset,
-               bool write, aio::AioMode mode, bool validate) {
+  // `fd_op`: an op on the caller's descriptor `fd` (always async), else on the file `filename`
+  // names.
+  int Transfer(const torch::Tensor& buffer, bool fd_op, const std::string& filename, int fd,
+               int64_t offset, bool write, aio::AioMode mode, bool validate) {
     (void)validate;  // DeepSpeed's validate re-reads with pread in its tests only
     Check(handle_->CheckProcess());
     aio::AioBuffer b = Check(TensorBuffer(buffer, write ? "aio write" : "aio read"));
     Result<int> r = 0;
     {
       py::gil_scoped_release nogil;
-      r = fd >= 0 ? handle_->SubmitFd(std::move(b), fd, offset, write)
-                  : handle_->Submit(std::move(b), filename, offset, write, mode);
+      r = fd_op ? handle_->SubmitFd(std::move(b), fd, offset, write)
+                : handle_->Submit(std::move(b), filename, offset, write, mode);
     }
     return Check(std::move(r));
   }
