@@ -185,3 +185,76 @@ def test_gpu_fsdp2_pinned_cpu_offload_is_spillways_and_trains_identically():
                             "losses_identical": plain["losses"] == ours["losses"]})
     assert ours["pinned"]["live_bytes"] > 0, ours["pinned"]
     check_pinned_arena(ours["pinned"])
+
+
+def test_gpu_zero_infinity_swaps_into_spillways_nvme_arena_within_the_control(tmp_path):
+    """test_deepspeed_step.py's ZeRO-Infinity check with the model on cuda:0: optimizer state and
+    parameters on NVMe, DeepSpeed's swappers really page-locked, the swapped tensors extents of
+    Spillway's NVMe arena, the fused step within twice the torch-AdamW control's distance from
+    DeepSpeedCPUAdam over 20 steps. Plain DeepSpeed's runs swap through its own async_io op."""
+    import test_deepspeed_step as cpu
+
+    runs = {w: run_step(tmp_path, w, "bf16-infinity", steps=20) for w in ("deepspeed", "torch-adam", "spillway")}
+    ours = runs["spillway"]
+    (store,) = ours["swap_stats"].values()
+    record("zero_infinity", {
+        "median_step_s": {w: statistics.median(r["step_s"][3:]) for w, r in runs.items()},
+        "final_loss": {w: r["losses"][-1] for w, r in runs.items()},
+        "rms_vs_deepspeed": {w: max(cpu.rms(a, b) for a, b in zip(r["masters"], runs["deepspeed"]["masters"]))
+                             for w, r in runs.items() if w != "deepspeed"},
+        "store": {k: store[k] for k in ("files", "live_bytes", "written_bytes", "read_bytes", "checksum_failures")}})
+    assert all(r["engine_device"] == "cuda:0" for r in runs.values()), [r["engine_device"] for r in runs.values()]
+    cpu.check_zero_infinity(runs)
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_gpu_deepspeeds_checkpoints_resume_bit_for_bit_and_load_both_ways(tmp_path, stage, monkeypatch):
+    """test_deepspeed_checkpoint.py's checks with the engine on cuda:0 (NCCL): a load into the
+    arena's tensors holds at most the largest tensor more (plain DeepSpeed's holds the state, the
+    control), a resumed run continues the uninterrupted one bit for bit, and plain DeepSpeed and
+    Spillway each load the other's files."""
+    import test_deepspeed_checkpoint as cpu
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    where = cpu.run(tmp_path, "where", {"stage": stage, "spillway": True, "steps": 1})
+    assert where["engine_device"] == "cuda:0", where
+    for name, check in (("load", cpu.test_a_load_copies_into_the_arena_tensors_and_leaves_nothing_behind),
+                        ("resume", cpu.test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit),
+                        ("cross", cpu.test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds)):
+        d = tmp_path / name
+        d.mkdir()
+        check(d, stage)
+    record(f"checkpoint_zero{stage}", {"engine_device": where["engine_device"], "checks": ["load", "resume", "cross"]})
+
+
+def test_gpu_four_ranks_grabbing_pinned_and_pageable_memory_hold_one_node_budget(tmp_path):
+    """The node budget with CUDA's page-locked memory in it: four torchrun ranks, each with the one
+    line and nothing else, each taking 64 MiB tensors (every other one pinned by cudaHostRegister)
+    until refused. Every rank is refused by name, the node's committed bytes and the sum the ranks
+    hold stay within the budget, and the pinned arena really pinned through CUDA."""
+    import test_node
+
+    budget = 4096 * MIB
+    out = tmp_path / "grab"
+    out.mkdir()
+    job = f"pytest-gpu-grab-{os.getpid()}"
+    env = dict(os.environ, SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                        str(test_node.free_port()), str(HERE / "workers" / "node_grab.py"), str(out), "64"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    held = sum(r["held_bytes"] for r in ranks)
+    record("node_budget_grab", {"budget_mib": budget / MIB, "held_mib": [r["held_bytes"] / MIB for r in ranks],
+                                "pinned_mib": [r["pinned_bytes"] / MIB for r in ranks],
+                                "committed_mib": [r["node"]["host_committed_bytes"] / MIB for r in ranks],
+                                "pin_mode": [r["pin_mode"] for r in ranks],
+                                "errors": [r["error"] and r["error"]["text"][:300] for r in ranks]})
+    for r in ranks:
+        assert r["cuda"] and r["pin_mode"] == "cuda", r
+        assert r["pinned_bytes"] > 0, r
+        assert r["error"] is not None and r["error"]["type"] in ("OverBudget", "OutOfMemoryError"), r["error"]
+        assert f"node budget: local rank {r['rank']} of job '{job}'" in r["error"]["text"], r["error"]
+        assert r["node"]["host_committed_bytes"] <= budget, r["node"]
+    assert held <= budget, (held, budget)
+    assert held >= budget // 2, (held, budget)  # the ranks really filled the node

@@ -1,5 +1,6 @@
 """DeepSpeed's own engine.save_checkpoint / load_checkpoint (ZeRO-3 or ZeRO-2, optimizer state and
-for ZeRO-3 the parameters offloaded to the CPU, bf16, CPU accelerator) in one process, plain or
+for ZeRO-3 the parameters offloaded to the CPU, bf16; DeepSpeed's CPU accelerator and Gloo, or CUDA
+and NCCL under DS_ACCELERATOR=cuda) in one process, plain or
 after spillway.deepspeed.install(): test_deepspeed_checkpoint.py's worker.
 
     python ds_checkpoint.py OUT.json '{"stage": 3, "spillway": true, ...}'
@@ -20,7 +21,8 @@ partitions and Adam moments, in offloaded_tensors order, at the end), state_byte
 save: RssAnon after it over before the first, and the peak over just before it), load (peak
 RssAnon over just before it, what it left, and the RssFile peak), audit (after the load: bytes of
 offloaded state that are not in Spillway's arenas), largest (the largest offloaded tensor's bytes),
-error (the expected error's message), digest_before_error."""
+error (the expected error's message), digest_before_error, engine_device (where DeepSpeed's
+engine computes)."""
 import hashlib
 import json
 import os
@@ -36,7 +38,7 @@ if spec.get("spillway"):
 
     spillway.deepspeed.install()
 import deepspeed  # noqa: E402
-from _dist import world_from_env_or_single  # noqa: E402
+from _dist import backend, device, world_from_env_or_single  # noqa: E402
 
 # The bench's RSS sampler (the same numbers as bench/measure_deepspeed_checkpoint.py).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
@@ -46,7 +48,7 @@ from spillway.leak_suite import build_model  # noqa: E402
 
 
 world_from_env_or_single()
-deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False)
 stage = spec.get("stage", 3)
 zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
 if stage == 3:
@@ -57,14 +59,14 @@ config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "p
 torch.manual_seed(0)
 model = build_model(int(float(spec.get("params", 2e6))), torch)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-out = {"losses": [], "saves": []}
+out = {"losses": [], "saves": [], "engine_device": str(engine.device)}
 
 
 def step():
     # The batch depends on the global step only, so a resumed run sees the batches the
     # uninterrupted one saw.
     g = torch.Generator().manual_seed(1000 + engine.global_steps)
-    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, 64, generator=g).to(device(), torch.bfloat16)
     loss = engine(x).float().square().mean()
     engine.backward(loss)
     engine.step()
