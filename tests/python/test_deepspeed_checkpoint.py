@@ -7,6 +7,8 @@ DeepSpeed's (plain DeepSpeed loads it and the reverse, zero_to_fp32 gives the sa
 resumed run continues the uninterrupted one bit for bit (docs/deepspeed.md, Note [DeepSpeed
 checkpoints])."""
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +34,42 @@ def run(tmp_path, name, spec, expect_rc=0):
                        timeout=1200, cwd=WORKER.parent)
     assert p.returncode == expect_rc, f"{name}: exit {p.returncode}\n" + p.stdout[-3000:] + p.stderr[-6000:]
     return json.loads(out.read_text()) if expect_rc == 0 else None
+
+
+class SharedSaves:
+    """One save per stage and accelerator, made once and shared by the tests that only read it or
+    damage a copy of it: 2 steps and a save as global_step2 through
+    Spillway's checkpoint engine, then at the same state once more through DeepSpeed's own
+    (`also_plain_dir`). Stage 3's serves the cross-load, zero_to_fp32 and every damaged-file test;
+    two ranks' (`ranks=2`) both damaged-rank tests. A test that changes the files takes copy()."""
+
+    def __init__(self, root):
+        self.root, self.done = root, {}
+
+    def get(self, stage, ranks=1):
+        key = (stage, ranks, os.environ.get("DS_ACCELERATOR", "cpu"))
+        if key not in self.done:
+            d = self.root / "-".join(map(str, key))
+            d.mkdir(parents=True)
+            spec = {"stage": stage, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d / "ours")}
+            if ranks == 1:
+                spec["also_plain_dir"] = str(d / "plain")
+                self.done[key] = (run(d, "save", spec), d)
+            else:
+                self.done[key] = (run_two_ranks(d, "save", spec), d)
+        return self.done[key]
+
+    def copy(self, stage, into, ranks=1):
+        """A copy of the checkpoint Spillway saved (its folder, `latest` and the manifests: they name
+        the files relative to it, so the copy verifies as the original does)."""
+        _, d = self.get(stage, ranks)
+        shutil.copytree(d / "ours", into)
+        return into
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    return SharedSaves(tmp_path_factory.mktemp("saves"))
 
 
 def optim_file(directory):
@@ -73,24 +111,30 @@ def test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path, sta
 
 
 @pytest.mark.parametrize("stage", [3, 2])
-def test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds(tmp_path, stage):
+def test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds(tmp_path, stage, saves):
+    # Spillway's save is the shared one (saves); plain DeepSpeed's is a run of its own, whose
+    # process installs nothing.
     for saver, loader in ((True, False), (False, True)):
-        d = tmp_path / f"saved-by-{'spillway' if saver else 'plain'}"
-        saved = run(tmp_path, "save", {"stage": stage, "spillway": saver, "saves": 1, "every": 2, "save_dir": str(d)})
+        if saver:
+            saved, shared = saves.get(stage)
+            d = shared / "ours"
+        else:
+            d = tmp_path / "saved-by-plain"
+            saved = run(tmp_path, "save", {"stage": stage, "spillway": False, "saves": 1, "every": 2,
+                                           "save_dir": str(d)})
         loaded = run(tmp_path, "load", {"stage": stage, "spillway": loader, "load_dir": str(d), "load_tag": None})
         assert loaded["digest"] == saved["digest"], f"saved by {'spillway' if saver else 'plain DeepSpeed'}"
         assert any(f.name.startswith("spillway-checkpoint-rank") for f in (d / "global_step2").iterdir()) == saver
 
 
-def test_zero_to_fp32_gives_the_same_weights_from_either_engines_files(tmp_path):
+def test_zero_to_fp32_gives_the_same_weights_from_either_engines_files(saves):
     # One run, saved through Spillway's checkpoint engine and then, at the same state, through
     # DeepSpeed's own (the worker swaps it in): DeepSpeed's offline converter reads both alike.
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(tmp_path / "ours"),
-                           "also_plain_dir": str(tmp_path / "plain")})
-    ours = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ours"))
-    theirs = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "plain"))
+    _, d = saves.get(3)
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(d / "ours"))
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(d / "plain"))
     assert set(ours) == set(theirs) and len(ours) > 2
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -120,9 +164,8 @@ def truncate(f):
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
-def test_bad_input_a_damaged_file_is_refused_naming_it_and_the_engine_is_left_as_it_was(tmp_path, damage):
-    d = tmp_path / "ckpt"
-    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d)})
+def test_bad_input_a_damaged_file_is_refused_naming_it_and_the_engine_is_left_as_it_was(tmp_path, damage, saves):
+    d = saves.copy(3, tmp_path / "ckpt")
     victim = optim_file(d / "global_step2")
     {"corrupt": corrupt, "truncated": truncate, "missing": Path.unlink}[damage](victim)
     r = run(tmp_path, "load", {"stage": 3, "spillway": True, "pre_steps": 1, "load_dir": str(d), "load_tag": None,
@@ -170,9 +213,8 @@ def run_two_ranks(tmp_path, name, spec):
 
 
 @pytest.mark.parametrize("damaged_rank", [0, 1])
-def test_bad_input_two_ranks_a_damaged_file_of_either_rank_is_refused_on_both(tmp_path, damaged_rank):
-    d = tmp_path / "ckpt"
-    run_two_ranks(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "save_dir": str(d)})
+def test_bad_input_two_ranks_a_damaged_file_of_either_rank_is_refused_on_both(tmp_path, damaged_rank, saves):
+    d = saves.copy(3, tmp_path / "ckpt", ranks=2)
     victim = d / "global_step2" / f"bf16_zero_pp_rank_{damaged_rank}_mp_rank_00_optim_states.pt"
     corrupt(victim)
     r = run_two_ranks(tmp_path, "load", {"stage": 3, "spillway": True, "pre_steps": 1, "load_dir": str(d),

@@ -43,7 +43,8 @@ def launch(tmp_path, name, installed, ranks):
         cmd = [sys.executable, str(WORKER), "trainer", str(out)]
     elif name == "accelerate":
         configs = tmp_path / "configs"
-        subprocess.run([sys.executable, str(WORKER), "configs", str(configs)], env=env, check=True)
+        if not configs.exists():  # one set for the control and the run with the one line
+            subprocess.run([sys.executable, str(WORKER), "configs", str(configs)], env=env, check=True)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(configs / "accelerate.yaml"),
                "--main_process_port", str(free_port()), str(WORKER), "accelerate", str(out)]
     elif name == "deepspeed":

@@ -57,22 +57,25 @@ def test_it_loads_with_from_pretrained(small):
         assert torch.equal(state[name], t), name
 
 
-def run_two_ranks(tmp_path, env, timeout=1200):
+def run_two_ranks(tmp_path, env, timeout=1200, layers=8):
+    """Width 512 and 16 MiB shards; 8 layers (25M parameters, 49 MiB in bf16) where the save's peak
+    is measured against the whole model, 1 layer (3.4M, the same largest parameter of 2 MiB, one
+    shard) where a test judges only what is raised, refused or written."""
     out = tmp_path / "out.json"
-    run_ranks([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"), "8", "512",
+    run_ranks([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"), str(layers), "512",
                str(16 * MIB)], timeout=timeout, env=env)
     return out
 
 
-def save_on_two_ranks(tmp_path, **env):
+def save_on_two_ranks(tmp_path, layers=8, **env):
     """The worker on a Gloo group of 2 (at world size 1 a gathered parameter is its own partition:
-    nothing to allocate): 8 layers of width 512, 25M parameters, 49 MiB in bf16, the largest 2 MiB.
+    nothing to allocate): width 512, the largest parameter 2 MiB (run_two_ranks).
     Returns rank 0's measurements after checking that both savers wrote the same tensors."""
     if deepspeed.__version__ not in _GATHER_VERIFIED:
         pytest.skip(f"save_16bit_model refuses several ranks on DeepSpeed {deepspeed.__version__} (its gathered "
                     "parameters were not verified; on 0.18.9 some held wrong values): "
                     "test_bad_input_an_unverified_deepspeed_refuses_a_multi_rank_save checks the refusal")
-    out = run_two_ranks(tmp_path, env)
+    out = run_two_ranks(tmp_path, env, layers=layers)
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
     ours = safetensors_stream.load(tmp_path / "sp")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
@@ -97,7 +100,7 @@ def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp
     # Rank 0's host arena is filled until 512 KiB no longer fits; the largest parameter is 2 MiB.
     # Had rank 0 alone refused the arena's gather (OverBudget), rank 1 would wait in the all-gather
     # until the timeout. Both ranks agree first and gather with torch's allocator; the save is whole.
-    save_on_two_ranks(tmp_path, DS_SAVE_FILL_RANK0="1")
+    save_on_two_ranks(tmp_path, layers=1, DS_SAVE_FILL_RANK0="1")
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
@@ -121,7 +124,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
 def test_bad_input_an_unverified_deepspeed_refuses_a_multi_rank_save_on_every_rank(tmp_path):
     # DeepSpeed 0.18.9's ranks gathered wrong values for some parameters (scripts/check-deepspeed):
     # there, every rank refuses before the first collective, names the release, writes nothing.
-    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": "unverified"}, timeout=240)
+    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": "unverified"}, timeout=240, layers=1)
     for r in (0, 1):
         got = json.loads(Path(f"{out}.rank{r}").read_text())
         assert got["raised"]["type"] == "FailedPrecondition", got
@@ -139,7 +142,7 @@ def test_bad_input_a_failure_on_rank_0_is_raised_on_every_rank_and_leaves_no_ran
     if deepspeed.__version__ not in _GATHER_VERIFIED:
         pytest.skip(f"save_16bit_model refuses several ranks on DeepSpeed {deepspeed.__version__} before rank 0 "
                     "opens anything (its multi-rank gather is not verified)")
-    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": where}, timeout=240)
+    out = run_two_ranks(tmp_path, {"DS_SAVE_FAIL_RANK0": where}, timeout=240, layers=1)
     r0, r1 = (json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1))
     if where == "open":
         assert r0["raised"]["type"] in ("FileExistsError", "NotADirectoryError"), r0

@@ -5,6 +5,7 @@ DeepSpeed's swap threshold. The equivalence over 20 steps against plain DeepSpee
 test_deepspeed_step.py (bf16-infinity)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,17 +87,28 @@ def test_a_sigkilled_run_leaves_no_swap_file_behind(tmp_path, swap_mode):
             (swap / f).stat().st_size for f in left) >= 20 << 20, left
 
 
-def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_files(tmp_path):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One `save` run per mode (3 steps, save_checkpoint as t3, 2 more steps), each into a fresh
+    swap folder (MODE/swap-a) and checkpoint (MODE/ckpt), shared by the round trip and by the
+    stale-files test, which reuses the files run's swap folder (a copy of it) as its stale one."""
+    root = tmp_path_factory.mktemp("swap-saves")
+    for mode in ("arena", "files"):
+        d = root / mode
+        worker("save", d / "swap-a", d / "ckpt", d / "save.json", swap_mode=mode)
+    return root
+
+
+def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_files(tmp_path, saved):
     """DeepSpeed's save_checkpoint copies the optimizer's swap folder as files and load_checkpoint
     copies them back: the checkpoint of an arena run holds the bytes a run on DeepSpeed's own files
     writes, and resuming from it trains as resuming a files run does."""
     runs = {}
     for mode in ("arena", "files"):
-        d = tmp_path / mode
-        worker("save", d / "swap-a", d / "ckpt", d / "save.json", swap_mode=mode)
-        worker("load", d / "swap-b", d / "ckpt", d / "load.json", swap_mode=mode)
+        d = saved / mode
+        worker("load", tmp_path / mode / "swap-b", d / "ckpt", tmp_path / mode / "load.json", swap_mode=mode)
         runs[mode] = {"save": json.loads((d / "save.json").read_text()),
-                      "load": json.loads((d / "load.json").read_text()),
+                      "load": json.loads((tmp_path / mode / "load.json").read_text()),
                       "ckpt": d / "ckpt" / "t3" / "offloaded_tensors" / "rank00"}
     arena, files = runs["arena"], runs["files"]
     names = files_under(files["ckpt"])
@@ -109,7 +121,7 @@ def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_file
     # Nothing is left in the arena run's swap folders: the files written out for DeepSpeed's copy
     # were removed after it, and the checkpoint's files taken into the store when first read.
     assert arena["save"]["left_in_swap_folder"] == [] and arena["load"]["left_in_swap_folder"] == []
-    assert files_under(tmp_path / "arena" / "swap-a") == [] and files_under(tmp_path / "arena" / "swap-b") == []
+    assert files_under(saved / "arena" / "swap-a") == [] and files_under(tmp_path / "arena" / "swap-b") == []
     (store,) = arena["load"]["stats"].values()
     assert store["files"] >= len(names) and store["checksum_failures"] == 0
 
@@ -128,15 +140,16 @@ def test_bad_input_a_swap_budget_too_small_fails_naming_the_file_and_the_budget(
     assert p.returncode != 0 and "SPILLWAY_NVME_BUDGET_BYTES='lots'" in p.stderr, p.stderr[-3000:]
 
 
-def test_swap_files_an_earlier_run_left_in_the_folder_never_replace_this_runs_state(tmp_path):
+def test_swap_files_an_earlier_run_left_in_the_folder_never_replace_this_runs_state(tmp_path, saved):
     """DeepSpeed's optimizer swapper does not empty its folder: a run on DeepSpeed's own files (or
     a killed save) leaves files there. An arena run on the same nvme_path must not read them as
-    its own state (found in review: the first swap-in took the stale file)."""
+    its own state (found in review: the first swap-in took the stale file). The files run and the
+    arena run in a fresh folder are the shared saves; the folder the files run left is copied."""
     shared = tmp_path / "shared-swap"
-    worker("save", shared, tmp_path / "ckpt-files", tmp_path / "files.json", swap_mode="files")
+    shutil.copytree(saved / "files" / "swap-a", shared)
     assert any(f.startswith("zero_stage_3/optimizer/") for f in files_under(shared))  # the stale files
     worker("save", shared, tmp_path / "ckpt-after", tmp_path / "after.json", swap_mode="arena")
-    worker("save", tmp_path / "fresh-swap", tmp_path / "ckpt-fresh", tmp_path / "fresh.json", swap_mode="arena")
-    after, fresh = (json.loads((tmp_path / f).read_text()) for f in ("after.json", "fresh.json"))
+    after = json.loads((tmp_path / "after.json").read_text())
+    fresh = json.loads((saved / "arena" / "save.json").read_text())
     assert after["losses"] == fresh["losses"], (after["losses"], fresh["losses"])
     assert not any(f.startswith("zero_stage_3/optimizer/") for f in files_under(shared)), files_under(shared)

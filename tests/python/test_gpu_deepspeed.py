@@ -218,12 +218,13 @@ def test_gpu_deepspeeds_checkpoints_resume_bit_for_bit_and_load_both_ways(tmp_pa
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     where = cpu.run(tmp_path, "where", {"stage": stage, "spillway": True, "steps": 1})
     assert where["engine_device"] == "cuda:0", where
-    for name, check in (("load", cpu.test_a_load_copies_into_the_arena_tensors_and_leaves_nothing_behind),
-                        ("resume", cpu.test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit),
-                        ("cross", cpu.test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds)):
-        d = tmp_path / name
-        d.mkdir()
-        check(d, stage)
+    (tmp_path / "load").mkdir()
+    cpu.test_a_load_copies_into_the_arena_tensors_and_leaves_nothing_behind(tmp_path / "load", stage)
+    (tmp_path / "resume").mkdir()
+    cpu.test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path / "resume", stage)
+    (tmp_path / "cross").mkdir()
+    cpu.test_plain_deepspeed_loads_spillways_checkpoint_and_spillway_loads_plain_deepspeeds(
+        tmp_path / "cross", stage, cpu.SharedSaves(tmp_path / "saves"))
     record(f"checkpoint_zero{stage}", {"engine_device": where["engine_device"], "checks": ["load", "resume", "cross"]})
 
 
