@@ -4,19 +4,22 @@ import os
 import socket
 import subprocess
 
+import _zygote
 
-def run_ranks(argv, world=2, timeout=1200, cwd=None, env=None):
+
+def run_ranks(argv, world=2, timeout=1200, cwd=None, env=None, fresh=False):
     """Runs `argv` once per rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; `env` added) and
     fails the test, with each rank's output, when a rank does not finish in `timeout` seconds (left
-    waiting in a collective?) or exits non-zero."""
+    waiting in a collective?) or exits non-zero. The ranks start from the zygote (_zygote.py), or as
+    fresh processes with `fresh` (a test that measures their memory)."""
     import pytest
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})})
+    procs = [_zygote.popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, fresh=fresh,
+                           env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})})
              for r in range(world)]
     try:
         logs = [p.communicate(timeout=timeout) for p in procs]

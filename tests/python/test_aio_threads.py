@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import _zygote
 import pytest
 
 STRESS = r"""
@@ -64,8 +65,8 @@ for e in errors[:10]:
 @pytest.mark.parametrize("backend", ["uring", "thread_pool"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_threads_sharing_a_handle_read_back_every_byte_they_wrote(tmp_path, seed, backend):
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(STRESS), str(seed), backend, str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", textwrap.dedent(STRESS), str(seed), backend, str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"seed {seed}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "ERRORS 0" in p.stdout, p.stdout[-3000:]
 
@@ -105,8 +106,8 @@ print("OK")
 
 @pytest.mark.parametrize("backend", ["uring", "thread_pool"])
 def test_close_racing_another_threads_submissions_loses_nothing_and_returns(tmp_path, backend):
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(CLOSE_RACE), backend, str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", textwrap.dedent(CLOSE_RACE), backend, str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "OK" in p.stdout, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
 
 
@@ -149,8 +150,8 @@ def test_a_wait_counts_an_op_that_another_threads_eviction_is_completing(tmp_pat
     # another thread is completing it early to close its file (the table keeps 128 open). The wait
     # used to return as soon as the op finished without taking its result, leaving it, and a
     # failure, to a later wait(): a count one short, as DeepSpeed's `assert pending == wait()` sees.
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(EVICTION_RACE), backend, str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", textwrap.dedent(EVICTION_RACE), backend, str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     # The evicted file was released once: a second unregister and close(2) of its number (which
     # another open may have been given meanwhile) said "unregistering ... failed".
@@ -186,6 +187,6 @@ os._exit(0 if result["sync"] == 1 and mine == -1 and "fd " in h.get_last_error()
 
 @pytest.mark.parametrize("backend", ["uring", "thread_pool"])
 def test_a_sync_call_never_takes_an_op_another_thread_submitted_while_it_ran(tmp_path, backend):
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(SYNC_DRAIN_RACE), backend, str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", textwrap.dedent(SYNC_DRAIN_RACE), backend, str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"

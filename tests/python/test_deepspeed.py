@@ -1,4 +1,5 @@
 """DeepSpeed's own swapping code running on Spillway through spillway.deepspeed.install()."""
+import _zygote
 import pytest
 import torch
 
@@ -205,9 +206,9 @@ def test_ds_nvme_tune_sweeps_on_spillways_op(tmp_path):
     sweep.write_text(json.dumps({"block_size": ["256K", "1M"], "queue_depth": [8], "sequential_requests": [False],
                                  "single_submit": [False], "io_parallel": [1]}))
     logs = tmp_path / "logs"
-    p = subprocess.run([sys.executable, "-m", "spillway.nvme_tune", "--nvme_dir", str(nvme), "--sweep_config",
-                        str(sweep), "--io_size", "4M", "--log_dir", str(logs)],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    p = _zygote.run([sys.executable, "-m", "spillway.nvme_tune", "--nvme_dir", str(nvme), "--sweep_config",
+                     str(sweep), "--io_size", "4M", "--log_dir", str(logs)],
+                    capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Best performance (GB/sec)" in p.stdout and '"block_size"' in p.stdout, p.stdout[-2000:]
     files = sorted(logs.rglob("*.txt"))
@@ -231,7 +232,7 @@ def test_pin_backends_and_gds_that_bypass_spillway_are_named(tmp_path):
             spillway.deepspeed._warn_gds((), {"config": {"aio": {"use_gds": True}}})
         print(json.dumps([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)]))
     """)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     import json
 

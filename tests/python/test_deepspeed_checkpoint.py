@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _zygote
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -29,9 +30,12 @@ SLACK = 8 * MIB
 
 
 def run(tmp_path, name, spec, expect_rc=0):
+    """One worker process, from the zygote (_zygote.py). What the worker measures is RssAnon, its
+    own anonymous pages, which pages shared with the zygote leave as a fresh process would have them:
+    a shared page the child writes is copied in place of the one it mapped (no change in RSS)."""
     out = tmp_path / f"{name}.json"
-    p = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
-                       timeout=1200, cwd=WORKER.parent)
+    p = _zygote.run([sys.executable, str(WORKER), str(out), json.dumps(spec)], capture_output=True, text=True,
+                    timeout=1200, cwd=WORKER.parent)
     assert p.returncode == expect_rc, f"{name}: exit {p.returncode}\n" + p.stdout[-3000:] + p.stderr[-6000:]
     return json.loads(out.read_text()) if expect_rc == 0 else None
 

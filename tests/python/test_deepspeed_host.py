@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _zygote
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -118,8 +119,8 @@ def train(engine, steps=2):
 
 
 def run(code):
-    p = subprocess.run([sys.executable, "-c", COMM + textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=900)
+    p = _zygote.run([sys.executable, "-c", COMM + textwrap.dedent(code)], capture_output=True, text=True,
+                    timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return p.stdout
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _zygote
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -24,8 +25,8 @@ MIB = 1 << 20
 
 def save(tmp_path, *extra):
     out = tmp_path / "out.json"
-    p = subprocess.run([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
-                        *map(str, extra)], capture_output=True, text=True, timeout=1200)
+    p = _zygote.run([sys.executable, str(WORKER), str(out), str(tmp_path / "ds"), str(tmp_path / "sp"),
+                     *map(str, extra)], capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _zygote
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -31,8 +32,8 @@ ULP = torch.finfo(torch.float32).eps
 
 def run(tmp_path, which, optimizer="AdamW", steps=STEPS, variant="bf16-cpu"):
     out = tmp_path / f"{which}-{optimizer}-{variant}.pt"
-    p = subprocess.run([sys.executable, str(WORKER), which, str(steps), str(out), optimizer, variant],
-                       capture_output=True, text=True, timeout=1500)
+    p = _zygote.run([sys.executable, str(WORKER), which, str(steps), str(out), optimizer, variant],
+                    capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, f"{which} run failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return torch.load(out)
 

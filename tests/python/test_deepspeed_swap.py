@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _zygote
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -26,8 +27,8 @@ def worker(*args, swap_mode=None, timeout=600):
     env = dict(os.environ)
     if swap_mode is not None:
         env["DS_INFINITY_SWAP"] = swap_mode
-    p = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    p = _zygote.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True,
+                    timeout=timeout, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
 
@@ -66,8 +67,8 @@ def test_a_byte_flipped_in_a_swapped_moment_is_caught_by_its_crc_naming_the_swap
 def test_a_sigkilled_run_leaves_no_swap_file_behind(tmp_path, swap_mode):
     # "files" is the control: DeepSpeed's own swap files stay on disk after the kill.
     swap = tmp_path / "swap"
-    p = subprocess.Popen([sys.executable, str(WORKER), "run", str(swap), swap_mode], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+    p = _zygote.popen([sys.executable, str(WORKER), "run", str(swap), swap_mode], stdout=subprocess.PIPE,
+                      stderr=subprocess.DEVNULL, text=True)
     try:
         for line in p.stdout:
             if line.strip() == "step 3":
@@ -128,15 +129,15 @@ def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_file
 
 def test_bad_input_a_swap_budget_too_small_fails_naming_the_file_and_the_budget(tmp_path):
     env = dict(os.environ, SPILLWAY_NVME_BUDGET_BYTES=str(8 << 20))  # the run swaps ~37 MiB
-    p = subprocess.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap"), "arena"], capture_output=True,
-                       text=True, timeout=600, env=env)
+    p = _zygote.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap"), "arena"], capture_output=True,
+                    text=True, timeout=600, env=env)
     assert p.returncode != 0 and "step 3" not in p.stdout
     assert "OverBudget" in p.stderr and "DeepSpeed swap file" in p.stderr, p.stderr[-3000:]
     assert "SPILLWAY_NVME_BUDGET_BYTES" in p.stderr, p.stderr[-3000:]
     assert files_under(tmp_path / "swap") == []
     env["SPILLWAY_NVME_BUDGET_BYTES"] = "lots"
-    p = subprocess.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap2"), "arena"], capture_output=True,
-                       text=True, timeout=600, env=env)
+    p = _zygote.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap2"), "arena"], capture_output=True,
+                    text=True, timeout=600, env=env)
     assert p.returncode != 0 and "SPILLWAY_NVME_BUDGET_BYTES='lots'" in p.stderr, p.stderr[-3000:]
 
 

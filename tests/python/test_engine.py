@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _zygote
 import pytest
 import torch
 
@@ -50,7 +51,7 @@ def run_ranks(cfg, world, out, device="cpu", backend="gloo", micro=None, steps=S
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
+        procs.append(_zygote.popen(
             [sys.executable, str(WORKER), json.dumps(cfg), str(steps),
              str(micro if micro is not None else GLOBAL_MICRO // world), str(out), device, backend,
              str(save or "-"), str(resume or "-")],

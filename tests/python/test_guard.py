@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import _zygote
 import pytest
 import torch
 
@@ -119,8 +120,8 @@ engine.step()
 
 def ds_run(mode, stage, accelerator="cpu"):
     script = DS % {"other": OTHER, "world": WORLD}
-    p = subprocess.run([sys.executable, "-c", script, mode, str(stage)], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "DS_ACCELERATOR": accelerator})
+    p = _zygote.run([sys.executable, "-c", script, mode, str(stage)], capture_output=True, text=True,
+                    timeout=900, env={**os.environ, "DS_ACCELERATOR": accelerator})
     return p.returncode, p.stderr
 
 
@@ -194,8 +195,8 @@ print("guarded steps", getattr(engine.optimizer, "_spillway_guarded_steps", 0), 
 
 def ds_late(mode, guard_mode):
     script = DS_LATE % {"other": OTHER, "world": WORLD}
-    p = subprocess.run([sys.executable, "-c", script, mode, guard_mode], capture_output=True, text=True,
-                       timeout=900)
+    p = _zygote.run([sys.executable, "-c", script, mode, guard_mode], capture_output=True, text=True,
+                    timeout=900)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -227,8 +228,8 @@ def test_torchs_device_error_in_an_unchecked_step_becomes_a_device_mismatch_that
 
 def test_bad_input_an_unknown_guard_mode_is_refused_naming_the_choices():
     pytest.importorskip("deepspeed")
-    p = subprocess.run([sys.executable, "-c", "import spillway.deepspeed as d; d.install(guard='sometimes')"],
-                       capture_output=True, text=True, timeout=300)
+    p = _zygote.run([sys.executable, "-c", "import spillway.deepspeed as d; d.install(guard='sometimes')"],
+                    capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "install(guard='sometimes')" in p.stderr and "'always'" in p.stderr, p.stderr[-2000:]
     rc, out = ds_late("badmode", "default")  # the same mode set on one optimizer, refused at its step
     assert rc != 0 and "DeepSpeedZeroOptimizer_Stage3.spillway_guard = 'sometimes': True" in out, out[-3000:]
@@ -297,7 +298,7 @@ def test_deepspeed_initialize_refuses_a_spread_model_after_install():
         except spillway.DeviceMismatch as e:
             print("REFUSED", str(e).splitlines()[0])
     """) % str(__import__("pathlib").Path(__file__).parent)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    p = _zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "REFUSED GPT2LMHeadModel is spread over 2 devices" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import _zygote
 import pytest
 
 MiB = 1 << 20
@@ -55,13 +56,13 @@ def job_name(what):
 
 def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
     job = job_name("api")
-    p = subprocess.Popen([sys.executable, "-c", RANK, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True,
-                         env=env_with(SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(256 * MiB)))
+    p = _zygote.popen([sys.executable, "-c", RANK, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True,
+                      env=env_with(SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(256 * MiB)))
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        out = subprocess.run([sys.executable, "-m", "spillway.node", "--job", job, "--json"],
-                             capture_output=True, text=True, timeout=120)
+        out = _zygote.run([sys.executable, "-m", "spillway.node", "--job", job, "--json"],
+                          capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         [ledger] = json.loads(out.stdout)
         assert ledger["job"] == job and ledger["host_budget_bytes"] == 256 * MiB
@@ -70,8 +71,8 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
         assert rank["pid"] == p.pid
         assert rank["pageable_bytes"] >= 32 * MiB  # the tagged tensor's region, booked
         assert rank["live_by_kind"]["optimizer_state"] >= 32 * MiB
-        text = subprocess.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True,
-                              text=True, timeout=120)
+        text = _zygote.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True,
+                           text=True, timeout=120)
         assert text.returncode == 0 and f"job {job}" in text.stdout and "by kind" in text.stdout, text
         p.stdin.write("\n")
         p.stdin.flush()
@@ -81,32 +82,32 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
         p.stdin.close()
         p.wait(timeout=120)
     assert p.returncode == 0, p.stderr.read()
-    gone = subprocess.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True, text=True,
-                          timeout=120)
+    gone = _zygote.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True, text=True,
+                       timeout=120)
     assert gone.returncode == 1 and "no node segment" in gone.stderr  # the last rank out removed it
 
 
 def test_a_child_of_a_rank_that_inherits_its_variables_is_not_a_rank():
-    out = subprocess.run([sys.executable, "-c", RANK, "parent"], capture_output=True, text=True, timeout=120,
-                         env=env_with(SPILLWAY_NODE_JOB=job_name("child"), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
+    out = _zygote.run([sys.executable, "-c", RANK, "parent"], capture_output=True, text=True, timeout=120,
+                      env=env_with(SPILLWAY_NODE_JOB=job_name("child"), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["parent"] is True and result["child"] == "false", result
 
 
 def test_a_lone_process_with_local_rank_set_joins_nothing():
-    out = subprocess.run([sys.executable, "-c", RANK, "lone"], capture_output=True, text=True, timeout=120,
-                         env=env_with(LOCAL_RANK="0"))
+    out = _zygote.run([sys.executable, "-c", RANK, "lone"], capture_output=True, text=True, timeout=120,
+                      env=env_with(LOCAL_RANK="0"))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == {"joined": False}
 
 
 def test_declared_needs_past_the_node_budget_fail_every_rank_with_one_message():
     job = job_name("declare")
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, "declare", str(60 * MiB)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=env_with(SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(100 * MiB),
-                                           LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"))
+    ranks = [_zygote.popen([sys.executable, "-c", RANK, "declare", str(60 * MiB)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env=env_with(SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(100 * MiB),
+                                        LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"))
              for r in range(2)]
     results = []
     for p in ranks:
@@ -129,8 +130,8 @@ def test_bad_node_settings_are_refused_by_name(env, declare, expect):
         env = dict(env, **({"SPILLWAY_NODE_JOB": job_name("bad")} if declare is None else {}))
     script = ("import spillway\ntry:\n    spillway.install(declare_bytes=%r)\n    print('installed')\n"
               "except spillway.Error as e:\n    print(type(e).__name__, e)\n" % declare)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=env_with(**env))
+    out = _zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                      env=env_with(**env))
     assert out.returncode == 0, out.stderr
     assert expect in out.stdout, out.stdout
     assert out.stdout.startswith(("InvalidArgument", "FailedPrecondition")), out.stdout
