@@ -1,10 +1,12 @@
 // Which job a rank belongs to, read from the launcher's environment (torchrun, the deepspeed
-// launcher, SLURM, or SPILLWAY_NODE_JOB), and the node budget's defaults. Note [Node governor] in
-// docs/allocator.md.
+// launcher, mpirun, srun, or SPILLWAY_NODE_JOB), and the node budget's defaults.
+// Note [Node governor] in docs/allocator.md.
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
+#include <string_view>
 
 #include "node_segment.h"
 #include "spillway/allocator/node_governor.h"
@@ -30,6 +32,56 @@ uint64_t DefaultNodeHostBudget(uint64_t limit_bytes) {
   return limit_bytes - DefaultNodeReserve(limit_bytes);
 }
 
+namespace {
+
+// Each launcher's local rank and local rank count, in the order they are believed: torchrun,
+// Accelerate and the deepspeed launcher (and DeepSpeed's MPICH and Intel MPI runners, which pass
+// LOCAL_RANK and LOCAL_SIZE themselves) first, since they may run under an MPI launcher or srun
+// whose variables describe the launcher's own processes; then OpenMPI's mpirun (DeepSpeed's OpenMPI
+// runner sets LOCAL_RANK only inside deepspeed.init_distributed, after install()), MPICH's and
+// Intel MPI's Hydra, MVAPICH2, Cray's PALS, and srun.
+struct LauncherVars {
+  const char* rank;
+  const char* sizes[3];
+};
+constexpr LauncherVars kLaunchers[] = {
+    {"LOCAL_RANK", {"LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", {"OMPI_COMM_WORLD_LOCAL_SIZE", nullptr, nullptr}},
+    {"MPI_LOCALRANKID", {"MPI_LOCALNRANKS", nullptr, nullptr}},
+    {"MV2_COMM_WORLD_LOCAL_RANK", {"MV2_COMM_WORLD_LOCAL_SIZE", nullptr, nullptr}},
+    {"PALS_LOCAL_RANKID", {"PALS_LOCAL_SIZE", nullptr, nullptr}},
+    {"SLURM_LOCALID", {"SLURM_NTASKS_PER_NODE", nullptr, nullptr}},
+};
+
+// Slurm's tasks per node, run-length coded ("4(x2),3": 4, 4, 3): the count of node `node_id`.
+bool SlurmTasksOnNode(const std::string& text, long node_id, int* out) {
+  const char* p = text.c_str();
+  long node = 0;
+  while (true) {
+    char* end = nullptr;
+    const long tasks = std::strtol(p, &end, 10);
+    if (end == p || tasks <= 0 || tasks > INT_MAX) return false;
+    p = end;
+    long repeat = 1;
+    if (*p == '(') {
+      if (p[1] != 'x') return false;
+      repeat = std::strtol(p + 2, &end, 10);
+      if (end == p + 2 || *end != ')' || repeat <= 0) return false;
+      p = end + 1;
+    }
+    if (node_id < node + repeat) {
+      *out = static_cast<int>(tasks);
+      return true;
+    }
+    node += repeat;
+    if (*p == '\0') return false;  // fewer nodes than node_id
+    if (*p != ',') return false;
+    ++p;
+  }
+}
+
+}  // namespace
+
 Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
   auto get = [&](const char* name) -> std::string {
     const char* v = getenv(name);
@@ -48,12 +100,34 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
     return Status::Ok();
   };
   NodeJob job;
-  // torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK; srun sets SLURM_LOCALID.
-  const char* rank_var = !get("LOCAL_RANK").empty() ? "LOCAL_RANK" : "SLURM_LOCALID";
+  const LauncherVars* launcher = &kLaunchers[0];
+  for (const LauncherVars& l : kLaunchers) {
+    if (!get(l.rank).empty()) {
+      launcher = &l;
+      break;
+    }
+  }
+  const char* rank_var = launcher->rank;
   SPILLWAY_RETURN_IF_ERROR(parse_int(rank_var, &job.local_rank));
-  for (const char* name : {"LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-    if (!get(name).empty()) {
+  for (const char* name : launcher->sizes) {
+    if (name != nullptr && !get(name).empty()) {
       SPILLWAY_RETURN_IF_ERROR(parse_int(name, &job.local_world_size));
+      break;
+    }
+  }
+  if (job.local_world_size == 0 && std::string_view(rank_var) == "SLURM_LOCALID") {
+    // srun without --ntasks-per-node: the step's (else the job's) tasks per node, at this node.
+    for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      const std::string text = get(name);
+      if (text.empty()) continue;
+      int node_id = 0;
+      SPILLWAY_RETURN_IF_ERROR(parse_int("SLURM_NODEID", &node_id));
+      if (!SlurmTasksOnNode(text, node_id, &job.local_world_size)) {
+        return Status::InvalidArgument(
+            StrCat(name, "='", text, "' at SLURM_NODEID=", node_id,
+                   " does not give this node's task count (Slurm writes counts like '4(x2),3'); "
+                   "set LOCAL_WORLD_SIZE to the number of ranks on this node"));
+      }
       break;
     }
   }
@@ -81,7 +155,7 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
     uint64_t start = 0;
     node::ReadProcStat(parent, &state, &start);
     job.id = StrCat("launcher-", parent, "-", start);
-    job.source = "the launcher's pid (the parent of every local rank)";
+    job.source = StrCat("the launcher's pid (the parent of every local rank; ", rank_var, " set)");
   }
   return job;
 }

@@ -101,9 +101,12 @@ def _join_node(node):
             return None  # a child of a rank (it inherited the launcher's variables): not a rank
         env = _node.job()
         # A launcher that says how many local ranks it started (torchrun, accelerate, deepspeed,
-        # Slurm), or a job named explicitly; a lone process with LOCAL_RANK set joins nothing.
+        # mpirun, Slurm), a job named explicitly, or ranks that multiprocessing started (their
+        # count is not known, so no admission: node.admit says so); a lone process with LOCAL_RANK
+        # set joins nothing.
         node = os.environ.get("SPILLWAY_NODE", "1") != "0" and bool(env["id"]) and (
-            env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0)
+            env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0
+            or env["source"].startswith(_node.SPAWNED))
     if not node:
         return None
     if not _node.joined():

@@ -2,7 +2,9 @@
 docs/allocator.md).
 
 spillway.install() joins the node budget by itself when a launcher started the process (torchrun,
-Accelerate and the deepspeed launcher set LOCAL_RANK; SPILLWAY_NODE_JOB names a job explicitly), so
+Accelerate and the deepspeed launcher set LOCAL_RANK, mpirun and srun their own variables;
+torch.multiprocessing.spawn's ranks share the process that started them; SPILLWAY_NODE_JOB names a
+job explicitly), so
 every rank's pinned and pageable arenas book their regions in one shared ledger: a rank may take
 what the others leave free, and the node as a whole never passes its budget. This module reads and
 steers that ledger:
@@ -40,10 +42,38 @@ def _env_bytes(name):
     return value
 
 
+SPAWNED = "multiprocessing"  # job()["source"] of a rank that torch.multiprocessing.spawn started
+
+
+def _proc_start_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]  # field 22: the start time, in clock ticks
+
+
 def job():
-    """The job this process is a local rank of, from its launcher's environment: a dict with id
-    (empty when no launcher started it), source, local_rank and local_world_size."""
-    return _spillway._node_job()
+    """The job this process is a local rank of: a dict with id (empty when no launcher started it),
+    source, local_rank (-1: the first free slot) and local_world_size (0: not said).
+
+    From the launcher's environment (torchrun, Accelerate, the deepspeed launcher, mpirun, Hydra,
+    MVAPICH2, PALS, srun, or SPILLWAY_NODE_JOB); else, for a process that multiprocessing started
+    (torch.multiprocessing.spawn, Lightning's ddp_spawn, a Pool), the process that started it: its
+    ranks set no variable before the script's first line, and each would otherwise take a budget of
+    its own from the same memory."""
+    found = _spillway._node_job()
+    if found["id"]:
+        return found
+    import multiprocessing  # noqa: PLC0415 (only here: most processes never ask)
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return found
+    try:
+        start = _proc_start_ticks(parent.pid)
+    except OSError:
+        return found  # the parent is gone: nothing left to share a budget with
+    return {"id": f"spawn-{parent.pid}-{start}", "local_rank": -1,
+            "local_world_size": found["local_world_size"],  # LOCAL_WORLD_SIZE, when the user set it
+            "source": f"{SPAWNED}: the process that started every rank (pid {parent.pid})"}
 
 
 def joined():

@@ -15,6 +15,8 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "nvme_test_util.h"
 #include "spillway/allocator/host_arena.h"
@@ -152,6 +154,77 @@ TEST(NodeJobTest, NamedByTheLauncherEnvironment) {
   job = NodeJobFromEnvironment(getenv);
   ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Has(job.status(), "LOCAL_RANK='x'"));
+}
+
+// The launchers that do not export LOCAL_RANK before the script's first line: mpirun (OpenMPI,
+// and DeepSpeed's OpenMPI runner, which sets LOCAL_RANK only inside deepspeed.init_distributed),
+// MPICH's and Intel MPI's Hydra, MVAPICH2, Cray's PALS, and srun without --ntasks-per-node.
+TEST(NodeJobTest, EveryLauncherNamesTheLocalRankAndCount) {
+  std::map<std::string, std::string> env;
+  auto getenv = [&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  const std::vector<std::pair<std::string, std::string>> launchers = {
+      {"OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {"MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+      {"MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"},
+      {"PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE"},
+  };
+  for (const auto& [rank, size] : launchers) {
+    env = {{rank, "2"}, {size, "4"}};
+    auto job = NodeJobFromEnvironment(getenv);
+    ASSERT_TRUE(job.ok()) << rank << ": " << job.status().ToString();
+    EXPECT_EQ(job->local_rank, 2) << rank;
+    EXPECT_EQ(job->local_world_size, 4) << size;
+    EXPECT_EQ(job->id.rfind(StrCat("launcher-", getppid(), "-"), 0), 0u) << rank << ": " << job->id;
+    EXPECT_NE(job->source.find(rank), std::string::npos) << job->source;
+  }
+
+  // srun without --ntasks-per-node: the step's tasks per node, run-length coded.
+  env = {{"SLURM_LOCALID", "1"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"}, {"SLURM_NODEID", "1"}};
+  auto job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->local_world_size, 4);
+  // Uneven nodes: this node's entry, by SLURM_NODEID.
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "2"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->local_world_size, 2);
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "1"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->local_world_size, 3);
+  // --ntasks-per-node still wins when given.
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_NTASKS_PER_NODE", "8"}, {"SLURM_TASKS_PER_NODE", "3"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->local_world_size, 8);
+
+  // What cannot be read is named, with what to do.
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(job.status(), "SLURM_STEP_TASKS_PER_NODE='4(x'")) << job.status().ToString();
+  EXPECT_TRUE(Has(job.status(), "LOCAL_WORLD_SIZE")) << job.status().ToString();
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "3,2"}, {"SLURM_NODEID", "5"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(job.status(), "SLURM_NODEID=5")) << job.status().ToString();
+  env = {{"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "-1"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(job.status(), "OMPI_COMM_WORLD_LOCAL_SIZE='-1'")) << job.status().ToString();
+
+  // torchrun's own variables win over an MPI launcher's around it (torchrun under mpirun).
+  env = {{"LOCAL_RANK", "1"},
+         {"LOCAL_WORLD_SIZE", "2"},
+         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+         {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->local_rank, 1);
+  EXPECT_EQ(job->local_world_size, 2);
 }
 
 TEST(NodeBudgetTest, DefaultLeavesAReserve) {

@@ -7,6 +7,7 @@ The first run of DeepSpeed's ops on a machine JIT-builds them into ~/.cache/torc
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,3 +211,49 @@ def test_kill_9_of_one_rank_gives_its_lease_back(tmp_path):
     if os.path.exists(path):
         assert spillway.node.inspect(path)["ranks"] == []
         os.unlink(path)
+
+
+@pytest.mark.parametrize("launch", ["spawn", "mpirun"])
+def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, launch):
+    """torch.multiprocessing.spawn (and Lightning's ddp_spawn, which uses it) sets no launcher
+    variable, and OpenMPI's mpirun sets its own (OMPI_COMM_WORLD_LOCAL_RANK): the ranks of either
+    took a budget each, 3/4 of the memory limit, and in an 8 GiB cgroup the OOM killer killed one.
+    Here four ranks, each with the one line and nothing else, take 32 MiB tensors until refused, at
+    most 512 MiB each (what they would hold unrefused: safe on any CI machine). They join one job,
+    named by the process that started them, every rank is refused by name, and what they hold
+    together stays within the node budget."""
+    budget, out = 512 * MiB, tmp_path / launch
+    out.mkdir()
+    env = dict(os.environ, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1")
+    env.pop("SPILLWAY_NODE_JOB", None)
+    grab = [str(WORKER.parent / "node_grab.py"), str(out), "32", "512"]
+    if launch == "spawn":
+        cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rc, text = finish(proc, timeout=300)
+    assert rc == 0, text[-6000:]
+    ranks = results(out)
+    held = sum(r["held_bytes"] for r in ranks)
+    print(f"{RANKS} ranks by {launch} held {[r['held_bytes'] // MiB for r in ranks]} MiB of a {budget // MiB} MiB "
+          f"node budget; job {ranks[0]['job']}")
+    for r in ranks:
+        assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
+        assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
+        if launch == "spawn":
+            assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
+        else:
+            assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
+            assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == RANKS, r["job"]
+        assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
+        assert r["error"] is not None, f"rank {r['rank']} was never refused: it held {r['held_bytes'] // MiB} MiB"
+        assert r["error"]["type"] == "OverBudget", r["error"]
+        assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+    assert held <= budget, (held, budget)
+    assert held >= budget // 2, (held, budget)  # the ranks really filled the node
+    assert not os.path.exists(segment_path(ranks[0]["node"]["job"])), "the last rank removes the segment"

@@ -1,15 +1,19 @@
 """One rank that takes host memory until Spillway's node budget refuses it, for the node-budget
-tests that need no DeepSpeed engine (tests/python/test_gpu_deepspeed.py on CUDA):
+tests that need no DeepSpeed engine (tests/python/test_node.py, tests/python/test_gpu_deepspeed.py
+on CUDA):
 
-    torchrun --nproc-per-node N node_grab.py OUT_DIR CHUNK_MIB
+    torchrun --nproc-per-node N node_grab.py OUT_DIR CHUNK_MIB [MAX_MIB]    # or mpirun -np N
+    python node_grab.py OUT_DIR CHUNK_MIB MAX_MIB --spawn N    # N ranks by torch.multiprocessing.spawn
 
-`spillway.deepspeed.install()` (the one line) joins the node budget the launcher's environment
-names. The rank then takes CHUNK_MIB tensors as fast as it can, each one touched: where torch sees
-a CUDA device, every other one pinned (torch.empty(pin_memory=True), which install() makes
-Spillway's pinned arena, page-locked by cudaHostRegister), the rest pageable optimizer state under
-spillway.tag. The first refusal ends the grab; the rank then waits until every local rank is full
-(files in OUT_DIR), reads the node's ledger while all of them hold what they got, writes
-OUT_DIR/rank<R>.json, and waits until every rank has written before it lets go."""
+`spillway.deepspeed.install()` (the one line) joins the node budget: the one the launcher's
+environment names, or under spawn the one of the process that started the ranks, which sets no
+variable. The rank then takes CHUNK_MIB tensors as fast as it can, each one touched, at most MAX_MIB
+(unbounded when 0 or absent): where torch sees a CUDA device, every other one pinned
+(torch.empty(pin_memory=True), which install() makes Spillway's pinned arena, page-locked by
+cudaHostRegister), the rest pageable optimizer state under spillway.tag. The first refusal ends the
+grab; the rank then waits until every local rank is full (files in OUT_DIR), reads the node's
+ledger while all of them hold what they got, writes OUT_DIR/rank<R>.json, and waits until every rank
+has written before it lets go."""
 import json
 import os
 import sys
@@ -18,26 +22,8 @@ import time
 import torch
 import spillway
 
-out_dir, chunk = sys.argv[1], int(sys.argv[2]) << 20
-spillway.deepspeed.install()
-rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-pin = torch.cuda.is_available()
-held, error, pinned_bytes = [], None, 0
-try:
-    while len(held) < 4096:
-        if pin and len(held) % 2:
-            t = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-            pinned_bytes += chunk
-        else:
-            with spillway.tag("optimizer_state"):
-                t = torch.empty(chunk, dtype=torch.uint8)
-        t.fill_(1)
-        held.append(t)
-except Exception as e:  # noqa: BLE001 (the test reads the class and the message)
-    error = {"type": type(e).__name__, "text": str(e).split("\nException raised from")[0]}
 
-
-def wait_for(name):
+def wait_for(out_dir, name, rank, world):
     deadline = time.monotonic() + 300
     while not all(os.path.exists(os.path.join(out_dir, name.format(r))) for r in range(world)):
         if time.monotonic() > deadline:
@@ -45,13 +31,49 @@ def wait_for(name):
         time.sleep(0.02)
 
 
-open(os.path.join(out_dir, f"full{rank}"), "w").close()
-wait_for("full{}")
-node = {k: v for k, v in spillway.node.stats().items() if k != "text"}
-runtime = spillway.installed().stats()
-report = {"rank": rank, "pid": os.getpid(), "held_bytes": len(held) * chunk, "pinned_bytes": pinned_bytes,
-          "error": error, "node": node, "pin_mode": runtime["pinned"].get("pin_mode"),
-          "pinned_arena": runtime["pinned"], "cuda": pin}
-with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump(report, f)
-wait_for("rank{}.json")
+def grab(rank, world, out_dir, chunk, max_bytes):
+    spillway.deepspeed.install()
+    pin = torch.cuda.is_available()
+    held, error, pinned_bytes = [], None, 0
+    try:
+        while len(held) < 4096 and not (max_bytes and (len(held) + 1) * chunk > max_bytes):
+            if pin and len(held) % 2:
+                t = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+                pinned_bytes += chunk
+            else:
+                with spillway.tag("optimizer_state"):
+                    t = torch.empty(chunk, dtype=torch.uint8)
+            t.fill_(1)
+            held.append(t)
+    except Exception as e:  # noqa: BLE001 (the test reads the class and the message)
+        error = {"type": type(e).__name__, "text": str(e).split("\nException raised from")[0]}
+
+    open(os.path.join(out_dir, f"full{rank}"), "w").close()
+    wait_for(out_dir, "full{}", rank, world)
+    node = ({k: v for k, v in spillway.node.stats().items() if k != "text"} if spillway.node.joined() else None)
+    runtime = spillway.installed().stats()
+    report = {"rank": rank, "pid": os.getpid(), "held_bytes": len(held) * chunk, "pinned_bytes": pinned_bytes,
+              "error": error, "node": node, "job": spillway.node.job(), "pin_mode": runtime["pinned"].get("pin_mode"),
+              "pinned_arena": runtime["pinned"], "cuda": pin}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    wait_for(out_dir, "rank{}.json", rank, world)
+
+
+def main():
+    out_dir, chunk = sys.argv[1], int(sys.argv[2]) << 20
+    max_bytes = int(sys.argv[3]) << 20 if len(sys.argv) > 3 else 0
+    if len(sys.argv) > 5 and sys.argv[4] == "--spawn":
+        import torch.multiprocessing as mp  # noqa: PLC0415
+
+        world = int(sys.argv[5])
+        mp.spawn(grab, args=(world, out_dir, chunk, max_bytes), nprocs=world, join=True)
+    else:
+        # torchrun's variables, else mpirun's (OpenMPI sets no LOCAL_RANK)
+        rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
+        world = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+        grab(int(rank), int(world), out_dir, chunk, max_bytes)
+
+
+if __name__ == "__main__":
+    main()

@@ -39,11 +39,16 @@ struct NodeJob {
 };
 using GetEnvFn = std::function<const char*(const char*)>;
 // In order: SPILLWAY_NODE_JOB (explicit; [A-Za-z0-9._-], at most 80 characters, else an
-// INVALID_ARGUMENT naming it); then, for a process with LOCAL_RANK set (torchrun, Accelerate, the
-// deepspeed launcher; under srun, SLURM_LOCALID), TORCHELASTIC_RUN_ID unless it is "none", else
-// the parent process (the launcher that started every local rank: torchrun's agent, the deepspeed
-// launcher, slurmstepd) and its start time. local_world_size from LOCAL_WORLD_SIZE, LOCAL_SIZE or
-// SLURM_NTASKS_PER_NODE.
+// INVALID_ARGUMENT naming it); then, for a process a launcher started, TORCHELASTIC_RUN_ID unless
+// it is "none", else the parent process (the launcher that started every local rank: torchrun's
+// agent, the deepspeed launcher, orted/prted, Hydra's proxy, slurmstepd) and its start time. The
+// local rank and count, from the first launcher whose rank variable is set: LOCAL_RANK with
+// LOCAL_WORLD_SIZE, LOCAL_SIZE or SLURM_NTASKS_PER_NODE (torchrun, Accelerate, the deepspeed
+// launcher and its MPICH/Intel MPI runners); OMPI_COMM_WORLD_LOCAL_RANK/_SIZE (mpirun);
+// MPI_LOCALRANKID/MPI_LOCALNRANKS (Hydra); MV2_COMM_WORLD_LOCAL_RANK/_SIZE; PALS_LOCAL_RANKID/
+// PALS_LOCAL_SIZE; SLURM_LOCALID with SLURM_NTASKS_PER_NODE, else this node's entry (SLURM_NODEID)
+// of SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4(x2),3"). A value that cannot be read is
+// an INVALID_ARGUMENT naming the variable.
 Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv);
 Result<NodeJob> NodeJobFromEnvironment();
 
