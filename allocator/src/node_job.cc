@@ -53,28 +53,43 @@ constexpr LauncherVars kLaunchers[] = {
     {"SLURM_LOCALID", {"SLURM_NTASKS_PER_NODE", nullptr, nullptr}},
 };
 
+// A count of Slurm's: digits only (no sign, no space), 1 to INT_MAX.
+bool SlurmCount(const char** p, long* out) {
+  const char* q = *p;
+  long n = 0;
+  while (*q >= '0' && *q <= '9') {
+    n = n * 10 + (*q - '0');
+    if (n > INT_MAX) return false;
+    ++q;
+  }
+  if (q == *p || n == 0) return false;
+  *p = q;
+  *out = n;
+  return true;
+}
+
 // Slurm's tasks per node, run-length coded ("4(x2),3": 4, 4, 3): the count of node `node_id`.
+// The whole text must parse.
 bool SlurmTasksOnNode(const std::string& text, long node_id, int* out) {
   const char* p = text.c_str();
-  long node = 0;
+  long first = 0;  // the first node of the entry being read
+  bool found = false;
   while (true) {
-    char* end = nullptr;
-    const long tasks = std::strtol(p, &end, 10);
-    if (end == p || tasks <= 0 || tasks > INT_MAX) return false;
-    p = end;
+    long tasks = 0;
     long repeat = 1;
+    if (!SlurmCount(&p, &tasks)) return false;
     if (*p == '(') {
       if (p[1] != 'x') return false;
-      repeat = std::strtol(p + 2, &end, 10);
-      if (end == p + 2 || *end != ')' || repeat <= 0) return false;
-      p = end + 1;
+      p += 2;
+      if (!SlurmCount(&p, &repeat) || *p != ')') return false;
+      ++p;
     }
-    if (node_id < node + repeat) {
+    if (!found && node_id - first < repeat) {
       *out = static_cast<int>(tasks);
-      return true;
+      found = true;
     }
-    node += repeat;
-    if (*p == '\0') return false;  // fewer nodes than node_id
+    first += repeat;  // repeat <= INT_MAX, and at most strlen(text) entries: no overflow
+    if (*p == '\0') return found;
     if (*p != ',') return false;
     ++p;
   }
@@ -109,26 +124,25 @@ Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv) {
   }
   const char* rank_var = launcher->rank;
   SPILLWAY_RETURN_IF_ERROR(parse_int(rank_var, &job.local_rank));
+  if (!get(rank_var).empty()) job.rank_variable = rank_var;
   for (const char* name : launcher->sizes) {
     if (name != nullptr && !get(name).empty()) {
       SPILLWAY_RETURN_IF_ERROR(parse_int(name, &job.local_world_size));
       break;
     }
   }
-  if (job.local_world_size == 0 && std::string_view(rank_var) == "SLURM_LOCALID") {
-    // srun without --ntasks-per-node: the step's (else the job's) tasks per node, at this node.
-    for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
-      const std::string text = get(name);
-      if (text.empty()) continue;
-      int node_id = 0;
-      SPILLWAY_RETURN_IF_ERROR(parse_int("SLURM_NODEID", &node_id));
-      if (!SlurmTasksOnNode(text, node_id, &job.local_world_size)) {
-        return Status::InvalidArgument(
-            StrCat(name, "='", text, "' at SLURM_NODEID=", node_id,
-                   " does not give this node's task count (Slurm writes counts like '4(x2),3'); "
-                   "set LOCAL_WORLD_SIZE to the number of ranks on this node"));
-      }
-      break;
+  const std::string step_tasks = get("SLURM_STEP_TASKS_PER_NODE");
+  if (job.local_world_size == 0 && std::string_view(rank_var) == "SLURM_LOCALID" &&
+      !step_tasks.empty()) {
+    // srun without --ntasks-per-node: the step's tasks per node, at this node (SLURM_NODEID is
+    // relative to the step). Not SLURM_TASKS_PER_NODE: a batch script's is the whole job's.
+    int node_id = 0;
+    SPILLWAY_RETURN_IF_ERROR(parse_int("SLURM_NODEID", &node_id));
+    if (!SlurmTasksOnNode(step_tasks, node_id, &job.local_world_size)) {
+      return Status::InvalidArgument(
+          StrCat("SLURM_STEP_TASKS_PER_NODE='", step_tasks, "' at SLURM_NODEID=", node_id,
+                 " does not give this node's task count (Slurm writes counts like '4(x2),3'); "
+                 "set LOCAL_WORLD_SIZE to the number of ranks on this node"));
     }
   }
   const std::string explicit_job = get("SPILLWAY_NODE_JOB");

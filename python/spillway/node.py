@@ -50,6 +50,17 @@ def _proc_start_ticks(pid):
         return f.read().rsplit(")", 1)[1].split()[19]  # field 22: the start time, in clock ticks
 
 
+def _inherited(name, parent_pid):
+    """The variable has the value it had when the parent process started (/proc/PID/environ)."""
+    try:
+        with open(f"/proc/{parent_pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return False
+    want = f"{name}={os.environ.get(name, '')}".encode()
+    return want in entries
+
+
 def job():
     """The job this process is a local rank of: a dict with id (empty when no launcher started it),
     source, local_rank (-1: the first free slot) and local_world_size (0: not said).
@@ -60,19 +71,23 @@ def job():
     ranks set no variable before the script's first line, and each would otherwise take a budget of
     its own from the same memory."""
     found = _spillway._node_job()
-    if found["id"]:
-        return found
     import multiprocessing  # noqa: PLC0415 (only here: most processes never ask)
 
     parent = multiprocessing.parent_process()
     if parent is None or parent.pid is None:
         return found
+    if found["id"] and not (found["rank_variable"] and _inherited(found["rank_variable"], parent.pid)):
+        return found  # its launcher set the rank variable for this process
+    # A launcher's variable this process only inherited (mp.spawn under srun or mpirun): every
+    # spawned rank would claim the parent's local rank, and the count is the launcher's.
+    if found["source"] == "SPILLWAY_NODE_JOB":
+        return dict(found, local_rank=-1, local_world_size=0, rank_variable="")
     try:
         start = _proc_start_ticks(parent.pid)
     except OSError:
         return found  # the parent is gone: nothing left to share a budget with
-    return {"id": f"spawn-{parent.pid}-{start}", "local_rank": -1,
-            "local_world_size": found["local_world_size"],  # LOCAL_WORLD_SIZE, when the user set it
+    return {"id": f"spawn-{parent.pid}-{start}", "local_rank": -1, "rank_variable": "",
+            "local_world_size": found["local_world_size"] if not found["id"] else 0,  # LOCAL_WORLD_SIZE
             "source": f"{SPAWNED}: the process that started every rank (pid {parent.pid})"}
 
 

@@ -81,6 +81,7 @@ void BindNode(py::module_& m) {
     d["source"] = job.source;
     d["local_rank"] = job.local_rank;
     d["local_world_size"] = job.local_world_size;
+    d["rank_variable"] = job.rank_variable;
     return d;
   });
   m.def(

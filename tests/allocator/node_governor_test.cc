@@ -191,10 +191,16 @@ TEST(NodeJobTest, EveryLauncherNamesTheLocalRankAndCount) {
   job = NodeJobFromEnvironment(getenv);
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_EQ(job->local_world_size, 2);
-  env = {{"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "1"}};
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "3(x2),2"}, {"SLURM_NODEID", "1"}};
   job = NodeJobFromEnvironment(getenv);
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_EQ(job->local_world_size, 3);
+  EXPECT_EQ(job->rank_variable, "SLURM_LOCALID");
+  // A batch script's SLURM_TASKS_PER_NODE is the whole job's, not this process's ranks.
+  env = {{"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "8"}, {"SLURM_NODEID", "0"}};
+  job = NodeJobFromEnvironment(getenv);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->local_world_size, 0);
   // --ntasks-per-node still wins when given.
   env = {{"SLURM_LOCALID", "0"}, {"SLURM_NTASKS_PER_NODE", "8"}, {"SLURM_TASKS_PER_NODE", "3"}};
   job = NodeJobFromEnvironment(getenv);
@@ -202,11 +208,15 @@ TEST(NodeJobTest, EveryLauncherNamesTheLocalRankAndCount) {
   EXPECT_EQ(job->local_world_size, 8);
 
   // What cannot be read is named, with what to do.
-  env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x"}};
-  job = NodeJobFromEnvironment(getenv);
-  ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Has(job.status(), "SLURM_STEP_TASKS_PER_NODE='4(x'")) << job.status().ToString();
-  EXPECT_TRUE(Has(job.status(), "LOCAL_WORLD_SIZE")) << job.status().ToString();
+  for (const char* bad : {"4(x", "4,", "4x", " 4", "+4", "0", "4(x0)", "4(x-1)", "4,,3",
+                          "4(x9223372036854775807)", "99999999999"}) {
+    env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", bad}};
+    job = NodeJobFromEnvironment(getenv);
+    ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(Has(job.status(), StrCat("SLURM_STEP_TASKS_PER_NODE='", bad, "'")))
+        << job.status().ToString();
+    EXPECT_TRUE(Has(job.status(), "LOCAL_WORLD_SIZE")) << job.status().ToString();
+  }
   env = {{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "3,2"}, {"SLURM_NODEID", "5"}};
   job = NodeJobFromEnvironment(getenv);
   ASSERT_EQ(job.status().code(), StatusCode::kInvalidArgument);

@@ -213,22 +213,26 @@ def test_kill_9_of_one_rank_gives_its_lease_back(tmp_path):
         os.unlink(path)
 
 
-@pytest.mark.parametrize("launch", ["spawn", "mpirun"])
+@pytest.mark.parametrize("launch", ["spawn", "spawn-in-srun", "mpirun"])
 def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, launch):
     """torch.multiprocessing.spawn (and Lightning's ddp_spawn, which uses it) sets no launcher
-    variable, and OpenMPI's mpirun sets its own (OMPI_COMM_WORLD_LOCAL_RANK): the ranks of either
+    variable (under srun its ranks inherit the one task's SLURM_LOCALID=0, which all four would
+    claim), and OpenMPI's mpirun sets its own (OMPI_COMM_WORLD_LOCAL_RANK): the ranks of either
     took a budget each, 3/4 of the memory limit, and in an 8 GiB cgroup the OOM killer killed one.
     Here four ranks, each with the one line and nothing else, take 32 MiB tensors until refused, at
-    most 512 MiB each (what they would hold unrefused: safe on any CI machine). They join one job,
+    most 640 MiB each (more than the whole budget, so that even a rank that fills the node alone is
+    refused; what four would hold unrefused is safe on any CI machine). They join one job,
     named by the process that started them, every rank is refused by name, and what they hold
     together stays within the node budget."""
     budget, out = 512 * MiB, tmp_path / launch
     out.mkdir()
     env = dict(os.environ, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1")
     env.pop("SPILLWAY_NODE_JOB", None)
-    grab = [str(WORKER.parent / "node_grab.py"), str(out), "32", "512"]
-    if launch == "spawn":
+    grab = [str(WORKER.parent / "node_grab.py"), str(out), "32", "640"]
+    if launch.startswith("spawn"):
         cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
+        if launch == "spawn-in-srun":  # one task that spawns: its ranks inherit SLURM_LOCALID=0
+            env.update(SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NODEID="0", SLURM_JOB_ID="7")
     else:
         mpirun = shutil.which("mpirun")
         if mpirun is None:
@@ -245,7 +249,7 @@ def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, lau
     for r in ranks:
         assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
         assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
-        if launch == "spawn":
+        if launch.startswith("spawn"):
             assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
         else:
             assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]

@@ -35,7 +35,8 @@ struct NodeJob {
   std::string id;      // empty: not launched as a rank of a multi-process job
   std::string source;  // which variables named it (for messages)
   int local_rank = -1;
-  int local_world_size = 0;  // 0: the launcher did not say
+  int local_world_size = 0;   // 0: the launcher did not say
+  std::string rank_variable;  // the launcher's variable that gave local_rank; empty: none set
 };
 using GetEnvFn = std::function<const char*(const char*)>;
 // In order: SPILLWAY_NODE_JOB (explicit; [A-Za-z0-9._-], at most 80 characters, else an
@@ -47,8 +48,8 @@ using GetEnvFn = std::function<const char*(const char*)>;
 // launcher and its MPICH/Intel MPI runners); OMPI_COMM_WORLD_LOCAL_RANK/_SIZE (mpirun);
 // MPI_LOCALRANKID/MPI_LOCALNRANKS (Hydra); MV2_COMM_WORLD_LOCAL_RANK/_SIZE; PALS_LOCAL_RANKID/
 // PALS_LOCAL_SIZE; SLURM_LOCALID with SLURM_NTASKS_PER_NODE, else this node's entry (SLURM_NODEID)
-// of SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4(x2),3"). A value that cannot be read is
-// an INVALID_ARGUMENT naming the variable.
+// of SLURM_STEP_TASKS_PER_NODE ("4(x2),3"). A value that cannot be read is an INVALID_ARGUMENT
+// naming the variable.
 Result<NodeJob> NodeJobFromEnvironment(const GetEnvFn& getenv);
 Result<NodeJob> NodeJobFromEnvironment();
 
