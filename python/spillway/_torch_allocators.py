@@ -131,12 +131,13 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
     Node budget (spillway.node): when a launcher started this process (torchrun, accelerate launch,
     the deepspeed launcher, mpirun, srun: spillway.node.job() lists the variables read),
     torch.multiprocessing.spawn did (the job of the process that spawned it), or SPILLWAY_NODE_JOB
-    names the job, and `node` is not False (nor SPILLWAY_NODE=0), both arenas book their regions in the job's node ledger, whose
-    budget all local ranks share; the two budgets left unset are then the node's budget each (the
-    node caps their sum and every other rank's). `declare_bytes` declares this rank's host need for
-    admission (spillway.node.admit): every rank fails at once, with one message, when the ranks'
-    needs together pass the node budget. Returns the Runtime. Raises FailedPrecondition when called twice, in a forked child, or under a
-    torch other than the one Spillway was built against."""
+    names the job, and `node` is not False (nor SPILLWAY_NODE=0), both arenas book their regions
+    in the job's node ledger, whose budget all local ranks share; the two budgets left unset are
+    then the node's budget each (the node caps their sum and every other rank's). `declare_bytes`
+    declares this rank's host need for admission (spillway.node.admit): every rank fails at once,
+    with one message, when the ranks' needs together pass the node budget. Returns the Runtime.
+    Raises FailedPrecondition when called twice, in a forked child, or under a torch other than the
+    one Spillway was built against."""
     global _runtime
     with _install_lock:
         if _runtime is not None:
