@@ -6,9 +6,10 @@ follows, padded with spaces to a multiple of 8, then the raw little-endian data.
 needs only shapes and dtypes, the whole layout is planned before any tensor exists in full, and
 each tensor is then written at its offset as it arrives: nothing is gathered first.
 
-Shards follow transformers' names (model-00001-of-00003.safetensors) and its index
-(model.safetensors.index.json: metadata.total_size and a weight_map of tensor name -> file), so
-`safetensors.torch.load_file` reads each shard and `from_pretrained` reads the directory.
+Files follow transformers' names: one model.safetensors when the model fits one shard, else shards
+(model-00001-of-00003.safetensors) and their index (model.safetensors.index.json: metadata.total_size
+and a weight_map of tensor name -> file), so `safetensors.torch.load_file` reads each file and
+`from_pretrained` reads the directory.
 """
 import errno
 import json
@@ -26,6 +27,7 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 
 def nbytes(shape, dtype):
@@ -57,7 +59,8 @@ class Plan:
         if current or not shards:
             shards.append(current)
         n = len(shards)
-        self.files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.sharded = n > 1
+        self.files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if self.sharded else [SINGLE]
         self.where = {}       # name -> (file index, absolute offset in the file, bytes)
         self.headers = []
         self.total_size = 0
@@ -78,11 +81,12 @@ class Plan:
 
 class Writer:
     """Writes a Plan into `directory`: shards under temporary names, each tensor with `write(name,
-    tensor)` in any order, then `commit()` fsyncs and renames the shards, writes the index last
-    and fsyncs the directory. A writer that is not committed (an exception, a kill) leaves only
-    `*.tmp-<pid>` files behind and no index naming them; `abort()` removes them. The commit removes
-    an earlier export's index before its first rename, so one broken during the renames leaves no
-    index rather than a mix of two exports."""
+    tensor)` in any order, then `commit()` fsyncs and renames the shards, writes the index last (a
+    sharded plan) and fsyncs the directory. A writer that is not committed (an exception, a kill)
+    leaves only `*.tmp-<pid>` files behind and no index naming them; `abort()` removes them. The
+    commit first removes what an earlier export left that would be read instead of its files (its
+    index; its model.safetensors, which from_pretrained reads before an index), so one broken during
+    the renames leaves a directory that fails to load by name rather than a mix of two exports."""
 
     def __init__(self, directory, plan, block_size=1 << 20, queue_depth=8, arena=None):
         if arena is None:
@@ -133,17 +137,24 @@ class Writer:
             os.fsync(fd)
         self._close()
         # An index already here names the shards of an earlier export, which the renames below
-        # replace one by one. It goes first, and durably: a commit broken between two renames then
+        # replace one by one; an earlier single model.safetensors would be read before this
+        # export's index. They go first, and durably: a commit broken between two renames then
         # leaves a directory that fails to load by name, never one that loads as a mix of the two.
-        try:
-            os.unlink(os.path.join(self.directory, INDEX))
-        except FileNotFoundError:
-            pass
-        else:
+        removed = False
+        for stale in (INDEX, SINGLE) if self.plan.sharded else (INDEX,):
+            try:
+                os.unlink(os.path.join(self.directory, stale))
+                removed = True
+            except FileNotFoundError:
+                pass
+        if removed:
             _fsync_directory(self.directory)
         finals = [os.path.join(self.directory, f) for f in self.plan.files]
         for tmp, final in zip(self._tmp, finals):
             os.replace(tmp, final)
+        if not self.plan.sharded:
+            _fsync_directory(self.directory)
+            return finals
         index = {"metadata": {"total_size": self.plan.total_size},
                  "weight_map": {name: self.plan.files[w[0]] for name, w in self.plan.where.items()}}
         tmp_index = os.path.join(self.directory, f"{INDEX}.tmp-{os.getpid()}")
@@ -180,15 +191,17 @@ def _fsync_directory(directory):
 
 
 def load(directory):
-    """{name: tensor} of a directory written by Writer (or by transformers): every shard the index
-    names, read with safetensors' own loader."""
+    """{name: tensor} of a directory written by Writer (or by transformers): its model.safetensors,
+    else every shard the index names (from_pretrained's order), read with safetensors' own loader."""
     from safetensors.torch import load_file
 
+    if os.path.isfile(os.path.join(directory, SINGLE)):
+        return load_file(os.path.join(directory, SINGLE))
     path = os.path.join(directory, INDEX)
     try:
         f = open(path)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"no {INDEX} in {directory}: not a whole export (a commit "
+        raise FileNotFoundError(errno.ENOENT, f"no {INDEX} or {SINGLE} in {directory}: not a whole export (a commit "
                                 "broken during its renames removes it); export into it again", path) from None
     with f:
         weight_map = json.load(f)["weight_map"]

@@ -202,7 +202,7 @@ def test_bad_input_an_export_broken_during_its_renames_never_loads_as_a_mix_of_t
     assert {k: v[0].item() for k, v in safetensors_stream.load(tmp_path).items()} == {"a": 1.0, "b": 1.0}
     p = two_shard_export(tmp_path, 2, KILL_AT_SECOND_RENAME if seam == "kill" else FAIL_AT_SECOND_RENAME)
     assert p.returncode == (-9 if seam == "kill" else 3), p.stdout + p.stderr
-    with pytest.raises(FileNotFoundError, match=f"no {safetensors_stream.INDEX} in .*: not a whole export"):
+    with pytest.raises(FileNotFoundError, match=f"no {safetensors_stream.INDEX} or model.safetensors in .*: not a whole export"):
         safetensors_stream.load(tmp_path)
     if seam == "raise":
         assert "injected EIO" in p.stdout
@@ -211,3 +211,27 @@ def test_bad_input_an_export_broken_during_its_renames_never_loads_as_a_mix_of_t
     p = two_shard_export(tmp_path, 3)
     assert p.returncode == 0, p.stderr
     assert {k: v[0].item() for k, v in safetensors_stream.load(tmp_path).items()} == {"a": 3.0, "b": 3.0}
+
+
+def test_an_export_replaces_an_earlier_one_of_the_other_layout(tmp_path):
+    # One shard is written as model.safetensors (transformers' name), several with an index. A
+    # model.safetensors left by an earlier export (or by transformers' own save) would be read by
+    # from_pretrained before a new index: a sharded export removes it; a single-file one removes an
+    # earlier index, whose shards it no longer names.
+    def export(value, names, shard):
+        plan = safetensors_stream.Plan([(n, (256,), torch.float32) for n in names], shard)
+        w = safetensors_stream.Writer(tmp_path, plan)
+        for n in names:
+            w.write(n, torch.full((256,), float(value)))
+        return [os.path.basename(f) for f in w.commit()]
+
+    def loaded():
+        return {k: v[0].item() for k, v in safetensors_stream.load(tmp_path).items()}
+
+    assert export(1, ["a"], 1 << 20) == ["model.safetensors"]
+    assert loaded() == {"a": 1.0}
+    assert export(2, ["a", "b"], 1024) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                          safetensors_stream.INDEX]
+    assert loaded() == {"a": 2.0, "b": 2.0} and "model.safetensors" not in os.listdir(tmp_path)
+    assert export(3, ["c"], 1 << 20) == ["model.safetensors"]
+    assert loaded() == {"c": 3.0} and safetensors_stream.INDEX not in os.listdir(tmp_path)
