@@ -2,8 +2,14 @@
 sharded safetensors one parameter at a time (docs/checkpoint.md). Public through spillway.deepspeed;
 this module is private.
 """
+import collections
+import functools
+import io
 import math
 import os
+import pickle
+import sys
+import warnings
 
 import torch
 
@@ -40,6 +46,19 @@ def _consolidated_entries(engine, exclude_frozen_parameters):
     return out
 
 
+def _check_streamable(engine, who):
+    """Raises, on every rank alike and before any collective, where the streamed save cannot run."""
+    if not engine.zero_optimization_partition_weights():
+        raise _spillway.InvalidArgument(
+            f"{who}: the engine is not ZeRO-3 (its weights are not "
+            "partitioned); engine.module.state_dict() already holds them whole")
+    reason = _unstreamable(engine)
+    if reason is not None:
+        raise _spillway.FailedPrecondition(
+            f"{who}: {reason}; nothing was written. Use engine.save_16bit_model"
+            f"{', or DeepSpeed ' + ', '.join(_GATHER_VERIFIED) if 'verified' in reason else ''}")
+
+
 def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_parameters=False,
                      block_size=1 << 20, queue_depth=8):
     """Writes a ZeRO-3 engine's 16-bit weights to `save_dir` as transformers-style sharded
@@ -51,23 +70,30 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     first). Returns the files written on rank 0, [] elsewhere. Atomicity: see spillway.safetensors_stream.Writer.
     A failure on rank 0 (making the directory, a write, the commit) is raised on every rank once all
     have left the save's collectives: rank 0's own exception there, spillway.IoError elsewhere."""
+    who = "spillway.deepspeed.save_16bit_model"
+    _check_streamable(engine, who)
+    entries = _consolidated_entries(engine, exclude_frozen_parameters)
+    return _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size, queue_depth)
+
+
+def _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size=1 << 20, queue_depth=8):
+    """`entries` ((key, kind, tensor), every rank the same) gathered one at a time into sharded
+    safetensors in `save_dir`; a tied parameter is gathered again under each of its names (safetensors
+    has no aliases)."""
+    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
+    plan = st.Plan(layout, max_shard_size)
+    return _stream(engine, entries, lambda: st.Writer(save_dir, plan, block_size, queue_depth), save_dir, who)
+
+
+def _stream(engine, entries, open_sink, where, who):
+    """Gathers each of `entries` ((key, kind, tensor), the same list on every rank) in order, on every
+    rank, and hands it to the sink rank 0 opens with `open_sink()` (write(key, tensor), commit() ->
+    files, abort()). Returns commit()'s files on rank 0, [] elsewhere; a failure on rank 0 is raised
+    on every rank once all have left the collectives."""
     import deepspeed  # noqa: PLC0415
     import deepspeed.comm as dist  # noqa: PLC0415
 
-    if not engine.zero_optimization_partition_weights():
-        raise _spillway.InvalidArgument(
-            "spillway.deepspeed.save_16bit_model: the engine is not ZeRO-3 (its weights are not "
-            "partitioned); engine.module.state_dict() already holds them whole")
-    if dist.get_world_size() > 1 and deepspeed.__version__ not in _GATHER_VERIFIED:
-        raise _spillway.FailedPrecondition(
-            f"spillway.deepspeed.save_16bit_model: on DeepSpeed {deepspeed.__version__} with "
-            f"{dist.get_world_size()} ranks, gathering one parameter at a time was not verified (on 0.18.9 some "
-            f"gathered parameters held wrong values); nothing was written. Use engine.save_16bit_model, or "
-            f"DeepSpeed {', '.join(_GATHER_VERIFIED)}")
-    entries = _consolidated_entries(engine, exclude_frozen_parameters)
     rank0 = dist.get_rank() == 0
-    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
-    plan = st.Plan(layout, max_shard_size)
     # Rank 0 alone writes, and every rank gathers every parameter. A failure on rank 0 (the
     # directory, a write, the commit) is kept and raised after the last collective, on every rank:
     # leaving at once would strand the others in the next all-gather, and a caller that went on
@@ -75,7 +101,7 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     writer, failure = None, None
     if rank0:
         try:
-            writer = st.Writer(save_dir, plan, block_size, queue_depth)
+            writer = open_sink()
         except Exception as e:  # noqa: BLE001 (raised below, once every rank has agreed)
             failure = e
 
@@ -89,8 +115,6 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
             failure = e
 
     try:
-        # A tied parameter is gathered again and written under each of its names: DeepSpeed's
-        # state dict holds the same tensor under both, and safetensors has no aliases.
         # Under spillway.install(), each gathered parameter is a "checkpoint" allocation of the host
         # arena: exact size, and its pages are reused by the next one, where glibc's heap kept a
         # varying number of freed 2 MiB gathers resident (peaks of 15 to 31 MiB over an 8-step
@@ -109,8 +133,8 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
             # The budget caps bytes held from the OS; empty retained regions are given back on demand.
             room = s["budget_bytes"] - s["committed_bytes"] + s["retained_bytes"]
         page = os.sysconf("SC_PAGE_SIZE")  # the arena's granule: each allocation rounds up to it
-        largest = max((-(-math.prod(shape) * torch.empty(0, dtype=dtype).element_size() // page) * page
-                       for _, shape, dtype in layout), default=0)
+        largest = max((-(-math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() // page) * page
+                       for _, _, t in entries), default=0)
         device = get_accelerator().current_device_name()
         agreed = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0, failure is None],
                               dtype=torch.int32, device=device)
@@ -121,7 +145,12 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
             return _torch_allocators.tag("checkpoint") if in_arena else contextlib.nullcontext()
 
         files = []
-        if ok:  # else rank 0 could not open the checkpoint, and every rank knows: nothing to gather
+        if ok:  # else rank 0 could not open its sink, and every rank knows: nothing to gather
+            # As DeepSpeed's own gather: the optimizer's checkpoint prologue first (every parameter
+            # partitioned), its epilogue after.
+            event = getattr(engine, "_optimizer_has_ckpt_event_prologue", lambda: False)()
+            if event:
+                engine.optimizer.checkpoint_event_prologue()
             for key, kind, t in entries:
                 if kind == "param" and hasattr(t, "ds_id"):
                     with gathering(), deepspeed.zero.GatheredParameters([t], modifier_rank=None):
@@ -129,6 +158,8 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
                             write(key, t.data)
                 elif rank0:
                     write(key, t)
+            if getattr(engine, "_optimizer_has_ckpt_event_epilogue", lambda: False)():
+                engine.optimizer.checkpoint_event_epilogue()
             if rank0 and failure is None:
                 try:
                     files = writer.commit()
@@ -142,7 +173,7 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
             raise failure
         if not ok:
             raise _spillway.IoError(
-                f"spillway.deepspeed.save_16bit_model: rank 0 failed to write the checkpoint to {save_dir} "
+                f"{who}: rank 0 failed to write the checkpoint to {where} "
                 "(rank 0 raised the cause); do not load it from there. Fix what rank 0 reports and save again")
         return files
     except BaseException:
@@ -150,3 +181,314 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
             writer.abort()
         raise
 
+
+# DeepSpeed's own format, streamed. engine.save_16bit_model writes torch.save(state_dict) on rank 0:
+# a zip (torch's PyTorchFileWriter) whose records are data.pkl (the pickled OrderedDict, each tensor
+# a _rebuild_tensor_v2 of a storage named by key), then .format_version, .storage_alignment and
+# byteorder, then data/0, data/1, ... in key order. The pickle needs only shapes and dtypes, so it
+# is written first and each storage is appended as its parameter is gathered, with no more than one
+# parameter in memory. torch.load returns the dict DeepSpeed's file holds: the same names in the same
+# order, equal tensors, a tied parameter one storage under both names. The files differ in bytes:
+# one storage per tensor here, where DeepSpeed's may hold a tensor as a view into a larger buffer
+# (on the CPU accelerator, gathered parameters are views of one flat buffer, and torch.save writes
+# the whole buffer).
+
+class _StorageRef:
+    def __init__(self, key, dtype, numel):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    def __init__(self, storage, shape):
+        self.storage, self.shape = storage, tuple(int(s) for s in shape)
+
+    def __reduce__(self):
+        stride, step = [], 1
+        for n in reversed(self.shape):
+            stride.append(step)
+            step *= max(n, 1)
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+class TorchFile:
+    """One torch.save file of an OrderedDict of tensors, planned from `entries` ((key, shape, dtype,
+    tensor), where entries with the same `tensor` object share one storage) and written one storage
+    at a time, in order, with write(key, tensor). commit() fsyncs and renames it over `path`
+    (a temporary `path.tmp-<pid>` until then); abort() removes the temporary."""
+
+    def __init__(self, path, entries):
+        refs, self._order, storages = collections.OrderedDict(), [], {}
+        for key, shape, dtype, tensor in entries:
+            ref = storages.get(id(tensor))
+            if ref is None:
+                ref = storages[id(tensor)] = _StorageRef(str(len(storages)), dtype, math.prod(shape))
+                self._order.append((key, tuple(shape), dtype))
+            elif ref.dtype != dtype or ref.numel != math.prod(shape):
+                raise ValueError(f"{key} aliases a tensor of another dtype or size")
+            refs[key] = _TensorRef(ref, shape)
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(refs)
+        data = buf.getvalue()
+        self.path, self._tmp, self._next = path, f"{path}.tmp-{os.getpid()}", 0
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._zip = torch._C.PyTorchFileWriter(self._tmp)
+        try:
+            self._zip.write_record("data.pkl", data, len(data))
+            alignment = str(torch.serialization._get_storage_alignment())
+            for name, value in ((".format_version", "1"), (".storage_alignment", alignment),
+                                ("byteorder", sys.byteorder)):
+                self._zip.write_record(name, value, len(value))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, key, tensor):
+        """Appends the storage of `key`, which must be the next one planned (an alias of an earlier
+        tensor has none of its own)."""
+        if self._next >= len(self._order) or self._order[self._next][0] != key:
+            expected = repr(self._order[self._next][0]) if self._next < len(self._order) else "none"
+            raise ValueError(f"{key!r} is out of order: the file's next storage is {expected}")
+        _, shape, dtype = self._order[self._next]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"{key}: got {tensor.dtype} {tuple(tensor.shape)}, the plan says {dtype} {shape}")
+        data = tensor.detach().to("cpu").contiguous()
+        size = data.numel() * data.element_size()
+        storage = data.untyped_storage()
+        if data.storage_offset() != 0 or storage.nbytes() != size:  # a view into a larger buffer
+            storage = data.clone().untyped_storage()
+        self._zip.write_record(f"data/{self._next}", storage, size)
+        self._next += 1
+
+    def commit(self):
+        if self._next != len(self._order):
+            raise ValueError(f"{len(self._order) - self._next} planned tensors were never written, "
+                             f"e.g. {self._order[self._next][0]}")
+        self._zip.write_end_of_file()
+        self._zip = None
+        fd = os.open(self._tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(self._tmp, self.path)
+        st._fsync_directory(os.path.dirname(self.path) or ".")
+        return [self.path]
+
+    def abort(self):
+        self._zip = None  # its destructor closes the file
+        try:
+            os.unlink(self._tmp)
+        except FileNotFoundError:
+            pass
+
+
+class SaveWarning(UserWarning):
+    """A save that Spillway would stream ran DeepSpeed's or transformers' own, gathering the model
+    on rank 0; the message says why."""
+
+
+_warned = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, SaveWarning, stacklevel=3)
+
+
+def _unstreamable(engine, writer=False):
+    """Why gathering one parameter at a time cannot stand in for DeepSpeed's gather of the whole
+    model on this engine (None: it can); with `writer`, also why it cannot stand in for the file
+    DeepSpeed's save_16bit_model writes. The same answer on every rank."""
+    import deepspeed  # noqa: PLC0415
+    import deepspeed.comm as dist  # noqa: PLC0415
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415
+
+    if dist.get_world_size() > 1 and deepspeed.__version__ not in _GATHER_VERIFIED:
+        return (f"on DeepSpeed {deepspeed.__version__} with {dist.get_world_size()} ranks, gathering one parameter "
+                f"at a time was not verified (on 0.18.9 some gathered parameters held wrong values)")
+    autotp = getattr(engine, "autotp_size", None)
+    if autotp is not None and autotp() > 1:
+        return (f"the engine is tensor-parallel (AutoTP size {autotp()}): each gathered parameter is one "
+                "tensor-parallel shard, which DeepSpeed's own gather completes")
+    if writer and not isinstance(getattr(engine, "checkpoint_engine", None), TorchCheckpointEngine):
+        return (f"the engine's checkpoint engine is {type(engine.checkpoint_engine).__name__}, which writes "
+                "the file itself")
+    return None
+
+
+def _engine_save_16bit_model(original):
+    @functools.wraps(original)
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        if not (self.zero_optimization_partition_weights() and self.zero_gather_16bit_weights_on_model_save()):
+            return original(self, save_dir, save_filename, exclude_frozen_parameters)
+        reason = _unstreamable(self, writer=True)
+        if reason is not None:
+            _warn_once(("engine", reason),
+                       f"spillway.deepspeed: engine.save_16bit_model gathers the whole 16-bit model on rank 0 "
+                       f"(DeepSpeed's own save): {reason}")
+            return original(self, save_dir, save_filename, exclude_frozen_parameters)
+        check = getattr(self, "_raise_if_autoep_zero3_consolidated_export", None)
+        if check is not None:
+            check("save_16bit_model")
+        entries = _consolidated_entries(self, exclude_frozen_parameters)
+        seen, gathers, layout = set(), [], []
+        for key, kind, t in entries:
+            # Parameters tied across modules are one storage in DeepSpeed's dict; each buffer is a copy.
+            layout.append((key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype, t if kind == "param" else object()))
+            if kind != "param" or id(t) not in seen:  # a tied parameter: one storage, gathered once
+                seen.add(id(t))
+                gathers.append((key, kind, t))
+        path = os.path.join(save_dir, save_filename)
+        _stream(self, gathers, lambda: TorchFile(path, layout), path, "engine.save_16bit_model")
+        return True
+    save_16bit_model.__spillway_original__ = original
+    return save_16bit_model
+
+
+def _trainer_keys(model, entries):
+    """The names transformers' save_pretrained would write from DeepSpeed's consolidated dict of
+    `model`: without _keys_to_ignore_on_save and without the tied aliases it drops (its own
+    remove_tied_weights_from_state_dict, run on one-element stand-ins that share a storage exactly
+    where the parameters are one). None when save_pretrained would rename or merge tensors on the
+    way out (a weight conversion mapping), which only the whole dict can go through."""
+    from transformers import modeling_utils  # noqa: PLC0415
+
+    standins, state = {}, {}
+    for key, kind, t in entries:
+        state[key] = standins.setdefault(id(t), torch.empty(1)) if kind == "param" else torch.empty(1)
+    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignored, None)
+    state = modeling_utils.remove_tied_weights_from_state_dict(state, model)
+    revert = getattr(modeling_utils, "revert_weight_conversion", None)
+    if revert is not None:
+        reverted = revert(model, dict(state))
+        if set(reverted) != set(state) or any(reverted[k] is not v for k, v in state.items()):
+            return None
+    return set(state)
+
+
+def _trainer_save_model(original):
+    """transformers' Trainer.save_model (the final save, and the model half of every checkpoint it
+    takes) under ZeRO-3 with stage3_gather_16bit_weights_on_model_save: the weights streamed to
+    sharded safetensors as save_pretrained names them, config, tokenizer and training arguments by
+    the Trainer's own _save; else Trainer's own."""
+    @functools.wraps(original)
+    def save_model(self, output_dir=None, _internal_call=False):
+        engine = getattr(self, "deepspeed", None) if getattr(self, "is_deepspeed_enabled", False) else None
+        if engine is None or not engine.zero_optimization_partition_weights() or \
+                not engine.zero_gather_16bit_weights_on_model_save():
+            return original(self, output_dir, _internal_call)
+        from transformers import PreTrainedModel  # noqa: PLC0415
+
+        reason = _unstreamable(engine)
+        entries = keys = None
+        if reason is None and not isinstance(self.model, PreTrainedModel):
+            reason = f"the model is a {type(self.model).__name__}, not a PreTrainedModel (a PEFT model saves its adapters)"
+        if reason is None and self.args.save_on_each_node:
+            reason = "save_on_each_node is set (Spillway's save writes on global rank 0 only)"
+        if reason is None:
+            entries = _consolidated_entries(engine, False)
+            keys = _trainer_keys(self.model, entries)
+            if keys is None:
+                reason = f"{type(self.model).__name__}'s save_pretrained converts its weights on the way out"
+        if reason is not None:
+            _warn_once(("trainer", reason),
+                       f"spillway.deepspeed: Trainer.save_model gathers the whole 16-bit model on rank 0 "
+                       f"(transformers' own save): {reason}")
+            return original(self, output_dir, _internal_call)
+        from transformers.trainer_pt_utils import remove_dummy_checkpoint  # noqa: PLC0415
+        from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME  # noqa: PLC0415
+        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        # transformers' own way to write everything but the weights (its fallback when the weights
+        # cannot be gathered): _save with an empty state dict, then its empty weights file removed.
+        self._save(output_dir, state_dict={})
+        remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+        import inspect  # noqa: PLC0415
+
+        shard = inspect.signature(self.model.save_pretrained).parameters["max_shard_size"].default
+        _save_safetensors(engine, output_dir, [e for e in entries if e[0] in keys],
+                          parse_size_to_int(shard) if isinstance(shard, str) else int(shard), "Trainer.save_model")
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    save_model.__spillway_original__ = original
+    return save_model
+
+
+def _accelerate_save_model(original):
+    """Accelerate's Accelerator.save_model of a ZeRO-3 engine (with
+    stage3_gather_16bit_weights_on_model_save, safetensors): the weights streamed, under the names
+    its own save keeps (clean_state_dict_for_safetensors drops tied aliases but the first); else
+    Accelerate's own, which gathers the whole state dict on rank 0 through get_state_dict."""
+    @functools.wraps(original)
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
+
+        if not isinstance(model, DeepSpeedEngine) or not model.zero_optimization_partition_weights() or \
+                not model.zero_gather_16bit_weights_on_model_save() or os.path.isfile(save_directory):
+            return original(self, model, save_directory, max_shard_size, safe_serialization)
+        reason = _unstreamable(model)
+        if reason is None and not safe_serialization:
+            reason = "safe_serialization=False (torch .bin shards)"
+        if reason is None and self.project_configuration.save_on_each_node:
+            reason = "save_on_each_node is set (Spillway's save writes on global rank 0 only)"
+        if reason is not None:
+            _warn_once(("accelerate", reason),
+                       f"spillway.deepspeed: Accelerator.save_model gathers the whole 16-bit model on rank 0 "
+                       f"(Accelerate's own save): {reason}")
+            return original(self, model, save_directory, max_shard_size, safe_serialization)
+        from accelerate.utils import clean_state_dict_for_safetensors  # noqa: PLC0415
+        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
+
+        entries = _consolidated_entries(model, False)
+        standins, state = {}, {}
+        for key, kind, t in entries:
+            state[key] = standins.setdefault(id(t), torch.empty(1)) if kind == "param" else torch.empty(1)
+        keys = set(clean_state_dict_for_safetensors(state))
+        _save_safetensors(model, save_directory, [e for e in entries if e[0] in keys],
+                          parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size),
+                          "Accelerator.save_model")
+    save_model.__spillway_original__ = original
+    return save_model
+
+
+def install(patch):
+    """engine.save_16bit_model under ZeRO-3 streams DeepSpeed's format (TorchFile) instead of
+    gathering the whole model on rank 0; transformers' Trainer.save_model and Accelerate's
+    Accelerator.save_model too, once they are imported (install_clients)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
+
+    import deepspeed  # noqa: PLC0415
+
+    patch(DeepSpeedEngine, "save_16bit_model", _engine_save_16bit_model(DeepSpeedEngine.__dict__["save_16bit_model"]))
+    install_clients(patch)
+    initialize = deepspeed.initialize
+
+    @functools.wraps(initialize)
+    def initialize_and_patch_clients(*args, **kwargs):
+        install_clients(patch)
+        return initialize(*args, **kwargs)
+    patch(deepspeed, "initialize", initialize_and_patch_clients)
+
+
+def install_clients(patch):
+    """Trainer.save_model and Accelerator.save_model streamed, each once its module is imported and
+    if not yet patched: called at install() and again at each deepspeed.initialize, which both call
+    after their import."""
+    for module, cls_name, wrap in (("transformers.trainer", "Trainer", _trainer_save_model),
+                                   ("accelerate.accelerator", "Accelerator", _accelerate_save_model)):
+        owner = sys.modules.get(module)
+        cls = getattr(owner, cls_name, None) if owner is not None else None
+        if cls is not None and not hasattr(cls.__dict__.get("save_model"), "__spillway_original__"):
+            patch(cls, "save_model", wrap(cls.__dict__["save_model"]))

@@ -50,16 +50,16 @@ import warnings
 
 import torch
 
-from . import _deepspeed_checkpoint, _deepspeed_swap, _spillway, _torch_allocators
+from . import _deepspeed_checkpoint, _deepspeed_save, _deepspeed_swap, _spillway, _torch_allocators
 from . import guard as _guard
 from . import node as _node
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
 from ._deepspeed_common import _deepspeed_version, _patch, _patched
-from ._deepspeed_save import save_16bit_model  # noqa: F401
+from ._deepspeed_save import SaveWarning, save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
 
 # Named where users import them from (help(), reprs, pickles), not by the private files.
-for _public in (AuditWarning, audit, offloaded_tensors, save_16bit_model, StepWarning):
+for _public in (AuditWarning, audit, offloaded_tensors, save_16bit_model, SaveWarning, StepWarning):
     _public.__module__ = __name__
 del _public
 
@@ -522,6 +522,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
         _install_step()
     if checkpoints:
         _deepspeed_checkpoint.install(_patch)
+        _deepspeed_save.install(_patch)
     _guard_default = guard
     if guard:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415

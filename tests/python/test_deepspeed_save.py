@@ -20,6 +20,7 @@ from spillway import safetensors_stream  # noqa: E402
 from spillway._deepspeed_save import _GATHER_VERIFIED  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_save.py"
+TRAINER = Path(__file__).parent / "workers" / "ds_trainer_save.py"
 MIB = 1 << 20
 
 
@@ -47,6 +48,55 @@ def test_the_same_tensors_under_the_same_names_as_deepspeeds_own_save(small):
     assert "lm_head.weight" in ours and torch.equal(ours["lm_head.weight"], ours["transformer.wte.weight"])
     assert len(r["files"]) > 2 and r["files"][-1] == "model.safetensors.index.json"
     assert not [f for f in os.listdir(d / "sp") if ".tmp-" in f]
+
+
+def same_dict(path, theirs):
+    """torch.load of `path` equals `theirs`: the same names in the same order, equal tensors of the
+    same dtypes, and a tied parameter one storage under both names, as in DeepSpeed's file."""
+    ours = torch.load(path, weights_only=True)
+    assert list(ours) == list(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    tied = ours["lm_head.weight"].untyped_storage().data_ptr() == ours["transformer.wte.weight"].untyped_storage().data_ptr()
+    assert tied
+
+
+def test_engine_save_16bit_model_under_install_writes_deepspeeds_format_streamed(small):
+    # The one line puts the streamed save behind DeepSpeed's own engine.save_16bit_model, in its
+    # format (torch.save's zip): what torch.load returns equals DeepSpeed's file, no temporary is left.
+    d, _ = small
+    same_dict(d / "ds-engine" / "pytorch_model.bin", torch.load(d / "ds" / "pytorch_model.bin", weights_only=True))
+    assert os.listdir(d / "ds-engine") == ["pytorch_model.bin"]
+
+
+def test_bad_input_deepspeeds_format_refuses_what_does_not_match_its_plan_and_leaves_nothing(tmp_path):
+    from spillway._deepspeed_save import TorchFile
+
+    a, tied = object(), object()
+    plan = [("a", (2, 3), torch.bfloat16, a), ("b", (4,), torch.float32, tied), ("c", (4,), torch.float32, tied)]
+    with pytest.raises(ValueError, match="x aliases a tensor of another dtype or size"):
+        TorchFile(str(tmp_path / "m.bin"), plan + [("x", (5,), torch.float32, tied)])
+    f = TorchFile(str(tmp_path / "m.bin"), plan)
+    with pytest.raises(ValueError, match="'b' is out of order: the file's next storage is 'a'"):
+        f.write("b", torch.zeros(4))
+    with pytest.raises(ValueError, match=r"a: got torch.float32 \(2, 3\), the plan says torch.bfloat16 \(2, 3\)"):
+        f.write("a", torch.zeros(2, 3))
+    f.write("a", torch.ones(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="1 planned tensors were never written, e.g. b"):
+        f.commit()
+    f.abort()
+    assert os.listdir(tmp_path) == []
+    # Whole: "c" is "b" (one storage), and torch.load reads what was planned.
+    f = TorchFile(str(tmp_path / "m.bin"), plan)
+    f.write("a", torch.ones(2, 3, dtype=torch.bfloat16))
+    f.write("b", torch.arange(8.0)[4:])  # a view into a larger storage is written alone
+    with pytest.raises(ValueError, match="'c' is out of order: the file's next storage is none"):
+        f.write("c", torch.zeros(4))
+    assert f.commit() == [str(tmp_path / "m.bin")] and os.listdir(tmp_path) == ["m.bin"]
+    got = torch.load(tmp_path / "m.bin", weights_only=True)
+    assert list(got) == ["a", "b", "c"] and torch.equal(got["b"], torch.arange(4.0, 8.0))
+    assert got["b"].untyped_storage().data_ptr() == got["c"].untyped_storage().data_ptr()
+    assert got["b"].untyped_storage().nbytes() == 16
 
 
 def test_it_loads_with_from_pretrained(small):
@@ -95,6 +145,13 @@ def test_peak_host_memory_is_about_one_parameter_not_the_model(tmp_path):
     # 20.5 MiB measured on torch 2.13, 30.7 MiB on torch 2.11 (scripts/check-torch); now +0.2 MiB.
     assert r["spillway_peak"] <= 8 * MIB + 2 * r["largest_param_bytes"] + 4 * MIB
     assert r["spillway_peak"] < 0.6 * r["ds_peak"]
+    # engine.save_16bit_model under install(), in DeepSpeed's format: the gathered parameter, a
+    # copy of it where the gather is a view into a larger buffer, torch's zip writer's buffers.
+    print(f"engine.save_16bit_model under install(): +{r['engine_peak'] / MIB:.1f} MiB")
+    same_dict(tmp_path / "ds-engine" / "pytorch_model.bin",
+              torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True))
+    assert r["engine_peak"] <= 2 * r["largest_param_bytes"] + 8 * MIB
+    assert r["engine_peak"] < 0.6 * r["ds_peak"]
 
 
 def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp_path):
@@ -235,3 +292,81 @@ def test_an_export_replaces_an_earlier_one_of_the_other_layout(tmp_path):
     assert loaded() == {"a": 2.0, "b": 2.0} and "model.safetensors" not in os.listdir(tmp_path)
     assert export(3, ["c"], 1 << 20) == ["model.safetensors"]
     assert loaded() == {"c": 3.0} and safetensors_stream.INDEX not in os.listdir(tmp_path)
+
+
+def trainer_save(tmp_path, *shape_and_flags):
+    """ds_trainer_save.py on two fresh ranks (their memory is measured): rank 0's result."""
+    if deepspeed.__version__ not in _GATHER_VERIFIED:
+        pytest.skip(f"on DeepSpeed {deepspeed.__version__} the streamed save gives way to the Trainer's own "
+                    "(multi-rank gathers not verified)")
+    run_ranks([sys.executable, str(TRAINER), str(tmp_path), *map(str, shape_and_flags)], timeout=900, fresh=True,
+              env={"OMP_NUM_THREADS": "1"})
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def same_safetensors(ours, theirs):
+    """Two save_pretrained directories hold the same tensors under the same names."""
+    a, b = safetensors_stream.load(ours), safetensors_stream.load(theirs)
+    assert sorted(a) == sorted(b)
+    for name, t in b.items():
+        assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+
+
+def test_trainer_save_model_of_a_100m_zero3_model_holds_one_tensor_not_the_model(tmp_path):
+    # HF Trainer's final save under ZeRO-3 gathers the whole 16-bit model on rank 0 (Accelerate's
+    # get_state_dict, then save_pretrained); under the one line its weights are streamed.
+    # GPT-2, 8 layers of width 1024, vocabulary 8192: 109M parameters, 208 MiB in bf16; the largest
+    # tensor is the embedding, 16 MiB.
+    r = trainer_save(tmp_path, 8, 1024, 8192)
+    print(f"{r['parameters'] / 1e6:.1f}M parameters, {r['model_bytes'] / MIB:.1f} MiB in bf16, largest tensor "
+          f"{r['largest_param_bytes'] / MIB:.1f} MiB; rank 0's peak during Trainer.save_model: transformers "
+          f"+{r['transformers_peak'] / MIB:.1f} MiB, Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
+    assert r["parameters"] >= 100e6
+    assert r["transformers_peak"] >= 0.9 * r["model_bytes"]  # the control gathers the whole model
+    assert r["spillway_peak"] <= r["largest_param_bytes"] + 64 * MIB
+    assert r["warnings"] == []
+    same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
+    for name in ("config.json", "generation_config.json", "training_args.bin"):
+        assert (tmp_path / "spillway" / name).is_file(), name
+    assert not [f for f in os.listdir(tmp_path / "spillway") if ".tmp-" in f]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "spillway", dtype=torch.bfloat16)
+    theirs = safetensors_stream.load(tmp_path / "transformers")
+    state = model.state_dict()
+    for name, t in theirs.items():
+        assert torch.equal(state[name], t), name
+    # The tied head is not written (save_pretrained drops the alias), and loads tied.
+    assert "lm_head.weight" not in theirs and torch.equal(state["lm_head.weight"], theirs["transformer.wte.weight"])
+
+
+def test_trainer_checkpoints_stream_their_weights_and_load(tmp_path):
+    # The model half of each Trainer checkpoint is the same save_model: checkpoint-1 holds the
+    # streamed weights beside DeepSpeed's own checkpoint (global_step1, latest).
+    r = trainer_save(tmp_path, 1, 128, 1024, "--checkpoint")
+    assert r["warnings"] == []
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    same_safetensors(ckpt, tmp_path / "transformers")
+    assert (ckpt / "latest").is_file() and (ckpt / "global_step1").is_dir()
+    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "model.safetensors.index.json").exists()
+
+
+def test_a_trainer_save_that_cannot_be_streamed_is_the_trainers_own_and_says_why(tmp_path):
+    # save_on_each_node: every node's first rank writes, where Spillway's save writes on global rank 0
+    # only. The Trainer's own save runs, with one SaveWarning naming the setting.
+    r = trainer_save(tmp_path, 1, 128, 1024, "--save-on-each-node")
+    assert len(r["warnings"]) == 1 and "save_on_each_node" in r["warnings"][0], r["warnings"]
+    assert (tmp_path / "spillway" / "model.safetensors").is_file()
+    same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
+
+
+def test_accelerate_save_model_streams_and_writes_what_accelerate_writes(tmp_path):
+    # Accelerator.save_model of a ZeRO-3 engine gathers the whole state dict on rank 0
+    # (get_state_dict); under the one line the weights are streamed, under the names Accelerate
+    # keeps (its clean_state_dict_for_safetensors drops the tied head). The model of the Trainer test.
+    r = trainer_save(tmp_path, 8, 1024, 8192, "--accelerate")
+    print(f"rank 0's peak during Accelerator.save_model: Accelerate +{r['transformers_peak'] / MIB:.1f} MiB, "
+          f"Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
+    assert r["transformers_peak"] >= 0.9 * r["model_bytes"]
+    assert r["spillway_peak"] <= r["largest_param_bytes"] + 64 * MIB
+    assert r["warnings"] == []
+    same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
+    assert "lm_head.weight" not in safetensors_stream.load(tmp_path / "spillway")

@@ -1,6 +1,8 @@
 """A DeepSpeed ZeRO-3 run (CPU accelerator, bf16, offload cpu) of a transformers GPT-2 built from a
-tiny config (tied embeddings), saved with DeepSpeed's engine.save_16bit_model and with
-spillway.deepspeed.save_16bit_model, each save's peak host memory measured.
+tiny config (tied embeddings), saved with DeepSpeed's own engine.save_16bit_model, with
+spillway.deepspeed.save_16bit_model and (under install(), into DS_DIR-engine) with
+engine.save_16bit_model as install() leaves it, streamed in DeepSpeed's format; each save's peak host
+memory measured.
 
     python ds_save.py OUT.json DS_DIR SPILLWAY_DIR [N_LAYER] [N_EMBD] [MAX_SHARD_BYTES]
 
@@ -121,12 +123,19 @@ if fail:
               open(f"{out}.rank{rank}", "w"))
     torch.distributed.destroy_process_group()
     sys.exit(0)
-ds_peak, _ = peak(lambda: engine.save_16bit_model(ds_dir))
+# DeepSpeed's own save, the control: under install() engine.save_16bit_model is Spillway's streamed
+# one (DeepSpeed's format), measured after it into DS_DIR-engine.
+deepspeeds = getattr(type(engine).save_16bit_model, "__spillway_original__", type(engine).save_16bit_model)
+ds_peak, _ = peak(lambda: deepspeeds(engine, ds_dir))
 sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
+engine_peak = None
+if deepspeeds is not type(engine).save_16bit_model:
+    engine_peak, saved = peak(lambda: engine.save_16bit_model(ds_dir + "-engine"))
+    assert saved is True
 model.config.save_pretrained(sp_dir)
 params = list(model.parameters())
 if int(os.environ["RANK"]) == 0:
-    json.dump({"engine_device": str(engine.device), "ds_peak": ds_peak, "spillway_peak": sp_peak, "files": [os.path.basename(f) for f in files],
+    json.dump({"engine_device": str(engine.device), "ds_peak": ds_peak, "spillway_peak": sp_peak, "engine_peak": engine_peak, "files": [os.path.basename(f) for f in files],
                "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
                "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
 # The ranks leave the group together: a rank that exits while its peer's Gloo connections to it are
