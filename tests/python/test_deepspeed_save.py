@@ -21,6 +21,8 @@ from spillway._deepspeed_save import _GATHER_VERIFIED  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_save.py"
 TRAINER = Path(__file__).parent / "workers" / "ds_trainer_save.py"
+ZERO_CKPT = Path(__file__).parent / "workers" / "ds_zero_ckpt.py"
+FP32_PEAK = Path(__file__).parent / "workers" / "zero_to_fp32_peak.py"
 MIB = 1 << 20
 
 
@@ -316,8 +318,9 @@ def test_trainer_save_model_of_a_100m_zero3_model_holds_one_tensor_not_the_model
     # HF Trainer's final save under ZeRO-3 gathers the whole 16-bit model on rank 0 (Accelerate's
     # get_state_dict, then save_pretrained); under the one line its weights are streamed.
     # GPT-2, 8 layers of width 1024, vocabulary 8192: 109M parameters, 208 MiB in bf16; the largest
-    # tensor is the embedding, 16 MiB.
-    r = trainer_save(tmp_path, 8, 1024, 8192)
+    # tensor is the embedding, 16 MiB. The run also takes a Trainer checkpoint, which
+    # test_zero_to_fp32_holds_one_tensor_not_the_model converts.
+    r = trainer_save(tmp_path, 8, 1024, 8192, "--checkpoint")
     print(f"{r['parameters'] / 1e6:.1f}M parameters, {r['model_bytes'] / MIB:.1f} MiB in bf16, largest tensor "
           f"{r['largest_param_bytes'] / MIB:.1f} MiB; rank 0's peak during Trainer.save_model: transformers "
           f"+{r['transformers_peak'] / MIB:.1f} MiB, Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
@@ -336,6 +339,33 @@ def test_trainer_save_model_of_a_100m_zero3_model_holds_one_tensor_not_the_model
         assert torch.equal(state[name], t), name
     # The tied head is not written (save_pretrained drops the alias), and loads tied.
     assert "lm_head.weight" not in theirs and torch.equal(state["lm_head.weight"], theirs["transformer.wte.weight"])
+    zero_to_fp32_of_the_100m_run(tmp_path, r)
+
+
+def zero_to_fp32_of_the_100m_run(tmp_path, r):
+    """python -m spillway.zero_to_fp32 on the run's ZeRO-3 checkpoint (1.3 GB: fp32 master weights
+    and Adam's moments of 109M parameters over two ranks) against DeepSpeed's own tool, each in a
+    fresh process: the same tensors, and the peak of each."""
+    ckpt = tmp_path / "run" / "checkpoint-1"
+
+    def convert(which):
+        p = subprocess.run([sys.executable, str(FP32_PEAK), which, str(ckpt), str(tmp_path / f"fp32-{which}")],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])["peak"]
+
+    ours, theirs = convert("spillway"), convert("deepspeed")
+    fp32, largest = 2 * r["model_bytes"], 2 * r["largest_param_bytes"]
+    print(f"zero_to_fp32 of the same run's checkpoint ({fp32 / MIB:.1f} MiB of fp32 weights, largest tensor "
+          f"{largest / MIB:.1f} MiB), peak: DeepSpeed's tool +{theirs / MIB:.1f} MiB, "
+          f"spillway.zero_to_fp32 +{ours / MIB:.1f} MiB")
+    assert theirs >= 0.9 * fp32  # the control: DeepSpeed's tool builds its 5 GB shard whole
+    assert ours <= largest + 64 * MIB
+    expected = torch.load(tmp_path / "fp32-deepspeed" / "pytorch_model.bin", weights_only=True)
+    got = safetensors_stream.load(tmp_path / "fp32-spillway")
+    assert sorted(got) == sorted(expected)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype == torch.float32 and torch.equal(got[name], t), name
 
 
 def test_trainer_checkpoints_stream_their_weights_and_load(tmp_path):
@@ -370,3 +400,60 @@ def test_accelerate_save_model_streams_and_writes_what_accelerate_writes(tmp_pat
     assert r["warnings"] == []
     same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
     assert "lm_head.weight" not in safetensors_stream.load(tmp_path / "spillway")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def zero_checkpoint(request, tmp_path_factory):
+    """A two-rank ZeRO-2 or ZeRO-3 checkpoint of a GPT-2 with a frozen block and buffers of its own
+    (workers/ds_zero_ckpt.py), under the one line."""
+    d = tmp_path_factory.mktemp(f"zero{request.param}")
+    run_ranks([sys.executable, str(ZERO_CKPT), str(request.param), str(d / "ckpt")], timeout=600,
+              env={"OMP_NUM_THREADS": "1"})
+    return d / "ckpt"
+
+
+@pytest.mark.parametrize("dtype,frozen", [("float32", True), ("bfloat16", True), ("float32", False)])
+def test_zero_to_fp32_writes_what_deepspeeds_tool_writes(zero_checkpoint, tmp_path, dtype, frozen):
+    # The buffers (float and int64), the frozen block (or not), the trainable parameters rebuilt
+    # from both ranks' partitions, the tied head under both names; floating tensors in `dtype`.
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    from spillway import zero_to_fp32
+
+    convert_zero_checkpoint_to_state_dict(zero_checkpoint, tmp_path / "ds", dtype=getattr(torch, dtype),
+                                          exclude_frozen_parameters=not frozen)
+    argv = [str(zero_checkpoint), str(tmp_path / "sp"), "--dtype", dtype] + ([] if frozen else ["--exclude_frozen_parameters"])
+    assert zero_to_fp32.main(argv) == 0
+    theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
+    ours = safetensors_stream.load(tmp_path / "sp")
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    assert ours["probe_index"].dtype == torch.int64 and ours["probe_scale"].dtype == getattr(torch, dtype)
+    assert ("transformer.h.0.attn.c_attn.weight" in ours) == frozen and "lm_head.weight" in ours
+
+
+def test_bad_input_zero_to_fp32_names_what_is_wrong_and_writes_nothing(zero_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from spillway import zero_to_fp32
+
+    def refused(argv, message):
+        out = tmp_path / "out"
+        assert zero_to_fp32.main([*map(str, argv[:1]), str(out), *argv[1:]]) == 1
+        assert message in capsys.readouterr().err
+        assert not out.exists() or os.listdir(out) == []
+
+    refused([tmp_path], "no 'latest' file in")
+    refused([zero_checkpoint, "-t", "global_step7"], "global_step7")
+    refused([zero_checkpoint, "--dtype", "int8"], "--dtype int8: use one of float32, float16, bfloat16")
+    broken = tmp_path / "broken"
+    shutil.copytree(zero_checkpoint, broken)
+    (next((broken / "global_step1").glob("*rank_1_*optim_states.pt"))).unlink()
+    refused([broken], "but found 1")
+    # A truncated optimizer file is named, not loaded.
+    shutil.rmtree(broken)
+    shutil.copytree(zero_checkpoint, broken)
+    victim = next((broken / "global_step1").glob("*rank_1_*optim_states.pt"))
+    os.truncate(victim, victim.stat().st_size // 2)
+    refused([broken], f"{victim.name}: not a readable DeepSpeed checkpoint file")
