@@ -76,13 +76,23 @@ def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_pa
     return _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size, queue_depth)
 
 
-def _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size=1 << 20, queue_depth=8):
+def _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size=1 << 20, queue_depth=8,
+                      prepare=None):
     """`entries` ((key, kind, tensor), every rank the same) gathered one at a time into sharded
     safetensors in `save_dir`; a tied parameter is gathered again under each of its names (safetensors
-    has no aliases)."""
+    has no aliases). `prepare()`, if given, runs on rank 0 before its writer opens, inside the save's
+    agreement: its failure is raised on every rank, as a failed open is."""
     layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
     plan = st.Plan(layout, max_shard_size)
-    return _stream(engine, entries, lambda: st.Writer(save_dir, plan, block_size, queue_depth), save_dir, who)
+
+    def open_sink():
+        if prepare is not None:
+            prepare()
+        return st.Writer(save_dir, plan, block_size, queue_depth)
+    return _stream(engine, entries, open_sink, save_dir, who)
+
+
+_streams = 0  # saves that reached _stream in this process (the tests read it)
 
 
 def _stream(engine, entries, open_sink, where, who):
@@ -93,6 +103,8 @@ def _stream(engine, entries, open_sink, where, who):
     import deepspeed  # noqa: PLC0415
     import deepspeed.comm as dist  # noqa: PLC0415
 
+    global _streams
+    _streams += 1
     rank0 = dist.get_rank() == 0
     # Rank 0 alone writes, and every rank gathers every parameter. A failure on rank 0 (the
     # directory, a write, the commit) is kept and raised after the last collective, on every rank:
@@ -239,17 +251,31 @@ class TorchFile:
         _Pickler(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(refs)
         data = buf.getvalue()
         self.path, self._tmp, self._next = path, f"{path}.tmp-{os.getpid()}", 0
+        self._zip = self._stream = None
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._zip = torch._C.PyTorchFileWriter(self._tmp)
+        # As torch.save opens its file: its CRC32 option and storage alignment, and a Python file
+        # for a name PyTorchFileWriter cannot take (it takes ASCII names only).
+        alignment = torch.serialization._get_storage_alignment()
+        crc = torch.serialization.get_crc32_options()
         try:
-            self._zip.write_record("data.pkl", data, len(data))
-            alignment = str(torch.serialization._get_storage_alignment())
-            for name, value in ((".format_version", "1"), (".storage_alignment", alignment),
+            if self._tmp.isascii():
+                self._zip = torch._C.PyTorchFileWriter(self._tmp, crc, alignment)
+            else:
+                self._stream = open(self._tmp, "wb")  # noqa: SIM115 (closed by commit or abort)
+                self._zip = torch._C.PyTorchFileWriter(self._stream, crc, alignment)
+            self._record("data.pkl", data, len(data))
+            for name, value in ((".format_version", "1"), (".storage_alignment", str(alignment)),
                                 ("byteorder", sys.byteorder)):
-                self._zip.write_record(name, value, len(value))
+                self._record(name, value, len(value))
         except BaseException:
             self.abort()
             raise
+
+    def _record(self, name, data, size):
+        try:
+            self._zip.write_record(name, data, size)
+        except Exception as e:  # noqa: BLE001 (torch's writer raises RuntimeError for an OS error)
+            raise OSError(f"writing {name} ({size} bytes) to {self._tmp}: {e}") from e
 
     def write(self, key, tensor):
         """Appends the storage of `key`, which must be the next one planned (an alias of an earlier
@@ -265,15 +291,21 @@ class TorchFile:
         storage = data.untyped_storage()
         if data.storage_offset() != 0 or storage.nbytes() != size:  # a view into a larger buffer
             storage = data.clone().untyped_storage()
-        self._zip.write_record(f"data/{self._next}", storage, size)
+        self._record(f"data/{self._next}", storage, size)
         self._next += 1
 
     def commit(self):
         if self._next != len(self._order):
             raise ValueError(f"{len(self._order) - self._next} planned tensors were never written, "
                              f"e.g. {self._order[self._next][0]}")
-        self._zip.write_end_of_file()
+        try:
+            self._zip.write_end_of_file()
+        except Exception as e:  # noqa: BLE001 (as in _record)
+            raise OSError(f"finishing {self._tmp}: {e}") from e
         self._zip = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         fd = os.open(self._tmp, os.O_RDONLY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
@@ -284,11 +316,22 @@ class TorchFile:
         return [self.path]
 
     def abort(self):
-        self._zip = None  # its destructor closes the file
+        # Finished first: torch's writer finishes the archive in its destructor, and one whose write
+        # failed throws there, which terminates the process. Finished here, it raises, and is dropped.
         try:
-            os.unlink(self._tmp)
-        except FileNotFoundError:
+            if self._zip is not None:
+                self._zip.write_end_of_file()
+        except Exception:  # noqa: BLE001, S110 (the archive is being thrown away; the cause was raised)
             pass
+        finally:
+            self._zip = None
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
 
 
 class SaveWarning(UserWarning):
@@ -313,6 +356,8 @@ def _unstreamable(engine, writer=False):
     import deepspeed.comm as dist  # noqa: PLC0415
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415
 
+    from ._deepspeed_checkpoint import engine_class  # noqa: PLC0415
+
     if dist.get_world_size() > 1 and deepspeed.__version__ not in _GATHER_VERIFIED:
         return (f"on DeepSpeed {deepspeed.__version__} with {dist.get_world_size()} ranks, gathering one parameter "
                 f"at a time was not verified (on 0.18.9 some gathered parameters held wrong values)")
@@ -320,10 +365,28 @@ def _unstreamable(engine, writer=False):
     if autotp is not None and autotp() > 1:
         return (f"the engine is tensor-parallel (AutoTP size {autotp()}): each gathered parameter is one "
                 "tensor-parallel shard, which DeepSpeed's own gather completes")
-    if writer and not isinstance(getattr(engine, "checkpoint_engine", None), TorchCheckpointEngine):
+    if writer and type(getattr(engine, "checkpoint_engine", None)) not in (TorchCheckpointEngine, engine_class()):
         return (f"the engine's checkpoint engine is {type(engine.checkpoint_engine).__name__}, which writes "
                 "the file itself")
     return None
+
+
+def _unwritable(entries, codes, what):
+    """Why `entries` cannot go into a file whose dtypes are `codes` (None: they can)."""
+    for key, _, t in entries:
+        if t.dtype not in codes:
+            return f"{key} is {t.dtype}, which {what} has no code for"
+    return None
+
+
+def _standins(entries):
+    """{key: one-element tensor}: two keys share a stand-in exactly where they are one parameter
+    (tied), as the tensors of DeepSpeed's consolidated dict share a storage; the input of the name
+    rules transformers and Accelerate apply to a state dict."""
+    standins, state = {}, {}
+    for key, kind, t in entries:
+        state[key] = standins.setdefault(id(t), torch.empty(1)) if kind == "param" else torch.empty(1)
+    return state
 
 
 def _engine_save_16bit_model(original):
@@ -331,7 +394,9 @@ def _engine_save_16bit_model(original):
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         if not (self.zero_optimization_partition_weights() and self.zero_gather_16bit_weights_on_model_save()):
             return original(self, save_dir, save_filename, exclude_frozen_parameters)
-        reason = _unstreamable(self, writer=True)
+        entries = _consolidated_entries(self, exclude_frozen_parameters)
+        reason = _unstreamable(self, writer=True) or \
+            _unwritable(entries, torch.storage._dtype_to_storage_type_map(), "torch.save's storage types")
         if reason is not None:
             _warn_once(("engine", reason),
                        f"spillway.deepspeed: engine.save_16bit_model gathers the whole 16-bit model on rank 0 "
@@ -340,7 +405,6 @@ def _engine_save_16bit_model(original):
         check = getattr(self, "_raise_if_autoep_zero3_consolidated_export", None)
         if check is not None:
             check("save_16bit_model")
-        entries = _consolidated_entries(self, exclude_frozen_parameters)
         seen, gathers, layout = set(), [], []
         for key, kind, t in entries:
             # Parameters tied across modules are one storage in DeepSpeed's dict; each buffer is a copy.
@@ -355,71 +419,100 @@ def _engine_save_16bit_model(original):
     return save_16bit_model
 
 
-def _trainer_keys(model, entries):
-    """The names transformers' save_pretrained would write from DeepSpeed's consolidated dict of
-    `model`: without _keys_to_ignore_on_save and without the tied aliases it drops (its own
-    remove_tied_weights_from_state_dict, run on one-element stand-ins that share a storage exactly
-    where the parameters are one). None when save_pretrained would rename or merge tensors on the
-    way out (a weight conversion mapping), which only the whole dict can go through."""
+def _converts_weights(model, state):
+    """Why transformers' save_pretrained would rename or merge `state`'s tensors on the way out (a
+    weight conversion mapping, which only the whole dict can go through), or None."""
     from transformers import modeling_utils  # noqa: PLC0415
 
-    standins, state = {}, {}
-    for key, kind, t in entries:
-        state[key] = standins.setdefault(id(t), torch.empty(1)) if kind == "param" else torch.empty(1)
+    revert = getattr(modeling_utils, "revert_weight_conversion", None)
+    if revert is None:
+        return None
+    try:
+        reverted = revert(model, dict(state))
+    except Exception as e:  # noqa: BLE001 (a converter that needs real tensors: it converts)
+        return f"its save_pretrained converts its weights on the way out ({type(e).__name__}: {e})"
+    if set(reverted) != set(state) or any(reverted[k] is not v for k, v in state.items()):
+        return "its save_pretrained renames or merges its weights on the way out (a weight conversion mapping)"
+    return None
+
+
+def _trainer_keys(model, entries):
+    """(names, None): the names transformers' save_pretrained would write from DeepSpeed's
+    consolidated dict of `model`, without _keys_to_ignore_on_save and without the tied aliases it
+    drops (its own remove_tied_weights_from_state_dict, on stand-ins); or (None, why) where it
+    would convert the weights."""
+    from transformers import modeling_utils  # noqa: PLC0415
+
+    state = _standins(entries)
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(ignored, None)
     state = modeling_utils.remove_tied_weights_from_state_dict(state, model)
-    revert = getattr(modeling_utils, "revert_weight_conversion", None)
-    if revert is not None:
-        reverted = revert(model, dict(state))
-        if set(reverted) != set(state) or any(reverted[k] is not v for k, v in state.items()):
-            return None
-    return set(state)
+    why = _converts_weights(model, state)
+    return (None, why) if why else (set(state), None)
+
+
+def _trainer_unstreamable(trainer, engine):
+    """Why the Trainer's save_model cannot be streamed (None: it can). The same on every rank."""
+    from transformers import PreTrainedModel  # noqa: PLC0415
+
+    model = trainer.model
+    if not isinstance(model, PreTrainedModel):
+        return f"the model is a {type(model).__name__}, not a PreTrainedModel (a PEFT model saves its adapters)"
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return "the model carries adapters (transformers' PEFT integration saves only them)"
+    if getattr(model, "hf_quantizer", None) is not None:
+        return "the model is quantized (its hf_quantizer serializes its own state)"
+    if trainer.args.save_on_each_node:
+        return "save_on_each_node is set (Spillway's save writes on global rank 0 only)"
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        return "transformers sharded the model at load time (its save gathers it its own way)"
+    return _unstreamable(engine)
 
 
 def _trainer_save_model(original):
     """transformers' Trainer.save_model (the final save, and the model half of every checkpoint it
     takes) under ZeRO-3 with stage3_gather_16bit_weights_on_model_save: the weights streamed to
-    sharded safetensors as save_pretrained names them, config, tokenizer and training arguments by
-    the Trainer's own _save; else Trainer's own."""
+    safetensors as save_pretrained names them, config, tokenizer and training arguments by the
+    Trainer's own _save; else Trainer's own, with a SaveWarning naming why."""
     @functools.wraps(original)
     def save_model(self, output_dir=None, _internal_call=False):
         engine = getattr(self, "deepspeed", None) if getattr(self, "is_deepspeed_enabled", False) else None
         if engine is None or not engine.zero_optimization_partition_weights() or \
                 not engine.zero_gather_16bit_weights_on_model_save():
             return original(self, output_dir, _internal_call)
-        from transformers import PreTrainedModel  # noqa: PLC0415
-
-        reason = _unstreamable(engine)
+        reason = _trainer_unstreamable(self, engine)
         entries = keys = None
-        if reason is None and not isinstance(self.model, PreTrainedModel):
-            reason = f"the model is a {type(self.model).__name__}, not a PreTrainedModel (a PEFT model saves its adapters)"
-        if reason is None and self.args.save_on_each_node:
-            reason = "save_on_each_node is set (Spillway's save writes on global rank 0 only)"
         if reason is None:
             entries = _consolidated_entries(engine, False)
-            keys = _trainer_keys(self.model, entries)
-            if keys is None:
-                reason = f"{type(self.model).__name__}'s save_pretrained converts its weights on the way out"
+            keys, reason = _trainer_keys(self.model, entries)
+        if reason is None:
+            entries = [e for e in entries if e[0] in keys]
+            reason = _unwritable(entries, st._DTYPES, "safetensors")
         if reason is not None:
             _warn_once(("trainer", reason),
-                       f"spillway.deepspeed: Trainer.save_model gathers the whole 16-bit model on rank 0 "
-                       f"(transformers' own save): {reason}")
+                       f"spillway.deepspeed: Trainer.save_model runs transformers' own save, which gathers what "
+                       f"it saves on rank 0 before writing it: {reason}")
             return original(self, output_dir, _internal_call)
-        from transformers.trainer_pt_utils import remove_dummy_checkpoint  # noqa: PLC0415
-        from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME  # noqa: PLC0415
-        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
-
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        # transformers' own way to write everything but the weights (its fallback when the weights
-        # cannot be gathered): _save with an empty state dict, then its empty weights file removed.
-        self._save(output_dir, state_dict={})
-        remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
         import inspect  # noqa: PLC0415
 
+        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
+        from transformers.trainer_pt_utils import remove_dummy_checkpoint  # noqa: PLC0415
+        from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME  # noqa: PLC0415
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+
+        def everything_but_the_weights():
+            # transformers' own way (its fallback when the weights cannot be gathered): _save with
+            # an empty state dict, then its empty weights file removed. On rank 0 (should_save,
+            # save_on_each_node being off), inside the save's agreement: a failure here is raised
+            # on every rank, and no rank is left in a gather.
+            self._save(output_dir, state_dict={})
+            remove_dummy_checkpoint(True, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+
         shard = inspect.signature(self.model.save_pretrained).parameters["max_shard_size"].default
-        _save_safetensors(engine, output_dir, [e for e in entries if e[0] in keys],
-                          parse_size_to_int(shard) if isinstance(shard, str) else int(shard), "Trainer.save_model")
+        _save_safetensors(engine, output_dir, entries,
+                          parse_size_to_int(shard) if isinstance(shard, str) else int(shard), "Trainer.save_model",
+                          prepare=everything_but_the_weights)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     save_model.__spillway_original__ = original
@@ -430,33 +523,37 @@ def _accelerate_save_model(original):
     """Accelerate's Accelerator.save_model of a ZeRO-3 engine (with
     stage3_gather_16bit_weights_on_model_save, safetensors): the weights streamed, under the names
     its own save keeps (clean_state_dict_for_safetensors drops tied aliases but the first); else
-    Accelerate's own, which gathers the whole state dict on rank 0 through get_state_dict."""
+    Accelerate's own, which gathers the whole state dict on rank 0 through get_state_dict, with a
+    SaveWarning naming why. A save_directory that is a file is refused on every rank (rank 0's
+    writer cannot make it), where Accelerate logs an error and returns."""
     @functools.wraps(original)
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
         if not isinstance(model, DeepSpeedEngine) or not model.zero_optimization_partition_weights() or \
-                not model.zero_gather_16bit_weights_on_model_save() or os.path.isfile(save_directory):
+                not model.zero_gather_16bit_weights_on_model_save():
             return original(self, model, save_directory, max_shard_size, safe_serialization)
         reason = _unstreamable(model)
         if reason is None and not safe_serialization:
             reason = "safe_serialization=False (torch .bin shards)"
         if reason is None and self.project_configuration.save_on_each_node:
             reason = "save_on_each_node is set (Spillway's save writes on global rank 0 only)"
+        entries = None
+        if reason is None:
+            from accelerate.utils import clean_state_dict_for_safetensors  # noqa: PLC0415
+
+            entries = _consolidated_entries(model, False)
+            keys = set(clean_state_dict_for_safetensors(_standins(entries)))
+            entries = [e for e in entries if e[0] in keys]
+            reason = _unwritable(entries, st._DTYPES, "safetensors")
         if reason is not None:
             _warn_once(("accelerate", reason),
                        f"spillway.deepspeed: Accelerator.save_model gathers the whole 16-bit model on rank 0 "
                        f"(Accelerate's own save): {reason}")
             return original(self, model, save_directory, max_shard_size, safe_serialization)
-        from accelerate.utils import clean_state_dict_for_safetensors  # noqa: PLC0415
         from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
 
-        entries = _consolidated_entries(model, False)
-        standins, state = {}, {}
-        for key, kind, t in entries:
-            state[key] = standins.setdefault(id(t), torch.empty(1)) if kind == "param" else torch.empty(1)
-        keys = set(clean_state_dict_for_safetensors(state))
-        _save_safetensors(model, save_directory, [e for e in entries if e[0] in keys],
+        _save_safetensors(model, save_directory, entries,
                           parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size),
                           "Accelerator.save_model")
     save_model.__spillway_original__ = original

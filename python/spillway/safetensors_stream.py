@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import re
 import struct
 
 import torch
@@ -28,6 +29,7 @@ _DTYPES = {
 }
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def nbytes(shape, dtype):
@@ -86,7 +88,8 @@ class Writer:
     leaves only `*.tmp-<pid>` files behind and no index naming them; `abort()` removes them. The
     commit first removes what an earlier export left that would be read instead of its files (its
     index; its model.safetensors, which from_pretrained reads before an index), so one broken during
-    the renames leaves a directory that fails to load by name rather than a mix of two exports."""
+    the renames leaves a directory that fails to load by name rather than a mix of two exports.
+    Once committed, an earlier export's shards that this one did not replace are removed."""
 
     def __init__(self, directory, plan, block_size=1 << 20, queue_depth=8, arena=None):
         if arena is None:
@@ -153,7 +156,7 @@ class Writer:
         for tmp, final in zip(self._tmp, finals):
             os.replace(tmp, final)
         if not self.plan.sharded:
-            _fsync_directory(self.directory)
+            self._remove_orphans()
             return finals
         index = {"metadata": {"total_size": self.plan.total_size},
                  "weight_map": {name: self.plan.files[w[0]] for name, w in self.plan.where.items()}}
@@ -163,8 +166,17 @@ class Writer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_index, os.path.join(self.directory, INDEX))
-        _fsync_directory(self.directory)
+        self._remove_orphans()
         return finals + [os.path.join(self.directory, INDEX)]
+
+    def _remove_orphans(self):
+        """Once this export is in place: the shards of an earlier one that no file of this one
+        replaced (model-0000k-of-0000n names this plan does not use) are removed, as transformers'
+        and Accelerate's saves remove them, then the directory is fsynced."""
+        for name in os.listdir(self.directory):
+            if _SHARD.fullmatch(name) and name not in self.plan.files:
+                os.unlink(os.path.join(self.directory, name))
+        _fsync_directory(self.directory)
 
     def abort(self):
         self._close()

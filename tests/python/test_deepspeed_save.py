@@ -66,7 +66,8 @@ def same_dict(path, theirs):
 def test_engine_save_16bit_model_under_install_writes_deepspeeds_format_streamed(small):
     # The one line puts the streamed save behind DeepSpeed's own engine.save_16bit_model, in its
     # format (torch.save's zip): what torch.load returns equals DeepSpeed's file, no temporary is left.
-    d, _ = small
+    d, r = small
+    assert r["engine_streamed"] == 1 and r["warnings"] == []
     same_dict(d / "ds-engine" / "pytorch_model.bin", torch.load(d / "ds" / "pytorch_model.bin", weights_only=True))
     assert os.listdir(d / "ds-engine") == ["pytorch_model.bin"]
 
@@ -294,6 +295,9 @@ def test_an_export_replaces_an_earlier_one_of_the_other_layout(tmp_path):
     assert loaded() == {"a": 2.0, "b": 2.0} and "model.safetensors" not in os.listdir(tmp_path)
     assert export(3, ["c"], 1 << 20) == ["model.safetensors"]
     assert loaded() == {"c": 3.0} and safetensors_stream.INDEX not in os.listdir(tmp_path)
+    # The shards of the earlier sharded export went with it; a file that is not a shard stays.
+    (tmp_path / "notes.txt").write_text("mine")
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "notes.txt"]
 
 
 def trainer_save(tmp_path, *shape_and_flags):
@@ -327,7 +331,7 @@ def test_trainer_save_model_of_a_100m_zero3_model_holds_one_tensor_not_the_model
     assert r["parameters"] >= 100e6
     assert r["transformers_peak"] >= 0.9 * r["model_bytes"]  # the control gathers the whole model
     assert r["spillway_peak"] <= r["largest_param_bytes"] + 64 * MIB
-    assert r["warnings"] == []
+    assert r["warnings"] == [] and r["streamed"] == 2  # the checkpoint's save_model, then the final one
     same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
     for name in ("config.json", "generation_config.json", "training_args.bin"):
         assert (tmp_path / "spillway" / name).is_file(), name
@@ -372,7 +376,7 @@ def test_trainer_checkpoints_stream_their_weights_and_load(tmp_path):
     # The model half of each Trainer checkpoint is the same save_model: checkpoint-1 holds the
     # streamed weights beside DeepSpeed's own checkpoint (global_step1, latest).
     r = trainer_save(tmp_path, 1, 128, 1024, "--checkpoint")
-    assert r["warnings"] == []
+    assert r["warnings"] == [] and r["streamed"] == 2
     ckpt = tmp_path / "run" / "checkpoint-1"
     same_safetensors(ckpt, tmp_path / "transformers")
     assert (ckpt / "latest").is_file() and (ckpt / "global_step1").is_dir()
@@ -384,6 +388,7 @@ def test_a_trainer_save_that_cannot_be_streamed_is_the_trainers_own_and_says_why
     # only. The Trainer's own save runs, with one SaveWarning naming the setting.
     r = trainer_save(tmp_path, 1, 128, 1024, "--save-on-each-node")
     assert len(r["warnings"]) == 1 and "save_on_each_node" in r["warnings"][0], r["warnings"]
+    assert r["streamed"] == 0
     assert (tmp_path / "spillway" / "model.safetensors").is_file()
     same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
 
@@ -397,9 +402,53 @@ def test_accelerate_save_model_streams_and_writes_what_accelerate_writes(tmp_pat
           f"Spillway +{r['spillway_peak'] / MIB:.1f} MiB")
     assert r["transformers_peak"] >= 0.9 * r["model_bytes"]
     assert r["spillway_peak"] <= r["largest_param_bytes"] + 64 * MIB
-    assert r["warnings"] == []
+    assert r["warnings"] == [] and r["streamed"] == 1
     same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
     assert "lm_head.weight" not in safetensors_stream.load(tmp_path / "spillway")
+
+
+def test_bad_input_a_failure_of_the_trainers_own_files_on_rank_0_is_raised_on_every_rank(tmp_path):
+    # Rank 0 writes the config, tokenizer and arguments (Trainer._save) before the weights. Had its
+    # failure left save_model at once, rank 1 would wait in the save's first collective until the
+    # test's timeout; it is raised inside the save's agreement, on every rank.
+    if deepspeed.__version__ not in _GATHER_VERIFIED:
+        pytest.skip(f"on DeepSpeed {deepspeed.__version__} the Trainer's own save runs")
+    run_ranks([sys.executable, str(TRAINER), str(tmp_path), "1", "128", "1024", "--fail-rank0-save"], timeout=300,
+              env={"OMP_NUM_THREADS": "1"})
+    rank0, rank1 = (json.loads((tmp_path / f"raised.rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["type"] == "OSError" and "injected" in rank0["message"], rank0
+    assert rank1["type"] == "IoError" and "rank 0 failed to write" in rank1["message"], rank1
+    assert not [f for f in os.listdir(tmp_path / "spillway") if f.endswith(".safetensors") or ".tmp-" in f] \
+        if (tmp_path / "spillway").exists() else True
+
+
+WRITE_PAST_THE_FILE_SIZE_LIMIT = """
+import os, resource, signal, sys, torch
+from spillway._deepspeed_save import TorchFile
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+path = os.path.join(sys.argv[1], "pytorch_model.bin")
+f = TorchFile(path, [("small", (4,), torch.float32, 1), ("big", (1 << 20,), torch.float32, 2)])
+f.write("small", torch.ones(4))
+try:
+    f.write("big", torch.ones(1 << 20))
+    f.commit()
+except OSError as e:
+    print("raised:", e)
+    f.abort()
+print("left:", sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_bad_input_a_failed_write_in_deepspeeds_format_is_raised_by_name_and_leaves_nothing(tmp_path):
+    # A write past the file size limit (as a full disk fails it): torch's zip writer raises, and
+    # one dropped after a failed write terminates the process in its destructor ("unexpected pos").
+    # TorchFile names the record and the file, and abort() finishes the archive before dropping it.
+    p = subprocess.run([sys.executable, "-c", WRITE_PAST_THE_FILE_SIZE_LIMIT, str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "raised: writing data/1 (4194304 bytes) to " in p.stdout and "pytorch_model.bin.tmp-" in p.stdout, p.stdout
+    assert "left: []" in p.stdout, p.stdout
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])

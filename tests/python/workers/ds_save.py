@@ -128,14 +128,24 @@ if fail:
 deepspeeds = getattr(type(engine).save_16bit_model, "__spillway_original__", type(engine).save_16bit_model)
 ds_peak, _ = peak(lambda: deepspeeds(engine, ds_dir))
 sp_peak, files = peak(lambda: spillway.deepspeed.save_16bit_model(engine, sp_dir, max_shard_size=max_shard))
-engine_peak = None
+engine_peak, engine_streamed, save_warnings = None, None, []
 if deepspeeds is not type(engine).save_16bit_model:
-    engine_peak, saved = peak(lambda: engine.save_16bit_model(ds_dir + "-engine"))
+    import warnings  # noqa: E402
+
+    from spillway import _deepspeed_save  # noqa: E402
+
+    streams = _deepspeed_save._streams
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", spillway.deepspeed.SaveWarning)
+        engine_peak, saved = peak(lambda: engine.save_16bit_model(ds_dir + "-engine"))
     assert saved is True
+    engine_streamed = _deepspeed_save._streams - streams
+    save_warnings = [str(w.message) for w in caught if issubclass(w.category, spillway.deepspeed.SaveWarning)]
 model.config.save_pretrained(sp_dir)
 params = list(model.parameters())
 if int(os.environ["RANK"]) == 0:
-    json.dump({"engine_device": str(engine.device), "ds_peak": ds_peak, "spillway_peak": sp_peak, "engine_peak": engine_peak, "files": [os.path.basename(f) for f in files],
+    json.dump({"engine_device": str(engine.device), "ds_peak": ds_peak, "spillway_peak": sp_peak, "engine_peak": engine_peak,
+               "engine_streamed": engine_streamed, "warnings": save_warnings, "files": [os.path.basename(f) for f in files],
                "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
                "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params)}, open(out, "w"))
 # The ranks leave the group together: a rank that exits while its peer's Gloo connections to it are

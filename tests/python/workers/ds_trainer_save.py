@@ -5,6 +5,7 @@ state offloaded to the CPU, bf16, a GPT-2 from a config (no download) built unde
 training step, then:
 
     python ds_trainer_save.py OUT_DIR N_LAYER N_EMBD VOCAB [--checkpoint] [--save-on-each-node] [--accelerate]
+                              [--fail-rank0-save]
 
 1. trainer.save_model(OUT_DIR/spillway): Trainer.save_model as spillway.deepspeed.install() leaves it
    (the weights streamed);
@@ -17,7 +18,10 @@ model half is the same save_model. With --save-on-each-node (TrainingArguments.s
 which Spillway's save does not stream, the Trainer's own save runs, with a SaveWarning saying why.
 With --accelerate the run is Accelerate's instead (Accelerator with a DeepSpeedPlugin, its own loop),
 and the saves are Accelerator.save_model's, streamed and Accelerate's own (the control).
-Rank 0 writes OUT_DIR/result.json, with the SaveWarnings the saves raised."""
+With --fail-rank0-save, rank 0's Trainer._save (config, tokenizer, arguments) fails with ENOSPC in the
+streamed save; every rank records what it raised in OUT_DIR/raised.rank<R>.json and the run ends.
+Rank 0 writes OUT_DIR/result.json, with the SaveWarnings of the whole run and the number of saves
+that were streamed (spillway._deepspeed_save._streams)."""
 import ctypes
 import json
 import os
@@ -28,7 +32,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 import spillway.deepspeed  # noqa: E402
+from spillway import _deepspeed_save  # noqa: E402
 
+caught = warnings.catch_warnings(record=True)
+caught = caught.__enter__()  # every SaveWarning of the run, the checkpoint's during train() too
+warnings.simplefilter("always", spillway.deepspeed.SaveWarning)
 spillway.deepspeed.install()  # the one line
 
 import transformers  # noqa: E402
@@ -39,6 +47,7 @@ n_layer, n_embd, vocab = (int(a) for a in sys.argv[2:5])
 checkpoint = "--checkpoint" in sys.argv[5:]
 each_node = "--save-on-each-node" in sys.argv[5:]
 use_accelerate = "--accelerate" in sys.argv[5:]
+fail_rank0 = "--fail-rank0-save" in sys.argv[5:]
 world_from_env_or_single()
 SEQ = 16
 
@@ -98,6 +107,24 @@ else:
     def save_theirs():
         transformers.Trainer.save_model.__spillway_original__(trainer, os.path.join(out_dir, "transformers"))
 
+    if fail_rank0:
+        import errno  # noqa: E402
+
+        if rank0:
+            def failing_save(self, output_dir=None, state_dict=None):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", output_dir)
+            transformers.Trainer._save = failing_save
+        try:
+            trainer.save_model(os.path.join(out_dir, "spillway"))
+            raised = None
+        except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
+            raised = {"type": type(e).__name__, "message": str(e)}
+        with open(os.path.join(out_dir, f"raised.rank{args.process_index}.json"), "w") as f:
+            json.dump(raised, f)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        sys.exit(0)
+
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -116,9 +143,8 @@ def peak(fn):
     return status("VmHWM") - before
 
 
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", spillway.deepspeed.SaveWarning)
-    ours = peak(save_ours)
+ours = peak(save_ours)
+streams = _deepspeed_save._streams
 theirs = peak(save_theirs)
 if rank0:
     params = {id(p): p for p in engine.module.parameters()}.values()
@@ -126,7 +152,8 @@ if rank0:
                "model_bytes": sum(p.ds_numel * p.element_size() for p in params),
                "largest_param_bytes": max(p.ds_numel * p.element_size() for p in params),
                "parameters": sum(p.ds_numel for p in params),
-               "warnings": [str(w.message) for w in caught if issubclass(w.category, spillway.deepspeed.SaveWarning)]},
+               "warnings": [str(w.message) for w in caught if issubclass(w.category, spillway.deepspeed.SaveWarning)],
+               "streamed": streams},
               open(os.path.join(out_dir, "result.json"), "w"))
 # The ranks leave the group together (ds_save.py): a rank that exits while its peer's Gloo
 # connections are open can abort that peer at exit ("terminate called without an active exception").
