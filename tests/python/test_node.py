@@ -261,3 +261,73 @@ def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, lau
     assert held <= budget, (held, budget)
     assert held >= budget // 2, (held, budget)  # the ranks really filled the node
     assert not os.path.exists(segment_path(ranks[0]["node"]["job"])), "the last rank removes the segment"
+
+
+CGROUP_LIMIT = 3 << 30
+
+
+@pytest.mark.parametrize("launch", ["spawn", "mpirun", "torchrun", "deepspeed", "control"])
+def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(tmp_path, launch):
+    """The failure Spillway exists to end, as a container or a Slurm job meets it: four ranks in a
+    cgroup of 3 GiB, each with the one line and nothing else, no budget set, take 32 MiB tensors as
+    fast as they can, at most the whole default budget each. Without one budget for the node each
+    would take a budget of its own (3/4 of the limit) and the cgroup's OOM killer would kill one.
+    Here, started by torch.multiprocessing.spawn, OpenMPI's mpirun, torchrun or the deepspeed
+    launcher: one job, the default budget from the cgroup's limit (the limit less a reserve of half
+    of it), every rank refused by name, every process exits 0, and the OOM killer never fires.
+    The control: the same spawned ranks with SPILLWAY_NODE=0 (each its own budget, as before),
+    where the cgroup's OOM killer kills a rank: the limit is real and the count sees it."""
+    import _cgroup
+
+    try:
+        cg = _cgroup.MemoryCgroup.make(f"spillway-test-{os.getpid()}-{launch}", CGROUP_LIMIT)
+    except _cgroup.Unavailable as e:
+        pytest.skip(f"no memory cgroup for the test: {e}")
+    try:
+        out = tmp_path / launch
+        out.mkdir()
+        budget = spillway._spillway._node_default_budget(CGROUP_LIMIT)[0]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for name in ("SPILLWAY_NODE_JOB", "SPILLWAY_NODE_BUDGET_BYTES"):
+            env.pop(name, None)
+        grab = [str(WORKER.parent / "node_grab.py"), str(out), "32", str(budget // MiB + 32)]
+        if launch == "control":
+            env["SPILLWAY_NODE"] = "0"
+        if launch in ("spawn", "control"):
+            cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
+        elif launch == "mpirun":
+            mpirun = shutil.which("mpirun")
+            if mpirun is None:
+                pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
+        elif launch == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port",
+                   str(free_port()), *grab]
+        else:
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(RANKS), "--master_port",
+                   str(free_port()), *grab]
+        proc = subprocess.Popen(cg.wrap(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rc, text = finish(proc, timeout=300)
+        kills, peak = cg.oom_kills(), cg.peak()
+    finally:
+        cg.remove()
+    if launch == "control":
+        print(f"control (SPILLWAY_NODE=0) in a {CGROUP_LIMIT >> 30} GiB cgroup: exit {rc}, OOM kills {kills}")
+        assert kills >= 1 and rc != 0 and "SIGKILL" in text, text[-4000:]
+        return
+    assert kills == 0, f"the cgroup's OOM killer killed {kills} process(es)\n" + text[-4000:]
+    assert rc == 0, text[-6000:]
+    ranks = results(out)
+    held = sum(r["held_bytes"] for r in ranks)
+    print(f"{RANKS} ranks by {launch} in a {CGROUP_LIMIT >> 30} GiB cgroup held "
+          f"{[r['held_bytes'] // MiB for r in ranks]} MiB of the default {budget // MiB} MiB budget; the cgroup's "
+          f"peak {peak / MiB if peak else float('nan'):.0f} MiB, OOM kills {kills}; job {ranks[0]['node']['job']}")
+    for r in ranks:
+        assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
+        assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
+        assert r["node"]["host_budget_bytes"] == budget and not r["node"]["budget_explicit"], r["node"]
+        assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
+        assert r["error"] is not None and r["error"]["type"] == "OverBudget", r
+        assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+    assert budget // 2 <= held <= budget, (held, budget)

@@ -2,7 +2,7 @@
 tests that need no DeepSpeed engine (tests/python/test_node.py, tests/python/test_gpu_deepspeed.py
 on CUDA):
 
-    torchrun --nproc-per-node N node_grab.py OUT_DIR CHUNK_MIB [MAX_MIB]    # or mpirun -np N
+    torchrun --nproc-per-node N node_grab.py OUT_DIR CHUNK_MIB [MAX_MIB]    # or mpirun -np N, deepspeed
     python node_grab.py OUT_DIR CHUNK_MIB MAX_MIB --spawn N    # N ranks by torch.multiprocessing.spawn
 
 `spillway.deepspeed.install()` (the one line) joins the node budget: the one the launcher's
@@ -61,17 +61,19 @@ def grab(rank, world, out_dir, chunk, max_bytes):
 
 
 def main():
-    out_dir, chunk = sys.argv[1], int(sys.argv[2]) << 20
-    max_bytes = int(sys.argv[3]) << 20 if len(sys.argv) > 3 else 0
-    if len(sys.argv) > 5 and sys.argv[4] == "--spawn":
+    argv = [a for a in sys.argv if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    out_dir, chunk = argv[1], int(argv[2]) << 20
+    max_bytes = int(argv[3]) << 20 if len(argv) > 3 else 0
+    if len(argv) > 5 and argv[4] == "--spawn":
         import torch.multiprocessing as mp  # noqa: PLC0415
 
-        world = int(sys.argv[5])
+        world = int(argv[5])
         mp.spawn(grab, args=(world, out_dir, chunk, max_bytes), nprocs=world, join=True)
     else:
-        # torchrun's variables, else mpirun's (OpenMPI sets no LOCAL_RANK)
+        # torchrun's variables (the deepspeed launcher's LOCAL_SIZE), else mpirun's (OpenMPI sets
+        # no LOCAL_RANK)
         rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
-        world = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+        world = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")))
         grab(int(rank), int(world), out_dir, chunk, max_bytes)
 
 
