@@ -471,7 +471,8 @@ def test_zero_to_fp32_writes_what_deepspeeds_tool_writes(zero_checkpoint, tmp_pa
 
     convert_zero_checkpoint_to_state_dict(zero_checkpoint, tmp_path / "ds", dtype=getattr(torch, dtype),
                                           exclude_frozen_parameters=not frozen)
-    argv = [str(zero_checkpoint), str(tmp_path / "sp"), "--dtype", dtype] + ([] if frozen else ["--exclude_frozen_parameters"])
+    argv = [str(zero_checkpoint), str(tmp_path / "sp"), "--dtype", dtype, "--safe_serialization"] + \
+        ([] if frozen else ["--exclude_frozen_parameters"])
     assert zero_to_fp32.main(argv) == 0
     theirs = torch.load(tmp_path / "ds" / "pytorch_model.bin", weights_only=True)
     ours = safetensors_stream.load(tmp_path / "sp")
@@ -500,6 +501,11 @@ def test_bad_input_zero_to_fp32_names_what_is_wrong_and_writes_nothing(zero_chec
     shutil.copytree(zero_checkpoint, broken)
     (next((broken / "global_step1").glob("*rank_1_*optim_states.pt"))).unlink()
     refused([broken], "but found 1")
+    if (zero_checkpoint / "global_step1" / "zero_pp_rank_1_mp_rank_00_model_states.pt").exists():  # ZeRO-3
+        shutil.rmtree(broken)
+        shutil.copytree(zero_checkpoint, broken)
+        (broken / "global_step1" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+        refused([broken], "expected 2 '*_model_states.pt'")
     # A truncated optimizer file is named, not loaded.
     shutil.rmtree(broken)
     shutil.copytree(zero_checkpoint, broken)
