@@ -10,8 +10,7 @@ World size 1 by default; with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set 
 rank of that world (rank 0 writes OUT.json). At world size 1 "gathering" a parameter allocates
 nothing (the partition is the whole parameter), so the memory comparison runs at world size 2.
 
-Peak memory: the process's VmHWM after `echo 5 > /proc/self/clear_refs` (which resets it to the
-current RSS) minus VmRSS before the save."""
+Peak memory: _peak.peak (VmHWM after clear_refs less VmRSS before, freed heap trimmed first)."""
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
 from _dist import backend, device, world_from_env_or_single  # noqa: E402
+from _peak import peak  # noqa: E402
 import transformers  # noqa: E402
 
 import spillway  # noqa: E402
@@ -48,26 +48,6 @@ for _ in range(2):
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
-
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def peak(fn):
-    # Freed heap memory goes back to the OS first, so that an allocation during the save shows in
-    # RSS instead of reusing pages training left resident.
-    import ctypes
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    result = fn()
-    return status("VmHWM") - before, result
 
 
 # DS_SAVE_FILL_RANK0=1: rank 0's host arena is filled until a 512 KiB allocation no longer fits

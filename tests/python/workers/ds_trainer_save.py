@@ -11,8 +11,8 @@ training step, then:
    (the weights streamed);
 2. transformers' own Trainer.save_model (its __spillway_original__) into OUT_DIR/transformers, the
    control: Accelerate's get_state_dict gathers DeepSpeed's whole 16-bit state dict on rank 0.
-Each save's peak on rank 0 is its VmHWM after `echo 5 > /proc/self/clear_refs` less its VmRSS before
-(after malloc_trim). The streamed save runs first, so the control's freed gathers cannot lend it pages.
+Each save's peak on rank 0 is _peak.peak's (VmHWM after clear_refs less VmRSS before, after
+malloc_trim). The streamed save runs first, so the control's freed gathers cannot lend it pages.
 With --checkpoint the run saves a Trainer checkpoint after its step (save_strategy "steps"), whose
 model half is the same save_model. With --save-on-each-node (TrainingArguments.save_on_each_node),
 which Spillway's save does not stream, the Trainer's own save runs, with a SaveWarning saying why.
@@ -22,7 +22,6 @@ With --fail-rank0-save, rank 0's Trainer._save (config, tokenizer, arguments) fa
 streamed save; every rank records what it raised in OUT_DIR/raised.rank<R>.json and the run ends.
 Rank 0 writes OUT_DIR/result.json, with the SaveWarnings of the whole run and the number of saves
 that were streamed (spillway._deepspeed_save._streams)."""
-import ctypes
 import json
 import os
 import sys
@@ -41,6 +40,7 @@ spillway.deepspeed.install()  # the one line
 
 import transformers  # noqa: E402
 from _dist import world_from_env_or_single  # noqa: E402
+from _peak import peak  # noqa: E402
 
 out_dir = sys.argv[1]
 n_layer, n_embd, vocab = (int(a) for a in sys.argv[2:5])
@@ -126,26 +126,9 @@ else:
         sys.exit(0)
 
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def peak(fn):
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    fn()
-    return status("VmHWM") - before
-
-
-ours = peak(save_ours)
+ours, _ = peak(save_ours)
 streams = _deepspeed_save._streams
-theirs = peak(save_theirs)
+theirs, _ = peak(save_theirs)
 if rank0:
     params = {id(p): p for p in engine.module.parameters()}.values()
     json.dump({"spillway_peak": ours, "transformers_peak": theirs,
