@@ -1,0 +1,37 @@
+"""Launching the four local ranks of a job for the node-budget tests (test_node.py,
+test_node_launchers.py): a free port, the node segment's path, waiting for the launcher, and reading
+what each rank wrote. Imported by the test files, not collected (no test_ prefix)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+MiB = 1 << 20
+RANKS = 4
+
+
+def free_port():
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segment_path(job):
+    return f"/dev/shm/spillway-node-{os.geteuid()}-{job}"
+
+
+def finish(proc, timeout=900):
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        pytest.fail(f"the job did not finish within {timeout} s:\n{text[-6000:]}")
+    return proc.returncode, text
+
+
+def results(out):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]

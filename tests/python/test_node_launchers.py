@@ -1,0 +1,140 @@
+"""One host budget for the node whichever launcher started the ranks (spillway.node): four ranks
+started by torch.multiprocessing.spawn (also inside a Slurm task), OpenMPI's mpirun, torchrun and the
+deepspeed launcher, each with the one line and nothing else, take host memory until refused
+(tests/python/workers/node_grab.py): under an explicit node budget, and in a real memory cgroup
+under the default budget its limit gives, where the cgroup's OOM killer is watched. Apart from
+test_node.py, which runs alone (RUN_SERIAL, it watches the node's memory from outside): nothing here
+measures memory from outside its own cgroup or ledger."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+import spillway  # noqa: E402
+from _launch import RANKS, MiB, finish, free_port, results, segment_path  # noqa: E402
+
+WORKER = Path(__file__).parent / "workers" / "node_grab.py"
+
+
+@pytest.mark.parametrize("launch", ["spawn", "spawn-in-srun", "mpirun"])
+def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, launch):
+    """torch.multiprocessing.spawn (and Lightning's ddp_spawn, which uses it) sets no launcher
+    variable (under srun its ranks inherit the one task's SLURM_LOCALID=0, which all four would
+    claim), and OpenMPI's mpirun sets its own (OMPI_COMM_WORLD_LOCAL_RANK): the ranks of either
+    took a budget each, 3/4 of the memory limit, and in an 8 GiB cgroup the OOM killer killed one.
+    Here four ranks, each with the one line and nothing else, take 32 MiB tensors until refused, at
+    most 640 MiB each (more than the whole budget, so that even a rank that fills the node alone is
+    refused; what four would hold unrefused is safe on any CI machine). They join one job,
+    named by the process that started them, every rank is refused by name, and what they hold
+    together stays within the node budget."""
+    budget, out = 512 * MiB, tmp_path / launch
+    out.mkdir()
+    env = dict(os.environ, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1")
+    env.pop("SPILLWAY_NODE_JOB", None)
+    grab = [str(WORKER), str(out), "32", "640"]
+    if launch.startswith("spawn"):
+        cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
+        if launch == "spawn-in-srun":  # one task that spawns: its ranks inherit SLURM_LOCALID=0
+            env.update(SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NODEID="0", SLURM_JOB_ID="7")
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rc, text = finish(proc, timeout=300)
+    assert rc == 0, text[-6000:]
+    ranks = results(out)
+    held = sum(r["held_bytes"] for r in ranks)
+    print(f"{RANKS} ranks by {launch} held {[r['held_bytes'] // MiB for r in ranks]} MiB of a {budget // MiB} MiB "
+          f"node budget; job {ranks[0]['job']}")
+    for r in ranks:
+        assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
+        assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
+        if launch.startswith("spawn"):
+            assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
+        else:
+            assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
+            assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == RANKS, r["job"]
+        assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
+        assert r["error"] is not None, f"rank {r['rank']} was never refused: it held {r['held_bytes'] // MiB} MiB"
+        assert r["error"]["type"] == "OverBudget", r["error"]
+        assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+    assert held <= budget, (held, budget)
+    assert held >= budget // 2, (held, budget)  # the ranks really filled the node
+    assert not os.path.exists(segment_path(ranks[0]["node"]["job"])), "the last rank removes the segment"
+
+
+CGROUP_LIMIT = 3 << 30
+
+
+@pytest.mark.parametrize("launch", ["spawn", "mpirun", "torchrun", "deepspeed", "control"])
+def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(tmp_path, launch):
+    """The failure Spillway exists to end, as a container or a Slurm job meets it: four ranks in a
+    cgroup of 3 GiB, each with the one line and nothing else, no budget set, take 32 MiB tensors as
+    fast as they can, at most the whole default budget each. Without one budget for the node each
+    would take a budget of its own (3/4 of the limit) and the cgroup's OOM killer would kill one.
+    Here, started by torch.multiprocessing.spawn, OpenMPI's mpirun, torchrun or the deepspeed
+    launcher: one job, the default budget from the cgroup's limit (the limit less a reserve of half
+    of it), every rank refused by name, every process exits 0, and the OOM killer never fires.
+    The control: the same spawned ranks with SPILLWAY_NODE=0 (each its own budget, as before),
+    where the cgroup's OOM killer kills a rank: the limit is real and the count sees it."""
+    import _cgroup
+
+    try:
+        cg = _cgroup.MemoryCgroup.make(f"spillway-test-{os.getpid()}-{launch}", CGROUP_LIMIT)
+    except _cgroup.Unavailable as e:
+        pytest.skip(f"no memory cgroup for the test: {e}")
+    try:
+        out = tmp_path / launch
+        out.mkdir()
+        budget = spillway._spillway._node_default_budget(CGROUP_LIMIT)[0]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for name in ("SPILLWAY_NODE_JOB", "SPILLWAY_NODE_BUDGET_BYTES"):
+            env.pop(name, None)
+        grab = [str(WORKER), str(out), "32", str(budget // MiB + 32)]
+        if launch == "control":
+            env["SPILLWAY_NODE"] = "0"
+        if launch in ("spawn", "control"):
+            cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
+        elif launch == "mpirun":
+            mpirun = shutil.which("mpirun")
+            if mpirun is None:
+                pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
+        elif launch == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port",
+                   str(free_port()), *grab]
+        else:
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(RANKS), "--master_port",
+                   str(free_port()), *grab]
+        proc = subprocess.Popen(cg.wrap(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rc, text = finish(proc, timeout=300)
+        kills, peak = cg.oom_kills(), cg.peak()
+    finally:
+        cg.remove()
+    if launch == "control":
+        print(f"control (SPILLWAY_NODE=0) in a {CGROUP_LIMIT >> 30} GiB cgroup: exit {rc}, OOM kills {kills}")
+        assert kills >= 1 and rc != 0 and "SIGKILL" in text, text[-4000:]
+        return
+    assert kills == 0, f"the cgroup's OOM killer killed {kills} process(es)\n" + text[-4000:]
+    assert rc == 0, text[-6000:]
+    ranks = results(out)
+    held = sum(r["held_bytes"] for r in ranks)
+    print(f"{RANKS} ranks by {launch} in a {CGROUP_LIMIT >> 30} GiB cgroup held "
+          f"{[r['held_bytes'] // MiB for r in ranks]} MiB of the default {budget // MiB} MiB budget; the cgroup's "
+          f"peak {peak / MiB if peak else float('nan'):.0f} MiB, OOM kills {kills}; job {ranks[0]['node']['job']}")
+    for r in ranks:
+        assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
+        assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
+        assert r["node"]["host_budget_bytes"] == budget and not r["node"]["budget_explicit"], r["node"]
+        assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
+        assert r["error"] is not None and r["error"]["type"] == "OverBudget", r
+        assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+    assert budget // 2 <= held <= budget, (held, budget)
