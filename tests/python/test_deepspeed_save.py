@@ -343,6 +343,11 @@ def test_trainer_save_model_of_a_100m_zero3_model_holds_one_tensor_not_the_model
         assert torch.equal(state[name], t), name
     # The tied head is not written (save_pretrained drops the alias), and loads tied.
     assert "lm_head.weight" not in theirs and torch.equal(state["lm_head.weight"], theirs["transformer.wte.weight"])
+    # The model half of the Trainer's checkpoint is the same save_model (the first of the two
+    # streamed): checkpoint-1 holds the streamed weights beside DeepSpeed's own checkpoint.
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    same_safetensors(ckpt, tmp_path / "transformers")
+    assert (ckpt / "latest").is_file() and (ckpt / "global_step1").is_dir() and (ckpt / "config.json").is_file()
     zero_to_fp32_of_the_100m_run(tmp_path, r)
 
 
@@ -372,27 +377,6 @@ def zero_to_fp32_of_the_100m_run(tmp_path, r):
         assert got[name].dtype == t.dtype == torch.float32 and torch.equal(got[name], t), name
 
 
-def test_trainer_checkpoints_stream_their_weights_and_load(tmp_path):
-    # The model half of each Trainer checkpoint is the same save_model: checkpoint-1 holds the
-    # streamed weights beside DeepSpeed's own checkpoint (global_step1, latest).
-    r = trainer_save(tmp_path, 1, 128, 1024, "--checkpoint")
-    assert r["warnings"] == [] and r["streamed"] == 2
-    ckpt = tmp_path / "run" / "checkpoint-1"
-    same_safetensors(ckpt, tmp_path / "transformers")
-    assert (ckpt / "latest").is_file() and (ckpt / "global_step1").is_dir()
-    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "model.safetensors.index.json").exists()
-
-
-def test_a_trainer_save_that_cannot_be_streamed_is_the_trainers_own_and_says_why(tmp_path):
-    # save_on_each_node: every node's first rank writes, where Spillway's save writes on global rank 0
-    # only. The Trainer's own save runs, with one SaveWarning naming the setting.
-    r = trainer_save(tmp_path, 1, 128, 1024, "--save-on-each-node")
-    assert len(r["warnings"]) == 1 and "save_on_each_node" in r["warnings"][0], r["warnings"]
-    assert r["streamed"] == 0
-    assert (tmp_path / "spillway" / "model.safetensors").is_file()
-    same_safetensors(tmp_path / "spillway", tmp_path / "transformers")
-
-
 def test_accelerate_save_model_streams_and_writes_what_accelerate_writes(tmp_path):
     # Accelerator.save_model of a ZeRO-3 engine gathers the whole state dict on rank 0
     # (get_state_dict); under the one line the weights are streamed, under the names Accelerate
@@ -407,19 +391,26 @@ def test_accelerate_save_model_streams_and_writes_what_accelerate_writes(tmp_pat
     assert "lm_head.weight" not in safetensors_stream.load(tmp_path / "spillway")
 
 
-def test_bad_input_a_failure_of_the_trainers_own_files_on_rank_0_is_raised_on_every_rank(tmp_path):
-    # Rank 0 writes the config, tokenizer and arguments (Trainer._save) before the weights. Had its
-    # failure left save_model at once, rank 1 would wait in the save's first collective until the
-    # test's timeout; it is raised inside the save's agreement, on every rank.
+def test_bad_input_a_trainer_save_fails_on_every_rank_or_stays_the_trainers_own_and_says_why(tmp_path):
+    # 1. Rank 0 writes the config, tokenizer and arguments (Trainer._save) before the weights. Had
+    # its failure left save_model at once, rank 1 would wait in the save's first collective until
+    # the test's timeout; it is raised inside the save's agreement, on every rank.
+    # 2. save_on_each_node: every node's first rank writes, where Spillway's save writes on global
+    # rank 0 only. The Trainer's own save runs, with one SaveWarning naming the setting.
     if deepspeed.__version__ not in _GATHER_VERIFIED:
         pytest.skip(f"on DeepSpeed {deepspeed.__version__} the Trainer's own save runs")
     run_ranks([sys.executable, str(TRAINER), str(tmp_path), "1", "128", "1024", "--fail-rank0-save"], timeout=300,
               env={"OMP_NUM_THREADS": "1"})
     rank0, rank1 = (json.loads((tmp_path / f"raised.rank{r}.json").read_text()) for r in (0, 1))
-    assert rank0["type"] == "OSError" and "injected" in rank0["message"], rank0
-    assert rank1["type"] == "IoError" and "rank 0 failed to write" in rank1["message"], rank1
+    assert rank0["raised"]["type"] == "OSError" and "injected" in rank0["raised"]["message"], rank0
+    assert rank1["raised"]["type"] == "IoError" and "rank 0 failed to write" in rank1["raised"]["message"], rank1
     assert not [f for f in os.listdir(tmp_path / "spillway") if f.endswith(".safetensors") or ".tmp-" in f] \
         if (tmp_path / "spillway").exists() else True
+    for r in (rank0, rank1):
+        assert len(r["warnings"]) == 1 and "save_on_each_node" in r["warnings"][0], r["warnings"]
+        assert r["streamed_after"] == 0
+    saved = safetensors_stream.load(tmp_path / "each-node")
+    assert "transformer.wte.weight" in saved and "lm_head.weight" not in saved
 
 
 WRITE_PAST_THE_FILE_SIZE_LIMIT = """

@@ -20,47 +20,34 @@ from _launch import RANKS, MiB, finish, free_port, results, segment_path  # noqa
 WORKER = Path(__file__).parent / "workers" / "node_grab.py"
 
 
-@pytest.mark.parametrize("launch", ["spawn", "spawn-in-srun", "mpirun"])
-def test_four_ranks_started_without_torchrun_share_one_node_budget(tmp_path, launch):
+def test_four_ranks_spawned_inside_a_slurm_task_share_one_node_budget(tmp_path):
     """torch.multiprocessing.spawn (and Lightning's ddp_spawn, which uses it) sets no launcher
-    variable (under srun its ranks inherit the one task's SLURM_LOCALID=0, which all four would
-    claim), and OpenMPI's mpirun sets its own (OMPI_COMM_WORLD_LOCAL_RANK): the ranks of either
-    took a budget each, 3/4 of the memory limit, and in an 8 GiB cgroup the OOM killer killed one.
-    Here four ranks, each with the one line and nothing else, take 32 MiB tensors until refused, at
-    most 640 MiB each (more than the whole budget, so that even a rank that fills the node alone is
-    refused; what four would hold unrefused is safe on any CI machine). They join one job,
-    named by the process that started them, every rank is refused by name, and what they hold
-    together stays within the node budget."""
-    budget, out = 512 * MiB, tmp_path / launch
+    variable, and under srun its ranks inherit the one task's SLURM_LOCALID=0, which all four would
+    claim: each took a budget of its own, 3/4 of the memory limit, and in an 8 GiB cgroup the OOM
+    killer killed one. Here four such ranks, each with the one line and nothing else, under an
+    explicit 512 MiB budget (a test that runs where no memory cgroup can be made; spawn, mpirun,
+    torchrun and the deepspeed launcher under a cgroup's default budget are the test below), take
+    32 MiB tensors until refused, at most 640 MiB each (more than the whole budget, so that even a
+    rank that fills the node alone is refused). They join one job, named by the process that
+    spawned them, every rank is refused by name, and what they hold together stays within the
+    node budget."""
+    budget, out = 512 * MiB, tmp_path / "spawn-in-srun"
     out.mkdir()
-    env = dict(os.environ, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1")
+    env = dict(os.environ, SPILLWAY_NODE_BUDGET_BYTES=str(budget), OMP_NUM_THREADS="1",
+               SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NODEID="0", SLURM_JOB_ID="7")
     env.pop("SPILLWAY_NODE_JOB", None)
-    grab = [str(WORKER), str(out), "32", "640"]
-    if launch.startswith("spawn"):
-        cmd = [sys.executable, *grab, "--spawn", str(RANKS)]
-        if launch == "spawn-in-srun":  # one task that spawns: its ranks inherit SLURM_LOCALID=0
-            env.update(SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NODEID="0", SLURM_JOB_ID="7")
-    else:
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
+    cmd = [sys.executable, str(WORKER), str(out), "32", "640", "--spawn", str(RANKS)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rc, text = finish(proc, timeout=300)
     assert rc == 0, text[-6000:]
     ranks = results(out)
     held = sum(r["held_bytes"] for r in ranks)
-    print(f"{RANKS} ranks by {launch} held {[r['held_bytes'] // MiB for r in ranks]} MiB of a {budget // MiB} MiB "
-          f"node budget; job {ranks[0]['job']}")
+    print(f"{RANKS} spawned ranks in a Slurm task held {[r['held_bytes'] // MiB for r in ranks]} MiB of a "
+          f"{budget // MiB} MiB node budget; job {ranks[0]['job']}")
     for r in ranks:
         assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
         assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
-        if launch.startswith("spawn"):
-            assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
-        else:
-            assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
-            assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == RANKS, r["job"]
+        assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
         assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
         assert r["error"] is not None, f"rank {r['rank']} was never refused: it held {r['held_bytes'] // MiB} MiB"
         assert r["error"]["type"] == "OverBudget", r["error"]
@@ -133,6 +120,11 @@ def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(t
     for r in ranks:
         assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
         assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
+        if launch == "spawn":  # named by the process that spawned them (sh execs it: the same pid)
+            assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
+        else:
+            assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
+            assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == RANKS, r["job"]
         assert r["node"]["host_budget_bytes"] == budget and not r["node"]["budget_explicit"], r["node"]
         assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
         assert r["error"] is not None and r["error"]["type"] == "OverBudget", r

@@ -4,8 +4,7 @@ MASTER_PORT set by the caller), DeepSpeed's CPU accelerator, ZeRO-3 with paramet
 state offloaded to the CPU, bf16, a GPT-2 from a config (no download) built under zero.Init, one
 training step, then:
 
-    python ds_trainer_save.py OUT_DIR N_LAYER N_EMBD VOCAB [--checkpoint] [--save-on-each-node] [--accelerate]
-                              [--fail-rank0-save]
+    python ds_trainer_save.py OUT_DIR N_LAYER N_EMBD VOCAB [--checkpoint] [--accelerate] [--fail-rank0-save]
 
 1. trainer.save_model(OUT_DIR/spillway): Trainer.save_model as spillway.deepspeed.install() leaves it
    (the weights streamed);
@@ -14,12 +13,13 @@ training step, then:
 Each save's peak on rank 0 is _peak.peak's (VmHWM after clear_refs less VmRSS before, after
 malloc_trim). The streamed save runs first, so the control's freed gathers cannot lend it pages.
 With --checkpoint the run saves a Trainer checkpoint after its step (save_strategy "steps"), whose
-model half is the same save_model. With --save-on-each-node (TrainingArguments.save_on_each_node),
-which Spillway's save does not stream, the Trainer's own save runs, with a SaveWarning saying why.
+model half is the same save_model.
 With --accelerate the run is Accelerate's instead (Accelerator with a DeepSpeedPlugin, its own loop),
 and the saves are Accelerator.save_model's, streamed and Accelerate's own (the control).
 With --fail-rank0-save, rank 0's Trainer._save (config, tokenizer, arguments) fails with ENOSPC in the
-streamed save; every rank records what it raised in OUT_DIR/raised.rank<R>.json and the run ends.
+streamed save; then, with save_on_each_node set (which Spillway's save does not stream), the
+Trainer's own save runs into OUT_DIR/each-node. Every rank records what the first raised, the saves
+the second streamed and the SaveWarnings in OUT_DIR/raised.rank<R>.json, and the run ends.
 Rank 0 writes OUT_DIR/result.json, with the SaveWarnings of the whole run and the number of saves
 that were streamed (spillway._deepspeed_save._streams)."""
 import json
@@ -45,7 +45,6 @@ from _peak import peak  # noqa: E402
 out_dir = sys.argv[1]
 n_layer, n_embd, vocab = (int(a) for a in sys.argv[2:5])
 checkpoint = "--checkpoint" in sys.argv[5:]
-each_node = "--save-on-each-node" in sys.argv[5:]
 use_accelerate = "--accelerate" in sys.argv[5:]
 fail_rank0 = "--fail-rank0-save" in sys.argv[5:]
 world_from_env_or_single()
@@ -95,7 +94,7 @@ else:
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out_dir, "run"), deepspeed=ds, per_device_train_batch_size=1, max_steps=1,
         learning_rate=1e-3, bf16=True, use_cpu=True, report_to=[], disable_tqdm=True, seed=0,
-        save_strategy="steps" if checkpoint else "no", save_steps=1, save_on_each_node=each_node)
+        save_strategy="steps" if checkpoint else "no", save_steps=1)
     model = transformers.AutoModelForCausalLM.from_config(cfg)  # zero.Init: TrainingArguments set HfDeepSpeedConfig
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(2))
     trainer.train()
@@ -110,6 +109,7 @@ else:
     if fail_rank0:
         import errno  # noqa: E402
 
+        real_save = transformers.Trainer._save
         if rank0:
             def failing_save(self, output_dir=None, state_dict=None):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", output_dir)
@@ -119,8 +119,16 @@ else:
             raised = None
         except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
             raised = {"type": type(e).__name__, "message": str(e)}
+        transformers.Trainer._save = real_save
+        # Then a save that cannot be streamed (save_on_each_node): the Trainer's own, with one
+        # SaveWarning naming the setting.
+        trainer.args.save_on_each_node = True
+        before = _deepspeed_save._streams
+        trainer.save_model(os.path.join(out_dir, "each-node"))
         with open(os.path.join(out_dir, f"raised.rank{args.process_index}.json"), "w") as f:
-            json.dump(raised, f)
+            json.dump({"raised": raised, "streamed_after": _deepspeed_save._streams - before,
+                       "warnings": [str(w.message) for w in caught
+                                    if issubclass(w.category, spillway.deepspeed.SaveWarning)]}, f)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         sys.exit(0)
