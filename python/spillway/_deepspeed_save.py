@@ -46,6 +46,11 @@ def _consolidated_entries(engine, exclude_frozen_parameters):
     return out
 
 
+def _full_shape(t):
+    """A parameter's whole shape: ZeRO-3 keeps it in ds_shape while the tensor holds a partition."""
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
 def _check_streamable(engine, who):
     """Raises, on every rank alike and before any collective, where the streamed save cannot run."""
     if not engine.zero_optimization_partition_weights():
@@ -54,9 +59,12 @@ def _check_streamable(engine, who):
             "partitioned); engine.module.state_dict() already holds them whole")
     reason = _unstreamable(engine)
     if reason is not None:
+        import deepspeed  # noqa: PLC0415
+
+        other = deepspeed.__version__ not in _GATHER_VERIFIED
         raise _spillway.FailedPrecondition(
             f"{who}: {reason}; nothing was written. Use engine.save_16bit_model"
-            f"{', or DeepSpeed ' + ', '.join(_GATHER_VERIFIED) if 'verified' in reason else ''}")
+            f"{', or DeepSpeed ' + ', '.join(_GATHER_VERIFIED) if other else ''}")
 
 
 def save_16bit_model(engine, save_dir, max_shard_size=5 << 30, exclude_frozen_parameters=False,
@@ -82,7 +90,7 @@ def _save_safetensors(engine, save_dir, entries, max_shard_size, who, block_size
     safetensors in `save_dir`; a tied parameter is gathered again under each of its names (safetensors
     has no aliases). `prepare()`, if given, runs on rank 0 before its writer opens, inside the save's
     agreement: its failure is raised on every rank, as a failed open is."""
-    layout = [(key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype) for key, _, t in entries]
+    layout = [(key, _full_shape(t), t.dtype) for key, _, t in entries]
     plan = st.Plan(layout, max_shard_size)
 
     def open_sink():
@@ -145,7 +153,7 @@ def _stream(engine, entries, open_sink, where, who):
             # The budget caps bytes held from the OS; empty retained regions are given back on demand.
             room = s["budget_bytes"] - s["committed_bytes"] + s["retained_bytes"]
         page = os.sysconf("SC_PAGE_SIZE")  # the arena's granule: each allocation rounds up to it
-        largest = max((-(-math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() // page) * page
+        largest = max((-(-math.prod(_full_shape(t)) * t.element_size() // page) * page
                        for _, _, t in entries), default=0)
         device = get_accelerator().current_device_name()
         agreed = torch.tensor([1 if runtime is not None and room >= 2 * largest else 0, failure is None],
@@ -160,8 +168,7 @@ def _stream(engine, entries, open_sink, where, who):
         if ok:  # else rank 0 could not open its sink, and every rank knows: nothing to gather
             # As DeepSpeed's own gather: the optimizer's checkpoint prologue first (every parameter
             # partitioned), its epilogue after.
-            event = getattr(engine, "_optimizer_has_ckpt_event_prologue", lambda: False)()
-            if event:
+            if getattr(engine, "_optimizer_has_ckpt_event_prologue", lambda: False)():
                 engine.optimizer.checkpoint_event_prologue()
             for key, kind, t in entries:
                 if kind == "param" and hasattr(t, "ds_id"):
@@ -342,10 +349,12 @@ class SaveWarning(UserWarning):
 _warned = set()
 
 
-def _warn_once(key, message):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, SaveWarning, stacklevel=3)
+def _gives_way(call, owner, reason):
+    """Says, once per call and reason in this process, that `call` runs its owner's own save."""
+    if (call, reason) not in _warned:
+        _warned.add((call, reason))
+        warnings.warn(f"spillway.deepspeed: {call} runs {owner} own save, which gathers what it saves on rank 0 "
+                      f"before writing it: {reason}", SaveWarning, stacklevel=3)
 
 
 def _unstreamable(engine, writer=False):
@@ -398,9 +407,7 @@ def _engine_save_16bit_model(original):
         reason = _unstreamable(self, writer=True) or \
             _unwritable(entries, torch.storage._dtype_to_storage_type_map(), "torch.save's storage types")
         if reason is not None:
-            _warn_once(("engine", reason),
-                       f"spillway.deepspeed: engine.save_16bit_model gathers the whole 16-bit model on rank 0 "
-                       f"(DeepSpeed's own save): {reason}")
+            _gives_way("engine.save_16bit_model", "DeepSpeed's", reason)
             return original(self, save_dir, save_filename, exclude_frozen_parameters)
         check = getattr(self, "_raise_if_autoep_zero3_consolidated_export", None)
         if check is not None:
@@ -408,7 +415,7 @@ def _engine_save_16bit_model(original):
         seen, gathers, layout = set(), [], []
         for key, kind, t in entries:
             # Parameters tied across modules are one storage in DeepSpeed's dict; each buffer is a copy.
-            layout.append((key, tuple(getattr(t, "ds_shape", t.shape)), t.dtype, t if kind == "param" else object()))
+            layout.append((key, _full_shape(t), t.dtype, t if kind == "param" else object()))
             if kind != "param" or id(t) not in seen:  # a tied parameter: one storage, gathered once
                 seen.add(id(t))
                 gathers.append((key, kind, t))
@@ -489,13 +496,10 @@ def _trainer_save_model(original):
             entries = [e for e in entries if e[0] in keys]
             reason = _unwritable(entries, st._DTYPES, "safetensors")
         if reason is not None:
-            _warn_once(("trainer", reason),
-                       f"spillway.deepspeed: Trainer.save_model runs transformers' own save, which gathers what "
-                       f"it saves on rank 0 before writing it: {reason}")
+            _gives_way("Trainer.save_model", "transformers'", reason)
             return original(self, output_dir, _internal_call)
         import inspect  # noqa: PLC0415
 
-        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
         from transformers.trainer_pt_utils import remove_dummy_checkpoint  # noqa: PLC0415
         from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME  # noqa: PLC0415
 
@@ -510,8 +514,7 @@ def _trainer_save_model(original):
             remove_dummy_checkpoint(True, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
 
         shard = inspect.signature(self.model.save_pretrained).parameters["max_shard_size"].default
-        _save_safetensors(engine, output_dir, entries,
-                          parse_size_to_int(shard) if isinstance(shard, str) else int(shard), "Trainer.save_model",
+        _save_safetensors(engine, output_dir, entries, st.parse_size(shard), "Trainer.save_model",
                           prepare=everything_but_the_weights)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -547,15 +550,9 @@ def _accelerate_save_model(original):
             entries = [e for e in entries if e[0] in keys]
             reason = _unwritable(entries, st._DTYPES, "safetensors")
         if reason is not None:
-            _warn_once(("accelerate", reason),
-                       f"spillway.deepspeed: Accelerator.save_model gathers the whole 16-bit model on rank 0 "
-                       f"(Accelerate's own save): {reason}")
+            _gives_way("Accelerator.save_model", "Accelerate's", reason)
             return original(self, model, save_directory, max_shard_size, safe_serialization)
-        from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC0415
-
-        _save_safetensors(model, save_directory, entries,
-                          parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size),
-                          "Accelerator.save_model")
+        _save_safetensors(model, save_directory, entries, st.parse_size(max_shard_size), "Accelerator.save_model")
     save_model.__spillway_original__ = original
     return save_model
 

@@ -32,6 +32,21 @@ SINGLE = "model.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(size, what="max_shard_size"):
+    """A shard size as transformers, Accelerate and DeepSpeed's tools take it: bytes as an int, or
+    text with huggingface_hub's units ('5GB' -> 5 * 10**9, '500MB'), or binary ones ('2GiB')."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(str(size))
+    if not m:
+        raise ValueError(f"{what} {size}: use a size such as 5GB, 500MB or 2GiB")
+    base = 1024 if m.group(3) else 1000
+    return int(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " ")
+
+
 def nbytes(shape, dtype):
     return math.prod(int(s) for s in shape) * dtype.itemsize
 

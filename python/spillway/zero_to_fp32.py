@@ -26,7 +26,6 @@ import ctypes
 import glob
 import math
 import os
-import re
 import sys
 
 import torch
@@ -147,9 +146,9 @@ def _load(path):
 
 def plan(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """The output of DeepSpeed's zero_to_fp32 for `checkpoint_dir`, unread: (a list of _Tensor in
-    DeepSpeed's order: buffers, frozen parameters, trainable parameters, tied aliases; the tag; the
-    _Mapped that keeps the files mapped, which the caller holds while it reads). Every structural
-    check is made here, before anything is written."""
+    DeepSpeed's order: buffers, frozen parameters, trainable parameters, tied aliases; the tag).
+    Each _Tensor's read() holds the _Mapped that keeps the files mapped while any can be read.
+    Every structural check is made here, before anything is written."""
     from deepspeed.checkpoint import constants as k  # noqa: PLC0415
     from deepspeed.utils import zero_to_fp32 as ds  # noqa: PLC0415
 
@@ -251,7 +250,7 @@ def plan(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
                 by_name[alias] = len(out)
                 out.append(aliased)
     mapped.scan(model_files + optim_files, keep=(models, optims))
-    return out, tag, mapped
+    return out, tag
 
 
 def _zero2(mapped, groups, shapes, world, paddings):
@@ -299,20 +298,6 @@ def _zero3(mapped, groups, shapes, world):
     return out
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text):
-    """'5GB' -> 5 * 10**9, '512MiB' -> 512 * 2**20, '1000' -> 1000 (huggingface_hub's units)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"--max_shard_size {text}: use a size such as 5GB, 500MB or 2GiB")
-    base = 1024 if m.group(3) else 1000
-    return int(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " ")
-
-
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -327,8 +312,8 @@ def convert(checkpoint_dir, output_dir, max_shard_size="5GB", dtype="float32", t
         if dtype.lower() not in _DTYPES:
             raise ValueError(f"--dtype {dtype}: use one of float32, float16, bfloat16")
         dtype = _DTYPES[dtype.lower()]
-    max_shard_size = parse_size(max_shard_size)
-    tensors, _, mapped = plan(checkpoint_dir, tag, exclude_frozen_parameters)
+    max_shard_size = st.parse_size(max_shard_size, "--max_shard_size")
+    tensors, _ = plan(checkpoint_dir, tag, exclude_frozen_parameters)
     out_dtype = {t.name: (dtype if t.dtype.is_floating_point else t.dtype) for t in tensors}
     layout = st.Plan([(t.name, t.shape, out_dtype[t.name]) for t in tensors], max_shard_size)
     # Two buffers for every tensor, as large as the largest: where it is assembled, and where it is
@@ -349,7 +334,6 @@ def convert(checkpoint_dir, output_dir, max_shard_size="5GB", dtype="float32", t
     except BaseException:
         writer.abort()
         raise
-    del mapped
     return files
 
 

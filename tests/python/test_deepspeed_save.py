@@ -167,6 +167,9 @@ def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size"):
         safetensors_stream.Plan([("a", (2,), torch.float32)], 0)
+    # Shard sizes as transformers, Accelerate and DeepSpeed's tools write them.
+    assert [safetensors_stream.parse_size(x) for x in ("5GB", "10GB", "500MB", "2GiB", 1234)] == \
+        [5 * 10**9, 10 * 10**9, 500 * 10**6, 2 << 30, 1234]
     with pytest.raises(ValueError, match="appears twice"):
         safetensors_stream.Plan([("a", (2,), torch.float32), ("a", (2,), torch.float32)], 100)
     with pytest.raises(ValueError, match="complex64 has no safetensors code"):
@@ -488,6 +491,7 @@ def test_bad_input_zero_to_fp32_names_what_is_wrong_and_writes_nothing(zero_chec
     refused([tmp_path], "no 'latest' file in")
     refused([zero_checkpoint, "-t", "global_step7"], "global_step7")
     refused([zero_checkpoint, "--dtype", "int8"], "--dtype int8: use one of float32, float16, bfloat16")
+    refused([zero_checkpoint, "--max_shard_size", "5 parsecs"], "--max_shard_size 5 parsecs: use a size such as 5GB")
     broken = tmp_path / "broken"
     shutil.copytree(zero_checkpoint, broken)
     (next((broken / "global_step1").glob("*rank_1_*optim_states.pt"))).unlink()
