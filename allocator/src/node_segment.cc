@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <ctime>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
@@ -45,13 +44,24 @@ bool ValidJob(const std::string& job) {
 }
 
 // The command name (field 2) may hold spaces and parentheses: fields are counted after its last
-// ')'.
+// ')'. Read with read(2), not a stream: a process that exits between the open and the read makes
+// the read fail with ESRCH, which libstdc++'s filebuf throws as an exception (on a watcher thread:
+// std::terminate).
 bool ReadProcStat(pid_t pid, char* state, uint64_t* start_ticks) {
-  std::ifstream in(StrCat("/proc/", pid, "/stat"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return false;
-  std::istringstream fields(text.substr(close + 1));
+  const std::string path = StrCat("/proc/", pid, "/stat");
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[1024];  // the command name is at most 64 bytes; 52 numeric fields follow
+  ssize_t n;
+  do {
+    n = read(fd, buf, sizeof(buf) - 1);
+  } while (n < 0 && errno == EINTR);
+  close(fd);
+  if (n <= 0) return false;
+  const std::string text(buf, static_cast<size_t>(n));
+  const size_t close_paren = text.rfind(')');
+  if (close_paren == std::string::npos) return false;
+  std::istringstream fields(text.substr(close_paren + 1));
   std::string field;
   for (int i = 3; i <= 22; ++i) {
     if (!(fields >> field)) return false;
