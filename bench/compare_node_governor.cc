@@ -92,6 +92,7 @@ Ratio Interleaved(int rounds, A a, B b) {
 std::shared_ptr<NodeGovernor> Join(const std::string& job, int rank, uint64_t budget) {
   NodeGovernorOptions o;
   o.job = job;
+  o.ledger = job;  // its own: the machine's ledger may hold other jobs with other budgets
   o.local_rank = rank;
   o.host_budget_bytes = budget;
   auto g = NodeGovernor::Join(o);

@@ -23,11 +23,11 @@ using node::Slot;
 using node::Verdict;
 
 std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
-                                             const std::vector<int>& silent) const {
+                                             const std::vector<std::string>& silent) const {
   const NodeStats s = Stats();
   if (tier == NodeTier::kNvme) {
     return StrCat(
-        "node budget: local rank ", slot_, " of job '", options_.job, "' needs ",
+        "node budget: local rank ", local_rank_, " of job '", options_.job, "' needs ",
         FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
         FormatBytes(s.nvme_budget_bytes),
         " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the job's first NVMe "
@@ -40,16 +40,16 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
   std::string trimmed = "after every rank trimmed its retained cache";
   if (!silent.empty()) {
     std::string names;
-    for (int r : silent) names += StrCat(names.empty() ? "" : ", ", r);
-    trimmed = StrCat("after a trim request that local rank(s) ", names, " did not answer within ",
+    for (const std::string& r : silent) names += StrCat(names.empty() ? "" : ", ", r);
+    trimmed = StrCat("after a trim request that ", names, " did not answer within ",
                      options_.trim_timeout.count(), " ms");
   }
   return StrCat(
-      "node budget: local rank ", slot_, " of job '", options_.job, "' needs ", FormatBytes(bytes),
-      " more ", NodeTierName(tier), " memory, but the node's host budget of ",
-      FormatBytes(s.host_budget_bytes), " ", DescribeNodeBudget(s), " has ",
-      FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) ", trimmed,
-      ": ", DescribeNodeRanks(s),
+      "node budget: local rank ", local_rank_, " of job '", options_.job, "' needs ",
+      FormatBytes(bytes), " more ", NodeTierName(tier), " memory, but the host budget of ",
+      FormatBytes(s.host_budget_bytes), " for ", s.scope, " ", DescribeNodeBudget(s), " has ",
+      FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) of ",
+      s.jobs.size(), " job(s) ", trimmed, ": ", DescribeNodeRanks(s),
       ". Offload more state to NVMe (offload_optimizer.device / offload_param.device = nvme), run "
       "fewer ranks per node, or raise SPILLWAY_NODE_BUDGET_BYTES (SPILLWAY_NODE_RESERVE_BYTES) "
       "if the node's memory holds more than the reserve keeps back");
@@ -64,14 +64,14 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
-    if (segment_->local_world_size == 0) {
+    if (entry().local_world_size == 0) {
       return Status::FailedPrecondition(
           StrCat("node admission for job '", options_.job,
                  "': the number of local ranks is not known, so no rank can tell when all have "
                  "declared; start the ranks with a launcher that sets LOCAL_WORLD_SIZE (torchrun, "
                  "accelerate) or LOCAL_SIZE (deepspeed), or set LOCAL_WORLD_SIZE yourself"));
     }
-    Declaration& mine = segment_->declarations[slot_];
+    Declaration& mine = entry().declarations[local_rank_];
     mine.need += need_bytes;
     mine.fork += workers_fork_bytes;
     mine.last_need = need_bytes;
@@ -79,40 +79,42 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     mine.round = round;
   }
   auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
-    const std::string text = segment_->verdict_text;
-    if (segment_->verdict == Verdict::kFits) return Status::Ok();
+    node::JobEntry& e = entry();
+    const std::string text = e.verdict_text;
+    if (e.verdict == Verdict::kFits) return Status::Ok();
     // A refused round's need is taken back: a retry with a smaller config is judged on its own.
-    Declaration& mine = segment_->declarations[slot_];
+    Declaration& mine = e.declarations[local_rank_];
     if (mine.round == round) {
       mine.need -= std::min(mine.need, mine.last_need);
       mine.fork -= std::min(mine.fork, mine.last_fork);
       mine.last_need = mine.last_fork = 0;
     }
-    if (segment_->verdict == Verdict::kOverBudget) return Status::OverBudget(text);
+    if (e.verdict == Verdict::kOverBudget) return Status::OverBudget(text);
     return Status::Make(StatusCode::kUnavailable, text);
   };
   auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
-    segment_->verdict_round = round;
-    segment_->verdict = v;
-    std::snprintf(segment_->verdict_text, sizeof(segment_->verdict_text), "%s", text.c_str());
+    node::JobEntry& e = entry();
+    e.verdict_round = round;
+    e.verdict = v;
+    std::snprintf(e.verdict_text, sizeof(e.verdict_text), "%s", text.c_str());
   };
   const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
   while (true) {
     SPILLWAY_RETURN_IF_ERROR(ReapDead());
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
-    if (segment_->verdict_round >= round) return verdict();
+    if (entry().verdict_round >= round) return verdict();
     std::vector<int> missing;
     for (int r = 0; r < kMaxSlots; ++r) {
-      const bool expected = r < segment_->local_world_size || segment_->slots[r].pid != 0;
-      if (expected && segment_->declarations[r].round < round) missing.push_back(r);
+      const bool expected = r < entry().local_world_size || node::RankSlot(segment_, job_, r) >= 0;
+      if (expected && entry().declarations[r].round < round) missing.push_back(r);
     }
     if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
-      const NodeStats snap = node::ReadStats(segment_, path_);
+      const NodeStats snap = node::ReadStats(segment_, path_, options_.job);
       uint64_t total = 0;
       std::string each;
       int declared = 0;
       for (int r = 0; r < kMaxSlots; ++r) {
-        const Declaration& d = segment_->declarations[r];
+        const Declaration& d = entry().declarations[r];
         if (d.round == 0) continue;
         ++declared;
         total += d.need;
@@ -121,16 +123,32 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                            ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
                            : std::string());
       }
-      if (total <= snap.host_budget_bytes) {
+      // The other jobs under the same memory limit: what each live rank holds or declared.
+      uint64_t others = 0;
+      std::string other_jobs;
+      for (int j = 0; j < node::kMaxJobs; ++j) {
+        if (j == job_) continue;
+        int ranks = 0;
+        const uint64_t held = node::JobHeldOrDeclared(segment_, j, &ranks);
+        if (ranks == 0) continue;
+        others += held;
+        other_jobs += StrCat(other_jobs.empty() ? "" : "; ", "job '", segment_->jobs[j].name, "' ",
+                             FormatMiB(held), " (", ranks, " rank(s))");
+      }
+      if (total + others <= snap.host_budget_bytes) {
         write(Verdict::kFits, "");
       } else {
         write(Verdict::kOverBudget,
               StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
-                     "' need ", FormatBytes(total),
-                     " of host memory together, more than the node budget of ",
-                     FormatBytes(snap.host_budget_bytes), " ", DescribeNodeBudget(snap),
-                     ". Each rank's need: ", each, ". Nothing was allocated.",
-                     detail.empty() ? "" : " ", detail));
+                     "' need ", FormatBytes(total), " of host memory together",
+                     others != 0 ? StrCat(", beside ", FormatBytes(others),
+                                          " that the other jobs under the same memory limit hold "
+                                          "or declared (",
+                                          other_jobs, ")")
+                                 : std::string(),
+                     ": more than the node budget of ", FormatBytes(snap.host_budget_bytes),
+                     " for ", snap.scope, " ", DescribeNodeBudget(snap), ". Each rank's need: ",
+                     each, ". Nothing was allocated.", detail.empty() ? "" : " ", detail));
       }
       return verdict();
     }

@@ -1,42 +1,32 @@
-// NodeGovernor: joining a job's node segment, booking and giving back bytes, cross-rank trims, the
-// watcher thread, leaving. The segment's mechanics are in node_segment.*, admission in
+// NodeGovernor: booking and giving back bytes, cross-rank trims, the watcher thread, leaving.
+// Joining a ledger is in node_join.cc, the segment's mechanics in node_segment.*, admission in
 // node_admission.cc, the job from the environment in node_job.cc, the reports in node_report.cc.
 // Note [Node governor] in docs/allocator.md.
 #include "spillway/allocator/node_governor.h"
 
-#include <dirent.h>
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
-#include <cstdio>
-#include <cstring>
 #include <new>
 #include <sstream>
 
 #include "node_segment.h"
-#include "spillway/allocator/host_arena.h"
 #include "spillway/base/bytes.h"
 #include "spillway/base/log.h"
 
 namespace spillway::allocator {
 
 using node::ClearSlot;
-using node::Declaration;
 using node::DirLock;
 using node::kMaxSlots;
-using node::Mapped;
 using node::NowNs;
 using node::Segment;
 using node::SegmentLock;
-using node::SleepMs;
 using node::Slot;
-using node::Verdict;
 
 namespace {
 
@@ -45,239 +35,19 @@ std::shared_ptr<NodeGovernor> g_current;  // guarded by g_current_mu
 std::atomic<const ProcessTag*> g_current_process{nullptr};
 thread_local bool t_on_watcher = false;
 
-// Under the DirLock: removes the segment at `path` when it was left half made (never initialized),
-// half removed (closed), or holds no live rank. Returns true when it was removed.
-bool RemoveIfDead(const std::string& path, LogLevel level) {
-  auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
-  if (!opened.ok()) {
-    // EBADF: never initialized, and no creator holds the DirLock: abandoned.
-    if (opened.status().sys_error() != EBADF) return false;
-    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return false;
-    // A segment of another Spillway layout, in use, has its magic: not ours to remove.
-    uint64_t magic = 0;
-    if (pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
-        magic == node::kMagic) {
-      close(fd);
-      return false;
-    }
-    const bool removed = node::UnlinkIfSame(path, fd);
-    close(fd);
-    if (removed) Log(level, StrCat("node governor: removed ", path, ": it was never initialized"));
-    return removed;
-  }
-  Mapped m = *opened;
-  bool remove = false;
-  if (m.segment->pid_ns != node::OwnPidNamespace()) {  // its pids cannot be judged from here
-    Unmap(m);
-    return false;
-  }
-  if (node::Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
-    auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
-    if (lock.ok()) {
-      remove = m.segment->closed != 0 ||
-               std::none_of(std::begin(m.segment->slots), std::end(m.segment->slots),
-                            [](const Slot& s) { return s.pid != 0; });
-      if (remove) m.segment->closed = 1;
-    }
-  }
-  const bool removed = remove && node::UnlinkIfSame(path, m.fd);
-  Unmap(m);
-  if (removed) Log(level, StrCat("node governor: removed ", path, ": every rank of it is gone"));
-  return removed;
-}
-
 }  // namespace
 
-std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string& job) {
-  return StrCat(dir, "/spillway-node-", geteuid(), "-", job);
-}
-
-Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
-  if (!node::ValidJob(options.job)) {
-    return Status::InvalidArgument(StrCat("node governor: job '", options.job, "' must be 1 to ",
-                                          node::kJobChars,
-                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
-  }
-  if (options.local_rank >= kMaxSlots || options.local_world_size > kMaxSlots ||
-      options.local_world_size < 0) {
-    return Status::InvalidArgument(StrCat(
-        "node governor: local rank ", options.local_rank, " or local world size ",
-        options.local_world_size, " is beyond the ", kMaxSlots, " ranks a node segment holds"));
-  }
-  SPILLWAY_RETURN_IF_ERROR(ForkTracking());
-  const std::string path = SegmentPath(options.dir, options.job);
-  RemoveDeadSegments(options.dir);  // other jobs' litter (a job killed whole leaves its segment)
-  const uint64_t deadline =
-      NowNs() + static_cast<uint64_t>(options.lock_timeout.count()) * 1'000'000ull;
-  char state = '?';
-  uint64_t my_start = 0;
-  node::ReadProcStat(getpid(), &state, &my_start);
-  while (true) {
-    if (NowNs() > deadline) {
-      return Status::Make(StatusCode::kUnavailable,
-                          StrCat("node governor: segment ", path, " stayed closed for ",
-                                 options.lock_timeout.count(), " ms while its last rank left; rm ",
-                                 path, " if no rank of the job runs"));
-    }
-    Mapped m;
-    {
-      SPILLWAY_ASSIGN_OR_RETURN(DirLock dir_lock, DirLock::Take(options.dir, options.lock_timeout));
-      const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-      if (fd >= 0) {  // this rank makes the segment: initialized whole before magic is published
-        m.fd = fd;
-        void* p = MAP_FAILED;
-        int err = 0;
-        if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
-          err = errno;
-        } else {
-          p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-          if (p == MAP_FAILED) err = errno;
-        }
-        if (err != 0) {
-          unlink(path.c_str());
-          Unmap(m);
-          return Status::FromErrno(StatusCode::kOutOfMemory, err,
-                                   StrCat("node governor: sizing and mapping segment ", path,
-                                          " (is /dev/shm full or too small?)"));
-        }
-        auto* s = new (p) Segment();
-        m.segment = s;
-        pthread_mutexattr_t attr;
-        pthread_mutexattr_init(&attr);
-        pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-        pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-        const int rc = pthread_mutex_init(&s->mu, &attr);
-        pthread_mutexattr_destroy(&attr);
-        if (rc != 0) {
-          unlink(path.c_str());
-          Unmap(m);
-          return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
-        }
-        s->version = node::kVersion;
-        s->pid_ns = node::OwnPidNamespace();
-        s->slot_count = kMaxSlots;
-        s->size = sizeof(Segment);
-        s->local_world_size = options.local_world_size;
-        s->memory_limit =
-            options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
-        s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
-                                                        : DefaultNodeHostBudget(s->memory_limit);
-        s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
-        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
-        s->nvme_budget = options.nvme_budget_bytes;
-        std::snprintf(s->job, sizeof(s->job), "%s", options.job.c_str());
-        for (Slot& slot : s->slots) slot.local_rank = -1;
-        const int slot = options.local_rank >= 0 ? options.local_rank : 0;
-        s->slots[slot].pid = getpid();
-        s->slots[slot].local_rank = slot;
-        s->slots[slot].start_ticks = my_start;
-        s->magic.store(node::kMagic, std::memory_order_release);
-        return std::unique_ptr<NodeGovernor>(
-            new NodeGovernor(std::move(options), path, fd, s, slot, s->slots[slot].generation));
-      }
-      if (errno != EEXIST) {
-        return Status::FromErrno(StatusCode::kUnavailable, errno,
-                                 StrCat("node governor: creating segment ", path,
-                                        " (is the directory there and writable?)"));
-      }
-      // It exists. Under the DirLock no creator is midway, so an uninitialized one is abandoned,
-      // and a closed one is a removal its remover did not finish: finish it, then make anew.
-      if (RemoveIfDead(path, LogLevel::kInfo)) continue;
-      auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
-      if (!opened.ok()) {
-        if (opened.status().sys_error() == ENOENT) continue;
-        return opened.status().WithContext("node governor");
-      }
-      m = *opened;
-    }
-    Segment* s = m.segment;
-    // A dead occupant of the slot this rank wants (an elastic restart's predecessor) goes first.
-    auto reaped = node::Reap(s, -1, options.lock_timeout, path);
-    if (!reaped.ok()) {
-      Unmap(m);
-      return reaped.status();
-    }
-    auto lock = SegmentLock::Take(s, options.lock_timeout, path);
-    if (!lock.ok()) {
-      Unmap(m);
-      return lock.status();
-    }
-    auto refuse = [&](Status st) {
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
-      return st;
-    };
-    if (s->pid_ns != node::OwnPidNamespace()) {
-      return refuse(Status::FailedPrecondition(StrCat(
-          "node governor: job '", options.job, "' was started in another PID namespace (another ",
-          "container sharing /dev/shm?); the ranks of one job must see each other's pids. Run "
-          "them in one container, or give this one its own SPILLWAY_NODE_JOB")));
-    }
-    if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
-      SleepMs(1);
-      continue;
-    }
-    if (options.host_budget_bytes != 0 && options.host_budget_bytes != s->host_budget) {
-      return refuse(Status::InvalidArgument(
-          StrCat("node governor: job '", options.job, "' has a node budget of ",
-                 FormatBytes(s->host_budget), ", set by its first rank; this rank asks for ",
-                 FormatBytes(options.host_budget_bytes),
-                 ". Give every rank the same SPILLWAY_NODE_BUDGET_BYTES")));
-    }
-    int slot = options.local_rank;
-    if (slot < 0) {
-      for (int i = 0; i < kMaxSlots && slot < 0; ++i) {
-        if (s->slots[i].pid == 0) slot = i;
-      }
-      if (slot < 0) {
-        return refuse(Status::ResourceExhausted(StrCat(
-            "node governor: all ", kMaxSlots, " slots of ", path, " are held by live ranks")));
-      }
-    } else if (s->slots[slot].pid != 0) {
-      return refuse(Status::FailedPrecondition(StrCat(
-          "node governor: local rank ", slot, " of job '", options.job, "' is held by pid ",
-          s->slots[slot].pid,
-          ", which is alive. Two processes claim one local rank: check LOCAL_RANK, or give the "
-          "second job its own SPILLWAY_NODE_JOB")));
-    }
-    if (std::none_of(std::begin(s->slots), std::end(s->slots),
-                     [](const Slot& o) { return o.pid != 0; })) {
-      // Every rank is gone (a restart of the whole job): admission starts over.
-      std::fill(std::begin(s->declarations), std::end(s->declarations), Declaration{});
-      s->verdict_round = 0;
-      s->verdict = Verdict::kNone;
-    }
-    Slot& mine = s->slots[slot];
-    const uint64_t generation = mine.generation;
-    ClearSlot(&mine);  // nothing of an earlier occupant stays
-    mine.generation = generation;
-    mine.pid = getpid();
-    mine.local_rank = slot;
-    mine.start_ticks = my_start;
-    mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
-    s->declarations[slot] = Declaration{};
-    if (s->local_world_size == 0) s->local_world_size = options.local_world_size;
-    // A rank that joins a job whose ranks already passed admission rounds starts after them: it
-    // must not return an old round's verdict for a need nobody checked.
-    const uint32_t rounds_done = s->verdict_round;
-    { auto unlock = std::move(*lock); }
-    auto g = std::unique_ptr<NodeGovernor>(
-        new NodeGovernor(std::move(options), path, m.fd, s, slot, generation));
-    g->admit_rounds_.store(rounds_done, std::memory_order_relaxed);
-    return g;
-  }
-}
-
 NodeGovernor::NodeGovernor(NodeGovernorOptions options, std::string path, int fd,
-                           node::Segment* segment, int slot, uint64_t generation)
+                           node::Segment* segment, int slot, int job, int local_rank,
+                           uint64_t generation)
     : options_(std::move(options)),
       path_(std::move(path)),
       fd_(fd),
       segment_(segment),
       slot_(slot),
+      job_(job),
+      local_rank_(local_rank),
+      ledger_(options_.ledger),
       generation_(generation),
       pid_(process_.pid()) {
   if (options_.watcher) watcher_ = std::thread([this] { WatchLoop(); });
@@ -306,8 +76,9 @@ void NodeGovernor::Leave() {
   {
     auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
     if (!lock.ok()) {
-      Log(LogLevel::kError, StrCat(lock.status().ToString(), "; local rank ", slot_,
-                                   " leaves its slot to be reaped when this process exits"));
+      Log(LogLevel::kError,
+          StrCat(lock.status().ToString(), "; local rank ", local_rank_, " of job '", options_.job,
+                 "' leaves its slot to be reaped when this process exits"));
       return;
     }
     if (!OwnsSlotLocked()) return;  // reaped by another process meanwhile
@@ -323,7 +94,7 @@ void NodeGovernor::Leave() {
   }
   if (held != 0) {
     Log(LogLevel::kInfo,
-        StrCat("node governor: local rank ", slot_, " left job '", options_.job, "' with ",
+        StrCat("node governor: local rank ", local_rank_, " left job '", options_.job, "' with ",
                FormatBytes(held), " still booked (its arenas outlive it); given back"));
   }
   if (last) {  // the closer removes it; a Join that finds it closed finishes the removal instead
@@ -349,6 +120,8 @@ void NodeGovernor::SetCurrent(std::shared_ptr<NodeGovernor> governor) {
 }
 
 uint64_t NodeGovernor::host_budget_bytes() const { return segment_->host_budget; }
+
+node::JobEntry& NodeGovernor::entry() const { return segment_->jobs[job_]; }
 
 Status NodeGovernor::ReapDead() const {
   return node::Reap(segment_, slot_, options_.lock_timeout, path_).status();
@@ -382,7 +155,7 @@ void NodeGovernor::ReleaseLocked(NodeTier tier, uint64_t bytes) {
 Status NodeGovernor::TryReserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Reserve"));
   auto left = [&] {
-    return Status::FailedPrecondition(StrCat("node governor: local rank ", slot_,
+    return Status::FailedPrecondition(StrCat("node governor: local rank ", local_rank_,
                                              " already left job '", options_.job,
                                              "' (the process is exiting, or it was reaped as "
                                              "dead); nothing is booked"));
@@ -418,7 +191,7 @@ Status NodeGovernor::Reserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(ReapDead());
   st = TryReserve(tier, bytes);
   if (st.code() != StatusCode::kOverBudget) return st;
-  std::vector<int> silent;
+  std::vector<std::string> silent;
   if (tier != NodeTier::kNvme) {  // trimming host caches frees no disk
     TrimLocal();
     SPILLWAY_ASSIGN_OR_RETURN(silent, RequestTrimAndWait());
@@ -508,11 +281,12 @@ uint64_t NodeGovernor::TrimLocal() {
 
 bool NodeGovernor::OnWatcherThread() { return t_on_watcher; }
 
-Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
+Result<std::vector<std::string>> NodeGovernor::RequestTrimAndWait() {
   struct Other {
     int index;
     pid_t pid;
     uint64_t start_ticks, generation;
+    std::string name;  // "job 'a' local rank 1"
   };
   std::vector<Other> others;
   {
@@ -521,11 +295,13 @@ Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
     for (int i = 0; i < kMaxSlots; ++i) {
       const Slot& slot = segment_->slots[i];
       if (i != slot_ && slot.pid != 0) {
-        others.push_back({i, slot.pid, slot.start_ticks, slot.generation});
+        others.push_back(
+            {i, slot.pid, slot.start_ticks, slot.generation,
+             StrCat("job '", segment_->jobs[slot.job].name, "' local rank ", slot.local_rank)});
       }
     }
   }
-  std::vector<int> silent;
+  std::vector<std::string> silent;
   if (others.empty()) return silent;
   const uint32_t request = segment_->trim_word.fetch_add(1, std::memory_order_acq_rel) + 1;
   node::Futex(&segment_->trim_word, FUTEX_WAKE, INT_MAX, nullptr);
@@ -541,7 +317,7 @@ Result<std::vector<int>> NodeGovernor::RequestTrimAndWait() {
         break;
       }
       if (NowNs() > deadline) {
-        silent.push_back(o.index);
+        silent.push_back(o.name);
         break;
       }
       // Woken by the rank's watcher when it acknowledges (at most 1 ms, for the checks above).
@@ -601,10 +377,11 @@ NodeStats NodeGovernor::Snapshot() const {
     Log(LogLevel::kWarning, lock.status().ToString());
     NodeStats empty;
     empty.job = options_.job;
+    empty.ledger = ledger_;
     empty.path = path_;
     return empty;
   }
-  return node::ReadStats(segment_, path_);
+  return node::ReadStats(segment_, path_, options_.job);
 }
 
 Status NodeGovernor::Validate() const {
@@ -625,53 +402,6 @@ Status NodeGovernor::Validate() const {
     return Status::Internal(StrCat("node segment ", path_, ": committed is over the budget"));
   }
   return Status::Ok();
-}
-
-Result<NodeStats> NodeGovernor::Inspect(const std::string& path,
-                                        std::chrono::milliseconds lock_timeout) {
-  SPILLWAY_ASSIGN_OR_RETURN(Mapped m, node::OpenExisting(path, lock_timeout));
-  auto reaped = node::Reap(m.segment, -1, lock_timeout, path);
-  if (!reaped.ok()) {
-    Unmap(m);
-    return reaped.status();
-  }
-  NodeStats out;
-  {
-    auto lock = SegmentLock::Take(m.segment, lock_timeout, path);
-    if (!lock.ok()) {
-      Unmap(m);
-      return lock.status();
-    }
-    out = node::ReadStats(m.segment, path);
-  }
-  Unmap(m);
-  return out;
-}
-
-std::vector<std::string> NodeGovernor::ListSegments(const std::string& dir) {
-  std::vector<std::string> out;
-  const std::string prefix = StrCat("spillway-node-", geteuid(), "-");
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return out;
-  // NOLINTNEXTLINE(concurrency-mt-unsafe): the stream is this call's own (glibc locks per DIR)
-  while (dirent* e = readdir(d)) {
-    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
-      out.push_back(StrCat(dir, "/", e->d_name));
-    }
-  }
-  closedir(d);
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-int NodeGovernor::RemoveDeadSegments(const std::string& dir) {
-  int removed = 0;
-  for (const std::string& path : ListSegments(dir)) {
-    auto dir_lock = DirLock::Take(dir, std::chrono::milliseconds(1000));
-    if (!dir_lock.ok()) break;  // another process is making or removing one: leave it the rest
-    if (RemoveIfDead(path, LogLevel::kInfo)) ++removed;
-  }
-  return removed;
 }
 
 }  // namespace spillway::allocator

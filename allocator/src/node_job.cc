@@ -1,14 +1,18 @@
 // Which job a rank belongs to, read from the launcher's environment (torchrun, the deepspeed
-// launcher, mpirun, srun, or SPILLWAY_NODE_JOB), and the node budget's defaults.
+// launcher, mpirun, srun, or SPILLWAY_NODE_JOB), which ledger its memory limit keeps, and the node
+// budget's defaults.
 // Note [Node governor] in docs/allocator.md.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <string_view>
 
 #include "node_segment.h"
+#include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/node_governor.h"
 #include "spillway/base/bytes.h"
 
@@ -31,6 +35,32 @@ uint64_t DefaultNodeReserve(uint64_t limit_bytes) {
 uint64_t DefaultNodeHostBudget(uint64_t limit_bytes) {
   return limit_bytes - DefaultNodeReserve(limit_bytes);
 }
+
+// The limit is named by the identity of its cgroup directory (device and inode: the same cgroup
+// seen from a cgroup namespace has another path), and the PID namespace: a ledger judges its
+// ranks by pid, so two containers that share /dev/shm but not their pids keep two ledgers.
+NodeLedger NodeLedgerOf(const MemoryLimit& limit) {
+  std::string identity = "machine";
+  struct stat st {};
+  if (!limit.cgroup.empty()) {
+    identity = stat(limit.cgroup.c_str(), &st) == 0 ? StrCat("cgroup ", st.st_dev, ":", st.st_ino)
+                                                    : StrCat("cgroup ", limit.cgroup);
+  }
+  identity += StrCat(" pidns ", node::OwnPidNamespace());
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (const char c : identity) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  NodeLedger out;
+  out.name = StrCat("limit-", hex);
+  out.scope = limit.cgroup.empty()
+                  ? StrCat("this machine's ", FormatBytes(limit.bytes),
+                           " (no cgroup memory limit below it)")
+                  : StrCat("the cgroup ", limit.cgroup, ", limit ", FormatBytes(limit.bytes));
+  return out;
+}
+
+NodeLedger DefaultNodeLedger() { return NodeLedgerOf(MemoryLimitOf()); }
 
 namespace {
 

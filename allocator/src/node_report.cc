@@ -17,8 +17,8 @@ const char* NodeTierName(NodeTier tier) {
 std::string DescribeNodeBudget(const NodeStats& s) {
   if (s.budget_explicit) {
     return StrCat(
-        "(set for this job by SPILLWAY_NODE_BUDGET_BYTES or SPILLWAY_NODE_RESERVE_BYTES; "
-        "the memory limit is ",
+        "(set by job '", s.budget_by,
+        "' with SPILLWAY_NODE_BUDGET_BYTES or SPILLWAY_NODE_RESERVE_BYTES; the memory limit is ",
         FormatBytes(s.memory_limit_bytes), ")");
   }
   return StrCat("(the memory limit ", FormatBytes(s.memory_limit_bytes), " less a reserve of ",
@@ -43,9 +43,11 @@ std::string KindsText(const KindBytes& by_kind) {
 
 std::string DescribeNodeRanks(const NodeStats& stats) {
   std::string out;
+  const bool name_jobs = stats.jobs.size() > 1;  // one job: its name is in the message already
   for (const NodeRankStats& r : stats.ranks) {
-    out += StrCat(out.empty() ? "" : "; ", "local rank ", r.local_rank, " (pid ", r.pid,
-                  ") pinned ", FormatMiB(r.bytes[0]), ", pageable ", FormatMiB(r.bytes[1]));
+    out += StrCat(out.empty() ? "" : "; ", name_jobs ? StrCat("job '", r.job, "' ") : "",
+                  "local rank ", r.local_rank, " (pid ", r.pid, ") pinned ", FormatMiB(r.bytes[0]),
+                  ", pageable ", FormatMiB(r.bytes[1]));
     if (r.bytes[2] != 0) out += StrCat(", nvme ", FormatMiB(r.bytes[2]));
     const std::string kinds = KindsText(r.host_by_kind);
     if (!kinds.empty()) out += StrCat(" [", kinds, "]");
@@ -64,7 +66,7 @@ std::string Cell(uint64_t bytes) { return bytes == 0 ? "-" : FormatMiB(bytes); }
 
 std::string NodeStats::ToString() const {
   std::ostringstream out;
-  out << "job " << job << "  (segment " << path << ")\n";
+  out << "ledger for " << scope << "  (segment " << path << ")\n";
   out << "host budget " << FormatBytes(host_budget_bytes) << " " << DescribeNodeBudget(*this)
       << "\n";
   out << "host committed " << FormatBytes(host_committed_bytes) << " (peak "
@@ -73,21 +75,29 @@ std::string NodeStats::ToString() const {
   out << "nvme committed " << FormatBytes(nvme_committed_bytes) << ", budget "
       << (nvme_budget_bytes == 0 ? std::string("not capped") : FormatBytes(nvme_budget_bytes))
       << "\n";
-  out << "ranks " << ranks.size() << " of " << local_world_size << " expected; reaped "
-      << reaped_ranks << ", trim requests " << trim_requests << ", refusals " << over_budget_count
-      << "\n\n";
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-5s %-8s %12s %12s %12s %12s %12s %16s  %s\n", "rank", "pid",
-                "pinned", "pageable", "nvme", "peak host", "declared", "workers", "by kind");
+  out << "jobs " << jobs.size() << ", ranks " << ranks.size() << "; reaped " << reaped_ranks
+      << ", trim requests " << trim_requests << ", refusals " << over_budget_count << "\n";
+  for (const NodeJobStats& j : jobs) {
+    out << "  job " << j.name << ": " << j.ranks << " of "
+        << (j.local_world_size == 0 ? std::string("?") : std::to_string(j.local_world_size))
+        << " ranks, host " << FormatMiB(j.host_bytes) << ", nvme " << FormatMiB(j.nvme_bytes)
+        << ", declared " << FormatMiB(j.declared_bytes) << (j.name == job ? "  (this one)" : "")
+        << "\n";
+  }
+  out << "\n";
+  char line[384];
+  std::snprintf(line, sizeof(line), "%-24s %-5s %-8s %12s %12s %12s %12s %12s %16s  %s\n", "job",
+                "rank", "pid", "pinned", "pageable", "nvme", "peak host", "declared", "workers",
+                "by kind");
   out << line;
   for (const NodeRankStats& r : ranks) {
     const std::string kinds = KindsText(r.host_by_kind);
     const std::string workers =
         r.workers == 0 ? "-" : StrCat(r.workers, " / ", FormatMiB(r.workers_private_bytes));
-    std::snprintf(line, sizeof(line), "%-5d %-8d %12s %12s %12s %12s %12s %16s  %s\n", r.local_rank,
-                  static_cast<int>(r.pid), Cell(r.bytes[0]).c_str(), Cell(r.bytes[1]).c_str(),
-                  Cell(r.bytes[2]).c_str(), Cell(r.peak_host_bytes).c_str(),
-                  Cell(r.declared_bytes).c_str(), workers.c_str(),
+    std::snprintf(line, sizeof(line), "%-24s %-5d %-8d %12s %12s %12s %12s %12s %16s  %s\n",
+                  r.job.c_str(), r.local_rank, static_cast<int>(r.pid), Cell(r.bytes[0]).c_str(),
+                  Cell(r.bytes[1]).c_str(), Cell(r.bytes[2]).c_str(),
+                  Cell(r.peak_host_bytes).c_str(), Cell(r.declared_bytes).c_str(), workers.c_str(),
                   kinds.empty() ? "-" : kinds.c_str());
     out << line;
   }

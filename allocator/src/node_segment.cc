@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <ctime>
 #include <sstream>
 #include <vector>
@@ -94,6 +95,7 @@ int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* t
 
 void ClearSlot(Slot* slot) {
   slot->pid = 0;
+  slot->job = -1;
   slot->local_rank = -1;
   slot->start_ticks = 0;
   slot->generation++;
@@ -114,6 +116,61 @@ void RecomputeTotals(Segment* s) {
     s->host_committed += slot.bytes[0] + slot.bytes[1];
     s->nvme_committed += slot.bytes[2];
   }
+}
+
+int FindJob(const Segment* s, const std::string& name) {
+  for (int j = 0; j < kMaxJobs; ++j) {
+    if (name == s->jobs[j].name) return j;
+  }
+  return -1;
+}
+
+bool JobHasRanks(const Segment* s, int job) {
+  return std::any_of(std::begin(s->slots), std::end(s->slots),
+                     [&](const Slot& o) { return o.pid != 0 && o.job == job; });
+}
+
+int RankSlot(const Segment* s, int job, int local_rank) {
+  for (int i = 0; i < kMaxSlots; ++i) {
+    const Slot& o = s->slots[i];
+    if (o.pid != 0 && o.job == job && o.local_rank == local_rank) return i;
+  }
+  return -1;
+}
+
+int TakeJob(Segment* s, const std::string& name) {
+  int j = FindJob(s, name);
+  if (j >= 0 && JobHasRanks(s, j)) return j;
+  if (j < 0) {
+    for (int k = 0; k < kMaxJobs && j < 0; ++k) {
+      if (s->jobs[k].name[0] == '\0') j = k;
+    }
+    for (int k = 0; k < kMaxJobs && j < 0; ++k) {
+      if (!JobHasRanks(s, k)) j = k;
+    }
+    if (j < 0) return -1;
+  }
+  // A new job, or one whose ranks are all gone (a restart of the whole job): admission starts
+  // over, and nothing of an earlier job stays.
+  JobEntry& e = s->jobs[j];
+  std::snprintf(e.name, sizeof(e.name), "%s", name.c_str());
+  e.local_world_size = 0;
+  std::fill(std::begin(e.declarations), std::end(e.declarations), Declaration{});
+  e.verdict_round = 0;
+  e.verdict = Verdict::kNone;
+  e.verdict_text[0] = '\0';
+  return j;
+}
+
+uint64_t JobHeldOrDeclared(const Segment* s, int job, int* ranks) {
+  uint64_t total = 0;
+  *ranks = 0;
+  for (const Slot& o : s->slots) {
+    if (o.pid == 0 || o.job != job) continue;
+    ++*ranks;
+    total += std::max(o.bytes[0] + o.bytes[1], s->jobs[job].declarations[o.local_rank].need);
+  }
+  return total;
 }
 
 Result<SegmentLock> SegmentLock::Take(Segment* s, std::chrono::milliseconds timeout,
@@ -221,9 +278,9 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
     if (err == EACCES || err == EPERM) {
       return Status::FromErrno(StatusCode::kFailedPrecondition, err,
                                StrCat("node segment ", path,
-                                      " belongs to another user; a job's segment is its own "
-                                      "user's (mode 0600): name this job differently "
-                                      "(SPILLWAY_NODE_JOB)"));
+                                      " belongs to another user; a ledger's segment is its "
+                                      "own user's (mode 0600): name this ledger differently "
+                                      "(SPILLWAY_NODE_LEDGER)"));
     }
     return Status::FromErrno(StatusCode::kUnavailable, err, StrCat("opening node segment ", path));
   }
@@ -240,7 +297,7 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
                                              std::dec, "; Spillway makes its segments mode 0600 ",
                                              "for their own user (uid ", geteuid(),
                                              ") and uses no other. Remove it, or name "
-                                             "this job differently (SPILLWAY_NODE_JOB)"));
+                                             "this ledger differently (SPILLWAY_NODE_LEDGER)"));
   }
   const uint64_t deadline = NowNs() + static_cast<uint64_t>(wait.count()) * 1'000'000ull;
   auto abandoned = [&](const std::string& why) {
@@ -274,10 +331,11 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
   if (m.segment->version != kVersion || m.segment->size != sizeof(Segment)) {
     const uint32_t version = m.segment->version;
     Unmap(m);
-    return Status::FailedPrecondition(
-        StrCat("node segment ", path, " has layout version ", version, "; this Spillway uses ",
-               kVersion, ". Every rank of a job must run the same Spillway; rm ", path,
-               " when no rank of the old one runs"));
+    return Status::FailedPrecondition(StrCat(
+        "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
+        ". Every job under one memory limit must run the same Spillway (or name "
+        "its own ledger: SPILLWAY_NODE_LEDGER); rm ",
+        path, " when no rank of the old one runs"));
   }
   return m;
 }
@@ -328,9 +386,9 @@ Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
     for (const SlotSnapshot& d : dead) {
       Slot& slot = s->slots[d.index];
       if (slot.pid != d.pid || slot.generation != d.generation) continue;
-      what +=
-          StrCat(reaped ? "; " : "", "local rank ", slot.local_rank, " (pid ", d.pid, "): host ",
-                 FormatMiB(slot.bytes[0] + slot.bytes[1]), ", nvme ", FormatMiB(slot.bytes[2]));
+      what += StrCat(reaped ? "; " : "", "job '", slot.job >= 0 ? s->jobs[slot.job].name : "?",
+                     "' local rank ", slot.local_rank, " (pid ", d.pid, "): host ",
+                     FormatMiB(slot.bytes[0] + slot.bytes[1]), ", nvme ", FormatMiB(slot.bytes[2]));
       s->host_committed -= slot.bytes[0] + slot.bytes[1];
       s->nvme_committed -= slot.bytes[2];
       ClearSlot(&slot);
@@ -345,9 +403,12 @@ Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
   return reaped;
 }
 
-NodeStats ReadStats(const Segment* s, const std::string& path) {
+NodeStats ReadStats(const Segment* s, const std::string& path, const std::string& job) {
   NodeStats out;
-  out.job = s->job;
+  out.job = job;
+  out.ledger = s->ledger;
+  out.scope = s->scope;
+  out.budget_by = s->budget_by;
   out.path = path;
   out.memory_limit_bytes = s->memory_limit;
   out.reserve_bytes = s->reserve;
@@ -362,10 +423,19 @@ NodeStats ReadStats(const Segment* s, const std::string& path) {
   out.reaped_ranks = s->reaped;
   out.over_budget_count = s->over_budget;
   out.trim_requests = s->trim_requests;
-  out.local_world_size = s->local_world_size;
+  const int own = job.empty() ? -1 : FindJob(s, job);
+  out.local_world_size = own >= 0 ? s->jobs[own].local_world_size : 0;
+  for (int j = 0; j < kMaxJobs; ++j) {
+    if (!JobHasRanks(s, j)) continue;
+    NodeJobStats js;
+    js.name = s->jobs[j].name;
+    js.local_world_size = s->jobs[j].local_world_size;
+    out.jobs.push_back(js);
+  }
   for (const Slot& slot : s->slots) {
     if (slot.pid == 0) continue;
     NodeRankStats r;
+    r.job = s->jobs[slot.job].name;
     r.local_rank = slot.local_rank;
     r.pid = slot.pid;
     for (int t = 0; t < kNodeTierCount; ++t) r.bytes[t] = slot.bytes[t];
@@ -376,15 +446,24 @@ NodeStats ReadStats(const Segment* s, const std::string& path) {
         r.host_by_kind[k] += slot.kinds[t][k].load(std::memory_order_relaxed);
       }
     }
-    r.declared_bytes = s->declarations[slot.local_rank].need;
+    r.declared_bytes = s->jobs[slot.job].declarations[slot.local_rank].need;
     r.workers_private_bytes = slot.workers_private.load(std::memory_order_relaxed);
     r.workers = slot.workers.load(std::memory_order_relaxed);
     r.trims = slot.trims.load(std::memory_order_relaxed);
+    for (NodeJobStats& js : out.jobs) {
+      if (js.name != r.job) continue;
+      ++js.ranks;
+      js.host_bytes += r.host_bytes;
+      js.nvme_bytes += r.bytes[2];
+      js.declared_bytes += r.declared_bytes;
+    }
     out.ranks.push_back(r);
   }
   std::sort(out.ranks.begin(), out.ranks.end(), [](const NodeRankStats& a, const NodeRankStats& b) {
-    return a.local_rank < b.local_rank;
+    return a.job != b.job ? a.job < b.job : a.local_rank < b.local_rank;
   });
+  std::sort(out.jobs.begin(), out.jobs.end(),
+            [](const NodeJobStats& a, const NodeJobStats& b) { return a.name < b.name; });
   return out;
 }
 

@@ -1,6 +1,7 @@
-// The node governor's shared-memory segment (private to allocator/): its layout, its robust lock,
-// the directory lock that orders creating and removing segments, opening and creating a segment,
-// reaping dead ranks, and reading the ledger. Note [Node governor] in docs/allocator.md.
+// The node governor's shared-memory segment (private to allocator/): one per memory limit (a
+// cgroup's, else the machine's), holding every job of the user under it. Its layout, its robust
+// lock, the directory lock that orders creating and removing segments, opening and creating a
+// segment, reaping dead ranks, and reading the ledger. Note [Node governor] in docs/allocator.md.
 #pragma once
 
 #include <pthread.h>
@@ -18,9 +19,11 @@
 namespace spillway::allocator::node {
 
 inline constexpr uint64_t kMagic = 0x31454430'4e4c5753ull;  // "SWLN0DE1"
-inline constexpr uint32_t kVersion = 3;
-inline constexpr int kMaxSlots = 64;
-inline constexpr size_t kJobChars = 80;
+inline constexpr uint32_t kVersion = 4;
+inline constexpr int kMaxSlots = 64;  // ranks of every job under the limit
+inline constexpr int kMaxJobs = 16;
+inline constexpr size_t kJobChars = 80;  // a job's or a ledger's name
+inline constexpr size_t kScopeChars = 255;
 inline constexpr int kHostTiers = 2;  // pinned, pageable
 inline constexpr size_t kVerdictChars = 4096;
 
@@ -28,7 +31,8 @@ inline constexpr size_t kVerdictChars = 4096;
 // without it.
 struct Slot {
   int32_t pid;                     // mu; 0: free
-  int32_t local_rank;              // mu
+  int32_t job;                     // mu; its entry in Segment::jobs (-1: free)
+  int32_t local_rank;              // mu; within its job
   uint64_t start_ticks;            // mu
   uint64_t generation;             // mu; bumped whenever the slot is freed
   uint64_t bytes[kNodeTierCount];  // mu
@@ -52,6 +56,17 @@ struct Declaration {
 
 enum class Verdict : uint32_t { kNone = 0, kFits, kOverBudget, kAborted };
 
+// One job under the memory limit (mu): its ranks' slots point here. An entry with no live slot is
+// free to take; a job whose ranks all left and that comes back (a restart) starts it anew.
+struct JobEntry {
+  char name[kJobChars + 1];             // empty: never used
+  int32_t local_world_size;             // 0: not said
+  Declaration declarations[kMaxSlots];  // by local rank
+  uint32_t verdict_round;               // the admission round the verdict below is for
+  Verdict verdict;
+  char verdict_text[kVerdictChars];
+};
+
 struct Segment {
   std::atomic<uint64_t> magic;  // set last by the creator (release)
   uint32_t version;
@@ -61,7 +76,9 @@ struct Segment {
                        // something only there
   pthread_mutex_t mu;  // robust, process-shared
   uint32_t closed;     // mu: being removed; a joiner makes a new segment instead
-  int32_t local_world_size;
+  char ledger[kJobChars + 1];     // the name in the segment's path
+  char scope[kScopeChars + 1];    // the memory limit it stands for, in words
+  char budget_by[kJobChars + 1];  // the job whose first rank set the budget
   uint64_t memory_limit;
   uint64_t reserve;
   uint32_t budget_explicit;  // the job set its budget; else the default from the memory limit
@@ -74,11 +91,7 @@ struct Segment {
   uint64_t over_budget;             // mu
   uint64_t trim_requests;           // mu
   std::atomic<uint32_t> trim_word;  // futex: bumped by each trim request
-  char job[kJobChars + 1];
-  Declaration declarations[kMaxSlots];
-  uint32_t verdict_round;            // mu: the admission round the verdict below is for
-  Verdict verdict;                   // mu
-  char verdict_text[kVerdictChars];  // mu
+  JobEntry jobs[kMaxJobs];          // mu
   Slot slots[kMaxSlots];
 };
 
@@ -97,6 +110,17 @@ uint64_t OwnPidNamespace();
 int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout);
 void ClearSlot(Slot* slot);
 void RecomputeTotals(Segment* s);  // assumes s->mu
+// The following assume s->mu.
+int FindJob(const Segment* s, const std::string& name);   // its entry, or -1
+bool JobHasRanks(const Segment* s, int job);              // a live slot points at it
+int RankSlot(const Segment* s, int job, int local_rank);  // the live slot, or -1
+// The entry for `name`: its own when one of its ranks is alive; else a fresh one (its own, reused
+// for a restart, else a never-used one, else one whose ranks are all gone). -1: every entry holds
+// live ranks.
+int TakeJob(Segment* s, const std::string& name);
+// The memory a job's live ranks hold or declared, whichever is more for each rank (admission counts
+// it for every job but the one being judged); `ranks` gets their number.
+uint64_t JobHeldOrDeclared(const Segment* s, int job, int* ranks);
 
 // The segment's lock, taken with a deadline on CLOCK_MONOTONIC. A rank that died holding it
 // (EOWNERDEAD) may have left a slot's bytes and the totals disagreeing: they are recomputed from
@@ -156,6 +180,7 @@ bool UnlinkIfSame(const std::string& path, int fd);
 Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
                  const std::string& path, LogLevel level = LogLevel::kWarning);
 
-NodeStats ReadStats(const Segment* s, const std::string& path);  // assumes s->mu
+// Assumes s->mu. `job`: the job the view is for (NodeStats::job, local_world_size); empty: none.
+NodeStats ReadStats(const Segment* s, const std::string& path, const std::string& job);
 
 }  // namespace spillway::allocator::node

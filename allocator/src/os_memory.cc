@@ -51,9 +51,9 @@ uint64_t ReadLimitFile(const std::string& path) {
 
 }  // namespace
 
-uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& cgroup_root,
+MemoryLimit MemoryLimitOf(std::string_view proc_self_cgroup, const std::string& cgroup_root,
                           uint64_t physical_bytes) {
-  uint64_t limit = physical_bytes;
+  MemoryLimit limit{physical_bytes, ""};
   std::istringstream lines{std::string(proc_self_cgroup)};
   std::string line;
   while (std::getline(lines, line)) {
@@ -73,9 +73,12 @@ uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& 
     } else {
       continue;
     }
-    // The limit in force is the smallest one on the way from the cgroup up to the root.
+    // The limit in force is the smallest one on the way from the cgroup up to the root; of equal
+    // ones, the innermost (the first met).
     while (true) {
-      limit = std::min(limit, ReadLimitFile(StrCat(dir, path, "/", file)));
+      const std::string at = path == "/" ? dir : StrCat(dir, path);
+      const uint64_t here = ReadLimitFile(StrCat(at, "/", file));
+      if (here < limit.bytes) limit = MemoryLimit{here, at};
       if (path.empty() || path == "/") break;
       const size_t slash = path.rfind('/');
       path = slash == 0 || slash == std::string::npos ? std::string("/") : path.substr(0, slash);
@@ -84,12 +87,19 @@ uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& 
   return limit;
 }
 
-uint64_t MemoryLimitBytes() {
+MemoryLimit MemoryLimitOf() {
   std::ifstream in("/proc/self/cgroup");
   std::stringstream text;
   text << in.rdbuf();
-  return MemoryLimitBytes(text.str(), "/sys/fs/cgroup", os::PhysicalMemoryBytes());
+  return MemoryLimitOf(text.str(), "/sys/fs/cgroup", os::PhysicalMemoryBytes());
 }
+
+uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& cgroup_root,
+                          uint64_t physical_bytes) {
+  return MemoryLimitOf(proc_self_cgroup, cgroup_root, physical_bytes).bytes;
+}
+
+uint64_t MemoryLimitBytes() { return MemoryLimitOf().bytes; }
 
 uint64_t DefaultHostBudget() { return MemoryLimitBytes() / 4 * 3; }
 

@@ -5,11 +5,12 @@
 //                        passed, 1 a scenario failed, 2 bad usage
 //   spillway plan        the capacity planner (offload/planner.h); exit 0 fits, 1 does not, 2 bad
 //   input
-//   spillway node        the live node ledger of this user's jobs (allocator/node_governor.h); exit
+//   spillway node        the live node ledgers of this user (allocator/node_governor.h); exit
 //                        0 printed, 1 no segment or one could not be read
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cinttypes>
 #include <csignal>
 #include <cstdio>
@@ -213,14 +214,15 @@ int main(int argc, char** argv) {
 
   CLI::App* node_cmd = app.add_subcommand(
       "node",
-      "The live node ledger of this user's jobs, read from their shared-memory segments: the node "
-      "budget, what each local rank holds by tier and kind, its workers, the headroom");
+      "The live node ledgers of this user, one per memory limit (a cgroup's, else the machine's), "
+      "read from their shared-memory segments: the budget, each job, what each of its local ranks "
+      "holds by tier and kind, its workers, the headroom");
   std::string node_segment, node_job, node_dir = "/dev/shm";
   double node_watch = 0;
   node_cmd->add_option("segment", node_segment,
                        "a segment path (default: every one of this user's)");
   node_cmd->add_option("--job", node_job,
-                       "the job's name (SPILLWAY_NODE_JOB or its launcher's id)");
+                       "only the ledger holding this job (SPILLWAY_NODE_JOB or its launcher's id)");
   node_cmd->add_option("--dir", node_dir, "where the segments are")->capture_default_str();
   node_cmd->add_option("--watch", node_watch, "print again every SECONDS")
       ->check(CLI::NonNegativeNumber);
@@ -258,21 +260,10 @@ int main(int argc, char** argv) {
       if (!node_segment.empty()) {
         paths.push_back(node_segment);
       } else {
-        for (const std::string& p : NodeGovernor::ListSegments(node_dir)) {
-          const std::string suffix = "-" + node_job;
-          if (node_job.empty() ||
-              (p.size() > suffix.size() &&
-               p.compare(p.size() - suffix.size(), std::string::npos, suffix) == 0)) {
-            paths.push_back(p);
-          }
-        }
+        paths = NodeGovernor::ListSegments(node_dir);
       }
-      if (paths.empty()) {
-        std::fprintf(stderr, "spillway node: no node segment of uid %u in %s%s\n",
-                     static_cast<unsigned>(geteuid()), node_dir.c_str(),
-                     node_job.empty() ? "" : (" for job " + node_job).c_str());
-        return 1;
-      }
+      // One ledger per memory limit; --job keeps those where the job has live ranks.
+      std::vector<std::string> shown;
       int bad = 0;
       for (const std::string& p : paths) {
         auto s = NodeGovernor::Inspect(p);
@@ -281,8 +272,21 @@ int main(int argc, char** argv) {
           ++bad;
           continue;
         }
-        std::printf("%s\n", s->ToString().c_str());
+        if (!node_job.empty() && std::none_of(s->jobs.begin(), s->jobs.end(),
+                                              [&](const spillway::allocator::NodeJobStats& j) {
+                                                return j.name == node_job;
+                                              })) {
+          continue;
+        }
+        shown.push_back(s->ToString());
       }
+      if (shown.empty() && bad == 0) {
+        std::fprintf(stderr, "spillway node: no node segment of uid %u in %s%s\n",
+                     static_cast<unsigned>(geteuid()), node_dir.c_str(),
+                     node_job.empty() ? "" : (" with job " + node_job).c_str());
+        return 1;
+      }
+      for (const std::string& text : shown) std::printf("%s\n", text.c_str());
       std::fflush(stdout);
       if (node_watch <= 0) return bad == 0 ? 0 : 1;
       std::this_thread::sleep_for(std::chrono::duration<double>(node_watch));

@@ -375,8 +375,11 @@ std::vector<MetricFamily> Collector::Collect() const {
     f.Gauge("spillway_node_reserve_bytes",
             "Memory limit less the node budget: the OS, page cache, what no arena counts.", {},
             d(s.reserve_bytes));
-    f.Gauge("spillway_node_ranks", "Local ranks holding a slot in the node segment.", {},
+    f.Gauge("spillway_node_ranks",
+            "Ranks of every job holding a slot in the memory limit's ledger.", {},
             d(s.ranks.size()));
+    f.Gauge("spillway_node_jobs", "Jobs with live ranks in the memory limit's ledger.", {},
+            d(s.jobs.size()));
     f.Counter("spillway_node_reaped_ranks_total", "Dead ranks whose bytes were given back.", {},
               d(s.reaped_ranks));
     f.Counter("spillway_node_trim_requests_total", "Cross-rank trims asked under node pressure.",
@@ -384,25 +387,28 @@ std::vector<MetricFamily> Collector::Collect() const {
     f.Counter("spillway_node_over_budget_total", "Reservations the node budget refused.", {},
               d(s.over_budget_count));
     for (const allocator::NodeRankStats& r : s.ranks) {
+      // "node_job", not "job": Prometheus gives "job" to the scrape target.
       const std::string rank = std::to_string(r.local_rank);
       for (int t = 0; t < allocator::kNodeTierCount; ++t) {
         f.Gauge("spillway_node_rank_bytes", "Bytes each local rank has booked, by tier.",
-                {{"local_rank", rank},
+                {{"node_job", r.job},
+                 {"local_rank", rank},
                  {"tier", allocator::NodeTierName(static_cast<allocator::NodeTier>(t))}},
                 d(r.bytes[t]));
       }
       for (int k = 0; k < allocator::kKindCount; ++k) {
-        f.Gauge(
-            "spillway_node_rank_live_bytes",
-            "Each local rank's live host bytes by kind (as of its last region change or "
-            "boundary).",
-            {{"local_rank", rank}, {"kind", allocator::KindName(static_cast<allocator::Kind>(k))}},
-            d(r.host_by_kind[k]));
+        f.Gauge("spillway_node_rank_live_bytes",
+                "Each local rank's live host bytes by kind (as of its last region change or "
+                "boundary).",
+                {{"node_job", r.job},
+                 {"local_rank", rank},
+                 {"kind", allocator::KindName(static_cast<allocator::Kind>(k))}},
+                d(r.host_by_kind[k]));
       }
       f.Gauge("spillway_node_rank_workers_private_bytes",
               "Private bytes of each local rank's child processes (DataLoader workers), read "
               "from /proc at its last epoch boundary.",
-              {{"local_rank", rank}}, d(r.workers_private_bytes));
+              {{"node_job", r.job}, {"local_rank", rank}}, d(r.workers_private_bytes));
     }
   }
   std::vector<MetricFamily> families = f.Take();

@@ -1,20 +1,23 @@
-"""spillway.node: one host budget for all the local ranks of a job (Note [Node governor] in
-docs/allocator.md).
+"""spillway.node: one host budget for every rank of every job under one memory limit (Note [Node
+governor] in docs/allocator.md).
 
-spillway.install() joins the node budget by itself when a launcher started the process (torchrun,
-Accelerate and the deepspeed launcher set LOCAL_RANK, mpirun and srun their own variables;
+What the OOM killer enforces is a memory limit (the cgroup that holds the process, else the
+machine), not a job: so the ledger belongs to the limit, and each job is a part of it.
+spillway.install() joins it by itself when a launcher started the process (torchrun, Accelerate and
+the deepspeed launcher set LOCAL_RANK, mpirun and srun their own variables;
 torch.multiprocessing.spawn's ranks share the process that started them; SPILLWAY_NODE_JOB names a
-job explicitly), so
-every rank's pinned and pageable arenas book their regions in one shared ledger: a rank may take
-what the others leave free, and the node as a whole never passes its budget. This module reads and
-steers that ledger:
+job explicitly), so every rank's pinned and pageable arenas book their regions in one shared
+ledger: a rank may take what the others leave free, two jobs under one limit share its budget, and
+the limit as a whole is never passed. This module reads and steers that ledger:
 
-    spillway.node.stats()          # this job's ledger: budget, committed, each rank by tier and kind
-    python -m spillway.node        # the live ledger of every job of this user on the node
+    spillway.node.stats()          # the ledger: budget, committed, each job, each rank by tier/kind
+    python -m spillway.node        # the live ledgers of this user on the machine
 
 Settings (environment, the same on every rank): SPILLWAY_NODE=0 turns the node budget off,
 SPILLWAY_NODE_BUDGET_BYTES sets the budget, SPILLWAY_NODE_RESERVE_BYTES the reserve kept back from
-the memory limit (default max(2 GiB, limit / 8)), SPILLWAY_NODE_NVME_BUDGET_BYTES caps NVMe.
+the memory limit (default max(2 GiB, limit / 8)), SPILLWAY_NODE_NVME_BUDGET_BYTES caps NVMe,
+SPILLWAY_NODE_LEDGER=<name> keeps the job in a ledger of that name instead of its memory limit's
+(for limits the kernel does not know of, and tests).
 """
 import argparse
 import atexit
@@ -96,10 +99,11 @@ def joined():
 
 
 def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None, reserve_bytes=None,
-         nvme_budget_bytes=None, directory=_DIR):
-    """Joins (or creates) the job's node segment and makes it this process's: arenas made afterwards
-    book their regions there. Arguments left None come from the launcher's environment and the
-    SPILLWAY_NODE_* variables. Returns the segment's path."""
+         nvme_budget_bytes=None, directory=_DIR, ledger_name=None):
+    """Joins (or creates) the ledger of this process's memory limit as a rank of the job, and makes
+    it this process's: arenas made afterwards book their regions there. Arguments left None come
+    from the launcher's environment and the SPILLWAY_NODE_* variables. Returns the segment's
+    path."""
     env = job()
     job_id = job_id or env["id"]
     if not job_id:
@@ -121,7 +125,9 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
                 f"SPILLWAY_NODE_RESERVE_BYTES={reserve_bytes} is not below the memory limit of {limit} "
                 f"bytes; keep back less")
         budget_bytes = limit - reserve_bytes
-    path = _spillway._node_join(job_id, local_rank, local_world_size, budget_bytes or 0, limit,
+    if ledger_name is None:
+        ledger_name = os.environ.get("SPILLWAY_NODE_LEDGER", "")
+    path = _spillway._node_join(job_id, ledger_name, local_rank, local_world_size, budget_bytes or 0, limit,
                                 nvme_budget_bytes, directory)
     atexit.register(_spillway._node_exit)  # the slot is freed at exit; the last rank removes the segment
     # Children (spawned DataLoader workers, subprocesses) inherit LOCAL_RANK and the job's name;
@@ -137,13 +143,15 @@ def leave():
 
 
 def stats():
-    """This job's node ledger (reaping dead ranks first): budget, committed, headroom, and per rank
-    its bytes by tier (pinned, pageable, nvme), live bytes by kind, declared need and workers."""
+    """The ledger this rank joined (reaping dead ranks first): budget, committed, headroom, its jobs
+    (each with its ranks' bytes), and per rank its job, bytes by tier (pinned, pageable, nvme), live
+    bytes by kind, declared need and workers. "job" and "local_world_size" are this rank's job's."""
     return _spillway._node_stats()
 
 
 def inspect(path):
-    """The ledger of any of this user's node segments, read from outside without joining."""
+    """The ledger of any of this user's node segments, read from outside without joining ("job" is
+    empty: the view is no rank's)."""
     return _spillway._node_inspect(path)
 
 
@@ -235,45 +243,45 @@ def _format(ledger):
     for r in ledger["ranks"]:
         count, total = workers_private_bytes(r["pid"])
         if count:
-            lines.append(f"  local rank {r['local_rank']}: {count} child process(es) now, "
+            lines.append(f"  job {r['job']} local rank {r['local_rank']}: {count} child process(es) now, "
                          f"{total / (1 << 20):.1f} MiB private")
     return "\n".join(lines)
 
 
 def main(argv=None):
     """`python -m spillway.node [SEGMENT | --job NAME] [--watch SECONDS] [--json]`: prints the live
-    ledger of each of this user's node segments (or one), as nvidia-smi does for device memory."""
+    ledger of each of this user's memory limits (or one segment's, or the one holding a job), as
+    nvidia-smi does for device memory."""
     p = argparse.ArgumentParser(prog="python -m spillway.node", description=main.__doc__)
     p.add_argument("segment", nargs="?", help="a segment path (default: every one of this user's)")
-    p.add_argument("--job", help="the job's name (SPILLWAY_NODE_JOB, or the id its launcher gave)")
+    p.add_argument("--job", help="only the ledger holding this job (SPILLWAY_NODE_JOB, or the id its launcher gave)")
     p.add_argument("--dir", default=_DIR, help="where the segments are (default /dev/shm)")
     p.add_argument("--watch", type=float, default=0, help="print again every SECONDS")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
     while True:
-        if args.segment:
-            paths = [args.segment]
-        elif args.job:
-            paths = [p for p in segments(args.dir) if p.endswith("-" + args.job)]
-        else:
-            paths = segments(args.dir)
-        if not paths:
-            print(f"spillway node: no node segment of uid {os.geteuid()} in {args.dir}"
-                  f"{' for job ' + args.job if args.job else ''}", file=sys.stderr)
-            return 1
-        ledgers = []
+        paths = [args.segment] if args.segment else segments(args.dir)
+        ledgers, bad = [], 0
         for path in paths:
             try:
-                ledgers.append(inspect(path))
+                led = inspect(path)
             except _spillway.Error as e:
                 print(f"spillway node: {path}: {e}", file=sys.stderr)
+                bad += 1
+                continue
+            if not args.job or any(j["name"] == args.job for j in led["jobs"]):
+                ledgers.append(led)
+        if not ledgers and not bad:
+            print(f"spillway node: no node segment of uid {os.geteuid()} in {args.dir}"
+                  f"{' with job ' + args.job if args.job else ''}", file=sys.stderr)
+            return 1
         if args.json:
             print(json.dumps([{k: v for k, v in led.items() if k != "text"} for led in ledgers]))
         else:
             print("\n\n".join(_format(led) for led in ledgers))
         sys.stdout.flush()
         if not args.watch:
-            return 0 if ledgers else 1
+            return 0 if not bad else 1
         time.sleep(args.watch)
 
 

@@ -24,6 +24,9 @@ using allocator::NodeStats;
 py::dict StatsToDict(const NodeStats& s) {
   py::dict d;
   d["job"] = s.job;
+  d["ledger"] = s.ledger;
+  d["scope"] = s.scope;
+  d["budget_by"] = s.budget_by;
   d["path"] = s.path;
   d["memory_limit_bytes"] = s.memory_limit_bytes;
   d["reserve_bytes"] = s.reserve_bytes;
@@ -38,9 +41,22 @@ py::dict StatsToDict(const NodeStats& s) {
   d["over_budget_count"] = s.over_budget_count;
   d["trim_requests"] = s.trim_requests;
   d["local_world_size"] = s.local_world_size;
+  py::list jobs;
+  for (const allocator::NodeJobStats& j : s.jobs) {
+    py::dict jd;
+    jd["name"] = j.name;
+    jd["local_world_size"] = j.local_world_size;
+    jd["ranks"] = j.ranks;
+    jd["host_bytes"] = j.host_bytes;
+    jd["nvme_bytes"] = j.nvme_bytes;
+    jd["declared_bytes"] = j.declared_bytes;
+    jobs.append(jd);
+  }
+  d["jobs"] = jobs;
   py::list ranks;
   for (const allocator::NodeRankStats& r : s.ranks) {
     py::dict rd;
+    rd["job"] = r.job;
     rd["local_rank"] = r.local_rank;
     rd["pid"] = r.pid;
     rd["pinned_bytes"] = r.bytes[0];
@@ -86,10 +102,12 @@ void BindNode(py::module_& m) {
   });
   m.def(
       "_node_join",
-      [](const std::string& job, int local_rank, int local_world_size, uint64_t host_budget_bytes,
-         uint64_t memory_limit_bytes, uint64_t nvme_budget_bytes, const std::string& dir) {
+      [](const std::string& job, const std::string& ledger, int local_rank, int local_world_size,
+         uint64_t host_budget_bytes, uint64_t memory_limit_bytes, uint64_t nvme_budget_bytes,
+         const std::string& dir) {
         allocator::NodeGovernorOptions o;
         o.job = job;
+        o.ledger = ledger;
         o.local_rank = local_rank;
         o.local_world_size = local_world_size;
         o.host_budget_bytes = host_budget_bytes;
@@ -103,7 +121,7 @@ void BindNode(py::module_& m) {
         NodeGovernor::SetCurrent(g);
         return g->path();
       },
-      py::arg("job"), py::arg("local_rank"), py::arg("local_world_size"),
+      py::arg("job"), py::arg("ledger"), py::arg("local_rank"), py::arg("local_world_size"),
       py::arg("host_budget_bytes"), py::arg("memory_limit_bytes"), py::arg("nvme_budget_bytes"),
       py::arg("dir") = "/dev/shm");
   // Leaves the node now (the slot is freed; the arenas' later regions are refused) and drops the

@@ -36,9 +36,12 @@ std::string UniqueJob(const char* what) {
   return StrCat("gtest-", what, "-", getpid(), "-", n++);
 }
 
+// Each test's jobs keep a ledger of their own (named after the job), so tests running beside
+// each other on this machine do not share one; the tests of the default ledger set none.
 NodeGovernorOptions Options(const std::string& job, int rank, uint64_t budget) {
   NodeGovernorOptions o;
   o.job = job;
+  o.ledger = StrCat("ledger-", job);
   o.local_rank = rank;
   o.host_budget_bytes = budget;
   o.memory_limit_bytes = budget + (2ull << 30);
@@ -292,14 +295,20 @@ TEST(NodeBudgetTest, TheDefaultFollowsARealChildCgroupsLimit) {
     auto g = NodeGovernor::Join(o);
     if (!g.ok()) return 5;
     const NodeStats s = (*g)->Stats();
-    return s.memory_limit_bytes == limit && s.host_budget_bytes == (4ull << 30) &&
-                   s.reserve_bytes == (2ull << 30) && !s.budget_explicit
-               ? 0
-               : 6;
+    if (s.memory_limit_bytes != limit || s.host_budget_bytes != (4ull << 30) ||
+        s.reserve_bytes != (2ull << 30) || s.budget_explicit) {
+      return 6;
+    }
+    // The ledger is the cgroup's limit's: named for it, and said in words.
+    if (s.ledger != NodeLedgerOf(MemoryLimitOf()).name || s.scope.find(dir) == std::string::npos) {
+      return 7;
+    }
+    return 0;
   });
   const int rc = c.Wait();
   rmdir(dir.c_str());
-  EXPECT_EQ(rc, 0) << "3: joining the cgroup, 4: its limit not read, 5: Join, 6: budget";
+  EXPECT_EQ(rc, 0)
+      << "3: joining the cgroup, 4: its limit not read, 5: Join, 6: budget, 7: not its ledger";
 }
 
 TEST(NodeBudgetTest, TheDefaultFollowsACgroupTreeOnDisk) {
@@ -312,6 +321,10 @@ TEST(NodeBudgetTest, TheDefaultFollowsACgroupTreeOnDisk) {
   ASSERT_TRUE(WriteFile(root + "/kubepods/pod1/memory.max", "max"));
   const uint64_t limit = MemoryLimitBytes("0::/kubepods/pod1\n", root, 1ull << 40);
   EXPECT_EQ(limit, 64ull << 30) << "the smallest limit on the way up";
+  const MemoryLimit where = MemoryLimitOf("0::/kubepods/pod1\n", root, 1ull << 40);
+  EXPECT_EQ(where.cgroup, root + "/kubepods") << "the cgroup whose limit is in force";
+  EXPECT_EQ(MemoryLimitOf("0::/kubepods/pod1\n", root, 32ull << 30).cgroup, "")
+      << "a limit above physical memory is the machine's";
   NodeGovernorOptions o = Options(UniqueJob("tree"), 0, 0);
   o.memory_limit_bytes = limit;
   auto g = JoinOrDie(o);
@@ -349,6 +362,89 @@ TEST(NodeGovernorTest, RanksShareOneBudgetAndOneMayTakeMoreThanItsShare) {
   // NVMe is counted apart from host memory, and not capped without a budget.
   EXPECT_TRUE(r0->Reserve(NodeTier::kNvme, 10ull << 30).ok());
   EXPECT_EQ(r1->Stats().nvme_committed_bytes, 10ull << 30);
+}
+
+TEST(NodeBudgetTest, EachMemoryLimitHasALedgerOfItsOwn) {
+  char a[] = "/tmp/spillway-limit-a-XXXXXX";
+  char b[] = "/tmp/spillway-limit-b-XXXXXX";
+  ASSERT_NE(mkdtemp(a), nullptr);
+  ASSERT_NE(mkdtemp(b), nullptr);
+  const NodeLedger la = NodeLedgerOf(MemoryLimit{8ull << 30, a});
+  EXPECT_EQ(la.name, NodeLedgerOf(MemoryLimit{8ull << 30, a}).name) << "the same limit, one ledger";
+  EXPECT_NE(la.name, NodeLedgerOf(MemoryLimit{8ull << 30, b}).name) << "two limits, two ledgers";
+  const NodeLedger machine = NodeLedgerOf(MemoryLimit{64ull << 30, ""});
+  EXPECT_NE(la.name, machine.name);
+  EXPECT_EQ(la.name.rfind("limit-", 0), 0u) << la.name;
+  EXPECT_EQ(la.name.size(), 22u) << la.name;
+  EXPECT_NE(la.scope.find(a), std::string::npos) << la.scope;
+  EXPECT_NE(machine.scope.find("this machine"), std::string::npos) << machine.scope;
+  rmdir(a);
+  rmdir(b);
+}
+
+// Two jobs under one memory limit (here a ledger named for the test): one budget between them,
+// each refused by name with the other's bytes in the message, admission counting what the other
+// job holds, one budget setting for both, and each job's ranks told apart by job and local rank.
+TEST(NodeGovernorTest, TwoJobsUnderOneLimitShareItsLedger) {
+  const std::string a = UniqueJob("first"), b = UniqueJob("second");
+  const std::string ledger = StrCat("ledger-", a);
+  NodeGovernorOptions oa = Options(a, 0, 400 * kMiB);
+  oa.ledger = ledger;
+  oa.local_world_size = 1;
+  NodeGovernorOptions ob = Options(b, 0, 0);  // local rank 0 of its own job: no clash with a's
+  ob.ledger = ledger;
+  ob.local_world_size = 1;
+  auto a0 = JoinOrDie(oa);
+  auto b0 = JoinOrDie(ob);
+  ASSERT_TRUE(a0 && b0);
+  EXPECT_EQ(a0->path(), b0->path());
+  EXPECT_EQ(b0->host_budget_bytes(), 400 * kMiB);
+  EXPECT_EQ(b0->local_rank(), 0);
+  NodeGovernorOptions other_budget = ob;
+  other_budget.local_rank = 1;
+  other_budget.host_budget_bytes = 200 * kMiB;
+  auto refused = NodeGovernor::Join(other_budget);
+  ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(refused.status(), StrCat("set by job '", a, "'"))) << refused.status().ToString();
+
+  ASSERT_TRUE(a0->Reserve(NodeTier::kPageable, 300 * kMiB).ok());
+  Status st = b0->Reserve(NodeTier::kPageable, 150 * kMiB);
+  ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
+  EXPECT_TRUE(Has(st, StrCat("local rank 0 of job '", b, "'"))) << st.ToString();
+  EXPECT_TRUE(Has(st, StrCat("job '", a, "' local rank 0 (pid"))) << st.ToString();
+  EXPECT_TRUE(Has(st, "of 2 job(s)")) << st.ToString();
+  // Admission of b counts what a holds.
+  st = b0->Admit(150 * kMiB, 0, 5s, "");
+  ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
+  EXPECT_TRUE(Has(st, StrCat("job '", a, "' 300.0 MiB (1 rank(s))"))) << st.ToString();
+  EXPECT_TRUE(b0->Admit(100 * kMiB, 0, 5s, "").ok()) << "a smaller need fits beside a's";
+
+  NodeStats s = b0->Stats();
+  EXPECT_EQ(s.job, b);
+  EXPECT_EQ(s.local_world_size, 1);
+  ASSERT_EQ(s.jobs.size(), 2u);
+  ASSERT_EQ(s.ranks.size(), 2u);
+  const int ia = a < b ? 0 : 1;
+  EXPECT_EQ(s.jobs[ia].name, a);
+  EXPECT_EQ(s.jobs[ia].host_bytes, 300 * kMiB);
+  EXPECT_EQ(s.jobs[1 - ia].declared_bytes, 100 * kMiB);
+  EXPECT_EQ(s.ranks[ia].job, a);
+  EXPECT_EQ(s.ranks[1 - ia].job, b);
+  const std::string table = s.ToString();
+  EXPECT_NE(table.find(StrCat("job ", a, ": 1 of 1 ranks")), std::string::npos) << table;
+  EXPECT_NE(table.find("(this one)"), std::string::npos) << table;
+
+  // a leaves: its bytes are back for b, and the ledger lives on with b alone.
+  a0.reset();
+  EXPECT_TRUE(b0->Reserve(NodeTier::kPageable, 150 * kMiB).ok());
+  s = b0->Stats();
+  ASSERT_EQ(s.jobs.size(), 1u);
+  EXPECT_EQ(s.jobs[0].name, b);
+  // a comes back (a restart): a fresh entry, admission from the start.
+  auto again = JoinOrDie(oa);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->Stats().jobs.size(), 2u);
+  EXPECT_TRUE(again->Validate().ok()) << again->Validate().ToString();
 }
 
 TEST(NodeGovernorTest, BadInputIsRefusedByName) {
@@ -474,7 +570,7 @@ TEST(NodeGovernorTest, AKilledRanksBytesComeBackWithinTheWatchInterval) {
 TEST(NodeGovernorTest, AJobKilledWholeLeavesASegmentTheNextJobRemoves) {
   if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork and signals";
   const std::string job = UniqueJob("dead");
-  const std::string path = NodeGovernor::SegmentPath("/dev/shm", job);
+  const std::string path = NodeGovernor::SegmentPath("/dev/shm", Options(job, 0, 0).ledger);
   ChildRank c = ChildRank::Start([&](int ready) {
     auto r = NodeGovernor::Join(Options(job, 0, 100 * kMiB));
     if (!r.ok()) return 1;

@@ -195,6 +195,7 @@ TEST(CliTest, NodePrintsTheLedgerOfALiveJobAndSaysWhenThereIsNone) {
   if (child == 0) {
     spillway::allocator::NodeGovernorOptions o;
     o.job = job;
+    o.ledger = job;  // its own (tests run beside each other); --job finds the ledger holding it
     o.local_rank = 0;
     o.host_budget_bytes = 512ull << 20;
     auto g = spillway::allocator::NodeGovernor::Join(o);

@@ -248,6 +248,7 @@ TEST(ExporterTest, TheDashboardUsesOnlyExportedMetricNames) {
   (*e)->Watch(opt.get());
   allocator::NodeGovernorOptions go;  // the node's ledger, for the node panels
   go.job = StrCat("exporter-test-", getpid());
+  go.ledger = go.job;  // its own, not this machine's (tests run beside each other)
   go.local_rank = 0;
   go.host_budget_bytes = 256 * kMiB;
   auto node = allocator::NodeGovernor::Join(go);
@@ -367,6 +368,7 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   // Two local ranks of one job on the node: rank 1 books 8 MiB pinned.
   allocator::NodeGovernorOptions go;
   go.job = StrCat("exporter-promtool-", getpid());
+  go.ledger = go.job;
   go.local_rank = 0;
   go.host_budget_bytes = 512 * kMiB;
   auto rank0 = std::move(allocator::NodeGovernor::Join(go).value());
@@ -381,8 +383,12 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   EXPECT_EQ(Sample(text, "spillway_node_committed_bytes{tier=\"host\"}"), 8.0 * kMiB);
   EXPECT_EQ(Sample(text, "spillway_node_headroom_bytes"), 504.0 * kMiB);
   EXPECT_EQ(Sample(text, "spillway_node_ranks"), 2);
-  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{local_rank=\"1\",tier=\"pinned\"}"), 8.0 * kMiB);
-  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{local_rank=\"0\",tier=\"pinned\"}"), 0);
+  EXPECT_EQ(Sample(text, "spillway_node_jobs"), 1);
+  const std::string job = StrCat("node_job=\"", go.job, "\",");
+  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{" + job + "local_rank=\"1\",tier=\"pinned\"}"),
+            8.0 * kMiB);
+  EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{" + job + "local_rank=\"0\",tier=\"pinned\"}"),
+            0);
   const std::string isa = StrCat("{isa=\"", engine::IsaName(opt->isa()), "\"}");
   EXPECT_EQ(Sample(text, "spillway_optimizer_steps_total" + isa), 1);
   EXPECT_EQ(Sample(text, "spillway_optimizer_skipped_steps_total" + isa), 1);

@@ -19,8 +19,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def segment_path(job):
-    return f"/dev/shm/spillway-node-{os.geteuid()}-{job}"
+def segment_path():
+    """The node ledger of the ranks this test file starts (conftest names one per test process)."""
+    return f"/dev/shm/spillway-node-{os.geteuid()}-{os.environ['SPILLWAY_NODE_LEDGER']}"
 
 
 def finish(proc, timeout=900):
@@ -33,5 +34,5 @@ def finish(proc, timeout=900):
     return proc.returncode, text
 
 
-def results(out):
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+def results(out, tag="", ranks=RANKS):
+    return [json.loads((out / f"rank{tag}{r}.json").read_text()) for r in range(ranks)]

@@ -42,9 +42,9 @@ class Watcher(threading.Thread):
     """Samples the job's node ledger (from outside, as `python -m spillway.node`) and the process
     tree's Pss every 20 ms while the job runs."""
 
-    def __init__(self, job, proc):
+    def __init__(self, proc):
         super().__init__(daemon=True)
-        self.path, self.proc = segment_path(job), proc
+        self.path, self.proc = segment_path(), proc
         self.samples, self.peak_pss, self.errors = [], 0, []
         self.stop = threading.Event()
 
@@ -79,7 +79,7 @@ def test_four_ranks_three_epochs_stay_within_one_node_budget(tmp_path):
     job = f"pytest-node-{os.getpid()}-{time.monotonic_ns()}"
     out, proc = torchrun(tmp_path, "spillway", 3, 4, HIDDEN,
                          {"SPILLWAY_NODE_JOB": job, "SPILLWAY_NODE_BUDGET_BYTES": str(BUDGET)}, EXTRA_MIB)
-    watcher = Watcher(job, proc)
+    watcher = Watcher(proc)
     watcher.start()
     rc, text = finish(proc)
     watcher.stop.set()
@@ -104,7 +104,7 @@ def test_four_ranks_three_epochs_stay_within_one_node_budget(tmp_path):
     for report in ours:  # each rank's own view at its end
         assert report["node"]["host_budget_bytes"] == BUDGET
         assert report["node"]["host_committed_bytes"] <= BUDGET
-    assert not os.path.exists(segment_path(job)), "the last rank out removes the segment"
+    assert not os.path.exists(segment_path()), "the last rank out removes the segment"
     # The planner's per-rank need (what admission declared) against what ranks 1-3 really booked:
     # their state, plus the arenas' region rounding (32 MiB regions, a pinned and a pageable arena).
     plan = spillway._spillway._plan_deepspeed(float(ours[0]["params"]), RANKS, 1, BUDGET,
@@ -149,7 +149,7 @@ def test_kill_9_of_one_rank_gives_its_lease_back(tmp_path):
     job = f"pytest-kill-{os.getpid()}-{time.monotonic_ns()}"
     out, proc = torchrun(tmp_path, "spillway", 50, 4, 256,
                          {"SPILLWAY_NODE_JOB": job, "SPILLWAY_NODE_BUDGET_BYTES": str(BUDGET)})
-    path = segment_path(job)
+    path = segment_path()
     victim = None
     try:
         deadline = time.monotonic() + 600

@@ -65,10 +65,11 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
                           capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         [ledger] = json.loads(out.stdout)
-        assert ledger["job"] == job and ledger["host_budget_bytes"] == 256 * MiB
+        assert [j["name"] for j in ledger["jobs"]] == [job] and ledger["host_budget_bytes"] == 256 * MiB
+        assert ledger["ledger"] == os.environ["SPILLWAY_NODE_LEDGER"], ledger  # conftest's, for this file
         assert ledger["budget_explicit"]  # SPILLWAY_NODE_BUDGET_BYTES
         [rank] = ledger["ranks"]
-        assert rank["pid"] == p.pid
+        assert rank["pid"] == p.pid and rank["job"] == job
         assert rank["pageable_bytes"] >= 32 * MiB  # the tagged tensor's region, booked
         assert rank["live_by_kind"]["optimizer_state"] >= 32 * MiB
         text = _zygote.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True,

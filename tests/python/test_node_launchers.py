@@ -1,8 +1,9 @@
 """One host budget for the node whichever launcher started the ranks (spillway.node): four ranks
 started by torch.multiprocessing.spawn (also inside a Slurm task), OpenMPI's mpirun, torchrun and the
-deepspeed launcher, each with the one line and nothing else, take host memory until refused
-(tests/python/workers/node_grab.py): under an explicit node budget, and in a real memory cgroup
-under the default budget its limit gives, where the cgroup's OOM killer is watched. Apart from
+deepspeed launcher, and two torchrun jobs of two ranks side by side, each rank with the one line and
+nothing else, take host memory until refused (tests/python/workers/node_grab.py): under an explicit
+node budget, and in a real memory cgroup under the default budget its limit gives, in the ledger of
+that limit, where the cgroup's OOM killer is watched. Apart from
 test_node.py, which runs alone (RUN_SERIAL, it watches the node's memory from outside): nothing here
 measures memory from outside its own cgroup or ledger."""
 import os
@@ -15,7 +16,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 import spillway  # noqa: E402
-from _launch import RANKS, MiB, finish, free_port, results, segment_path  # noqa: E402
+from _launch import RANKS, MiB, finish, free_port, results  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "node_grab.py"
 
@@ -54,22 +55,30 @@ def test_four_ranks_spawned_inside_a_slurm_task_share_one_node_budget(tmp_path):
         assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
     assert held <= budget, (held, budget)
     assert held >= budget // 2, (held, budget)  # the ranks really filled the node
-    assert not os.path.exists(segment_path(ranks[0]["node"]["job"])), "the last rank removes the segment"
+    assert not os.path.exists(ranks[0]["node"]["path"]), "the last rank removes the segment"
 
 
 CGROUP_LIMIT = 3 << 30
 
 
-@pytest.mark.parametrize("launch", ["spawn", "mpirun", "torchrun", "deepspeed", "control"])
+def _torchrun(ranks, grab):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+            str(free_port()), *grab]
+
+
+@pytest.mark.parametrize("launch", ["spawn", "mpirun", "torchrun", "deepspeed", "two-torchrun-jobs", "control",
+                                    "two-ledgers-control"])
 def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(tmp_path, launch):
     """The failure Spillway exists to end, as a container or a Slurm job meets it: four ranks in a
     cgroup of 3 GiB, each with the one line and nothing else, no budget set, take 32 MiB tensors as
-    fast as they can, at most the whole default budget each. Without one budget for the node each
-    would take a budget of its own (3/4 of the limit) and the cgroup's OOM killer would kill one.
-    Here, started by torch.multiprocessing.spawn, OpenMPI's mpirun, torchrun or the deepspeed
-    launcher: one job, the default budget from the cgroup's limit (the limit less a reserve of half
-    of it), every rank refused by name, every process exits 0, and the OOM killer never fires.
-    The control: the same spawned ranks with SPILLWAY_NODE=0 (each its own budget, as before),
+    fast as they can, at most the whole default budget each. Without one budget for the memory limit
+    each would take a budget of its own (3/4 of the limit), or each job one, and the cgroup's OOM
+    killer would kill one. Here, started by torch.multiprocessing.spawn, OpenMPI's mpirun, torchrun
+    or the deepspeed launcher, or as two torchrun jobs of two ranks side by side: the ledger of the
+    cgroup's limit, the default budget from it (the limit less a reserve of half of it), every rank
+    refused by name, every process exits 0, and the OOM killer never fires. The controls: the same
+    spawned ranks with SPILLWAY_NODE=0 (each its own budget), and the two torchrun jobs each in a
+    ledger of its own (SPILLWAY_NODE_LEDGER: a budget per job, as before the ledger was the limit's),
     where the cgroup's OOM killer kills a rank: the limit is real and the count sees it."""
     import _cgroup
 
@@ -77,13 +86,14 @@ def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(t
         cg = _cgroup.MemoryCgroup.make(f"spillway-test-{os.getpid()}-{launch}", CGROUP_LIMIT)
     except _cgroup.Unavailable as e:
         pytest.skip(f"no memory cgroup for the test: {e}")
+    jobs = {"a": 2, "b": 2} if launch.startswith("two-") else {"": RANKS}
     try:
         out = tmp_path / launch
         out.mkdir()
         budget = spillway._spillway._node_default_budget(CGROUP_LIMIT)[0]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for name in ("SPILLWAY_NODE_JOB", "SPILLWAY_NODE_BUDGET_BYTES"):
-            env.pop(name, None)
+        env = dict(os.environ, OMP_NUM_THREADS="1", NODE_GRAB_RANKS=str(RANKS))
+        for name in ("SPILLWAY_NODE_JOB", "SPILLWAY_NODE_BUDGET_BYTES", "SPILLWAY_NODE_LEDGER"):
+            env.pop(name, None)  # the ledger is the cgroup's limit's
         grab = [str(WORKER), str(out), "32", str(budget // MiB + 32)]
         if launch == "control":
             env["SPILLWAY_NODE"] = "0"
@@ -95,38 +105,51 @@ def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(t
                 pytest.skip("mpirun is not installed (scripts/install-deps installs Debian's openmpi-bin)")
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
-        elif launch == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port",
-                   str(free_port()), *grab]
+        elif launch == "torchrun" or launch.startswith("two-"):
+            cmd = _torchrun(RANKS // len(jobs), grab)
         else:
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(RANKS), "--master_port",
                    str(free_port()), *grab]
-        proc = subprocess.Popen(cg.wrap(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        rc, text = finish(proc, timeout=300)
+        own = launch == "two-ledgers-control"
+        procs = [subprocess.Popen(cg.wrap(cmd if i == 0 else _torchrun(jobs[tag], grab)),
+                                  env=dict(env, NODE_GRAB_TAG=tag,
+                                           **({"SPILLWAY_NODE_LEDGER": f"control-{os.getpid()}-{tag}",
+                                               "NODE_GRAB_WAIT": "30"} if own else {})),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i, tag in enumerate(jobs)]
+        ended = [finish(proc, timeout=300) for proc in procs]
         kills, peak = cg.oom_kills(), cg.peak()
     finally:
         cg.remove()
-    if launch == "control":
-        print(f"control (SPILLWAY_NODE=0) in a {CGROUP_LIMIT >> 30} GiB cgroup: exit {rc}, OOM kills {kills}")
+    rc, text = max(rc for rc, _ in ended), "\n".join(text for _, text in ended)
+    if launch.endswith("control"):
+        print(f"{launch} in a {CGROUP_LIMIT >> 30} GiB cgroup: exit {rc}, OOM kills {kills}")
         assert kills >= 1 and rc != 0 and "SIGKILL" in text, text[-4000:]
         return
     assert kills == 0, f"the cgroup's OOM killer killed {kills} process(es)\n" + text[-4000:]
     assert rc == 0, text[-6000:]
-    ranks = results(out)
+    by_job = {tag: results(out, tag, n) for tag, n in jobs.items()}
+    ranks = [r for rs in by_job.values() for r in rs]
     held = sum(r["held_bytes"] for r in ranks)
     print(f"{RANKS} ranks by {launch} in a {CGROUP_LIMIT >> 30} GiB cgroup held "
           f"{[r['held_bytes'] // MiB for r in ranks]} MiB of the default {budget // MiB} MiB budget; the cgroup's "
-          f"peak {peak / MiB if peak else float('nan'):.0f} MiB, OOM kills {kills}; job {ranks[0]['node']['job']}")
-    for r in ranks:
-        assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
-        assert r["node"]["job"] == ranks[0]["node"]["job"], "one job for all four"
-        if launch == "spawn":  # named by the process that spawned them (sh execs it: the same pid)
-            assert r["node"]["job"].startswith(f"spawn-{proc.pid}-"), r["node"]["job"]
-        else:
-            assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
-            assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == RANKS, r["job"]
-        assert r["node"]["host_budget_bytes"] == budget and not r["node"]["budget_explicit"], r["node"]
-        assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
-        assert r["error"] is not None and r["error"]["type"] == "OverBudget", r
-        assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+          f"peak {peak / MiB if peak else float('nan'):.0f} MiB, OOM kills {kills}; "
+          f"jobs {sorted({r['node']['job'] for r in ranks})}; ledger of {ranks[0]['node']['scope']}")
+    for tag, rs in by_job.items():
+        for r in rs:
+            assert r["node"] is not None, f"rank {r['rank']} joined no node budget: {r['job']}"
+            assert r["node"]["job"] == rs[0]["node"]["job"], "one job for the ranks of one launch"
+            assert r["node"]["ledger"] == ranks[0]["node"]["ledger"], "one ledger for the memory limit"
+            assert cg.path in r["node"]["scope"], r["node"]["scope"]
+            assert sorted(j["name"] for j in r["node"]["jobs"]) == sorted({x["node"]["job"] for x in ranks})
+            if launch == "spawn":  # named by the process that spawned them (sh execs it: the same pid)
+                assert r["node"]["job"].startswith(f"spawn-{procs[0].pid}-"), r["node"]["job"]
+            else:
+                assert r["node"]["job"].startswith("launcher-"), r["node"]["job"]
+                assert r["job"]["local_rank"] == r["rank"] and r["job"]["local_world_size"] == jobs[tag], r["job"]
+            assert r["node"]["host_budget_bytes"] == budget and not r["node"]["budget_explicit"], r["node"]
+            assert len(r["node"]["ranks"]) == RANKS, r["node"]["ranks"]
+            assert r["error"] is not None and r["error"]["type"] == "OverBudget", r
+            assert f"of job '{r['node']['job']}'" in r["error"]["text"], r["error"]
+    assert len({r["node"]["job"] for r in ranks}) == len(jobs), "two launches are two jobs"
     assert budget // 2 <= held <= budget, (held, budget)

@@ -13,7 +13,8 @@ variable. The rank then takes CHUNK_MIB tensors as fast as it can, each one touc
 cudaHostRegister), the rest pageable optimizer state under spillway.tag. The first refusal ends the
 grab; the rank then waits until every local rank is full (files in OUT_DIR), reads the node's
 ledger while all of them hold what they got, writes OUT_DIR/rank<R>.json, and waits until every rank
-has written before it lets go."""
+has written before it lets go. Several jobs may share OUT_DIR: NODE_GRAB_TAG names this job's files
+(rank<TAG><R>.json) and NODE_GRAB_RANKS counts the ranks of every job, which all wait for each other."""
 import json
 import os
 import sys
@@ -23,11 +24,12 @@ import torch
 import spillway
 
 
-def wait_for(out_dir, name, rank, world):
-    deadline = time.monotonic() + 300
-    while not all(os.path.exists(os.path.join(out_dir, name.format(r))) for r in range(world)):
+def wait_for(out_dir, prefix, suffix, rank, everyone):
+    limit = float(os.environ.get("NODE_GRAB_WAIT", "300"))  # a control whose other job was killed waits less
+    deadline = time.monotonic() + limit
+    while sum(n.startswith(prefix) and n.endswith(suffix) for n in os.listdir(out_dir)) < everyone:
         if time.monotonic() > deadline:
-            sys.exit(f"rank {rank}: not every rank wrote {name} within 300 s")
+            sys.exit(f"rank {rank}: not every rank wrote {prefix}*{suffix} within {limit:.0f} s")
         time.sleep(0.02)
 
 
@@ -48,16 +50,18 @@ def grab(rank, world, out_dir, chunk, max_bytes):
     except Exception as e:  # noqa: BLE001 (the test reads the class and the message)
         error = {"type": type(e).__name__, "text": str(e).split("\nException raised from")[0]}
 
-    open(os.path.join(out_dir, f"full{rank}"), "w").close()
-    wait_for(out_dir, "full{}", rank, world)
+    tag, everyone = os.environ.get("NODE_GRAB_TAG", ""), int(os.environ.get("NODE_GRAB_RANKS", world))
+    open(os.path.join(out_dir, f"full{tag}{rank}"), "w").close()
+    wait_for(out_dir, "full", "", rank, everyone)
     node = ({k: v for k, v in spillway.node.stats().items() if k != "text"} if spillway.node.joined() else None)
     runtime = spillway.installed().stats()
     report = {"rank": rank, "pid": os.getpid(), "held_bytes": len(held) * chunk, "pinned_bytes": pinned_bytes,
               "error": error, "node": node, "job": spillway.node.job(), "pin_mode": runtime["pinned"].get("pin_mode"),
               "pinned_arena": runtime["pinned"], "cuda": pin}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{tag}{rank}.json.tmp"), "w") as f:
         json.dump(report, f)
-    wait_for(out_dir, "rank{}.json", rank, world)
+    os.rename(os.path.join(out_dir, f"rank{tag}{rank}.json.tmp"), os.path.join(out_dir, f"rank{tag}{rank}.json"))
+    wait_for(out_dir, "rank", ".json", rank, everyone)
 
 
 def main():

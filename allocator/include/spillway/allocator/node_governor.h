@@ -1,8 +1,10 @@
-// NodeGovernor: one host budget (and one NVMe budget) for all the local ranks of a job, kept in a
-// shared-memory segment that every rank maps. Each rank's arenas reserve their regions from it and
-// give them back when they unmap; a rank that needs more takes what the others leave free. Dead
-// ranks are reaped, pressure trims every rank's retained cache, and admission refuses a job that
-// cannot fit before anything is allocated. Note [Node governor] in docs/allocator.md.
+// NodeGovernor: one host budget (and one NVMe budget) for every rank of every job of a user under
+// one memory limit (a cgroup's, else the machine's: what the OOM killer enforces), kept in a
+// shared-memory segment, the limit's ledger, that every rank maps. Each rank's arenas reserve their
+// regions from it and give them back when they unmap; a rank that needs more takes what the others
+// leave free. Dead ranks are reaped, pressure trims every rank's retained cache, and admission
+// refuses a job that cannot fit beside the others before anything is allocated.
+// Note [Node governor] in docs/allocator.md.
 #pragma once
 
 #include <sys/types.h>
@@ -59,13 +61,27 @@ Result<NodeJob> NodeJobFromEnvironment();
 uint64_t DefaultNodeReserve(uint64_t limit_bytes);  // max(2 GiB, limit / 8), at most limit / 2
 uint64_t DefaultNodeHostBudget(uint64_t limit_bytes);
 
+// The ledger of this process's memory limit: `name` ("limit-" and 16 hex digits of the limiting
+// cgroup's identity, or of the machine's, with the PID namespace: containers that share /dev/shm
+// but not their pids keep apart) and `scope`, the limit in words.
+struct MemoryLimit;  // host_arena.h
+struct NodeLedger {
+  std::string name;
+  std::string scope;
+};
+NodeLedger DefaultNodeLedger();
+NodeLedger NodeLedgerOf(const MemoryLimit& limit);
+
 struct NodeGovernorOptions {
-  std::string job;  // required: names the segment with the user id
+  std::string job;     // required: this rank's job within the ledger
+  std::string ledger;  // the segment's name (with the user id); empty: DefaultNodeLedger()
+  std::string scope;   // the ledger in words; empty: DefaultNodeLedger()'s, or its name
   std::string dir = "/dev/shm";
-  int local_rank = -1;       // the slot this rank takes; -1: the first free one
+  int local_rank = -1;       // this rank's within its job; -1: the first its job has free
   int local_world_size = 0;  // ranks Admit waits for; 0: the ranks that have joined
   // 0: DefaultNodeHostBudget() when this rank creates the segment, the segment's when it joins.
-  // A non-zero value must equal the segment's (every rank of a job passes the same).
+  // A non-zero value must equal the segment's (every rank of every job under the limit passes
+  // the same, or none).
   uint64_t host_budget_bytes = 0;
   uint64_t memory_limit_bytes = 0;  // 0: MemoryLimitBytes(); what the default budget comes from
   uint64_t nvme_budget_bytes = 0;   // 0: set by the first NVMe arena (OfferNvmeBudget)
@@ -77,6 +93,7 @@ struct NodeGovernorOptions {
 };
 
 struct NodeRankStats {
+  std::string job;
   int local_rank = -1;
   pid_t pid = 0;
   bool alive = true;  // false: dead, not yet reaped (Stats reaps first, so only in races)
@@ -90,8 +107,20 @@ struct NodeRankStats {
   uint64_t trims = 0;  // trim requests it served
 };
 
+struct NodeJobStats {
+  std::string name;
+  int local_world_size = 0;  // 0: not said
+  int ranks = 0;             // live
+  uint64_t host_bytes = 0;   // booked by its live ranks
+  uint64_t nvme_bytes = 0;
+  uint64_t declared_bytes = 0;  // its live ranks' admission declarations
+};
+
 struct NodeStats {
-  std::string job;
+  std::string job;        // the job this view is for (a rank's Stats); empty from Inspect
+  std::string ledger;     // the segment's name
+  std::string scope;      // the memory limit it stands for
+  std::string budget_by;  // the job whose first rank set the budget
   std::string path;
   uint64_t memory_limit_bytes = 0;
   uint64_t reserve_bytes = 0;    // memory_limit - host_budget
@@ -105,8 +134,9 @@ struct NodeStats {
   uint64_t reaped_ranks = 0;       // dead ranks whose bytes were given back
   uint64_t over_budget_count = 0;  // reservations refused after trimming
   uint64_t trim_requests = 0;
-  int local_world_size = 0;
-  std::vector<NodeRankStats> ranks;  // occupied slots, by local rank
+  int local_world_size = 0;          // of `job`
+  std::vector<NodeJobStats> jobs;    // with live ranks, by name
+  std::vector<NodeRankStats> ranks;  // occupied slots, by job and local rank
   // The table `spillway node` prints.
   std::string ToString() const;
 };
@@ -119,6 +149,7 @@ std::string DescribeNodeRanks(const NodeStats& stats);
 
 namespace node {
 struct Segment;  // the shared layout (src/node_segment.h)
+struct JobEntry;
 }  // namespace node
 
 // Thread-safe. The segment's robust, process-shared mutex guards the slots' byte counts and the
@@ -134,7 +165,8 @@ struct Segment;  // the shared layout (src/node_segment.h)
 // parent's.
 class NodeGovernor {
  public:
-  // Opens the job's segment, creating it if no live one exists, and claims a slot.
+  // Opens the ledger's segment, creating it if no live one exists, and claims a slot for the job's
+  // local rank.
   static Result<std::unique_ptr<NodeGovernor>> Join(NodeGovernorOptions options);
   // The ledger of a segment, read from outside without joining it (`spillway node`): reaps dead
   // ranks first, so its totals are the live ranks'.
@@ -145,7 +177,7 @@ class NodeGovernor {
   // Removes this user's segments in `dir` whose ranks are all gone, and segments left half made
   // or half removed by a killed process. Returns how many.
   static int RemoveDeadSegments(const std::string& dir = "/dev/shm");
-  static std::string SegmentPath(const std::string& dir, const std::string& job);
+  static std::string SegmentPath(const std::string& dir, const std::string& ledger);
 
   // Leave(), then unmaps the segment.
   ~NodeGovernor();
@@ -200,8 +232,9 @@ class NodeGovernor {
   NodeStats Stats() const;     // reaps dead ranks first (system calls: kill, /proc)
   NodeStats Snapshot() const;  // as the segment is now: its lock only (for metrics scrapes)
   Status Validate() const;
-  int local_rank() const { return slot_; }
+  int local_rank() const { return local_rank_; }
   const std::string& path() const { return path_; }
+  const std::string& ledger() const { return ledger_; }
   const std::string& job() const { return options_.job; }
   uint64_t host_budget_bytes() const;
 
@@ -212,13 +245,14 @@ class NodeGovernor {
 
  private:
   NodeGovernor(NodeGovernorOptions options, std::string path, int fd, node::Segment* segment,
-               int slot, uint64_t generation);
+               int slot, int job, int local_rank, uint64_t generation);
   Status ReapDead() const;
   void WatchLoop();
   // Asks every other rank to trim and waits; returns the ranks that did not answer in time.
-  Result<std::vector<int>> RequestTrimAndWait();
+  Result<std::vector<std::string>> RequestTrimAndWait();
   std::string DescribeOverBudget(NodeTier tier, uint64_t bytes,
-                                 const std::vector<int>& silent) const;
+                                 const std::vector<std::string>& silent) const;
+  node::JobEntry& entry() const;  // this rank's job in the segment (its fields assume the lock)
   // Private methods that end in Locked assume the segment's lock.
   bool OwnsSlotLocked() const;
   void SettleOwedLocked();
@@ -229,6 +263,9 @@ class NodeGovernor {
   const int fd_;
   node::Segment* const segment_;
   const int slot_;
+  const int job_;         // its entry in the segment
+  const int local_rank_;  // within the job
+  const std::string ledger_;
   const uint64_t generation_;  // the slot's generation when this rank claimed it
   const ProcessTag process_;
   const pid_t pid_;

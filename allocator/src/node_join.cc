@@ -1,0 +1,363 @@
+// NodeGovernor: joining the ledger of a memory limit (creating its segment, or opening it and
+// claiming a slot for a job's local rank), reading a ledger from outside, and removing the segments
+// whose ranks are all gone. Note [Node governor] in docs/allocator.md.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "node_segment.h"
+#include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/node_governor.h"
+#include "spillway/base/bytes.h"
+#include "spillway/base/log.h"
+
+namespace spillway::allocator {
+
+using node::ClearSlot;
+using node::Declaration;
+using node::DirLock;
+using node::kMaxSlots;
+using node::Mapped;
+using node::NowNs;
+using node::Segment;
+using node::SegmentLock;
+using node::SleepMs;
+using node::Slot;
+
+namespace {
+
+// Under the DirLock: removes the segment at `path` when it was left half made (never initialized),
+// half removed (closed), or holds no live rank. Returns true when it was removed.
+bool RemoveIfDead(const std::string& path, LogLevel level) {
+  auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
+  if (!opened.ok()) {
+    // EBADF: never initialized, and no creator holds the DirLock: abandoned.
+    if (opened.status().sys_error() != EBADF) return false;
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return false;
+    // A segment of another Spillway layout, in use, has its magic: not ours to remove.
+    uint64_t magic = 0;
+    if (pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+        magic == node::kMagic) {
+      close(fd);
+      return false;
+    }
+    const bool removed = node::UnlinkIfSame(path, fd);
+    close(fd);
+    if (removed) Log(level, StrCat("node governor: removed ", path, ": it was never initialized"));
+    return removed;
+  }
+  Mapped m = *opened;
+  bool remove = false;
+  if (m.segment->pid_ns != node::OwnPidNamespace()) {  // its pids cannot be judged from here
+    Unmap(m);
+    return false;
+  }
+  if (node::Reap(m.segment, -1, std::chrono::milliseconds(200), path, LogLevel::kInfo).ok()) {
+    auto lock = SegmentLock::Take(m.segment, std::chrono::milliseconds(200), path);
+    if (lock.ok()) {
+      remove = m.segment->closed != 0 ||
+               std::none_of(std::begin(m.segment->slots), std::end(m.segment->slots),
+                            [](const Slot& s) { return s.pid != 0; });
+      if (remove) m.segment->closed = 1;
+    }
+  }
+  const bool removed = remove && node::UnlinkIfSame(path, m.fd);
+  Unmap(m);
+  if (removed) Log(level, StrCat("node governor: removed ", path, ": every rank of it is gone"));
+  return removed;
+}
+
+// Assumes s->mu. Claims a slot of the ledger for the job's local rank (the job's entry found or
+// made): every check is made before anything changes. Returns the slot, the job's entry and the
+// local rank.
+struct Claim {
+  int slot, job, local_rank;
+};
+Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::string& path,
+                          uint64_t start_ticks) {
+  if (o.host_budget_bytes != 0 && o.host_budget_bytes != s->host_budget) {
+    return Status::InvalidArgument(
+        StrCat("node governor: the ledger of ", s->scope, " has a node budget of ",
+               FormatBytes(s->host_budget), ", set by job '", s->budget_by, "'; job '", o.job,
+               "' asks for ", FormatBytes(o.host_budget_bytes),
+               ". Every job under one memory limit shares its budget. Give every rank the same "
+               "SPILLWAY_NODE_BUDGET_BYTES (or none), or name a ledger of its own "
+               "(SPILLWAY_NODE_LEDGER)"));
+  }
+  int job = node::FindJob(s, o.job);
+  const bool running = job >= 0 && node::JobHasRanks(s, job);
+  int local_rank = o.local_rank;
+  if (running && local_rank >= 0) {
+    const int holder = node::RankSlot(s, job, local_rank);
+    if (holder >= 0) {
+      return Status::FailedPrecondition(StrCat(
+          "node governor: local rank ", local_rank, " of job '", o.job, "' is held by pid ",
+          s->slots[holder].pid,
+          ", which is alive. Two processes claim one local rank: check LOCAL_RANK, or give the "
+          "second job its own SPILLWAY_NODE_JOB"));
+    }
+  }
+  int slot = -1;
+  for (int i = 0; i < kMaxSlots && slot < 0; ++i) {
+    if (s->slots[i].pid == 0) slot = i;
+  }
+  if (slot < 0) {
+    return Status::ResourceExhausted(
+        StrCat("node governor: all ", kMaxSlots, " slots of the ledger ", path, " (", s->scope,
+               ") are held by live ranks; a memory limit's ledger holds at most ", kMaxSlots,
+               " ranks. Run fewer, or give this job a ledger of its own (SPILLWAY_NODE_LEDGER)"));
+  }
+  if (!running) {
+    job = node::TakeJob(s, o.job);
+    if (job < 0) {
+      return Status::ResourceExhausted(StrCat(
+          "node governor: the ledger ", path, " (", s->scope, ") already holds ", node::kMaxJobs,
+          " jobs with live ranks; stop one, or give this job a ledger "
+          "of its own (SPILLWAY_NODE_LEDGER)"));
+    }
+  }
+  if (local_rank < 0) {  // the first local rank the job has free
+    local_rank = 0;
+    while (node::RankSlot(s, job, local_rank) >= 0) ++local_rank;
+  }
+  Slot& mine = s->slots[slot];
+  const uint64_t generation = mine.generation;
+  ClearSlot(&mine);  // nothing of an earlier occupant stays
+  mine.generation = generation;
+  mine.pid = getpid();
+  mine.job = job;
+  mine.local_rank = local_rank;
+  mine.start_ticks = start_ticks;
+  mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  node::JobEntry& entry = s->jobs[job];
+  entry.declarations[local_rank] = Declaration{};
+  if (entry.local_world_size == 0) entry.local_world_size = o.local_world_size;
+  return Claim{slot, job, local_rank};
+}
+
+}  // namespace
+
+std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string& ledger) {
+  return StrCat(dir, "/spillway-node-", geteuid(), "-", ledger);
+}
+
+Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
+  if (!node::ValidJob(options.job)) {
+    return Status::InvalidArgument(StrCat("node governor: job '", options.job, "' must be 1 to ",
+                                          node::kJobChars,
+                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
+  }
+  if (options.ledger.empty()) {
+    NodeLedger ledger = DefaultNodeLedger();
+    options.ledger = std::move(ledger.name);
+    if (options.scope.empty()) options.scope = std::move(ledger.scope);
+  } else if (!node::ValidJob(options.ledger)) {
+    return Status::InvalidArgument(StrCat("node governor: ledger '", options.ledger,
+                                          "' must be 1 to ", node::kJobChars,
+                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
+  }
+  if (options.scope.empty()) {
+    options.scope =
+        StrCat("the jobs that name the ledger '", options.ledger, "' (SPILLWAY_NODE_LEDGER)");
+  }
+  if (options.local_rank >= kMaxSlots || options.local_world_size > kMaxSlots ||
+      options.local_world_size < 0) {
+    return Status::InvalidArgument(StrCat(
+        "node governor: local rank ", options.local_rank, " or local world size ",
+        options.local_world_size, " is beyond the ", kMaxSlots, " ranks a node segment holds"));
+  }
+  SPILLWAY_RETURN_IF_ERROR(ForkTracking());
+  const std::string path = SegmentPath(options.dir, options.ledger);
+  RemoveDeadSegments(options.dir);  // other ledgers' litter (a job killed whole leaves its segment)
+  const uint64_t deadline =
+      NowNs() + static_cast<uint64_t>(options.lock_timeout.count()) * 1'000'000ull;
+  char state = '?';
+  uint64_t my_start = 0;
+  node::ReadProcStat(getpid(), &state, &my_start);
+  while (true) {
+    if (NowNs() > deadline) {
+      return Status::Make(StatusCode::kUnavailable,
+                          StrCat("node governor: segment ", path, " stayed closed for ",
+                                 options.lock_timeout.count(), " ms while its last rank left; rm ",
+                                 path, " if no rank under its memory limit runs"));
+    }
+    Mapped m;
+    {
+      SPILLWAY_ASSIGN_OR_RETURN(DirLock dir_lock, DirLock::Take(options.dir, options.lock_timeout));
+      const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd >= 0) {  // this rank makes the segment: initialized whole before magic is published
+        m.fd = fd;
+        void* p = MAP_FAILED;
+        int err = 0;
+        if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
+          err = errno;
+        } else {
+          p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+          if (p == MAP_FAILED) err = errno;
+        }
+        if (err != 0) {
+          unlink(path.c_str());
+          Unmap(m);
+          return Status::FromErrno(StatusCode::kOutOfMemory, err,
+                                   StrCat("node governor: sizing and mapping segment ", path,
+                                          " (is /dev/shm full or too small?)"));
+        }
+        auto* s = new (p) Segment();
+        m.segment = s;
+        pthread_mutexattr_t attr;
+        pthread_mutexattr_init(&attr);
+        pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+        const int rc = pthread_mutex_init(&s->mu, &attr);
+        pthread_mutexattr_destroy(&attr);
+        if (rc != 0) {
+          unlink(path.c_str());
+          Unmap(m);
+          return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
+        }
+        s->version = node::kVersion;
+        s->pid_ns = node::OwnPidNamespace();
+        s->slot_count = kMaxSlots;
+        s->size = sizeof(Segment);
+        std::snprintf(s->ledger, sizeof(s->ledger), "%s", options.ledger.c_str());
+        std::snprintf(s->scope, sizeof(s->scope), "%s", options.scope.c_str());
+        std::snprintf(s->budget_by, sizeof(s->budget_by), "%s", options.job.c_str());
+        s->memory_limit =
+            options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
+        s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
+                                                        : DefaultNodeHostBudget(s->memory_limit);
+        s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
+        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
+        s->nvme_budget = options.nvme_budget_bytes;
+        for (Slot& slot : s->slots) {
+          slot.job = -1;
+          slot.local_rank = -1;
+        }
+        // Uncontended (nobody can open it before magic), and it cannot fail the budget check.
+        auto claim = ClaimLocked(s, options, path, my_start);
+        if (!claim.ok()) {
+          unlink(path.c_str());
+          Unmap(m);
+          return claim.status();
+        }
+        s->magic.store(node::kMagic, std::memory_order_release);
+        return std::unique_ptr<NodeGovernor>(
+            new NodeGovernor(std::move(options), path, fd, s, claim->slot, claim->job,
+                             claim->local_rank, s->slots[claim->slot].generation));
+      }
+      if (errno != EEXIST) {
+        return Status::FromErrno(StatusCode::kUnavailable, errno,
+                                 StrCat("node governor: creating segment ", path,
+                                        " (is the directory there and writable?)"));
+      }
+      // It exists. Under the DirLock no creator is midway, so an uninitialized one is abandoned,
+      // and a closed one is a removal its remover did not finish: finish it, then make anew.
+      if (RemoveIfDead(path, LogLevel::kInfo)) continue;
+      auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
+      if (!opened.ok()) {
+        if (opened.status().sys_error() == ENOENT) continue;
+        return opened.status().WithContext("node governor");
+      }
+      m = *opened;
+    }
+    Segment* s = m.segment;
+    // A dead occupant of the slot this rank wants (an elastic restart's predecessor) goes first.
+    auto reaped = node::Reap(s, -1, options.lock_timeout, path);
+    if (!reaped.ok()) {
+      Unmap(m);
+      return reaped.status();
+    }
+    auto lock = SegmentLock::Take(s, options.lock_timeout, path);
+    if (!lock.ok()) {
+      Unmap(m);
+      return lock.status();
+    }
+    auto refuse = [&](Status st) {
+      { auto unlock = std::move(*lock); }
+      Unmap(m);
+      return st;
+    };
+    if (s->pid_ns != node::OwnPidNamespace()) {
+      return refuse(Status::FailedPrecondition(StrCat(
+          "node governor: the ledger ", path, " was made in another PID namespace (another ",
+          "container sharing /dev/shm?); the ranks under one ledger must see each other's pids. "
+          "Run them in one container, or give this job a ledger of its own "
+          "(SPILLWAY_NODE_LEDGER)")));
+    }
+    if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
+      { auto unlock = std::move(*lock); }
+      Unmap(m);
+      SleepMs(1);
+      continue;
+    }
+    auto claim = ClaimLocked(s, options, path, my_start);
+    if (!claim.ok()) return refuse(claim.status());
+    const uint64_t generation = s->slots[claim->slot].generation;
+    // A rank that joins a job whose ranks already passed admission rounds starts after them: it
+    // must not return an old round's verdict for a need nobody checked.
+    const uint32_t rounds_done = s->jobs[claim->job].verdict_round;
+    { auto unlock = std::move(*lock); }
+    auto g = std::unique_ptr<NodeGovernor>(new NodeGovernor(
+        std::move(options), path, m.fd, s, claim->slot, claim->job, claim->local_rank, generation));
+    g->admit_rounds_.store(rounds_done, std::memory_order_relaxed);
+    return g;
+  }
+}
+
+Result<NodeStats> NodeGovernor::Inspect(const std::string& path,
+                                        std::chrono::milliseconds lock_timeout) {
+  SPILLWAY_ASSIGN_OR_RETURN(Mapped m, node::OpenExisting(path, lock_timeout));
+  auto reaped = node::Reap(m.segment, -1, lock_timeout, path);
+  if (!reaped.ok()) {
+    Unmap(m);
+    return reaped.status();
+  }
+  NodeStats out;
+  {
+    auto lock = SegmentLock::Take(m.segment, lock_timeout, path);
+    if (!lock.ok()) {
+      Unmap(m);
+      return lock.status();
+    }
+    out = node::ReadStats(m.segment, path, "");
+  }
+  Unmap(m);
+  return out;
+}
+
+std::vector<std::string> NodeGovernor::ListSegments(const std::string& dir) {
+  std::vector<std::string> out;
+  const std::string prefix = StrCat("spillway-node-", geteuid(), "-");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  // NOLINTNEXTLINE(concurrency-mt-unsafe): the stream is this call's own (glibc locks per DIR)
+  while (dirent* e = readdir(d)) {
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
+      out.push_back(StrCat(dir, "/", e->d_name));
+    }
+  }
+  closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int NodeGovernor::RemoveDeadSegments(const std::string& dir) {
+  int removed = 0;
+  for (const std::string& path : ListSegments(dir)) {
+    auto dir_lock = DirLock::Take(dir, std::chrono::milliseconds(1000));
+    if (!dir_lock.ok()) break;  // another process is making or removing one: leave it the rest
+    if (RemoveIfDead(path, LogLevel::kInfo)) ++removed;
+  }
+  return removed;
+}
+
+}  // namespace spillway::allocator
