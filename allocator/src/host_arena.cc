@@ -13,6 +13,7 @@
 #include "cuda_host.h"
 #include "live_table.h"
 #include "os_memory.h"
+#include "spillway/allocator/fork_fault.h"
 #include "spillway/base/bytes.h"
 #include "spillway/base/check.h"
 #include "spillway/base/log.h"
@@ -20,8 +21,6 @@
 namespace spillway::allocator {
 namespace {
 
-constexpr std::array<const char*, 4> kPinNames = {"auto", "cuda", "mlock", "pageable"};
-constexpr std::array<const char*, 3> kForkNames = {"dontfork", "wipeonfork", "inherit"};
 // Spill-handler calls per allocation. A call that frees memory another thread then takes sends the
 // allocation round again; with several threads spilling at once that happens more than a few times.
 constexpr int kMaxSpillRounds = 64;
@@ -32,29 +31,7 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
-template <size_t N>
-Result<uint8_t> ParseIndex(std::string_view what, std::string_view name,
-                           const std::array<const char*, N>& names) {
-  std::string allowed;
-  for (size_t i = 0; i < N; ++i) {
-    if (name == names[i]) return static_cast<uint8_t>(i);
-    allowed += StrCat(i ? ", " : "", names[i]);
-  }
-  return Status::InvalidArgument(StrCat("unknown ", what, " '", name, "'; allowed: ", allowed));
-}
-
 }  // namespace
-
-const char* PinModeName(PinMode mode) { return kPinNames[static_cast<size_t>(mode)]; }
-const char* ForkSafetyName(ForkSafety mode) { return kForkNames[static_cast<size_t>(mode)]; }
-Result<PinMode> ParsePinMode(std::string_view name) {
-  SPILLWAY_ASSIGN_OR_RETURN(auto r, ParseIndex("pin mode", name, kPinNames));
-  return static_cast<PinMode>(r);
-}
-Result<ForkSafety> ParseForkSafety(std::string_view name) {
-  SPILLWAY_ASSIGN_OR_RETURN(auto r, ParseIndex("fork safety", name, kForkNames));
-  return static_cast<ForkSafety>(r);
-}
 
 Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
   const uint64_t page = os::PageSize();
@@ -77,8 +54,8 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
                                           "dedicated_divisor and reuse_waste_divisor at least 1"));
   }
   options.budget_bytes = options.budget_bytes / page * page;
-  if (static_cast<size_t>(options.pin) >= kPinNames.size() ||
-      static_cast<size_t>(options.fork_safety) >= kForkNames.size() ||
+  if (static_cast<size_t>(options.pin) > static_cast<size_t>(PinMode::kPageable) ||
+      static_cast<size_t>(options.fork_safety) > static_cast<size_t>(ForkSafety::kInherit) ||
       static_cast<size_t>(options.policy) > static_cast<size_t>(EscapePolicy::kFail)) {
     return Status::InvalidArgument("host arena: pin mode, fork safety or policy out of range");
   }
@@ -238,6 +215,7 @@ void HostArena::ReleaseRegions(const std::vector<Region>& regions) {
   uint64_t total = 0;
   for (const Region& r : regions) {
     NotifyObservers(false, r.base, r.bytes);
+    if (options_.fork_safety == ForkSafety::kDontFork) fork_fault::Unregister(r.base);
     if (r.pinned_with == PinMode::kCuda) {
       Status st = cuda::HostUnregister(r.base, r.bytes);
       if (!st.ok()) Log(LogLevel::kError, st.ToString());
@@ -461,6 +439,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
         return region.status().WithContext(StrCat("host arena '", options_.name, "': allocating ",
                                                   FormatBytes(bytes), " for ", KindName(owned.kind),
                                                   " owner ", owned.owner_id));
+      }
+      if (options_.fork_safety == ForkSafety::kDontFork) {  // named if a forked child touches it
+        fork_fault::Register(region->base, map_bytes, options_.name.c_str(), KindName(owned.kind));
       }
       const auto base = reinterpret_cast<uint64_t>(region->base);
       Status st = extents_.AddSpan(base, map_bytes);

@@ -2,6 +2,7 @@
 spillway.install(), spillway.tag(), spillway.next_epoch() and the Runtime they act on. Public
 through the spillway package; this module is private.
 """
+import functools
 import os
 import threading
 
@@ -91,6 +92,26 @@ class Runtime:
                 "pinned_blocks": _spillway._pinned_stats()}
 
 
+def _name_worker_faults():
+    """A DataLoader worker sets its own SIGSEGV handler when it starts, in front of the one its fork
+    put there to name a fault on a page Spillway keeps out of forked children (Note [Fork fault] in
+    docs/allocator.md): puts that one back in front, torch's behind it."""
+    from torch.utils.data._utils import signal_handling  # noqa: PLC0415
+
+    original = signal_handling._set_worker_signal_handlers
+    if getattr(original, "_spillway", False):
+        return
+
+    @functools.wraps(original)
+    def set_worker_signal_handlers(*args, **kwargs):
+        result = original(*args, **kwargs)
+        _spillway._fork_fault_rearm()
+        return result
+
+    set_worker_signal_handlers._spillway = True
+    signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
+
+
 def _join_node(node):
     """Joins the job's node budget (spillway.node) when `node` is True, or when it is None and a
     launcher started this process (or SPILLWAY_NODE_JOB names the job) and SPILLWAY_NODE is not 0.
@@ -168,6 +189,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
         pinned = HostArena(budget_bytes=pinned_budget_bytes, pinned=True, policy=policy, name="pinned",
                            share_ledger_with=host)
         _spillway._install(host, pinned, small_bytes, priority)
+        _name_worker_faults()
         _runtime = Runtime(host, pinned)
         return _runtime
 

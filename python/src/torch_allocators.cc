@@ -32,6 +32,7 @@
 #include "errors.h"
 #include "pinned_allocator.h"
 #include "py_arena.h"
+#include "spillway/allocator/fork_fault.h"
 #include "spillway/allocator/owner.h"
 #include "tag_scope.h"
 
@@ -230,6 +231,17 @@ void BindTorchAllocators(py::module_& m) {
       d["child_committed_bytes"] = child->committed_bytes;
       d["child_budget_bytes"] = child->budget_bytes;
     }
+    return d;
+  });
+  // Puts the handler that names a fault on a MADV_DONTFORK page back in front (a DataLoader worker
+  // replaces the one its fork installed; Note [Fork fault]).
+  m.def("_fork_fault_rearm", [] { allocator::fork_fault::Rearm(); });
+  m.def("_fork_fault_stats", [] {
+    const allocator::fork_fault::Stats s = allocator::fork_fault::Snapshot();
+    py::dict d;
+    d["regions"] = s.regions;
+    d["unnamed"] = s.unnamed;
+    d["armed"] = s.armed;
     return d;
   });
   m.def("_pinned_stats", [] { return BlockStatsDict(/*pinned_only=*/true); });

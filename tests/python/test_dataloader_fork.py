@@ -98,3 +98,56 @@ def test_the_first_step_after_the_fork_copies_nothing_in_the_arena():
     assert max(spill_bounds) - min(spill_bounds) < 4 * MIB, spill_bounds
     print(f"tree PSS at the boundaries: spillway {[round(b / MIB, 1) for b in spill_bounds]} MiB, "
           f"torch tensors {[round(b / MIB, 1) for b in ctrl_bounds]} MiB")
+
+
+WORKER_READS_STATE = r"""
+import sys, torch, spillway
+from torch.utils.data import DataLoader, Dataset
+spillway.install()
+with spillway.tag("optimizer_state"):
+    state = torch.ones(1 << 20)  # 4 MiB of "optimizer state" in Spillway's arena
+plain = torch.ones(1 << 20)      # the same made outside spillway.tag: torch's, copied on write
+
+class Reads(Dataset):
+    def __init__(self, t):
+        self.t = t
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return self.t[i * 1000].clone()
+
+which = state if sys.argv[1] == "tagged" else plain
+try:
+    for _ in DataLoader(Reads(which), num_workers=1, multiprocessing_context="fork"):
+        pass
+    print("read", flush=True)
+except RuntimeError as e:
+    print("worker died:", str(e).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize("made", ["tagged", "plain"])
+def test_a_dataloader_worker_that_reads_spillway_state_is_told_why_it_dies(made):
+    """A fork-context DataLoader worker whose dataset holds a tensor made under spillway.tag reads
+    a page Spillway keeps out of forked children (MADV_DONTFORK): the worker still dies with
+    SIGSEGV, as it always did, and DataLoader says so, but first the worker's stderr names the
+    arena, the kind, why the page is not there and what to do. The control reads the same data
+    made outside spillway.tag: it is copied into the worker and read, and nothing is said."""
+    import sys
+
+    import _zygote
+
+    p = _zygote.run([sys.executable, "-c", WORKER_READS_STATE, made], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    if made == "plain":
+        assert p.stdout.strip().endswith("read"), p.stdout + p.stderr[-3000:]
+        assert "spillway: process" not in p.stderr, p.stderr[-3000:]
+        return
+    assert "worker died:" in p.stdout, p.stdout + p.stderr[-3000:]
+    lines = p.stderr.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("spillway: process")]
+    torchs = [i for i, line in enumerate(lines) if "Unexpected segmentation fault encountered in worker" in line]
+    assert len(said) == 1 and torchs and said[0] < torchs[0], p.stderr[-3000:]  # ours, then torch's as before
+    said = [lines[said[0]]]
+    assert "host arena 'host'" in said[0] and "first mapped for optimizer_state" in said[0], said[0]
+    assert "MADV_DONTFORK" in said[0] and "Read this state in the parent" in said[0], said[0]

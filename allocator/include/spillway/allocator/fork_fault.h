@@ -1,0 +1,39 @@
+// Naming the fault of a forked child that touches a region kept out of it (MADV_DONTFORK): a
+// lock-free table of those regions, and a SIGSEGV handler that a pthread_atfork child handler
+// installs, which writes one message when the faulting address lies in a recorded region and then
+// leaves the fault to the disposition that was there before. Note [Fork fault] in
+// docs/allocator.md.
+#pragma once
+
+#include <cstdint>
+
+namespace spillway::allocator::fork_fault {
+
+// At most this many regions are named at once; a region past it is kept out of children as
+// before, only not named (Stats says how many).
+inline constexpr int kMaxRegions = 4096;
+
+// Records a MADV_DONTFORK region of `arena` (copied, at most 47 characters), first mapped for an
+// allocation of `kind` (a static string). Lock-free; arms the atfork handler on first use.
+void Register(const void* base, uint64_t bytes, const char* arena, const char* kind);
+// Forgets the region at `base` (before it is unmapped). Lock-free.
+void Unregister(const void* base);
+
+// Installs the handler in this process now, in front of whatever handles SIGSEGV at this moment
+// (which takes every fault after it): for a child whose runtime replaced the handler the fork left
+// (torch's DataLoader worker sets its own at its start). Nothing when no region is recorded.
+void Rearm();
+
+struct Stats {
+  int regions = 0;       // recorded now
+  uint64_t unnamed = 0;  // regions that found the table full
+  bool armed = false;    // the atfork handler is installed
+};
+Stats Snapshot();
+
+// The message the handler writes for a fault at `addr` in this process's table, or "" when the
+// address is in no recorded region (for tests: the handler itself formats into a stack buffer).
+// Returns the length written into `out` (at most `size` - 1, NUL-terminated).
+int Describe(uintptr_t addr, int pid, int parent, char* out, int size);
+
+}  // namespace spillway::allocator::fork_fault
