@@ -64,6 +64,11 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   const uint32_t round = admit_rounds_.fetch_add(1, std::memory_order_acq_rel) + 1;
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (!OwnsSlotLocked()) {
+      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank_,
+                                               " of job '", options_.job,
+                                               "' already left the node (or was reaped as dead)"));
+    }
     if (entry().local_world_size == 0) {
       return Status::FailedPrecondition(
           StrCat("node admission for job '", options_.job,
@@ -82,7 +87,9 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     node::JobEntry& e = entry();
     const std::string text = e.verdict_text;
     if (e.verdict == Verdict::kFits) return Status::Ok();
-    // A refused round's need is taken back: a retry with a smaller config is judged on its own.
+    // A refused round's need is taken back (a retry with a smaller config is judged on its own):
+    // when the verdict was written, for the ranks that had declared by then; here for a rank that
+    // declared after it (last_need was zeroed for the others, so nothing is taken twice).
     Declaration& mine = e.declarations[local_rank_];
     if (mine.round == round) {
       mine.need -= std::min(mine.need, mine.last_need);
@@ -94,14 +101,32 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   };
   auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
     node::JobEntry& e = entry();
-    e.verdict_round = round;
+    if (v != Verdict::kFits) {
+      // The refused round is taken back for every rank of the job now, not when each returns: the
+      // other jobs' admission must not count needs nobody will hold.
+      for (Declaration& d : e.declarations) {
+        if (d.round != round) continue;
+        d.need -= std::min(d.need, d.last_need);
+        d.fork -= std::min(d.fork, d.last_fork);
+        d.last_need = d.last_fork = 0;
+      }
+    }
+    // The round last: a writer killed midway leaves the previous round's verdict, never this
+    // round's number on another round's verdict.
     e.verdict = v;
     std::snprintf(e.verdict_text, sizeof(e.verdict_text), "%s", text.c_str());
+    __atomic_store_n(&e.verdict_round, round, __ATOMIC_RELEASE);
   };
   const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
   while (true) {
     SPILLWAY_RETURN_IF_ERROR(ReapDead());
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
+    if (!OwnsSlotLocked()) {  // left (the process is exiting) or reaped: the job entry may be
+                              // reused
+      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank_,
+                                               " of job '", options_.job,
+                                               "' left the node while waiting; nothing declared"));
+    }
     if (entry().verdict_round >= round) return verdict();
     std::vector<int> missing;
     for (int r = 0; r < kMaxSlots; ++r) {

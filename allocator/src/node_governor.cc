@@ -35,6 +35,14 @@ std::shared_ptr<NodeGovernor> g_current;  // guarded by g_current_mu
 std::atomic<const ProcessTag*> g_current_process{nullptr};
 thread_local bool t_on_watcher = false;
 
+// The publishers and the watcher's acknowledgement write the slot without the lock: only while it
+// is still this rank's (a slot reaped meanwhile may already be another job's rank's). A relaxed
+// read; the slot changes hands under the lock, so this narrows the window, it does not close it.
+bool StillMine(const Slot& slot, pid_t pid, uint64_t generation) {
+  return __atomic_load_n(&slot.pid, __ATOMIC_RELAXED) == pid &&
+         __atomic_load_n(&slot.generation, __ATOMIC_RELAXED) == generation;
+}
+
 }  // namespace
 
 NodeGovernor::NodeGovernor(NodeGovernorOptions options, std::string path, int fd,
@@ -226,7 +234,8 @@ Result<uint64_t> NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
 }
 
 void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
-  if (tier == NodeTier::kNvme || !process_.InOwner() || left_.load(std::memory_order_acquire)) {
+  if (tier == NodeTier::kNvme || !process_.InOwner() || left_.load(std::memory_order_acquire) ||
+      !StillMine(segment_->slots[slot_], pid_, generation_)) {
     return;
   }
   Slot& mine = segment_->slots[slot_];
@@ -236,7 +245,9 @@ void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
 }
 
 void NodeGovernor::PublishWorkers(uint64_t private_bytes, uint32_t workers) {
-  if (!process_.InOwner() || left_.load(std::memory_order_acquire)) return;
+  if (!process_.InOwner() || left_.load(std::memory_order_acquire) ||
+      !StillMine(segment_->slots[slot_], pid_, generation_))
+    return;
   Slot& mine = segment_->slots[slot_];
   mine.workers_private.store(private_bytes, std::memory_order_relaxed);
   mine.workers.store(workers, std::memory_order_relaxed);
@@ -297,7 +308,7 @@ Result<std::vector<std::string>> NodeGovernor::RequestTrimAndWait() {
       if (i != slot_ && slot.pid != 0) {
         others.push_back(
             {i, slot.pid, slot.start_ticks, slot.generation,
-             StrCat("job '", segment_->jobs[slot.job].name, "' local rank ", slot.local_rank)});
+             StrCat("job '", node::JobName(segment_, slot.job), "' local rank ", slot.local_rank)});
       }
     }
   }
@@ -348,7 +359,7 @@ void NodeGovernor::WatchLoop() {
     node::Futex(&segment_->trim_word, FUTEX_WAIT, seen, &timeout);
     if (stop_.load(std::memory_order_acquire)) break;
     const uint32_t now = segment_->trim_word.load(std::memory_order_acquire);
-    if (now != seen) {
+    if (now != seen && StillMine(mine, pid_, generation_)) {
       TrimLocal();
       mine.trims.fetch_add(1, std::memory_order_relaxed);
       mine.trim_ack.store(now, std::memory_order_release);

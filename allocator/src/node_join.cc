@@ -84,14 +84,30 @@ struct Claim {
 };
 Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::string& path,
                           uint64_t start_ticks) {
+  // Names another ledger only for jobs that truly share no memory limit: under one, two ledgers
+  // promise its memory twice.
+  const char* kOwnLedger =
+      "; or, for a job that shares no memory limit with the others, a ledger of its own "
+      "(SPILLWAY_NODE_LEDGER)";
   if (o.host_budget_bytes != 0 && o.host_budget_bytes != s->host_budget) {
-    return Status::InvalidArgument(
-        StrCat("node governor: the ledger of ", s->scope, " has a node budget of ",
-               FormatBytes(s->host_budget), ", set by job '", s->budget_by, "'; job '", o.job,
-               "' asks for ", FormatBytes(o.host_budget_bytes),
-               ". Every job under one memory limit shares its budget. Give every rank the same "
-               "SPILLWAY_NODE_BUDGET_BYTES (or none), or name a ledger of its own "
-               "(SPILLWAY_NODE_LEDGER)"));
+    return Status::InvalidArgument(StrCat(
+        "node governor: the ledger for ", s->scope, " has a node budget of ",
+        FormatBytes(s->host_budget),
+        s->budget_explicit != 0 ? StrCat(", set by job '", s->budget_by, "'")
+                                : std::string(", the default from its memory limit"),
+        "; job '", o.job, "' asks for ", FormatBytes(o.host_budget_bytes),
+        ". Every job under one memory limit shares its budget. Give every rank of every job the "
+        "same SPILLWAY_NODE_BUDGET_BYTES (or none)",
+        kOwnLedger));
+  }
+  if (o.nvme_budget_bytes != 0 && s->nvme_budget != 0 && o.nvme_budget_bytes != s->nvme_budget) {
+    return Status::InvalidArgument(StrCat(
+        "node governor: the ledger for ", s->scope, " has an NVMe budget of ",
+        FormatBytes(s->nvme_budget), "; job '", o.job, "' asks for ",
+        FormatBytes(o.nvme_budget_bytes),
+        ". Every job under one memory limit shares one NVMe budget: give every rank the same "
+        "SPILLWAY_NODE_NVME_BUDGET_BYTES (or none)",
+        kOwnLedger));
   }
   int job = node::FindJob(s, o.job);
   const bool running = job >= 0 && node::JobHasRanks(s, job);
@@ -114,15 +130,14 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
     return Status::ResourceExhausted(
         StrCat("node governor: all ", kMaxSlots, " slots of the ledger ", path, " (", s->scope,
                ") are held by live ranks; a memory limit's ledger holds at most ", kMaxSlots,
-               " ranks. Run fewer, or give this job a ledger of its own (SPILLWAY_NODE_LEDGER)"));
+               " ranks. Run fewer", kOwnLedger));
   }
   if (!running) {
     job = node::TakeJob(s, o.job);
     if (job < 0) {
-      return Status::ResourceExhausted(StrCat(
-          "node governor: the ledger ", path, " (", s->scope, ") already holds ", node::kMaxJobs,
-          " jobs with live ranks; stop one, or give this job a ledger "
-          "of its own (SPILLWAY_NODE_LEDGER)"));
+      return Status::ResourceExhausted(StrCat("node governor: the ledger ", path, " (", s->scope,
+                                              ") already holds ", node::kMaxJobs,
+                                              " jobs with live ranks; stop one", kOwnLedger));
     }
   }
   if (local_rank < 0) {  // the first local rank the job has free
@@ -133,14 +148,16 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   const uint64_t generation = mine.generation;
   ClearSlot(&mine);  // nothing of an earlier occupant stays
   mine.generation = generation;
-  mine.pid = getpid();
+  // The pid last: a rank killed midway leaves a free slot, or one that the lock's recovery frees.
   mine.job = job;
   mine.local_rank = local_rank;
   mine.start_ticks = start_ticks;
   mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  mine.pid = getpid();
   node::JobEntry& entry = s->jobs[job];
   entry.declarations[local_rank] = Declaration{};
   if (entry.local_world_size == 0) entry.local_world_size = o.local_world_size;
+  if (s->nvme_budget == 0) s->nvme_budget = o.nvme_budget_bytes;  // 0: the first NVMe arena sets it
   return Claim{slot, job, local_rank};
 }
 
@@ -182,7 +199,13 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
       NowNs() + static_cast<uint64_t>(options.lock_timeout.count()) * 1'000'000ull;
   char state = '?';
   uint64_t my_start = 0;
-  node::ReadProcStat(getpid(), &state, &my_start);
+  if (!node::ReadProcStat(getpid(), &state, &my_start)) {
+    // Without its start time every other rank would judge this one dead (a reused pid).
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("node governor: /proc/", getpid(),
+                               "/stat is unreadable, so this rank cannot be told apart from a "
+                               "process that reused its pid; mount /proc, or set SPILLWAY_NODE=0"));
+  }
   while (true) {
     if (NowNs() > deadline) {
       return Status::Make(StatusCode::kUnavailable,

@@ -109,9 +109,19 @@ void ClearSlot(Slot* slot) {
   slot->trims.store(0, std::memory_order_relaxed);
 }
 
+bool SlotPlaced(const Slot& slot) {
+  return slot.job >= 0 && slot.job < kMaxJobs && slot.local_rank >= 0 &&
+         slot.local_rank < kMaxSlots;
+}
+
+const char* JobName(const Segment* s, int job) {
+  return job >= 0 && job < kMaxJobs ? s->jobs[job].name : "?";
+}
+
 void RecomputeTotals(Segment* s) {
   s->host_committed = s->nvme_committed = 0;
-  for (const Slot& slot : s->slots) {
+  for (Slot& slot : s->slots) {
+    if (slot.pid != 0 && !SlotPlaced(slot)) ClearSlot(&slot);  // its claimer died midway
     if (slot.pid == 0) continue;
     s->host_committed += slot.bytes[0] + slot.bytes[1];
     s->nvme_committed += slot.bytes[2];
@@ -166,7 +176,7 @@ uint64_t JobHeldOrDeclared(const Segment* s, int job, int* ranks) {
   uint64_t total = 0;
   *ranks = 0;
   for (const Slot& o : s->slots) {
-    if (o.pid == 0 || o.job != job) continue;
+    if (o.pid == 0 || o.job != job || !SlotPlaced(o)) continue;
     ++*ranks;
     total += std::max(o.bytes[0] + o.bytes[1], s->jobs[job].declarations[o.local_rank].need);
   }
@@ -386,8 +396,8 @@ Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
     for (const SlotSnapshot& d : dead) {
       Slot& slot = s->slots[d.index];
       if (slot.pid != d.pid || slot.generation != d.generation) continue;
-      what += StrCat(reaped ? "; " : "", "job '", slot.job >= 0 ? s->jobs[slot.job].name : "?",
-                     "' local rank ", slot.local_rank, " (pid ", d.pid, "): host ",
+      what += StrCat(reaped ? "; " : "", "job '", JobName(s, slot.job), "' local rank ",
+                     slot.local_rank, " (pid ", d.pid, "): host ",
                      FormatMiB(slot.bytes[0] + slot.bytes[1]), ", nvme ", FormatMiB(slot.bytes[2]));
       s->host_committed -= slot.bytes[0] + slot.bytes[1];
       s->nvme_committed -= slot.bytes[2];
@@ -433,7 +443,7 @@ NodeStats ReadStats(const Segment* s, const std::string& path, const std::string
     out.jobs.push_back(js);
   }
   for (const Slot& slot : s->slots) {
-    if (slot.pid == 0) continue;
+    if (slot.pid == 0 || !SlotPlaced(slot)) continue;  // a half claim: the next recovery frees it
     NodeRankStats r;
     r.job = s->jobs[slot.job].name;
     r.local_rank = slot.local_rank;

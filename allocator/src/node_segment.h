@@ -109,9 +109,15 @@ bool Alive(pid_t pid, uint64_t start_ticks);
 uint64_t OwnPidNamespace();
 int Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout);
 void ClearSlot(Slot* slot);
-void RecomputeTotals(Segment* s);  // assumes s->mu
+// Assumes s->mu. After a rank died holding the lock: frees slots it left half claimed (a pid with
+// no job or local rank), then sums the totals from the slots.
+void RecomputeTotals(Segment* s);
 // The following assume s->mu.
-int FindJob(const Segment* s, const std::string& name);   // its entry, or -1
+int FindJob(const Segment* s, const std::string& name);  // its entry, or -1
+// A slot's job name, "?" for an index out of range (a rank killed while claiming its slot).
+const char* JobName(const Segment* s, int job);
+// The slot's job and local rank are in range (a rank killed while claiming leaves them not).
+bool SlotPlaced(const Slot& slot);
 bool JobHasRanks(const Segment* s, int job);              // a live slot points at it
 int RankSlot(const Segment* s, int job, int local_rank);  // the live slot, or -1
 // The entry for `name`: its own when one of its ranks is alive; else a fresh one (its own, reused

@@ -125,9 +125,9 @@ Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options, I
   options.grow_bytes = RoundUp(options.grow_bytes, alignment);
   if (options.node == nullptr) options.node = NodeGovernor::Current();
   if (options.node != nullptr) {
-    // The job's first NVMe arena sets the node's NVMe budget when none was given: 90% of the free
-    // space where it swaps (each rank's own default budget is the same 90%; the node's caps their
-    // sum).
+    // The ledger's first NVMe arena (of any job) sets its NVMe budget when none was given: 90% of
+    // the free space where it swaps (each rank's own default budget is the same 90%; the node's
+    // caps their sum).
     struct statvfs vfs {};
     if (statvfs(options.directory.c_str(), &vfs) != 0) {
       const int err = errno;

@@ -74,11 +74,14 @@ MemoryLimit MemoryLimitOf(std::string_view proc_self_cgroup, const std::string& 
       continue;
     }
     // The limit in force is the smallest one on the way from the cgroup up to the root; of equal
-    // ones, the innermost (the first met).
+    // ones, the outermost: Slurm sets the same memory.max on a job and on each of its steps, and
+    // two steps of one allocation meet one OOM killer, so they keep one ledger.
     while (true) {
       const std::string at = path == "/" ? dir : StrCat(dir, path);
       const uint64_t here = ReadLimitFile(StrCat(at, "/", file));
-      if (here < limit.bytes) limit = MemoryLimit{here, at};
+      if (here < limit.bytes || (here == limit.bytes && !limit.cgroup.empty())) {
+        limit = MemoryLimit{here, at};
+      }
       if (path.empty() || path == "/") break;
       const size_t slash = path.rfind('/');
       path = slash == 0 || slash == std::string::npos ? std::string("/") : path.substr(0, slash);

@@ -359,10 +359,11 @@ std::vector<MetricFamily> Collector::Collect() const {
     const allocator::NodeStats s = g->Snapshot();  // the segment's lock only: no system call
     const auto d = [](uint64_t v) { return static_cast<double>(v); };
     const char* kBudgetHelp =
-        "The node budget shared by the job's local ranks (nvme 0: not capped).";
+        "The budget of the memory limit's ledger, shared by every rank of every job under it "
+        "(nvme 0: not capped).";
     f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "host"}}, d(s.host_budget_bytes));
     f.Gauge("spillway_node_budget_bytes", kBudgetHelp, {{"tier", "nvme"}}, d(s.nvme_budget_bytes));
-    const char* kCommittedHelp = "Bytes every local rank of the job has booked on the node.";
+    const char* kCommittedHelp = "Bytes every rank of every job has booked in the ledger.";
     f.Gauge("spillway_node_committed_bytes", kCommittedHelp, {{"tier", "host"}},
             d(s.host_committed_bytes));
     f.Gauge("spillway_node_committed_bytes", kCommittedHelp, {{"tier", "nvme"}},

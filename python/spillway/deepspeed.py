@@ -419,9 +419,13 @@ def _admit(args, kwargs):
         warnings.warn(f"spillway.deepspeed: node admission skipped: the DeepSpeed config cannot be written as "
                       f"JSON for the planner: {e}", AuditWarning, stacklevel=3)
         return
+    # The room this job has: the budget less what the other jobs under the memory limit hold or
+    # declared (admission counts them too), so the planner's suggestions are for what is left.
+    others = sum(max(j["host_bytes"], j["declared_bytes"]) for j in ledger["jobs"] if j["name"] != ledger["job"])
+    room = max(ledger["host_budget_bytes"] - others, 1 << 20)
     try:
         plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
-                                         ledger["host_budget_bytes"], config_json,
+                                         room, config_json,
                                          get_accelerator().device_name() == "cpu")
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",

@@ -266,12 +266,14 @@ def main(argv=None):
             try:
                 led = inspect(path)
             except _spillway.Error as e:
+                if not os.path.exists(path):
+                    continue  # its last rank removed it meanwhile
                 print(f"spillway node: {path}: {e}", file=sys.stderr)
                 bad += 1
                 continue
             if not args.job or any(j["name"] == args.job for j in led["jobs"]):
                 ledgers.append(led)
-        if not ledgers and not bad:
+        if not ledgers and (not bad or args.job):
             print(f"spillway node: no node segment of uid {os.geteuid()} in {args.dir}"
                   f"{' with job ' + args.job if args.job else ''}", file=sys.stderr)
             return 1
@@ -280,8 +282,8 @@ def main(argv=None):
         else:
             print("\n\n".join(_format(led) for led in ledgers))
         sys.stdout.flush()
-        if not args.watch:
-            return 0 if not bad else 1
+        if not args.watch:  # with --job, an unreadable other ledger does not fail the look at its own
+            return 0 if (ledgers if args.job else not bad) else 1
         time.sleep(args.watch)
 
 

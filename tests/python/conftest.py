@@ -5,9 +5,10 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: no GPU here
 # The node ledger belongs to the memory limit, which every test process on this machine shares: each
-# test file's ranks keep a ledger of their own (its children inherit the name), so files that ctest
-# runs side by side never see each other's bytes. The tests of the limit's own ledger unset it.
-os.environ.setdefault("SPILLWAY_NODE_LEDGER", f"pytest-{os.getpid()}")
+# test process's ranks keep a ledger of their own (its children inherit the name), so the files that
+# ctest runs side by side (one pytest process each) never see each other's bytes. The tests of the
+# limit's own ledger unset it.
+os.environ["SPILLWAY_NODE_LEDGER"] = f"pytest-{os.getpid()}"  # not inherited from outside
 
 
 def pytest_sessionstart(session):

@@ -54,8 +54,9 @@ Result<ForkSafety> ParseForkSafety(std::string_view name);
 uint64_t MemoryLimitBytes();
 uint64_t MemoryLimitBytes(std::string_view proc_self_cgroup, const std::string& cgroup_root,
                           uint64_t physical_bytes);
-// The limit in force and where it is set: the cgroup directory whose limit file gave it (empty:
-// no cgroup limits below physical memory, the machine's). The node ledger is this limit's.
+// The limit in force and where it is set: the cgroup directory whose limit file gave it, the
+// outermost of equal ones (empty: no cgroup limits below physical memory, the machine's). The node
+// ledger is this limit's.
 struct MemoryLimit {
   uint64_t bytes = 0;
   std::string cgroup;  // e.g. "/sys/fs/cgroup/job.slice/step_0"; empty: the machine
