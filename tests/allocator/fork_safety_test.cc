@@ -210,7 +210,7 @@ TEST(ForkSafetyTest, AChildTouchingDontForkMemoryIsToldWhyAndDiesAsBefore) {
     volatile uintptr_t nowhere = 16;  // opaque to the compiler: a plain null-page read
     return static_cast<int>(*reinterpret_cast<volatile unsigned char*>(nowhere));
   });
-  EXPECT_EQ(other_text.find("spillway"), std::string::npos) << other_text;
+  EXPECT_EQ(other_text.find("spillway: process"), std::string::npos) << other_text;
   if (!testing::kUnderSanitizer) {
     ASSERT_TRUE(WIFSIGNALED(other_status));
     EXPECT_EQ(WTERMSIG(other_status), SIGSEGV);
@@ -220,7 +220,7 @@ TEST(ForkSafetyTest, AChildTouchingDontForkMemoryIsToldWhyAndDiesAsBefore) {
   ASSERT_TRUE(arena->Free(*p).ok());
   arena.reset();
   auto [gone_status, gone_text] = RunInChildSaying([&] { return static_cast<int>(bytes[4096]); });
-  EXPECT_EQ(gone_text.find("spillway"), std::string::npos) << gone_text;
+  EXPECT_EQ(gone_text.find("spillway: process"), std::string::npos) << gone_text;
   (void)gone_status;
 }
 
