@@ -37,24 +37,19 @@ struct Out {
   void Text(const char* s) {
     for (; *s != '\0' && left > 0; ++s, --left) p[n++] = *s;
   }
-  void Dec(uint64_t v) {
+  void Number(uint64_t v, unsigned base) {  // base 10 or 16, no prefix
     char d[24];
     int k = 0;
     do {
-      d[k++] = static_cast<char>('0' + v % 10);
-      v /= 10;
+      d[k++] = "0123456789abcdef"[v % base];
+      v /= base;
     } while (v != 0);
     while (k > 0 && left > 0) p[n++] = d[--k], --left;
   }
+  void Dec(uint64_t v) { Number(v, 10); }
   void Hex(uint64_t v) {
     Text("0x");
-    char d[16];
-    int k = 0;
-    do {
-      d[k++] = "0123456789abcdef"[v & 15];
-      v >>= 4;
-    } while (v != 0);
-    while (k > 0 && left > 0) p[n++] = d[--k], --left;
+    Number(v, 16);
   }
 };
 
@@ -65,6 +60,39 @@ const Entry* Find(uintptr_t addr) {
     if (bytes != 0 && addr >= base && addr - base < bytes) return &e;
   }
   return nullptr;
+}
+
+// The line the handler writes for a fault at `addr`, formatted into `out` (NUL-terminated), or
+// nothing when the address is in no recorded region. Returns its length.
+int Describe(uintptr_t addr, int pid, int parent, char* out, int size) {
+  if (size <= 0) return 0;
+  out[0] = '\0';
+  const Entry* e = Find(addr);
+  if (e == nullptr) return 0;
+  const uintptr_t base = e->base.load(std::memory_order_relaxed);
+  Out o{out, size - 1};
+  o.Text("spillway: process ");
+  o.Dec(static_cast<uint64_t>(pid));
+  o.Text(" (forked from ");
+  o.Dec(static_cast<uint64_t>(parent));
+  o.Text(") touched ");
+  o.Hex(addr);
+  o.Text(", in a region of host arena '");
+  o.Text(e->arena);
+  o.Text("' (");
+  o.Hex(base);
+  o.Text(" + ");
+  o.Dec(e->bytes.load(std::memory_order_relaxed));
+  o.Text(" bytes, first mapped for ");
+  o.Text(e->kind != nullptr ? e->kind : "?");
+  o.Text(
+      "). Spillway keeps its regions out of forked children by design (MADV_DONTFORK): a fork "
+      "copies none of their pages, so the page is not mapped here and the child dies with "
+      "SIGSEGV. Read this state in the parent, or hand the child a copy made before the fork "
+      "(a tensor made outside spillway.tag(), or t.share_memory_()). Note [Fork fault] in "
+      "docs/allocator.md.\n");
+  out[o.n] = '\0';
+  return o.n;
 }
 
 void OnFault(int sig, siginfo_t* info, void* /*context*/) {
@@ -83,6 +111,8 @@ void OnFault(int sig, siginfo_t* info, void* /*context*/) {
   errno = saved_errno;
 }
 
+// In a forked child (the atfork child handler, between fork() and its return: only this thread
+// exists), and on Rearm.
 void Install() {
   if (g_count.load(std::memory_order_relaxed) == 0) return;
   struct sigaction sa {};
@@ -94,12 +124,9 @@ void Install() {
   sigaction(SIGSEGV, &sa, &g_previous);
 }
 
-// In the child, between fork() and its return: only this thread exists.
-void InChild() { Install(); }
-
 void Arm() {
   static const bool armed = [] {
-    const bool ok = pthread_atfork(nullptr, nullptr, InChild) == 0;
+    const bool ok = pthread_atfork(nullptr, nullptr, Install) == 0;
     g_armed.store(ok, std::memory_order_release);
     return ok;
   }();
@@ -143,37 +170,6 @@ void Rearm() { Install(); }
 Stats Snapshot() {
   return Stats{g_count.load(std::memory_order_relaxed), g_unnamed.load(std::memory_order_relaxed),
                g_armed.load(std::memory_order_acquire)};
-}
-
-int Describe(uintptr_t addr, int pid, int parent, char* out, int size) {
-  if (size <= 0) return 0;
-  out[0] = '\0';
-  const Entry* e = Find(addr);
-  if (e == nullptr) return 0;
-  const uintptr_t base = e->base.load(std::memory_order_relaxed);
-  Out o{out, size - 1};
-  o.Text("spillway: process ");
-  o.Dec(static_cast<uint64_t>(pid));
-  o.Text(" (forked from ");
-  o.Dec(static_cast<uint64_t>(parent));
-  o.Text(") touched ");
-  o.Hex(addr);
-  o.Text(", in a region of host arena '");
-  o.Text(e->arena);
-  o.Text("' (");
-  o.Hex(base);
-  o.Text(" + ");
-  o.Dec(e->bytes.load(std::memory_order_relaxed));
-  o.Text(" bytes, first mapped for ");
-  o.Text(e->kind != nullptr ? e->kind : "?");
-  o.Text(
-      "). Spillway keeps its regions out of forked children by design (MADV_DONTFORK): a fork "
-      "copies none of their pages, so the page is not mapped here and the child dies with "
-      "SIGSEGV. Read this state in the parent, or hand the child a copy made before the fork "
-      "(a tensor made outside spillway.tag(), or t.share_memory_()). Note [Fork fault] in "
-      "docs/allocator.md.\n");
-  out[o.n] = '\0';
-  return o.n;
 }
 
 }  // namespace spillway::allocator::fork_fault

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "spillway/allocator/fork_fault.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/base/bytes.h"
 #include "test_util.h"
@@ -191,9 +192,12 @@ TEST(ForkSafetyTest, AChildTouchingDontForkMemoryIsToldWhyAndDiesAsBefore) {
   Ledger ledger;
   HostArenaOptions o = ForkOptions(&ledger, ForkSafety::kDontFork);
   o.name = "fork-fault-test";
+  const int recorded = fork_fault::Snapshot().regions;
   auto arena = testing::MakeArena(o);
   auto p = arena->Allocate(kMiB, Tag(Kind::kOptimizerState, Lifetime::kPersistent));
   ASSERT_TRUE(p.ok());
+  EXPECT_EQ(fork_fault::Snapshot().regions, recorded + 1) << "the arena's one region, recorded";
+  EXPECT_TRUE(fork_fault::Snapshot().armed);
   auto* bytes = static_cast<volatile unsigned char*>(*p);
   bytes[0] = 9;
   auto [status, text] = RunInChildSaying([&] { return static_cast<int>(bytes[4096]); });
@@ -219,6 +223,7 @@ TEST(ForkSafetyTest, AChildTouchingDontForkMemoryIsToldWhyAndDiesAsBefore) {
   // (or, where the address was mapped again since, does not fault).
   ASSERT_TRUE(arena->Free(*p).ok());
   arena.reset();
+  EXPECT_EQ(fork_fault::Snapshot().regions, recorded) << "forgotten before it was unmapped";
   auto [gone_status, gone_text] = RunInChildSaying([&] { return static_cast<int>(bytes[4096]); });
   EXPECT_EQ(gone_text.find("spillway: process"), std::string::npos) << gone_text;
   (void)gone_status;

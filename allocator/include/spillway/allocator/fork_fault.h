@@ -31,9 +31,4 @@ struct Stats {
 };
 Stats Snapshot();
 
-// The message the handler writes for a fault at `addr` in this process's table, or "" when the
-// address is in no recorded region (for tests: the handler itself formats into a stack buffer).
-// Returns the length written into `out` (at most `size` - 1, NUL-terminated).
-int Describe(uintptr_t addr, int pid, int parent, char* out, int size);
-
 }  // namespace spillway::allocator::fork_fault
