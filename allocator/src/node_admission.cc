@@ -22,6 +22,18 @@ using node::SleepMs;
 using node::Slot;
 using node::Verdict;
 
+namespace {
+
+// Takes a refused round's need back out of a declaration; the last call's numbers are zeroed, so a
+// second take-back of the same round takes nothing.
+void TakeBackLast(Declaration* d) {
+  d->need -= std::min(d->need, d->last_need);
+  d->fork -= std::min(d->fork, d->last_fork);
+  d->last_need = d->last_fork = 0;
+}
+
+}  // namespace
+
 std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
                                              const std::vector<std::string>& silent) const {
   const NodeStats s = Stats();
@@ -30,8 +42,8 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
         "node budget: local rank ", local_rank_, " of job '", options_.job, "' needs ",
         FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
         FormatBytes(s.nvme_budget_bytes),
-        " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the job's first NVMe "
-        "arena swaps) has ",
+        " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the first NVMe arena "
+        "under this memory limit swaps) has ",
         FormatBytes(s.nvme_committed_bytes), " booked by ", s.ranks.size(),
         " rank(s): ", DescribeNodeRanks(s),
         ". Free space on the disk behind nvme_path and raise SPILLWAY_NODE_NVME_BUDGET_BYTES, keep "
@@ -91,11 +103,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     // when the verdict was written, for the ranks that had declared by then; here for a rank that
     // declared after it (last_need was zeroed for the others, so nothing is taken twice).
     Declaration& mine = e.declarations[local_rank_];
-    if (mine.round == round) {
-      mine.need -= std::min(mine.need, mine.last_need);
-      mine.fork -= std::min(mine.fork, mine.last_fork);
-      mine.last_need = mine.last_fork = 0;
-    }
+    if (mine.round == round) TakeBackLast(&mine);
     if (e.verdict == Verdict::kOverBudget) return Status::OverBudget(text);
     return Status::Make(StatusCode::kUnavailable, text);
   };
@@ -105,10 +113,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
       // The refused round is taken back for every rank of the job now, not when each returns: the
       // other jobs' admission must not count needs nobody will hold.
       for (Declaration& d : e.declarations) {
-        if (d.round != round) continue;
-        d.need -= std::min(d.need, d.last_need);
-        d.fork -= std::min(d.fork, d.last_fork);
-        d.last_need = d.last_fork = 0;
+        if (d.round == round) TakeBackLast(&d);
       }
     }
     // The round last: a writer killed midway leaves the previous round's verdict, never this

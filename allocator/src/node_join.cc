@@ -168,19 +168,18 @@ std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string&
 }
 
 Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
-  if (!node::ValidJob(options.job)) {
-    return Status::InvalidArgument(StrCat("node governor: job '", options.job, "' must be 1 to ",
+  auto bad_name = [](const char* what, const std::string& name) {
+    return Status::InvalidArgument(StrCat("node governor: ", what, " '", name, "' must be 1 to ",
                                           node::kJobChars,
                                           " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
-  }
+  };
+  if (!node::ValidJob(options.job)) return bad_name("job", options.job);
   if (options.ledger.empty()) {
     NodeLedger ledger = DefaultNodeLedger();
     options.ledger = std::move(ledger.name);
     if (options.scope.empty()) options.scope = std::move(ledger.scope);
   } else if (!node::ValidJob(options.ledger)) {
-    return Status::InvalidArgument(StrCat("node governor: ledger '", options.ledger,
-                                          "' must be 1 to ", node::kJobChars,
-                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
+    return bad_name("ledger", options.ledger);
   }
   if (options.scope.empty()) {
     options.scope =
@@ -259,8 +258,7 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
         s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
                                                         : DefaultNodeHostBudget(s->memory_limit);
         s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
-        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;
-        s->nvme_budget = options.nvme_budget_bytes;
+        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;  // NVMe's: ClaimLocked
         for (Slot& slot : s->slots) {
           slot.job = -1;
           slot.local_rank = -1;
