@@ -266,7 +266,7 @@ def main(argv=None):
             try:
                 led = inspect(path)
             except _spillway.Error as e:
-                if not os.path.exists(path):
+                if not args.segment and not os.path.exists(path):
                     continue  # its last rank removed it meanwhile
                 print(f"spillway node: {path}: {e}", file=sys.stderr)
                 bad += 1

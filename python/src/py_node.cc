@@ -114,10 +114,12 @@ void BindNode(py::module_& m) {
         o.memory_limit_bytes = memory_limit_bytes;
         o.nvme_budget_bytes = nvme_budget_bytes;
         o.dir = dir;
-        std::shared_ptr<NodeGovernor> g = [&] {
+        Result<std::unique_ptr<NodeGovernor>> joined = [&] {
           py::gil_scoped_release nogil;  // waits for a segment's creator, reaps (syscalls)
-          return std::shared_ptr<NodeGovernor>(Check(NodeGovernor::Join(std::move(o))));
+          return NodeGovernor::Join(std::move(o));
         }();
+        // With the GIL: raising builds a Python exception.
+        std::shared_ptr<NodeGovernor> g(Check(std::move(joined)));
         NodeGovernor::SetCurrent(g);
         return g->path();
       },
@@ -155,12 +157,11 @@ void BindNode(py::module_& m) {
   m.def(
       "_node_inspect",
       [](const std::string& path) {
-        NodeStats s;
-        {
+        Result<NodeStats> s = [&] {
           py::gil_scoped_release nogil;
-          s = Check(NodeGovernor::Inspect(path));
-        }
-        return StatsToDict(s);
+          return NodeGovernor::Inspect(path);
+        }();
+        return StatsToDict(Check(std::move(s)));  // with the GIL: raising builds a Python exception
       },
       py::arg("path"));
   m.def(

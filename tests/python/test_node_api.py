@@ -88,6 +88,16 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
     assert gone.returncode == 1 and "no node segment" in gone.stderr  # the last rank out removed it
 
 
+def test_the_viewer_names_a_segment_it_cannot_read(tmp_path):
+    """Reading a ledger that is not there (a path mistyped, or a job that ended between the listing
+    and the read) is an error that names the path, not a crash: the binding raised without the GIL."""
+    missing = tmp_path / "spillway-node-0-limit-0000000000000000"
+    out = _zygote.run([sys.executable, "-m", "spillway.node", str(missing)], capture_output=True, text=True,
+                      timeout=120)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert f"spillway node: {missing}: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_child_of_a_rank_that_inherits_its_variables_is_not_a_rank():
     out = _zygote.run([sys.executable, "-c", RANK, "parent"], capture_output=True, text=True, timeout=120,
                       env=env_with(SPILLWAY_NODE_JOB=job_name("child"), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
