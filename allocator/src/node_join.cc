@@ -89,7 +89,20 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   const char* kOwnLedger =
       "; or, for a job that shares no memory limit with the others, a ledger of its own "
       "(SPILLWAY_NODE_LEDGER)";
-  if (o.host_budget_bytes != 0 && o.host_budget_bytes != s->host_budget) {
+  // A default budget (from the memory limit) yields to the first explicit one while what is
+  // booked fits under it: a lone process that made the ledger must not refuse a job started with
+  // SPILLWAY_NODE_BUDGET_BYTES. Two explicit budgets must agree.
+  const bool adopt = o.host_budget_bytes != 0 && s->budget_explicit == 0;
+  if (adopt && s->host_committed > o.host_budget_bytes) {
+    return Status::InvalidArgument(StrCat(
+        "node governor: job '", o.job, "' asks for a node budget of ",
+        FormatBytes(o.host_budget_bytes), ", but the ranks in the ledger for ", s->scope,
+        " already hold ", FormatBytes(s->host_committed),
+        " under its default budget; raise SPILLWAY_NODE_BUDGET_BYTES, or start the job when they "
+        "hold less",
+        kOwnLedger));
+  }
+  if (!adopt && o.host_budget_bytes != 0 && o.host_budget_bytes != s->host_budget) {
     return Status::InvalidArgument(StrCat(
         "node governor: the ledger for ", s->scope, " has a node budget of ",
         FormatBytes(s->host_budget),
@@ -158,6 +171,12 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   entry.declarations[local_rank] = Declaration{};
   if (entry.local_world_size == 0) entry.local_world_size = o.local_world_size;
   if (s->nvme_budget == 0) s->nvme_budget = o.nvme_budget_bytes;  // 0: the first NVMe arena sets it
+  if (adopt) {
+    s->host_budget = o.host_budget_bytes;
+    s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
+    s->budget_explicit = 1;
+    std::snprintf(s->budget_by, sizeof(s->budget_by), "%s", o.job.c_str());
+  }
   return Claim{slot, job, local_rank};
 }
 
@@ -220,8 +239,12 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
         m.fd = fd;
         void* p = MAP_FAILED;
         int err = 0;
+        // posix_fallocate, not ftruncate alone: a tmpfs that is full then refuses here (ENOSPC)
+        // instead of the first write to a page it cannot back raising SIGBUS.
         if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
           err = errno;
+        } else if ((err = posix_fallocate(fd, 0, sizeof(Segment))) != 0) {
+          // err is set (posix_fallocate returns it, errno untouched)
         } else {
           p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
           if (p == MAP_FAILED) err = errno;

@@ -19,10 +19,10 @@
 namespace spillway::allocator::node {
 
 inline constexpr uint64_t kMagic = 0x31454430'4e4c5753ull;  // "SWLN0DE1"
-inline constexpr uint32_t kVersion = 4;
-inline constexpr int kMaxSlots = 64;  // ranks of every job under the limit
-inline constexpr int kMaxJobs = 16;
-inline constexpr size_t kJobChars = 80;  // a job's or a ledger's name
+inline constexpr uint32_t kVersion = 5;
+inline constexpr int kMaxSlots = 64;        // ranks of every job under the limit
+inline constexpr int kMaxJobs = kMaxSlots;  // every process may be a job of its own
+inline constexpr size_t kJobChars = 80;     // a job's or a ledger's name
 inline constexpr size_t kScopeChars = 255;
 inline constexpr int kHostTiers = 2;  // pinned, pageable
 inline constexpr size_t kVerdictChars = 4096;

@@ -113,25 +113,29 @@ def _name_worker_faults():
 
 
 def _join_node(node):
-    """Joins the job's node budget (spillway.node) when `node` is True, or when it is None and a
-    launcher started this process (or SPILLWAY_NODE_JOB names the job) and SPILLWAY_NODE is not 0.
-    Returns the node's host budget, or None without one."""
-    if node is None:
+    """Joins the node ledger of this process's memory limit (spillway.node) unless `node` is False,
+    or None with SPILLWAY_NODE=0. A process a launcher started (or one SPILLWAY_NODE_JOB names)
+    joins as a local rank of its job; any other process joins as a job of its own, and warns once
+    when no ledger can take it (spillway.node.NodeWarning). A child of a rank that inherited its
+    variables joins nothing: its pages are that rank's workers'. Returns the node's host budget,
+    or None without one."""
+    if (node is not None and not node) or (node is None and os.environ.get("SPILLWAY_NODE", "1") == "0"):
+        return None
+    if not _node.joined():
         member = os.environ.get("SPILLWAY_NODE_MEMBER")
-        if member and member != str(os.getpid()):
+        if node is None and member and member != str(os.getpid()):
             return None  # a child of a rank (it inherited the launcher's variables): not a rank
         env = _node.job()
         # A launcher that says how many local ranks it started (torchrun, accelerate, deepspeed,
         # mpirun, Slurm), a job named explicitly, or ranks that multiprocessing started (their
-        # count is not known, so no admission: node.admit says so); a lone process with LOCAL_RANK
-        # set joins nothing.
-        node = os.environ.get("SPILLWAY_NODE", "1") != "0" and bool(env["id"]) and (
-            env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0
-            or env["source"].startswith(_node.SPAWNED))
-    if not node:
-        return None
-    if not _node.joined():
-        _node.join()
+        # count is not known, so no admission: node.admit says so) join their job; a process
+        # nothing describes (a plain `python`, a launcher of its own, LOCAL_RANK alone) is a job
+        # of its own under the same limit.
+        if bool(env["id"]) and (env["source"] == "SPILLWAY_NODE_JOB" or env["local_world_size"] > 0
+                                or env["source"].startswith(_node.SPAWNED)):
+            _node.join()
+        elif not _node.join_alone(warn=node is None):  # node=True: raise where it cannot join
+            return None
     return _node.stats()["host_budget_bytes"]
 
 
@@ -149,12 +153,16 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
     the cgroup's memory.max): the pageable arena 2/3 of it, the pinned one 1/3, so the two together
     never exceed it.
 
-    Node budget (spillway.node): when a launcher started this process (torchrun, accelerate launch,
-    the deepspeed launcher, mpirun, srun: spillway.node.job() lists the variables read),
-    torch.multiprocessing.spawn did (the job of the process that spawned it), or SPILLWAY_NODE_JOB
-    names the job, and `node` is not False (nor SPILLWAY_NODE=0), both arenas book their regions
-    in the job's node ledger, whose budget all local ranks share; the two budgets left unset are
-    then the node's budget each (the node caps their sum and every other rank's). `declare_bytes`
+    Node budget (spillway.node): unless `node` is False (or None with SPILLWAY_NODE=0), both arenas book
+    their regions in the ledger of the process's memory limit, whose budget every Spillway process
+    under that limit shares: as a local rank of its job when a launcher started it (torchrun,
+    accelerate launch, the deepspeed launcher, mpirun, srun: spillway.node.job() lists the
+    variables read), torch.multiprocessing.spawn did (the job of the process that spawned it), or
+    SPILLWAY_NODE_JOB names the job; else as a job of its own ("process-<pid>"). A process no
+    ledger can take warns once (spillway.node.NodeWarning) and keeps budgets of its own (with
+    `node=True` it raises instead). The two
+    budgets left unset are the node's budget each (the node caps their sum and every other
+    rank's). `declare_bytes`
     declares this rank's host need for admission (spillway.node.admit): every rank fails at once,
     with one message, when the ranks' needs together pass the node budget. Returns the Runtime.
     Raises FailedPrecondition when called twice, in a forked child, or under a torch other than the
@@ -170,8 +178,9 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
         if declare_bytes is not None:
             if node_budget is None:
                 raise FailedPrecondition(
-                    "spillway.install(declare_bytes=...) needs a node budget: start the ranks with a "
-                    "launcher (LOCAL_RANK) or set SPILLWAY_NODE_JOB, and leave node=None or True")
+                    "spillway.install(declare_bytes=...) needs a node budget, and this process joined "
+                    "none (node=False, SPILLWAY_NODE=0, a child of a rank, or no ledger could take it: "
+                    "see the spillway.node.NodeWarning). Leave node=None or True and SPILLWAY_NODE unset")
             _node.admit(declare_bytes)
         total = default_host_budget()
         if node_budget is not None:

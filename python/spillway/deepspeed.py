@@ -404,7 +404,12 @@ def _admit(args, kwargs):
                       "the deepspeed launcher)", AuditWarning, stacklevel=3)
         return
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
-    config = _ds_config(args, kwargs)
+    try:
+        config = _ds_config(args, kwargs)
+    except (OSError, ValueError) as e:  # hjson, base64: DeepSpeed reads it next and names what is wrong
+        warnings.warn(f"spillway.deepspeed: node admission skipped: the DeepSpeed config cannot be read as "
+                      f"JSON for the planner: {e}", AuditWarning, stacklevel=3)
+        return
     if not isinstance(model, torch.nn.Module) or not isinstance(config, dict):
         warnings.warn("spillway.deepspeed: node admission skipped: deepspeed.initialize got no model "
                       "or no config dict to plan from", AuditWarning, stacklevel=3)

@@ -3,12 +3,13 @@ governor] in docs/allocator.md).
 
 What the OOM killer enforces is a memory limit (the cgroup that holds the process, else the
 machine), not a job: so the ledger belongs to the limit, and each job is a part of it.
-spillway.install() joins it by itself when a launcher started the process (torchrun, Accelerate and
-the deepspeed launcher set LOCAL_RANK, mpirun and srun their own variables;
-torch.multiprocessing.spawn's ranks share the process that started them; SPILLWAY_NODE_JOB names a
-job explicitly), so every rank's pinned and pageable arenas book their regions in one shared
-ledger: a rank may take what the others leave free, two jobs under one limit share its budget, and
-the limit as a whole is never passed. This module reads and steers that ledger:
+spillway.install() joins it by itself: a process a launcher started as a local rank of its job
+(torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK, mpirun and srun their own
+variables; torch.multiprocessing.spawn's ranks share the process that started them;
+SPILLWAY_NODE_JOB names a job explicitly), any other process as a job of its own. So every
+process's pinned and pageable arenas book their regions in one shared ledger: a rank may take what
+the others leave free, two jobs under one limit share its budget, and the limit as a whole is never
+passed. A process no ledger can take warns once (NodeWarning). This module reads and steers that ledger:
 
     spillway.node.stats()          # the ledger: budget, committed, each job, each rank by tier/kind
     python -m spillway.node        # the live ledgers of this user on the machine
@@ -77,21 +78,66 @@ def job():
     import multiprocessing  # noqa: PLC0415 (only here: most processes never ask)
 
     parent = multiprocessing.parent_process()
-    if parent is None or parent.pid is None:
+    parent_pid = parent.pid if parent is not None else None
+    if parent_pid is None and getattr(multiprocessing.current_process(), "_inheriting", False):
+        # spawn and forkserver import the parent's main module (a module-level install()) before
+        # parent_process() is set: the process that started this one is its parent still.
+        parent_pid = os.getppid()
+    if parent_pid is None:
         return found
-    if found["id"] and not (found["rank_variable"] and _inherited(found["rank_variable"], parent.pid)):
+    if found["id"] and not (found["rank_variable"] and _inherited(found["rank_variable"], parent_pid)):
         return found  # its launcher set the rank variable for this process
     # A launcher's variable this process only inherited (mp.spawn under srun or mpirun): every
     # spawned rank would claim the parent's local rank, and the count is the launcher's.
     if found["source"] == "SPILLWAY_NODE_JOB":
         return dict(found, local_rank=-1, local_world_size=0, rank_variable="")
     try:
-        start = _proc_start_ticks(parent.pid)
+        start = _proc_start_ticks(parent_pid)
     except OSError:
         return found  # the parent is gone: nothing left to share a budget with
-    return {"id": f"spawn-{parent.pid}-{start}", "local_rank": -1, "rank_variable": "",
+    return {"id": f"spawn-{parent_pid}-{start}", "local_rank": -1, "rank_variable": "",
             "local_world_size": found["local_world_size"] if not found["id"] else 0,  # LOCAL_WORLD_SIZE
-            "source": f"{SPAWNED}: the process that started every rank (pid {parent.pid})"}
+            "source": f"{SPAWNED}: the process that started every rank (pid {parent_pid})"}
+
+
+class NodeWarning(UserWarning):
+    """A process that joined no node ledger: its arenas keep budgets of their own."""
+
+
+def _caller_level():
+    """The warnings stacklevel of the first caller outside the spillway package, counted from the
+    function that calls this one."""
+    here, level, frame = os.path.dirname(os.path.abspath(__file__)), 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def join_alone(warn=True):
+    """Joins the ledger of this process's memory limit as a job of its own ("process-<pid>", one
+    local rank): what spillway.install() does for a process no launcher describes. Where no ledger
+    can take it (its jobs or slots all held by live ranks, /dev/shm missing or full, /proc
+    unreadable, a ledger of another PID namespace), warns once, naming the process, the reason and
+    what to set, and returns False; bad settings (SPILLWAY_NODE_*) raise as join() does, and so does
+    every error when not `warn`."""
+    try:
+        # Its children inherit no launcher's variables: those that multiprocessing starts
+        # (mp.spawn's ranks) join the job spawn-<pid>, the others a job of their own each.
+        join(job_id=f"process-{os.getpid()}", local_rank=0, local_world_size=1, children_are_ranks=True)
+        return True
+    except _spillway.Error as e:
+        if not warn or isinstance(e, _spillway.InvalidArgument):
+            raise
+        import warnings  # noqa: PLC0415 (only here: most processes never warn)
+
+        warnings.warn(
+            f"spillway: process {os.getpid()} ({' '.join(sys.argv)[:120]}) joined no node ledger, so its "
+            f"arenas keep budgets of their own (by default 3/4 of the memory limit) beside whatever else "
+            f"runs under that limit: {type(e).__name__}: {e}. Free room in the ledger (python -m "
+            f"spillway.node lists its jobs), give this process a ledger of its own name "
+            f"(SPILLWAY_NODE_LEDGER=<name>), or set SPILLWAY_NODE=0 to keep the budgets of its own without "
+            f"this warning", NodeWarning, stacklevel=_caller_level())
+        return False
 
 
 def joined():
@@ -99,11 +145,13 @@ def joined():
 
 
 def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None, reserve_bytes=None,
-         nvme_budget_bytes=None, directory=_DIR, ledger_name=None):
+         nvme_budget_bytes=None, directory=_DIR, ledger_name=None, children_are_ranks=False):
     """Joins (or creates) the ledger of this process's memory limit as a rank of the job, and makes
     it this process's: arenas made afterwards book their regions there. Arguments left None come
-    from the launcher's environment and the SPILLWAY_NODE_* variables. Returns the segment's
-    path."""
+    from the launcher's environment and the SPILLWAY_NODE_* variables. Unless
+    `children_are_ranks`, the processes this one starts afterwards (spawned DataLoader workers,
+    subprocesses, which inherit its launcher's variables) join nothing: their pages are its
+    workers'. Returns the segment's path."""
     env = job()
     job_id = job_id or env["id"]
     if not job_id:
@@ -130,9 +178,10 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
     path = _spillway._node_join(job_id, ledger_name, local_rank, local_world_size, budget_bytes or 0, limit,
                                 nvme_budget_bytes, directory)
     atexit.register(_spillway._node_exit)  # the slot is freed at exit; the last rank removes the segment
-    # Children (spawned DataLoader workers, subprocesses) inherit LOCAL_RANK and the job's name;
-    # this tells their spillway.install() that they are not ranks.
-    os.environ["SPILLWAY_NODE_MEMBER"] = str(os.getpid())
+    if not children_are_ranks:
+        # Children (spawned DataLoader workers, subprocesses) inherit LOCAL_RANK and the job's name;
+        # this tells their spillway.install() that they are not ranks.
+        os.environ["SPILLWAY_NODE_MEMBER"] = str(os.getpid())
     return path
 
 

@@ -81,8 +81,9 @@ std::shared_ptr<NodeGovernor> CurrentOrRaise(const char* what) {
   if (g == nullptr) {
     Raise(Status::FailedPrecondition(
         StrCat(what,
-               ": this process has joined no node budget; spillway.install() joins one when "
-               "a launcher started it (LOCAL_RANK set) or SPILLWAY_NODE_JOB names the job")));
+               ": this process has joined no node budget: spillway.install() was not called, "
+               "ran with node=False or SPILLWAY_NODE=0, ran in a child of a rank, or warned "
+               "that no ledger could take the process (spillway.node.NodeWarning)")));
   }
   return g;
 }

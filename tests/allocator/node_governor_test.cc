@@ -390,6 +390,47 @@ TEST(NodeBudgetTest, EachMemoryLimitHasALedgerOfItsOwn) {
 // Two jobs under one memory limit (here a ledger named for the test): one budget between them,
 // each refused by name with the other's bytes in the message, admission counting what the other
 // job holds, one budget setting for both, and each job's ranks told apart by job and local rank.
+// A lone process (a notebook, an eval script) makes the ledger with the default budget; a job
+// started later with SPILLWAY_NODE_BUDGET_BYTES sets it, where what the ledger holds fits; a
+// second explicit budget must agree, and one below what is held is refused.
+TEST(NodeGovernorTest, ADefaultBudgetYieldsToTheFirstExplicitOne) {
+  const std::string lone = UniqueJob("lone"), job = UniqueJob("explicit");
+  NodeGovernorOptions ol = Options(lone, 0, 0);
+  ol.memory_limit_bytes = 4ull << 30;  // the default: 4 GiB less a reserve of 2 GiB
+  auto l0 = JoinOrDie(ol);
+  ASSERT_TRUE(l0);
+  ASSERT_EQ(l0->host_budget_bytes(), 2ull << 30);
+  ASSERT_TRUE(l0->Reserve(NodeTier::kPageable, 300 * kMiB).ok());
+
+  NodeGovernorOptions below = Options(job, 0, 200 * kMiB);
+  below.ledger = ol.ledger;
+  auto refused = NodeGovernor::Join(below);
+  ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(refused.status(), "already hold 300.00 MiB")) << refused.status().ToString();
+  EXPECT_EQ(l0->host_budget_bytes(), 2ull << 30) << "a refused join changes nothing";
+
+  NodeGovernorOptions oj = below;
+  oj.host_budget_bytes = 3ull << 30;  // above the default: the user knows the node
+  auto j0 = JoinOrDie(oj);
+  ASSERT_TRUE(j0);
+  NodeStats s = l0->Stats();
+  EXPECT_EQ(s.host_budget_bytes, 3ull << 30);
+  EXPECT_TRUE(s.budget_explicit);
+  EXPECT_EQ(s.budget_by, job);
+  EXPECT_EQ(s.reserve_bytes, 1ull << 30);
+  EXPECT_TRUE(l0->Reserve(NodeTier::kPageable, 2ull << 30).ok())
+      << "the lone rank books under it too";
+
+  NodeGovernorOptions other = oj;
+  other.local_rank = 1;
+  other.host_budget_bytes = 4ull << 30;
+  refused = NodeGovernor::Join(other);
+  ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(refused.status(), StrCat("set by job '", job, "'")))
+      << refused.status().ToString();
+  EXPECT_TRUE(l0->Validate().ok());
+}
+
 TEST(NodeGovernorTest, TwoJobsUnderOneLimitShareItsLedger) {
   const std::string a = UniqueJob("first"), b = UniqueJob("second");
   const std::string ledger = StrCat("ledger-", a);

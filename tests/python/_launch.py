@@ -36,3 +36,15 @@ def finish(proc, timeout=900):
 
 def results(out, tag="", ranks=RANKS):
     return [json.loads((out / f"rank{tag}{r}.json").read_text()) for r in range(ranks)]
+
+
+def refused_by_name(rank, budget):
+    """A rank of tests/python/workers/node_grab.py was refused by the node ledger naming its job, or,
+    the one rank that took the whole node budget before the others booked anything (ranks start
+    unevenly on a busy machine), by its own arena, whose budget is the node's."""
+    error = rank["error"]
+    assert error is not None and error["type"] == "OverBudget", rank
+    if rank["held_bytes"] >= budget - (32 << 20):
+        assert "host budget of" in error["text"] and f"({budget} bytes)" in error["text"], error
+    else:
+        assert f"of job '{rank['node']['job']}'" in error["text"], error

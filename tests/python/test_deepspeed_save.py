@@ -161,7 +161,9 @@ def test_a_rank_without_room_in_its_arena_makes_every_rank_gather_outside_it(tmp
     # Rank 0's host arena is filled until 512 KiB no longer fits; the largest parameter is 2 MiB.
     # Had rank 0 alone refused the arena's gather (OverBudget), rank 1 would wait in the all-gather
     # until the timeout. Both ranks agree first and gather with torch's allocator; the save is whole.
-    save_on_two_ranks(tmp_path, layers=1, DS_SAVE_FILL_RANK0="1")
+    # Outside a node ledger (SPILLWAY_NODE=0): in one, filling rank 0's arena would fill the node
+    # the two ranks share, and the checkpoint writer's own buffers would find no room either.
+    save_on_two_ranks(tmp_path, layers=1, DS_SAVE_FILL_RANK0="1", SPILLWAY_NODE="0")
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):

@@ -336,9 +336,13 @@ def test_a_buffer_copied_every_step_collects_no_events_one_per_stream_at_free():
 
 
 def test_default_budgets_share_three_quarters_of_the_memory_limit_and_overbudget_is_torchs_oom_too():
+    # Outside a node ledger (SPILLWAY_NODE=0): in one, both budgets are the node's (test_node_api.py).
     run("""
+        import os
+        os.environ["SPILLWAY_NODE"] = "0"
         import torch, spillway
         rt = spillway.install()
+        assert not spillway.node.joined()
         total = spillway.default_host_budget()
         assert total == spillway.memory_limit_bytes() // 4 * 3
         page = 4096

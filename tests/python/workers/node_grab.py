@@ -3,6 +3,7 @@ tests that need no DeepSpeed engine (tests/python/test_node.py, tests/python/tes
 on CUDA):
 
     torchrun --nproc-per-node N node_grab.py OUT_DIR CHUNK_MIB [MAX_MIB]    # or mpirun -np N, deepspeed
+    RANK=R WORLD_SIZE=N python node_grab.py OUT_DIR CHUNK_MIB [MAX_MIB]     # a launcher of one's own
     python node_grab.py OUT_DIR CHUNK_MIB MAX_MIB --spawn N    # N ranks by torch.multiprocessing.spawn
 
 `spillway.deepspeed.install()` (the one line) joins the node budget: the one the launcher's
@@ -75,9 +76,10 @@ def main():
         mp.spawn(grab, args=(world, out_dir, chunk, max_bytes), nprocs=world, join=True)
     else:
         # torchrun's variables (the deepspeed launcher's LOCAL_SIZE), else mpirun's (OpenMPI sets
-        # no LOCAL_RANK)
-        rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
-        world = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")))
+        # no LOCAL_RANK), else a launcher's of the user's own that sets only RANK and WORLD_SIZE
+        env = os.environ.get
+        rank = env("LOCAL_RANK", env("OMPI_COMM_WORLD_LOCAL_RANK", env("RANK")))
+        world = env("LOCAL_WORLD_SIZE", env("LOCAL_SIZE", env("OMPI_COMM_WORLD_LOCAL_SIZE", env("WORLD_SIZE"))))
         grab(int(rank), int(world), out_dir, chunk, max_bytes)
 
 

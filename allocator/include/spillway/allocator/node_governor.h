@@ -80,8 +80,8 @@ struct NodeGovernorOptions {
   int local_rank = -1;       // this rank's within its job; -1: the first its job has free
   int local_world_size = 0;  // ranks Admit waits for; 0: the ranks that have joined
   // 0: DefaultNodeHostBudget() when this rank creates the segment, the segment's when it joins.
-  // A non-zero value must equal the segment's (every rank of every job under the limit passes
-  // the same, or none).
+  // A non-zero value replaces a default budget while what the ledger holds fits under it, and
+  // must equal an explicit one (every rank of every job under the limit passes the same, or none).
   uint64_t host_budget_bytes = 0;
   uint64_t memory_limit_bytes = 0;  // 0: MemoryLimitBytes(); what the default budget comes from
   uint64_t nvme_budget_bytes = 0;   // 0: set by the first NVMe arena (OfferNvmeBudget)
@@ -120,7 +120,7 @@ struct NodeStats {
   std::string job;        // the job this view is for (a rank's Stats); empty from Inspect
   std::string ledger;     // the segment's name
   std::string scope;      // the memory limit it stands for
-  std::string budget_by;  // the job whose first rank set the budget
+  std::string budget_by;  // the job that made the ledger, or the first with an explicit budget
   std::string path;
   uint64_t memory_limit_bytes = 0;
   uint64_t reserve_bytes = 0;    // memory_limit - host_budget
