@@ -29,6 +29,7 @@ import zipfile
 import torch
 
 from . import _spillway, _torch_allocators
+from ._deepspeed_common import _defined
 from ._log import logger
 from .safetensors_stream import _fsync_directory
 
@@ -359,9 +360,9 @@ def install(patch):
     from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
     cls = engine_class()
-    configure = DeepSpeedEngine.__dict__["_configure_checkpointing"]
-    save = DeepSpeedEngine.__dict__["save_checkpoint"]
-    load = DeepSpeedEngine.__dict__["load_checkpoint"]
+    configure = _defined(DeepSpeedEngine, "_configure_checkpointing")
+    save = _defined(DeepSpeedEngine, "save_checkpoint")
+    load = _defined(DeepSpeedEngine, "load_checkpoint")
 
     def _configure_checkpointing(self, *args, **kwargs):
         result = configure(self, *args, **kwargs)

@@ -6,9 +6,30 @@ them from here rather than from the module that imports them.
 _patched = []       # (owner, name, original) for each function wrapped
 
 
+def _defined(owner, name):
+    """`owner`'s own `name`: a class's own attribute (its __dict__ entry, not one it inherits) or a
+    module's. A DeepSpeed release that moved or renamed it raises AttributeError naming it, which
+    spillway.deepspeed.install() turns into that part left to DeepSpeed."""
+    if isinstance(owner, type):
+        if name in owner.__dict__:
+            return owner.__dict__[name]
+        raise AttributeError(f"{owner.__module__}.{owner.__qualname__}.{name} is not defined in this DeepSpeed "
+                             f"(moved or renamed)")
+    if not hasattr(owner, name):
+        raise AttributeError(f"{owner.__name__}.{name} is not defined in this DeepSpeed (moved or renamed)")
+    return getattr(owner, name)
+
+
 def _patch(owner, name, replacement):
-    _patched.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+    _patched.append((owner, name, _defined(owner, name)))
     setattr(owner, name, replacement)
+
+
+def _unpatch_to(mark):
+    """Restores every function patched after the first `mark` entries, newest first."""
+    while len(_patched) > mark:
+        owner, name, original = _patched.pop()
+        setattr(owner, name, original)
 
 
 def _deepspeed_version():

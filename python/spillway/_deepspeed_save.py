@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from . import _spillway, _torch_allocators
+from ._deepspeed_common import _defined
 from . import safetensors_stream as st
 
 
@@ -565,7 +566,7 @@ def install(patch):
 
     import deepspeed  # noqa: PLC0415
 
-    patch(DeepSpeedEngine, "save_16bit_model", _engine_save_16bit_model(DeepSpeedEngine.__dict__["save_16bit_model"]))
+    patch(DeepSpeedEngine, "save_16bit_model", _engine_save_16bit_model(_defined(DeepSpeedEngine, "save_16bit_model")))
     install_clients(patch)
     initialize = deepspeed.initialize
 
@@ -576,6 +577,9 @@ def install(patch):
     patch(deepspeed, "initialize", initialize_and_patch_clients)
 
 
+_clients_left = set()  # the clients whose save_model install_clients found missing (warned once)
+
+
 def install_clients(patch):
     """Trainer.save_model and Accelerator.save_model streamed, each once its module is imported and
     if not yet patched: called at install() and again at each deepspeed.initialize, which both call
@@ -584,5 +588,14 @@ def install_clients(patch):
                                    ("accelerate.accelerator", "Accelerator", _accelerate_save_model)):
         owner = sys.modules.get(module)
         cls = getattr(owner, cls_name, None) if owner is not None else None
-        if cls is not None and not hasattr(cls.__dict__.get("save_model"), "__spillway_original__"):
-            patch(cls, "save_model", wrap(cls.__dict__["save_model"]))
+        if cls is None or hasattr(cls.__dict__.get("save_model"), "__spillway_original__"):
+            continue
+        if "save_model" not in cls.__dict__:  # a release that moved it: its own save, said once
+            if cls not in _clients_left:
+                _clients_left.add(cls)
+                warnings.warn(f"spillway.deepspeed: {module}.{cls_name}.save_model is not defined in this release "
+                              f"(moved or renamed), so its final save stays its own and gathers the whole 16-bit "
+                              f"model on rank 0; spillway.deepspeed.save_16bit_model(engine, dir) streams it",
+                              SaveWarning, stacklevel=3)
+            continue
+        patch(cls, "save_model", wrap(_defined(cls, "save_model")))

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from . import _spillway
-from ._deepspeed_common import _patch
+from ._deepspeed_common import _defined, _patch
 
 # DeepSpeedZeroOptimizer_Stage3's per-sub-group sequence in step(), read from DeepSpeed 0.19.8:
 #   unscale_and_clip_grads(i, norm)                grad *= 1 / combined_scale        (pass 1)
@@ -364,18 +364,18 @@ def _install_step():
     why = _seam_mismatch("stage3", Stage3, _STEP_SEAM)
     if why is None:
         _patch(Stage3, "unscale_and_clip_grads",
-               _fused_unscale_and_clip_grads(Stage3.__dict__["unscale_and_clip_grads"]))
-        _patch(Stage3, "_optimizer_step", _fused_optimizer_step(Stage3.__dict__["_optimizer_step"]))
+               _fused_unscale_and_clip_grads(_defined(Stage3, "unscale_and_clip_grads")))
+        _patch(Stage3, "_optimizer_step", _fused_optimizer_step(_defined(Stage3, "_optimizer_step")))
         _patch(Stage3, "_reassign_or_swap_out_partitioned_parameters",
-               _fused_reassign(Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]))
+               _fused_reassign(_defined(Stage3, "_reassign_or_swap_out_partitioned_parameters")))
         installed = True
     else:
         _decline_once(f"ZeRO-3 on DeepSpeed {deepspeed.__version__}: {why}")
     why = _seam_mismatch("zero12", Zero12, _STEP_SEAM_ZERO12)
     if why is None:
         _patch(Zero12, "unscale_and_clip_grads",
-               _fused_unscale_and_clip_grads_zero12(Zero12.__dict__["unscale_and_clip_grads"]))
-        _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(Zero12.__dict__["_optimizer_step"]))
+               _fused_unscale_and_clip_grads_zero12(_defined(Zero12, "unscale_and_clip_grads")))
+        _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(_defined(Zero12, "_optimizer_step")))
         installed = True
     else:
         _decline_once(f"ZeRO-1/2 on DeepSpeed {deepspeed.__version__}: {why}")

@@ -22,6 +22,7 @@ import threading
 import torch
 
 from . import _metrics_registry, _spillway, _torch_allocators
+from ._deepspeed_common import _defined
 from ._log import logger
 
 _lock = threading.Lock()
@@ -344,8 +345,8 @@ def install(patch):
         AsyncPartitionedParameterSwapper,
     )
 
-    patch(OptimizerSwapper, "__init__", _registering(OptimizerSwapper.__dict__["__init__"], _optimizer_folder, False))
+    patch(OptimizerSwapper, "__init__", _registering(_defined(OptimizerSwapper, "__init__"), _optimizer_folder, False))
     patch(AsyncPartitionedParameterSwapper, "__init__",
-          _registering(AsyncPartitionedParameterSwapper.__dict__["__init__"], _param_folder, True))
-    patch(DeepSpeedEngine, "save_checkpoint", _saving(DeepSpeedEngine.__dict__["save_checkpoint"]))
-    patch(DeepSpeedEngine, "load_checkpoint", _loading_checkpoint(DeepSpeedEngine.__dict__["load_checkpoint"]))
+          _registering(_defined(AsyncPartitionedParameterSwapper, "__init__"), _param_folder, True))
+    patch(DeepSpeedEngine, "save_checkpoint", _saving(_defined(DeepSpeedEngine, "save_checkpoint")))
+    patch(DeepSpeedEngine, "load_checkpoint", _loading_checkpoint(_defined(DeepSpeedEngine, "load_checkpoint")))

@@ -54,7 +54,7 @@ from . import _deepspeed_checkpoint, _deepspeed_save, _deepspeed_swap, _spillway
 from . import guard as _guard
 from . import node as _node
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
-from ._deepspeed_common import _deepspeed_version, _patch, _patched
+from ._deepspeed_common import _deepspeed_version, _defined, _patch, _patched, _unpatch_to
 from ._deepspeed_save import SaveWarning, save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
 
@@ -108,6 +108,23 @@ _saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
 _swap_to_arena = False  # install(nvme_swap="arena"): DeepSpeed's swap files in Spillway's NVMe arena
 # _patched, in _deepspeed_common: (owner, name, original) for each function wrapped
 _missing = []       # sites this DeepSpeed lacks
+_left = []          # the parts of install() left to DeepSpeed: "<part> (<why>)"
+
+
+def _part(name, install_part, *args):
+    """Applies one part of install() (a group of DeepSpeed functions patched together) whole, or
+    none of it: where this DeepSpeed lacks one of its functions or modules (a release moved or
+    renamed it), the part's patches are undone, it stays DeepSpeed's, and install()'s one warning
+    names it and why. Returns what `install_part` returned (True for None), or None when it was
+    left."""
+    mark = len(_patched)
+    try:
+        result = install_part(*args)
+        return True if result is None else result
+    except (ImportError, AttributeError) as e:
+        _unpatch_to(mark)
+        _left.append(f"{name} ({e})")
+        return None
 
 
 def _aio_handle(*args, arena=None, **kwargs):
@@ -492,10 +509,11 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
     `checkpoints=False` leaves DeepSpeed's save_checkpoint / load_checkpoint as they are.
     `engine.optimizer.spillway_guard` (True, "always" or False) sets it per optimizer.
 
-    Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, or one
-    missing an allocation site, gets one warning that names the version and what still works."""
-    import deepspeed  # noqa: PLC0415 (deepspeed is optional)
-    from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
+    Raises FailedPrecondition when already installed. A DeepSpeed outside TESTED_DEEPSPEED, one
+    missing an allocation site, or one that lacks a function or module a part of install() patches
+    (a release moved or renamed it: that part stays DeepSpeed's, whole) gets one warning that names
+    the version, each part left and why, and what still works."""
+    import deepspeed  # noqa: F401, PLC0415 (deepspeed is optional: without it, ImportError here)
 
     global _saved, _swap_to_arena, _guard_default
     _check_guard_mode(guard, "spillway.deepspeed.install(guard={mode!r})")
@@ -521,27 +539,59 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             "what it touches), and not in the ledger or metrics; the audit names each one. Unset "
             "DS_PIN_MEMORY_BACKEND (DeepSpeed's torch backend pins through torch, which is Spillway's)",
             AuditWarning, stacklevel=2)
-    _saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
+    _left.clear()
+    _saved = _part("Spillway's aio op", _install_op) or (None, None, None)
+    _swap_to_arena = nvme_swap == "arena" and _part(
+        "ZeRO-Infinity's swap files in Spillway's NVMe arena", _deepspeed_swap.install, _patch) is not None
+    fused = step and _part("the fused optimizer step", _install_step)
+    if checkpoints:
+        _part("Spillway's checkpoint engine", _deepspeed_checkpoint.install, _patch)
+        _part("the streamed save_16bit_model", _deepspeed_save.install, _patch)
+    _guard_default = guard
+    audited = guard and _part("the guard and the audit after deepspeed.initialize", _install_guard) is not None
+    if allocators:
+        _tag_sites()
+        _part("the step's scratch and node admission at deepspeed.initialize", _install_engine_scope)
+    version = _deepspeed_version()
+    if version in TESTED_DEEPSPEED and not _missing and not _left:
+        return
+    kept = [("torch's CPU and pinned allocators are Spillway's, every site found is tagged", allocators),
+            ("the aio op is Spillway's", _saved[0] is not None),
+            ("the fused step wherever this DeepSpeed's step functions are ones it was verified against (a "
+             "StepWarning names any that is not)", fused),
+            ("the audit after deepspeed.initialize and after the first step names each offloaded tensor that is "
+             "not in Spillway's arenas", audited)]
+    warnings.warn(
+        f"spillway.deepspeed: DeepSpeed {version} is "
+        f"{'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
+        f"{'; these allocation sites are missing: ' + '; '.join(_missing) if _missing else ''}"
+        f"{'; left to DeepSpeed, as this release lacks what they patch: ' + '; '.join(_left) if _left else ''}. "
+        f"Still in force: {', '.join(what for what, on in kept if on) or 'nothing of install()'}",
+        AuditWarning, stacklevel=2)
+
+
+def _install_op():
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # noqa: PLC0415
+
+    saved = (AsyncIOBuilder, AsyncIOBuilder.__dict__.get("load"), AsyncIOBuilder.__dict__.get("is_compatible"))
     AsyncIOBuilder.load = lambda self, verbose=True: _op()
     AsyncIOBuilder.is_compatible = lambda self, verbose=False: True
-    _swap_to_arena = nvme_swap == "arena"
-    if _swap_to_arena:
-        _deepspeed_swap.install(_patch)
-    if step:
-        _install_step()
-    if checkpoints:
-        _deepspeed_checkpoint.install(_patch)
-        _deepspeed_save.install(_patch)
-    _guard_default = guard
-    if guard:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
+    return saved
 
-        _patch(Stage3, "step", _guarded_step(Stage3.__dict__["step"]))
-        _patch(Zero12, "step", _guarded_step(Zero12.__dict__["step"]))
-        _patch(deepspeed, "initialize", _audited_initialize(deepspeed.initialize))
-    if not allocators:
-        return
+
+def _install_guard():
+    import deepspeed  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: PLC0415
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12  # noqa: PLC0415
+
+    _patch(Stage3, "step", _guarded_step(_defined(Stage3, "step")))
+    _patch(Zero12, "step", _guarded_step(_defined(Zero12, "step")))
+    _patch(deepspeed, "initialize", _audited_initialize(deepspeed.initialize))
+
+
+def _tag_sites():
+    """Every allocation site this DeepSpeed has runs inside its spillway.tag; the ones it lacks are
+    named in install()'s warning."""
     import importlib  # noqa: PLC0415
 
     _missing.clear()
@@ -550,8 +600,8 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             owner = importlib.import_module(module_name)
             if cls_name is not None:
                 owner = getattr(owner, cls_name)
-            fn = owner.__dict__[fn_name] if isinstance(owner, type) else getattr(owner, fn_name)
-        except (ImportError, AttributeError, KeyError):
+            fn = _defined(owner, fn_name)
+        except (ImportError, AttributeError):
             _missing.append(f"{module_name}.{cls_name + '.' if cls_name else ''}{fn_name} ({kind})")
             continue
         if (module_name, fn_name) == (_ZERO12, "__init__"):
@@ -560,26 +610,19 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             _patch(owner, fn_name, _while_initializing(fn, kind))
         else:
             _patch(owner, fn_name, _tagged(fn, kind))
+
+
+def _install_engine_scope():
+    import deepspeed  # noqa: PLC0415
     from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: PLC0415
 
     # The training step's own host scratch (DeepSpeed's temporaries in backward and the optimizer
     # step, and on the CPU accelerator the "device" tensors too) is served from the arena as well:
     # in glibc's heap it would land on pages a forked worker shares and be copied on write.
     for name in ("forward", "backward"):
-        _patch(DeepSpeedEngine, name, _tagged(DeepSpeedEngine.__dict__[name], "transient", "step"))
-    _patch(DeepSpeedEngine, "step", _wrap_step(_tagged(DeepSpeedEngine.__dict__["step"], "transient", "step")))
+        _patch(DeepSpeedEngine, name, _tagged(_defined(DeepSpeedEngine, name), "transient", "step"))
+    _patch(DeepSpeedEngine, "step", _wrap_step(_tagged(_defined(DeepSpeedEngine, "step"), "transient", "step")))
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
-    version = _deepspeed_version()
-    if version not in TESTED_DEEPSPEED or _missing:
-        warnings.warn(
-            f"spillway.deepspeed: DeepSpeed {version} is "
-            f"{'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
-            f"{'; these allocation sites are missing: ' + '; '.join(_missing) if _missing else ''}. Still in "
-            f"force: torch's CPU and pinned allocators are Spillway's, every site found is tagged, the aio "
-            f"op is Spillway's, the fused step wherever this DeepSpeed's step functions are ones it was "
-            f"verified against (a StepWarning names any that is not), and the audit after "
-            f"deepspeed.initialize and after the first step names each offloaded tensor that is not in "
-            f"Spillway's arenas", AuditWarning, stacklevel=2)
 
 
 def uninstall():
@@ -593,12 +636,14 @@ def uninstall():
     if _saved is None:
         return
     cls, load, compat = _saved
+    _saved = None
+    if cls is None:  # the aio op was left to DeepSpeed
+        return
     for name, orig in (("load", load), ("is_compatible", compat)):
         if orig is None:
             delattr(cls, name)
         else:
             setattr(cls, name, orig)
-    _saved = None
 
 
 def installed():

@@ -189,6 +189,46 @@ def test_a_deepspeed_outside_the_tested_range_says_so_and_what_still_works():
     """)
 
 
+def test_a_release_that_moved_a_patched_function_keeps_that_part_deepspeeds_and_says_which():
+    # Each DeepSpeed function install() patches, taken away as a release that moved it to a base
+    # class or renamed it would (and a module that moved): install() raises nothing, that part
+    # stays DeepSpeed's with none of its patches left half applied, and the one AuditWarning names
+    # the function. A run then trains on what is left.
+    run("""
+        import sys
+        import transformers.trainer  # so that Trainer.save_model is patched too
+        from spillway import _deepspeed_common
+        said = (spillway.deepspeed.AuditWarning, spillway.deepspeed.SaveWarning)
+        spillway.deepspeed.install()
+        targets = list(dict.fromkeys((o, n) for o, n, _ in _deepspeed_common._patched if isinstance(o, type)))
+        spillway.deepspeed.uninstall()
+        assert len(targets) >= 15, targets
+        for owner, name in targets:
+            original = owner.__dict__[name]
+            delattr(owner, name)
+            try:
+                msgs = install_saying(said)
+                left = [(o, n) for o, n, _ in _deepspeed_common._patched if (o, n) == (owner, name)]
+            finally:
+                spillway.deepspeed.uninstall()
+                setattr(owner, name, original)
+            assert len(msgs) == 1 and f"{owner.__qualname__}.{name}" in msgs[0], (owner, name, msgs)
+            assert not left, (owner, name, "patched though this DeepSpeed lacks it")
+        moved = "deepspeed.runtime.swap_tensor.optimizer_utils"
+        saved, sys.modules[moved] = sys.modules[moved], None  # an import of it raises ImportError
+        try:
+            msgs = install_saying(spillway.deepspeed.AuditWarning)
+        finally:
+            sys.modules[moved] = saved
+        assert len(msgs) == 1 and "left to DeepSpeed" in msgs[0] and moved in msgs[0], msgs
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        m = build()
+        engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=CONFIG)
+        loss = train(engine)  # trains, with DeepSpeed's own swappers
+        assert loss == loss and abs(loss) < 100, loss
+    """)
+
+
 def test_the_fused_step_follows_what_deepspeeds_functions_are_not_its_version_string():
     # Another version string over the same functions: the fused step is on (it was off for any
     # version but 0.19.8). A ZeRO-3 _optimizer_step whose body was never verified: ZeRO-3 keeps
