@@ -111,6 +111,40 @@ def test_the_viewer_names_a_segment_it_cannot_read(tmp_path):
     assert f"spillway node: {missing}: " in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+FULL_DIR = """
+import spillway, sys
+try:
+    spillway.node.join(job_id="tiny", directory=sys.argv[1], ledger_name="tiny")
+    print("joined")
+except spillway.Error as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_ledger_directory_too_full_for_the_segment_is_an_error_not_a_crash(tmp_path):
+    """A tmpfs with less room than the segment (a container's small /dev/shm that DataLoader
+    filled): the join fails with an error that says so, not a SIGBUS at the first write to a page
+    the tmpfs cannot back. A tmpfs of 256 KiB of the kernel's own, mounted in a user and mount
+    namespace of the test's (skipped by name where none can be made)."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True,
+                           text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"no user and mount namespace can be made here: {probe.stderr.strip()}")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "sh", "-c",
+                          'mount -t tmpfs -o size=256k tmpfs "$1" && exec "$2" -c "$3" "$1"', "sh", str(shm),
+                          sys.executable, FULL_DIR], capture_output=True, text=True, timeout=120, env=env_with())
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert out.stdout.startswith("OutOfMemory") and "is /dev/shm full or too small?" in out.stdout, out.stdout
+    assert "No space left on device" in out.stdout, out.stdout
+
+
 def test_a_child_of_a_rank_that_inherits_its_variables_is_not_a_rank():
     out = _zygote.run([sys.executable, "-c", RANK, "parent"], capture_output=True, text=True, timeout=120,
                       env=env_with(SPILLWAY_NODE_JOB=job_name("child"), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
