@@ -6,17 +6,21 @@ them from here rather than from the module that imports them.
 _patched = []       # (owner, name, original) for each function wrapped
 
 
+class _Missing(AttributeError):
+    """This DeepSpeed lacks a function Spillway patches (a release moved or renamed it)."""
+
+
 def _defined(owner, name):
     """`owner`'s own `name`: a class's own attribute (its __dict__ entry, not one it inherits) or a
-    module's. A DeepSpeed release that moved or renamed it raises AttributeError naming it, which
+    module's. A DeepSpeed release that moved or renamed it raises _Missing naming it, which
     spillway.deepspeed.install() turns into that part left to DeepSpeed."""
     if isinstance(owner, type):
         if name in owner.__dict__:
             return owner.__dict__[name]
-        raise AttributeError(f"{owner.__module__}.{owner.__qualname__}.{name} is not defined in this DeepSpeed "
+        raise _Missing(f"{owner.__module__}.{owner.__qualname__}.{name} is not defined in this DeepSpeed "
                              f"(moved or renamed)")
     if not hasattr(owner, name):
-        raise AttributeError(f"{owner.__name__}.{name} is not defined in this DeepSpeed (moved or renamed)")
+        raise _Missing(f"{owner.__name__}.{name} is not defined in this DeepSpeed (moved or renamed)")
     return getattr(owner, name)
 
 

@@ -568,7 +568,7 @@ def install(patch):
 
     patch(DeepSpeedEngine, "save_16bit_model", _engine_save_16bit_model(_defined(DeepSpeedEngine, "save_16bit_model")))
     install_clients(patch)
-    initialize = deepspeed.initialize
+    initialize = _defined(deepspeed, "initialize")
 
     @functools.wraps(initialize)
     def initialize_and_patch_clients(*args, **kwargs):

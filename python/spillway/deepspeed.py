@@ -54,7 +54,7 @@ from . import _deepspeed_checkpoint, _deepspeed_save, _deepspeed_swap, _spillway
 from . import guard as _guard
 from . import node as _node
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
-from ._deepspeed_common import _deepspeed_version, _defined, _patch, _patched, _unpatch_to
+from ._deepspeed_common import _deepspeed_version, _defined, _Missing, _patch, _patched, _unpatch_to
 from ._deepspeed_save import SaveWarning, save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
 
@@ -109,22 +109,32 @@ _swap_to_arena = False  # install(nvme_swap="arena"): DeepSpeed's swap files in 
 # _patched, in _deepspeed_common: (owner, name, original) for each function wrapped
 _missing = []       # sites this DeepSpeed lacks
 _left = []          # the parts of install() left to DeepSpeed: "<part> (<why>)"
+_parts = {}         # the parts of install() in force: name -> [(owner, function name), ...] patched
 
 
-def _part(name, install_part, *args):
+def _part(name, install_part, *args, needs=None):
     """Applies one part of install() (a group of DeepSpeed functions patched together) whole, or
     none of it: where this DeepSpeed lacks one of its functions or modules (a release moved or
-    renamed it), the part's patches are undone, it stays DeepSpeed's, and install()'s one warning
-    names it and why. Returns what `install_part` returned (True for None), or None when it was
-    left."""
+    renamed it: _Missing from _defined, or an ImportError of a deepspeed module), the part's
+    patches are undone, it stays DeepSpeed's, and install()'s one warning names it and why. Any
+    other exception is Spillway's own bug and propagates. A part that `needs` another is left when
+    that one was. Returns what `install_part` returned (True for None), or None when it was left;
+    a part that returns False (it declined, and said why) is not in force either."""
+    if needs is not None and needs not in _parts:
+        _left.append(f"{name} (it needs {needs})")
+        return None
     mark = len(_patched)
     try:
         result = install_part(*args)
-        return True if result is None else result
-    except (ImportError, AttributeError) as e:
+    except (_Missing, ImportError) as e:
+        if isinstance(e, ImportError) and not (e.name or "").startswith("deepspeed"):
+            raise
         _unpatch_to(mark)
         _left.append(f"{name} ({e})")
         return None
+    if result is not False:
+        _parts[name] = [(owner, fn) for owner, fn, _ in _patched[mark:]]
+    return True if result is None else result
 
 
 def _aio_handle(*args, arena=None, **kwargs):
@@ -540,33 +550,36 @@ def install(budget_bytes=None, pinned_budget_bytes=None, allocators=True, step=T
             "DS_PIN_MEMORY_BACKEND (DeepSpeed's torch backend pins through torch, which is Spillway's)",
             AuditWarning, stacklevel=2)
     _left.clear()
-    _saved = _part("Spillway's aio op", _install_op) or (None, None, None)
+    _parts.clear()
+    _missing.clear()
+    op = "Spillway's aio op"
+    _saved = _part(op, _install_op) or (None, None, None)
     _swap_to_arena = nvme_swap == "arena" and _part(
-        "ZeRO-Infinity's swap files in Spillway's NVMe arena", _deepspeed_swap.install, _patch) is not None
-    fused = step and _part("the fused optimizer step", _install_step)
+        "ZeRO-Infinity's swap files in Spillway's NVMe arena", _deepspeed_swap.install, _patch, needs=op) is not None
+    if step:
+        _part("the fused optimizer step", _install_step)
     if checkpoints:
         _part("Spillway's checkpoint engine", _deepspeed_checkpoint.install, _patch)
         _part("the streamed save_16bit_model", _deepspeed_save.install, _patch)
     _guard_default = guard
-    audited = guard and _part("the guard and the audit after deepspeed.initialize", _install_guard) is not None
+    if guard:
+        _part("the device guard at deepspeed.initialize and the optimizer step", _install_guard)
     if allocators:
         _tag_sites()
-        _part("the step's scratch and node admission at deepspeed.initialize", _install_engine_scope)
+        _part("the step's scratch in the arena, node admission and the audit at deepspeed.initialize",
+              _install_engine_scope)
     version = _deepspeed_version()
     if version in TESTED_DEEPSPEED and not _missing and not _left:
         return
-    kept = [("torch's CPU and pinned allocators are Spillway's, every site found is tagged", allocators),
-            ("the aio op is Spillway's", _saved[0] is not None),
-            ("the fused step wherever this DeepSpeed's step functions are ones it was verified against (a "
-             "StepWarning names any that is not)", fused),
-            ("the audit after deepspeed.initialize and after the first step names each offloaded tensor that is "
-             "not in Spillway's arenas", audited)]
+    kept = (["torch's CPU and pinned allocators are Spillway's, every allocation site found is tagged"]
+            if allocators else []) + list(_parts)
     warnings.warn(
         f"spillway.deepspeed: DeepSpeed {version} is "
         f"{'outside the tested range ' + ', '.join(TESTED_DEEPSPEED) if version not in TESTED_DEEPSPEED else 'tested'}"
         f"{'; these allocation sites are missing: ' + '; '.join(_missing) if _missing else ''}"
         f"{'; left to DeepSpeed, as this release lacks what they patch: ' + '; '.join(_left) if _left else ''}. "
-        f"Still in force: {', '.join(what for what, on in kept if on) or 'nothing of install()'}",
+        f"Still in force: {'; '.join(kept) or 'nothing of install()'} (the fused step only where this "
+        f"DeepSpeed's step functions are ones it was verified against: a StepWarning names any that is not)",
         AuditWarning, stacklevel=2)
 
 
@@ -586,7 +599,7 @@ def _install_guard():
 
     _patch(Stage3, "step", _guarded_step(_defined(Stage3, "step")))
     _patch(Zero12, "step", _guarded_step(_defined(Zero12, "step")))
-    _patch(deepspeed, "initialize", _audited_initialize(deepspeed.initialize))
+    _patch(deepspeed, "initialize", _audited_initialize(_defined(deepspeed, "initialize")))
 
 
 def _tag_sites():
@@ -622,7 +635,7 @@ def _install_engine_scope():
     for name in ("forward", "backward"):
         _patch(DeepSpeedEngine, name, _tagged(_defined(DeepSpeedEngine, name), "transient", "step"))
     _patch(DeepSpeedEngine, "step", _wrap_step(_tagged(_defined(DeepSpeedEngine, "step"), "transient", "step")))
-    _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
+    _patch(deepspeed, "initialize", _wrap_initialize(_defined(deepspeed, "initialize")))
 
 
 def uninstall():
@@ -637,6 +650,7 @@ def uninstall():
         return
     cls, load, compat = _saved
     _saved = None
+    _parts.clear()
     if cls is None:  # the aio op was left to DeepSpeed
         return
     for name, orig in (("load", load), ("is_compatible", compat)):

@@ -190,41 +190,81 @@ def test_a_deepspeed_outside_the_tested_range_says_so_and_what_still_works():
 
 
 def test_a_release_that_moved_a_patched_function_keeps_that_part_deepspeeds_and_says_which():
-    # Each DeepSpeed function install() patches, taken away as a release that moved it to a base
-    # class or renamed it would (and a module that moved): install() raises nothing, that part
-    # stays DeepSpeed's with none of its patches left half applied, and the one AuditWarning names
-    # the function. A run then trains on what is left.
+    # On this DeepSpeed every part of install() is in force and nothing is said. Then each DeepSpeed
+    # function install() patches is taken away in turn, as a release that moved it to a base class
+    # or renamed it would, and the aio op's class and a module too: install() raises nothing; the
+    # part that patches it stays DeepSpeed's whole (none of its patches left), every other part
+    # stays in force as it was, an allocation site alone is only missing; and one warning names the
+    # function. A run then trains on what is left.
     run("""
         import sys
         import transformers.trainer  # so that Trainer.save_model is patched too
         from spillway import _deepspeed_common
-        said = (spillway.deepspeed.AuditWarning, spillway.deepspeed.SaveWarning)
-        spillway.deepspeed.install()
-        targets = list(dict.fromkeys((o, n) for o, n, _ in _deepspeed_common._patched if isinstance(o, type)))
+        from spillway.deepspeed import _parts, AuditWarning, SaveWarning, StepWarning
+        import importlib
+        from spillway.deepspeed import _SITES
+        SITES = "allocation sites"
+        SITE_TARGETS = {(getattr(importlib.import_module(m), c) if c else importlib.import_module(m), f)
+                        for m, c, f, _ in _SITES}
+        def state():
+            parts = {k: set(v) for k, v in _parts.items()}
+            patched = {(o, n) for o, n, _ in _deepspeed_common._patched}
+            parts[SITES] = patched & SITE_TARGETS
+            assert patched <= set().union(*parts.values()), ("patched outside a part", patched - set().union(*parts.values()))
+            return parts
+        def others(parts, part):
+            return set().union(*(v for k, v in parts.items() if k != part))
+        assert install_saying(AuditWarning) == []
+        base = state()
         spillway.deepspeed.uninstall()
-        assert len(targets) >= 15, targets
+        assert set(base) >= {"Spillway's aio op", "the fused optimizer step", SITES}, list(base)
+        targets = sorted({t for ts in base.values() for t in ts if isinstance(t[0], type)},
+                         key=lambda t: (t[0].__qualname__, t[1]))
+        assert len(targets) >= 20, targets
         for owner, name in targets:
             original = owner.__dict__[name]
             delattr(owner, name)
             try:
-                msgs = install_saying(said)
-                left = [(o, n) for o, n, _ in _deepspeed_common._patched if (o, n) == (owner, name)]
+                msgs = install_saying((AuditWarning, SaveWarning, StepWarning))
+                now = state()
             finally:
                 spillway.deepspeed.uninstall()
                 setattr(owner, name, original)
-            assert len(msgs) == 1 and f"{owner.__qualname__}.{name}" in msgs[0], (owner, name, msgs)
-            assert not left, (owner, name, "patched though this DeepSpeed lacks it")
+            what = f"{owner.__qualname__}.{name}"
+            assert any(what in m for m in msgs), (what, msgs)
+            for part, ts in base.items():
+                if (owner, name) not in ts:
+                    assert now.get(part) == ts, (what, part, "changed though it does not patch it")
+                elif part in (SITES, "the fused optimizer step") or name == "save_model":
+                    # per site, per ZeRO stage, per client of the streamed save (a SaveWarning)
+                    assert now.get(part, set()) == ts - {(owner, name)} or part == "the fused optimizer step", \
+                        (what, part)
+                    assert (owner, name) not in now.get(part, set()), (what, part)
+                else:
+                    assert part not in now and not (ts & others(now, part)) - others(base, part), \
+                        (what, part, "half applied")
+        import deepspeed.ops.op_builder as builders
+        saved = builders.__dict__.pop("AsyncIOBuilder")
+        try:
+            msgs = install_saying(AuditWarning)
+            now = state()
+        finally:
+            spillway.deepspeed.uninstall()
+            builders.AsyncIOBuilder = saved
+        assert "Spillway's aio op" not in now and "ZeRO-Infinity's swap files in Spillway's NVMe arena" not in now, list(now)
+        assert len(msgs) == 1 and "it needs Spillway's aio op" in msgs[0] and "AsyncIOBuilder" in msgs[0], msgs
         moved = "deepspeed.runtime.swap_tensor.optimizer_utils"
         saved, sys.modules[moved] = sys.modules[moved], None  # an import of it raises ImportError
         try:
-            msgs = install_saying(spillway.deepspeed.AuditWarning)
+            msgs = install_saying(AuditWarning)
         finally:
             sys.modules[moved] = saved
         assert len(msgs) == 1 and "left to DeepSpeed" in msgs[0] and moved in msgs[0], msgs
+        assert "Still in force" in msgs[0] and "Spillway's checkpoint engine" in msgs[0], msgs
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         m = build()
         engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=CONFIG)
-        loss = train(engine)  # trains, with DeepSpeed's own swappers
+        loss = train(engine)  # trains on what is left (this config offloads to the CPU, not NVMe)
         assert loss == loss and abs(loss) < 100, loss
     """)
 
