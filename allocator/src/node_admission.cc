@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "node_segment.h"
 #include "spillway/allocator/node_governor.h"
@@ -154,16 +157,31 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                            : std::string());
       }
       // The other jobs under the same memory limit: what each live rank holds or declared.
+      // The largest few by name: with every process a job there may be 63, and the verdict's
+      // text is bounded (kVerdictChars).
+      constexpr size_t kNamed = 8;
       uint64_t others = 0;
-      std::string other_jobs;
+      std::vector<std::pair<uint64_t, std::string>> held_by;
       for (int j = 0; j < node::kMaxJobs; ++j) {
         if (j == job_) continue;
         int ranks = 0;
         const uint64_t held = node::JobHeldOrDeclared(segment_, j, &ranks);
         if (ranks == 0) continue;
         others += held;
-        other_jobs += StrCat(other_jobs.empty() ? "" : "; ", "job '", segment_->jobs[j].name, "' ",
-                             FormatMiB(held), " (", ranks, " rank(s))");
+        held_by.emplace_back(held, StrCat("job '", segment_->jobs[j].name, "' ", FormatMiB(held),
+                                          " (", ranks, " rank(s))"));
+      }
+      std::sort(held_by.begin(), held_by.end(),
+                [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::string other_jobs;
+      uint64_t rest = others;
+      for (size_t i = 0; i < held_by.size() && i < kNamed; ++i) {
+        other_jobs += StrCat(other_jobs.empty() ? "" : "; ", held_by[i].second);
+        rest -= held_by[i].first;
+      }
+      if (held_by.size() > kNamed) {
+        other_jobs +=
+            StrCat("; and ", held_by.size() - kNamed, " more job(s) with ", FormatMiB(rest));
       }
       if (total + others <= snap.host_budget_bytes) {
         write(Verdict::kFits, "");

@@ -76,6 +76,15 @@ bool RemoveIfDead(const std::string& path, LogLevel level) {
   return removed;
 }
 
+// posix_fallocate returns its error (errno is untouched); a signal that interrupts it is retried.
+int FallocateRetrying(int fd, off_t bytes) {
+  int err;
+  do {
+    err = posix_fallocate(fd, 0, bytes);
+  } while (err == EINTR);
+  return err;
+}
+
 // Assumes s->mu. Claims a slot of the ledger for the job's local rank (the job's entry found or
 // made): every check is made before anything changes. Returns the slot, the job's entry and the
 // local rank.
@@ -92,7 +101,10 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   // A default budget (from the memory limit) yields to the first explicit one while what is
   // booked fits under it: a lone process that made the ledger must not refuse a job started with
   // SPILLWAY_NODE_BUDGET_BYTES. Two explicit budgets must agree.
-  const bool adopt = o.host_budget_bytes != 0 && s->budget_explicit == 0;
+  // So may one set by a job whose ranks are all gone (a notebook outliving the jobs beside it).
+  int setter = s->budget_explicit != 0 ? node::FindJob(s, s->budget_by) : -1;
+  const bool adopt = o.host_budget_bytes != 0 &&
+                     (s->budget_explicit == 0 || setter < 0 || !node::JobHasRanks(s, setter));
   if (adopt && s->host_committed > o.host_budget_bytes) {
     return Status::InvalidArgument(StrCat(
         "node governor: job '", o.job, "' asks for a node budget of ",
@@ -243,7 +255,7 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
         // instead of the first write to a page it cannot back raising SIGBUS.
         if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
           err = errno;
-        } else if ((err = posix_fallocate(fd, 0, sizeof(Segment))) != 0) {
+        } else if ((err = FallocateRetrying(fd, sizeof(Segment))) != 0) {
           // err is set (posix_fallocate returns it, errno untouched)
         } else {
           p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

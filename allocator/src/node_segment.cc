@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <ctime>
 #include <sstream>
@@ -320,6 +321,22 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
                path, " when no rank of the job runs"));
   };
   while (static_cast<uint64_t>(st.st_size) < sizeof(Segment)) {  // its creator is sizing it
+    // A published segment of another layout (a smaller one of an older Spillway): not being
+    // sized, and not ours to remove, since its ranks cannot be read with this layout.
+    uint64_t magic = 0;
+    uint32_t version = 0;
+    if (pread(m.fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+        magic == kMagic &&
+        pread(m.fd, &version, sizeof(version), offsetof(Segment, version)) ==
+            static_cast<ssize_t>(sizeof(version)) &&
+        version != kVersion) {
+      Unmap(m);
+      return Status::FailedPrecondition(StrCat(
+          "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
+          ". Every process under one memory limit must run the same Spillway (or name its own "
+          "ledger: SPILLWAY_NODE_LEDGER); rm ",
+          path, " when no process of the other one runs"));
+    }
     if (NowNs() >= deadline) {
       return abandoned(
           StrCat("is ", st.st_size, " bytes, not the ", sizeof(Segment), " of this layout"));
@@ -343,9 +360,9 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
     Unmap(m);
     return Status::FailedPrecondition(StrCat(
         "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
-        ". Every job under one memory limit must run the same Spillway (or name "
+        ". Every process under one memory limit must run the same Spillway (or name "
         "its own ledger: SPILLWAY_NODE_LEDGER); rm ",
-        path, " when no rank of the old one runs"));
+        path, " when no process of the other one runs"));
   }
   return m;
 }

@@ -78,18 +78,18 @@ struct Segment {
   uint32_t closed;     // mu: being removed; a joiner makes a new segment instead
   char ledger[kJobChars + 1];     // the name in the segment's path
   char scope[kScopeChars + 1];    // the memory limit it stands for, in words
-  char budget_by[kJobChars + 1];  // the job whose first rank set the budget
+  char budget_by[kJobChars + 1];  // mu; the job that made the ledger, or that set the budget
   uint64_t memory_limit;
-  uint64_t reserve;
-  uint32_t budget_explicit;  // the job set its budget; else the default from the memory limit
-  uint64_t host_budget;
-  uint64_t nvme_budget;             // mu (the first NVMe arena may set it)
-  uint64_t host_committed;          // mu
-  uint64_t nvme_committed;          // mu
-  uint64_t peak_host_committed;     // mu
-  uint64_t reaped;                  // mu
-  uint64_t over_budget;             // mu
-  uint64_t trim_requests;           // mu
+  uint64_t reserve;              // mu
+  uint32_t budget_explicit;      // mu; a job set the budget; else the default from the memory limit
+  uint64_t host_budget;          // mu: a job's explicit budget replaces a default one (Join)
+  uint64_t nvme_budget;          // mu (the first NVMe arena may set it)
+  uint64_t host_committed;       // mu
+  uint64_t nvme_committed;       // mu
+  uint64_t peak_host_committed;  // mu
+  uint64_t reaped;               // mu
+  uint64_t over_budget;          // mu
+  uint64_t trim_requests;        // mu
   std::atomic<uint32_t> trim_word;  // futex: bumped by each trim request
   JobEntry jobs[kMaxJobs];          // mu
   Slot slots[kMaxSlots];

@@ -387,12 +387,10 @@ TEST(NodeBudgetTest, EachMemoryLimitHasALedgerOfItsOwn) {
   rmdir(b);
 }
 
-// Two jobs under one memory limit (here a ledger named for the test): one budget between them,
-// each refused by name with the other's bytes in the message, admission counting what the other
-// job holds, one budget setting for both, and each job's ranks told apart by job and local rank.
 // A lone process (a notebook, an eval script) makes the ledger with the default budget; a job
 // started later with SPILLWAY_NODE_BUDGET_BYTES sets it, where what the ledger holds fits; a
-// second explicit budget must agree, and one below what is held is refused.
+// second explicit budget must agree, and one below what is held is refused; once the job that set
+// it is gone, the next may set another.
 TEST(NodeGovernorTest, ADefaultBudgetYieldsToTheFirstExplicitOne) {
   const std::string lone = UniqueJob("lone"), job = UniqueJob("explicit");
   NodeGovernorOptions ol = Options(lone, 0, 0);
@@ -429,8 +427,49 @@ TEST(NodeGovernorTest, ADefaultBudgetYieldsToTheFirstExplicitOne) {
   EXPECT_TRUE(Has(refused.status(), StrCat("set by job '", job, "'")))
       << refused.status().ToString();
   EXPECT_TRUE(l0->Validate().ok());
+
+  // The job that set it is gone; the lone rank (a notebook) stays: the next job may set another.
+  j0.reset();
+  NodeGovernorOptions later = Options(UniqueJob("later"), 0, (5ull << 30) / 2);
+  later.ledger = ol.ledger;
+  auto k0 = JoinOrDie(later);
+  ASSERT_TRUE(k0);
+  s = l0->Stats();
+  EXPECT_EQ(s.host_budget_bytes, (5ull << 30) / 2);
+  EXPECT_EQ(s.budget_by, later.job);
+  EXPECT_TRUE(l0->Validate().ok());
 }
 
+// A segment an older Spillway made (its magic, another layout version, smaller) is named as that,
+// at once: it is not one being sized, and not this layout's to remove.
+TEST(NodeGovernorTest, ASegmentOfAnotherLayoutIsNamedAsSuch) {
+  NodeGovernorOptions o = Options(UniqueJob("layout"), 0, 0);
+  o.lock_timeout = 3000ms;
+  const std::string path = NodeGovernor::SegmentPath(o.dir, o.ledger);
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0) << path;
+  const uint64_t magic = 0x31454430'4e4c5753ull;  // node::kMagic, "SWLN0DE1"
+  const uint32_t version = 4;
+  std::vector<char> bytes(121424, 0);
+  std::memcpy(bytes.data(), &magic, sizeof(magic));
+  std::memcpy(bytes.data() + sizeof(magic), &version, sizeof(version));
+  ASSERT_EQ(write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  close(fd);
+  const auto start = std::chrono::steady_clock::now();
+  auto refused = NodeGovernor::Join(o);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Has(refused.status(), "has layout version 4")) << refused.status().ToString();
+  EXPECT_TRUE(Has(refused.status(), StrCat("rm ", path))) << refused.status().ToString();
+  EXPECT_LT(took, 2000ms) << "waited as for a segment being sized";
+  struct stat st;
+  EXPECT_EQ(stat(path.c_str(), &st), 0) << "another layout's segment is left as it was";
+  unlink(path.c_str());
+}
+
+// Two jobs under one memory limit (here a ledger named for the test): one budget between them,
+// each refused by name with the other's bytes in the message, admission counting what the other
+// job holds, one budget setting for both, and each job's ranks told apart by job and local rank.
 TEST(NodeGovernorTest, TwoJobsUnderOneLimitShareItsLedger) {
   const std::string a = UniqueJob("first"), b = UniqueJob("second");
   const std::string ledger = StrCat("ledger-", a);

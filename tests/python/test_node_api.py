@@ -265,6 +265,24 @@ def test_a_process_no_ledger_can_take_warns_once_by_name_and_keeps_budgets_of_it
     assert abs(sum(result["budgets"]) - result["default"]) <= 2 * 4096, result
 
 
+def test_declared_needs_past_the_node_budget_fail_every_rank_with_one_message():
+    job = job_name("declare")
+    ranks = [_zygote.popen([sys.executable, "-c", RANK, "declare", str(60 * MiB)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env=env_with(SPILLWAY_NODE_JOB=job, SPILLWAY_NODE_BUDGET_BYTES=str(100 * MiB),
+                                        LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"))
+             for r in range(2)]
+    results = []
+    for p in ranks:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.splitlines()[-1]))
+    assert [r["ok"] for r in results] == [False, False]
+    assert {r["type"] for r in results} == {"OverBudget"}
+    assert results[0]["text"] == results[1]["text"]
+    assert "the 2 local ranks of job" in results[0]["text"] and "Nothing was allocated" in results[0]["text"]
+
+
 @pytest.mark.parametrize("env, declare, expect", [
     ({"SPILLWAY_NODE_BUDGET_BYTES": "lots"}, None, "SPILLWAY_NODE_BUDGET_BYTES='lots'"),
     ({"SPILLWAY_NODE_JOB": "../x"}, None, "SPILLWAY_NODE_JOB='../x'"),

@@ -106,8 +106,9 @@ def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(t
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd = [mpirun, "--oversubscribe", "-np", str(RANKS), sys.executable, *grab]
         elif launch == "own-launcher":  # a shell that starts four plain processes: no launcher variable
-            loop = " ".join(f'RANK={r} "$@" &' for r in range(RANKS))
-            cmd = ["sh", "-c", f"{loop} wait", "sh", sys.executable, *grab]
+            loop = " ".join(f'RANK={r} "$@" & pids="$pids $!";' for r in range(RANKS))
+            cmd = ["sh", "-c", f'pids=; {loop} rc=0; for p in $pids; do wait $p || rc=1; done; exit $rc', "sh",
+                   sys.executable, *grab]
             env["WORLD_SIZE"] = str(RANKS)
         elif launch == "torchrun" or launch.startswith("two-"):
             cmd = _torchrun(RANKS // len(jobs), grab)
