@@ -320,6 +320,14 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
                "Join on this node removes it; or rm ",
                path, " when no rank of the job runs"));
   };
+  auto other_layout = [&](uint32_t version) {
+    Unmap(m);
+    return Status::FailedPrecondition(StrCat(
+        "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
+        ". Every process under one memory limit must run the same Spillway (or name its own "
+        "ledger: SPILLWAY_NODE_LEDGER); rm ",
+        path, " when no process of the other one runs"));
+  };
   while (static_cast<uint64_t>(st.st_size) < sizeof(Segment)) {  // its creator is sizing it
     // A published segment of another layout (a smaller one of an older Spillway): not being
     // sized, and not ours to remove, since its ranks cannot be read with this layout.
@@ -330,12 +338,7 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
         pread(m.fd, &version, sizeof(version), offsetof(Segment, version)) ==
             static_cast<ssize_t>(sizeof(version)) &&
         version != kVersion) {
-      Unmap(m);
-      return Status::FailedPrecondition(StrCat(
-          "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
-          ". Every process under one memory limit must run the same Spillway (or name its own "
-          "ledger: SPILLWAY_NODE_LEDGER); rm ",
-          path, " when no process of the other one runs"));
+      return other_layout(version);
     }
     if (NowNs() >= deadline) {
       return abandoned(
@@ -356,13 +359,7 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
     SleepMs(1);
   }
   if (m.segment->version != kVersion || m.segment->size != sizeof(Segment)) {
-    const uint32_t version = m.segment->version;
-    Unmap(m);
-    return Status::FailedPrecondition(StrCat(
-        "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
-        ". Every process under one memory limit must run the same Spillway (or name "
-        "its own ledger: SPILLWAY_NODE_LEDGER); rm ",
-        path, " when no process of the other one runs"));
+    return other_layout(m.segment->version);
   }
   return m;
 }
