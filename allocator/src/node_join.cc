@@ -76,6 +76,15 @@ bool RemoveIfDead(const std::string& path, LogLevel level) {
   return removed;
 }
 
+// The ledger's host budget, the reserve it leaves of the memory limit, and who set it: by the
+// rank that makes the segment, and again by the first job with an explicit budget (ClaimLocked).
+void SetHostBudget(Segment* s, uint64_t budget, bool is_explicit, const std::string& job) {
+  s->host_budget = budget;
+  s->reserve = s->memory_limit > budget ? s->memory_limit - budget : 0;
+  s->budget_explicit = is_explicit ? 1 : 0;
+  std::snprintf(s->budget_by, sizeof(s->budget_by), "%s", job.c_str());
+}
+
 // posix_fallocate returns its error (errno is untouched); a signal that interrupts it is retried.
 int FallocateRetrying(int fd, off_t bytes) {
   int err;
@@ -102,7 +111,7 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   // booked fits under it: a lone process that made the ledger must not refuse a job started with
   // SPILLWAY_NODE_BUDGET_BYTES. Two explicit budgets must agree.
   // So may one set by a job whose ranks are all gone (a notebook outliving the jobs beside it).
-  int setter = s->budget_explicit != 0 ? node::FindJob(s, s->budget_by) : -1;
+  const int setter = s->budget_explicit != 0 ? node::FindJob(s, s->budget_by) : -1;
   const bool adopt = o.host_budget_bytes != 0 &&
                      (s->budget_explicit == 0 || setter < 0 || !node::JobHasRanks(s, setter));
   if (adopt && s->host_committed > o.host_budget_bytes) {
@@ -183,12 +192,7 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   entry.declarations[local_rank] = Declaration{};
   if (entry.local_world_size == 0) entry.local_world_size = o.local_world_size;
   if (s->nvme_budget == 0) s->nvme_budget = o.nvme_budget_bytes;  // 0: the first NVMe arena sets it
-  if (adopt) {
-    s->host_budget = o.host_budget_bytes;
-    s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
-    s->budget_explicit = 1;
-    std::snprintf(s->budget_by, sizeof(s->budget_by), "%s", o.job.c_str());
-  }
+  if (adopt) SetHostBudget(s, o.host_budget_bytes, /*is_explicit=*/true, o.job);
   return Claim{slot, job, local_rank};
 }
 
@@ -287,13 +291,12 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
         s->size = sizeof(Segment);
         std::snprintf(s->ledger, sizeof(s->ledger), "%s", options.ledger.c_str());
         std::snprintf(s->scope, sizeof(s->scope), "%s", options.scope.c_str());
-        std::snprintf(s->budget_by, sizeof(s->budget_by), "%s", options.job.c_str());
         s->memory_limit =
             options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
-        s->host_budget = options.host_budget_bytes != 0 ? options.host_budget_bytes
-                                                        : DefaultNodeHostBudget(s->memory_limit);
-        s->reserve = s->memory_limit > s->host_budget ? s->memory_limit - s->host_budget : 0;
-        s->budget_explicit = options.host_budget_bytes != 0 ? 1 : 0;  // NVMe's: ClaimLocked
+        SetHostBudget(s,
+                      options.host_budget_bytes != 0 ? options.host_budget_bytes
+                                                     : DefaultNodeHostBudget(s->memory_limit),
+                      options.host_budget_bytes != 0, options.job);  // NVMe's: ClaimLocked
         for (Slot& slot : s->slots) {
           slot.job = -1;
           slot.local_rank = -1;
