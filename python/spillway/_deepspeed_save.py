@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import _spillway, _torch_allocators
-from ._deepspeed_common import _defined
+from ._deepspeed_common import _defined, _Missing
 from . import safetensors_stream as st
 
 
@@ -590,7 +590,9 @@ def install_clients(patch):
         cls = getattr(owner, cls_name, None) if owner is not None else None
         if cls is None or hasattr(cls.__dict__.get("save_model"), "__spillway_original__"):
             continue
-        if "save_model" not in cls.__dict__:  # a release that moved it: its own save, said once
+        try:
+            original = _defined(cls, "save_model")
+        except _Missing:  # a release that moved it: its own save, said once
             if cls not in _clients_left:
                 _clients_left.add(cls)
                 warnings.warn(f"spillway.deepspeed: {module}.{cls_name}.save_model is not defined in this release "
@@ -598,4 +600,4 @@ def install_clients(patch):
                               f"model on rank 0; spillway.deepspeed.save_16bit_model(engine, dir) streams it",
                               SaveWarning, stacklevel=3)
             continue
-        patch(cls, "save_model", wrap(_defined(cls, "save_model")))
+        patch(cls, "save_model", wrap(original))
