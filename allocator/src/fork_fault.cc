@@ -21,10 +21,12 @@ struct Entry {
   std::atomic<uint64_t> bytes{0};
   char arena[48];
   const char* kind;
+  bool kept_out;  // MADV_DONTFORK: a child's fault on it is named
 };
 
 Entry g_regions[kMaxRegions];
 std::atomic<int> g_count{0};
+std::atomic<int> g_kept_out{0};  // entries with kept_out: the handler is installed only for them
 std::atomic<uint64_t> g_unnamed{0};
 std::atomic<bool> g_armed{false};
 struct sigaction g_previous;  // the child's SIGSEGV disposition before the handler
@@ -57,7 +59,7 @@ const Entry* Find(uintptr_t addr) {
   for (const Entry& e : g_regions) {
     const uint64_t bytes = e.bytes.load(std::memory_order_acquire);
     const uintptr_t base = e.base.load(std::memory_order_relaxed);
-    if (bytes != 0 && addr >= base && addr - base < bytes) return &e;
+    if (bytes != 0 && e.kept_out && addr >= base && addr - base < bytes) return &e;
   }
   return nullptr;
 }
@@ -114,7 +116,7 @@ void OnFault(int sig, siginfo_t* info, void* /*context*/) {
 // In a forked child (the atfork child handler, between fork() and its return: only this thread
 // exists), and on Rearm.
 void Install() {
-  if (g_count.load(std::memory_order_relaxed) == 0) return;
+  if (g_kept_out.load(std::memory_order_relaxed) == 0) return;
   struct sigaction sa {};
   sa.sa_sigaction = OnFault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;  // the alternate stack, where one is set (faulthandler)
@@ -135,8 +137,9 @@ void Arm() {
 
 }  // namespace
 
-void Register(const void* base, uint64_t bytes, const char* arena, const char* kind) {
-  Arm();
+void Register(const void* base, uint64_t bytes, const char* arena, const char* kind,
+              bool kept_out) {
+  if (kept_out) Arm();
   const auto b = reinterpret_cast<uintptr_t>(base);
   for (Entry& e : g_regions) {
     uintptr_t expected = 0;
@@ -144,8 +147,10 @@ void Register(const void* base, uint64_t bytes, const char* arena, const char* k
     std::strncpy(e.arena, arena, sizeof(e.arena) - 1);
     e.arena[sizeof(e.arena) - 1] = '\0';
     e.kind = kind;
+    e.kept_out = kept_out;
     e.bytes.store(bytes, std::memory_order_release);
     g_count.fetch_add(1, std::memory_order_relaxed);
+    if (kept_out) g_kept_out.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   g_unnamed.fetch_add(1, std::memory_order_relaxed);
@@ -159,6 +164,7 @@ void Unregister(const void* base) {
       continue;
     }
     e.bytes.store(0, std::memory_order_release);
+    if (e.kept_out) g_kept_out.fetch_sub(1, std::memory_order_relaxed);
     e.base.store(0, std::memory_order_release);
     g_count.fetch_sub(1, std::memory_order_relaxed);
     return;
@@ -166,6 +172,17 @@ void Unregister(const void* base) {
 }
 
 void Rearm() { Install(); }
+
+std::vector<RegionRange> Regions() {
+  std::vector<RegionRange> out;
+  out.reserve(static_cast<size_t>(g_count.load(std::memory_order_relaxed)) + 8);
+  for (const Entry& e : g_regions) {
+    const uint64_t bytes = e.bytes.load(std::memory_order_acquire);
+    const uintptr_t base = e.base.load(std::memory_order_relaxed);
+    if (bytes != 0 && base != 0) out.push_back(RegionRange{base, bytes});
+  }
+  return out;
+}
 
 Stats Snapshot() {
   return Stats{g_count.load(std::memory_order_relaxed), g_unnamed.load(std::memory_order_relaxed),

@@ -215,7 +215,7 @@ void HostArena::ReleaseRegions(const std::vector<Region>& regions) {
   uint64_t total = 0;
   for (const Region& r : regions) {
     NotifyObservers(false, r.base, r.bytes);
-    if (options_.fork_safety == ForkSafety::kDontFork) fork_fault::Unregister(r.base);
+    fork_fault::Unregister(r.base);
     if (r.pinned_with == PinMode::kCuda) {
       Status st = cuda::HostUnregister(r.base, r.bytes);
       if (!st.ok()) Log(LogLevel::kError, st.ToString());
@@ -440,9 +440,9 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                                                   FormatBytes(bytes), " for ", KindName(owned.kind),
                                                   " owner ", owned.owner_id));
       }
-      if (options_.fork_safety == ForkSafety::kDontFork) {  // named if a forked child touches it
-        fork_fault::Register(region->base, map_bytes, options_.name.c_str(), KindName(owned.kind));
-      }
+      // Listed for the process's memory map; named if a forked child touches one kept out of it.
+      fork_fault::Register(region->base, map_bytes, options_.name.c_str(), KindName(owned.kind),
+                           options_.fork_safety == ForkSafety::kDontFork);
       const auto base = reinterpret_cast<uint64_t>(region->base);
       Status st = extents_.AddSpan(base, map_bytes);
       if (!st.ok()) return st;  // the kernel gave us overlapping memory: cannot happen

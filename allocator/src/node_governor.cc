@@ -233,24 +233,36 @@ Result<uint64_t> NodeGovernor::OfferNvmeBudget(uint64_t bytes) {
   return segment_->nvme_budget;
 }
 
-void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
-  if (tier == NodeTier::kNvme || !process_.InOwner() || left_.load(std::memory_order_acquire) ||
+Slot* NodeGovernor::PublishedSlot() {
+  if (!process_.InOwner() || left_.load(std::memory_order_acquire) ||
       !StillMine(segment_->slots[slot_], pid_, generation_)) {
-    return;
+    return nullptr;
   }
-  Slot& mine = segment_->slots[slot_];
+  return &segment_->slots[slot_];
+}
+
+void NodeGovernor::PublishKinds(NodeTier tier, const KindBytes& live_by_kind) {
+  Slot* mine = tier == NodeTier::kNvme ? nullptr : PublishedSlot();
+  if (mine == nullptr) return;
   for (int k = 0; k < kKindCount; ++k) {
-    mine.kinds[static_cast<int>(tier)][k].store(live_by_kind[k], std::memory_order_relaxed);
+    mine->kinds[static_cast<int>(tier)][k].store(live_by_kind[k], std::memory_order_relaxed);
   }
 }
 
 void NodeGovernor::PublishWorkers(uint64_t private_bytes, uint32_t workers) {
-  if (!process_.InOwner() || left_.load(std::memory_order_acquire) ||
-      !StillMine(segment_->slots[slot_], pid_, generation_))
-    return;
-  Slot& mine = segment_->slots[slot_];
-  mine.workers_private.store(private_bytes, std::memory_order_relaxed);
-  mine.workers.store(workers, std::memory_order_relaxed);
+  Slot* mine = PublishedSlot();
+  if (mine == nullptr) return;
+  mine->workers_private.store(private_bytes, std::memory_order_relaxed);
+  mine->workers.store(workers, std::memory_order_relaxed);
+}
+
+void NodeGovernor::PublishMemory(const ProcessMemory& memory) {
+  Slot* mine = PublishedSlot();
+  if (mine == nullptr) return;
+  for (int o = 0; o < kMemoryOwnerCount; ++o) {
+    mine->memory[o].store(memory.owners[o], std::memory_order_relaxed);
+  }
+  mine->memory_beyond.store(memory.counted_beyond_resident, std::memory_order_relaxed);
 }
 
 void NodeGovernor::AddTrimmer(const void* owner, std::function<uint64_t()> trim) {

@@ -101,6 +101,11 @@ std::string NodeStats::ToString() const {
                   kinds.empty() ? "-" : kinds.c_str());
     out << line;
   }
+  for (const NodeRankStats& r : ranks) {
+    if (r.memory.total == 0) continue;  // never published (a rank outside spillway.install())
+    out << "  " << r.job << " rank " << r.local_rank << " resident " << FormatMiB(r.memory.total)
+        << ": " << DescribeMemory(r.memory) << "\n";
+  }
   return out.str();
 }
 

@@ -106,6 +106,8 @@ void ClearSlot(Slot* slot) {
     for (auto& k : tier) k.store(0, std::memory_order_relaxed);
   }
   slot->workers_private.store(0, std::memory_order_relaxed);
+  for (auto& m : slot->memory) m.store(0, std::memory_order_relaxed);
+  slot->memory_beyond.store(0, std::memory_order_relaxed);
   slot->workers.store(0, std::memory_order_relaxed);
   slot->trims.store(0, std::memory_order_relaxed);
 }
@@ -473,6 +475,11 @@ NodeStats ReadStats(const Segment* s, const std::string& path, const std::string
     r.declared_bytes = s->jobs[slot.job].declarations[slot.local_rank].need;
     r.workers_private_bytes = slot.workers_private.load(std::memory_order_relaxed);
     r.workers = slot.workers.load(std::memory_order_relaxed);
+    for (int o = 0; o < kMemoryOwnerCount; ++o) {
+      r.memory.owners[o] = slot.memory[o].load(std::memory_order_relaxed);
+      r.memory.total += r.memory.owners[o];
+    }
+    r.memory.counted_beyond_resident = slot.memory_beyond.load(std::memory_order_relaxed);
     r.trims = slot.trims.load(std::memory_order_relaxed);
     for (NodeJobStats& js : out.jobs) {
       if (js.name != r.job) continue;

@@ -19,7 +19,7 @@
 namespace spillway::allocator::node {
 
 inline constexpr uint64_t kMagic = 0x31454430'4e4c5753ull;  // "SWLN0DE1"
-inline constexpr uint32_t kVersion = 5;
+inline constexpr uint32_t kVersion = 6;
 inline constexpr int kMaxSlots = 64;        // ranks of every job under the limit
 inline constexpr int kMaxJobs = kMaxSlots;  // every process may be a job of its own
 inline constexpr size_t kJobChars = 80;     // a job's or a ledger's name
@@ -39,6 +39,8 @@ struct Slot {
   uint64_t peak_host;              // mu
   std::atomic<uint64_t> kinds[kHostTiers][kKindCount];
   std::atomic<uint64_t> workers_private;
+  std::atomic<uint64_t> memory[kMemoryOwnerCount];  // its resident bytes by owner, last published
+  std::atomic<uint64_t> memory_beyond;              // and what the counters claimed beyond them
   std::atomic<uint32_t> workers;
   std::atomic<uint32_t> trim_ack;  // the last trim request this rank served
   std::atomic<uint64_t> trims;

@@ -410,6 +410,17 @@ std::vector<MetricFamily> Collector::Collect() const {
               "Private bytes of each local rank's child processes (DataLoader workers), read "
               "from /proc at its last epoch boundary.",
               {{"node_job", r.job}, {"local_rank", rank}}, d(r.workers_private_bytes));
+      if (r.memory.total == 0) continue;  // it never published its memory (Note [Every byte named])
+      for (int o = 0; o < allocator::kMemoryOwnerCount; ++o) {
+        f.Gauge("spillway_node_rank_memory_bytes",
+                "Each local rank's resident memory by owner (arenas, torch_cpu, python, malloc, "
+                "libraries, unowned, ...), read from /proc/self/smaps and the allocators' "
+                "counters at its step boundaries.",
+                {{"node_job", r.job},
+                 {"local_rank", rank},
+                 {"owner", allocator::MemoryOwnerName(static_cast<allocator::MemoryOwner>(o))}},
+                d(r.memory.owners[o]));
+      }
     }
   }
   std::vector<MetricFamily> families = f.Take();

@@ -62,6 +62,7 @@ class Runtime:
     def mark_step(self):
         """Ends the open step (returns its boundary report, or None) and opens the next."""
         _node._sample_workers()  # at most once a second: the workers' private bytes, from /proc
+        _node._sample_memory()  # at most every 10 s: this rank's memory by owner, from /proc
         with self._lock:
             report = self._end_open_step()
             self._step += 1

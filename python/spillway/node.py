@@ -12,6 +12,7 @@ the others leave free, two jobs under one limit share its budget, and the limit 
 passed. A process no ledger can take warns once (NodeWarning). This module reads and steers that ledger:
 
     spillway.node.stats()          # the ledger: budget, committed, each job, each rank by tier/kind
+    spillway.node.memory()         # this process's resident memory, every byte by owner
     python -m spillway.node        # the live ledgers of this user on the machine
 
 Settings (environment, the same on every rank): SPILLWAY_NODE=0 turns the node budget off,
@@ -22,15 +23,18 @@ SPILLWAY_NODE_LEDGER=<name> keeps the job in a ledger of that name instead of it
 """
 import argparse
 import atexit
+import ctypes
 import json
 import os
+import re
 import sys
 import time
 
 from . import _spillway
 
 _DIR = "/dev/shm"
-_sampled = {"at": 0.0, "peak": 0, "workers": 0}
+_sampled = {"at": 0.0, "peak": 0, "workers": 0, "memory_at": 0.0}
+_MEMORY_INTERVAL = 10.0  # seconds between two reads of /proc/self/smaps at step boundaries
 
 
 def _env_bytes(name):
@@ -275,6 +279,64 @@ def _sample_workers(min_interval=1.0):
     _spillway._node_publish_workers(total, count)
 
 
+def _python_arena_bytes():
+    """The bytes of CPython's object arenas (obmalloc), from its own malloc statistics
+    (sys._debugmallocstats' text, written into memory); 0 where obmalloc is off (PYTHONMALLOC=malloc:
+    the objects are then malloc's) or the interpreter does not export the call."""
+    stats = getattr(ctypes.pythonapi, "_PyObject_DebugMallocStats", None)
+    if stats is None:
+        return 0
+    libc = ctypes.CDLL(None)
+    libc.open_memstream.restype = ctypes.c_void_p
+    libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.free.argtypes = [ctypes.c_void_p]
+    stats.argtypes = [ctypes.c_void_p]
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    out = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    if not out:
+        return 0
+    try:
+        stats(out)
+    finally:
+        libc.fclose(out)  # sets buf and size
+    try:
+        text = ctypes.string_at(buf.value, size.value).decode(errors="replace") if buf.value else ""
+    finally:
+        libc.free(buf)
+    m = re.search(r"^\d+ arenas \* \d+ bytes/arena\s*=\s*([\d,]+)", text, re.M)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def _torch_pinned_bytes():
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def memory(publish=True):
+    """This process's resident memory (Rss), every byte by owner (Note [Every byte named] in
+    docs/allocator.md): "owners" maps arenas, torch_cpu, torch_pinned, cuda_driver, python, malloc,
+    malloc_free, mapped_files, shared, libraries and unowned to bytes; "named_fraction" is the
+    share some owner other than "unowned" holds; "counted_beyond_resident_bytes" what the counters
+    claimed past the anonymous bytes (scaled down); "text" says it in a line. With `publish` (and a
+    joined node budget) the owners go to this rank's row of the ledger, where `spillway node`,
+    Prometheus and the over-budget messages read them. One read of /proc/self/smaps (a few ms)."""
+    router = _spillway._router_stats()
+    return _spillway._process_memory(max(0, router.get("forwarded_live_bytes", 0)), _torch_pinned_bytes(),
+                                     _python_arena_bytes(), publish)
+
+
+def _sample_memory(min_interval=_MEMORY_INTERVAL):
+    """At a step boundary, at most once per `min_interval` seconds: publishes memory()."""
+    now = time.monotonic()
+    if not joined() or now - _sampled["memory_at"] < min_interval:
+        return None
+    _sampled["memory_at"] = now
+    return memory()
+
+
 def _epoch_boundary():
     """At an epoch boundary: publishes the ended epoch's peak of the workers' private bytes (they
     have usually exited by now) and returns the node ledger for the epoch's report."""
@@ -282,6 +344,7 @@ def _epoch_boundary():
         return None
     _sampled["at"] = 0.0
     _sample_workers()
+    _sample_memory(0.0)
     _spillway._node_publish_workers(_sampled["peak"], _sampled["workers"])
     _sampled["peak"] = _sampled["workers"] = 0
     return stats()

@@ -2,6 +2,8 @@
 // come from an arena of the child's own.
 #include "cpu_router.h"
 
+#include <malloc.h>
+
 #include <cstdio>
 #include <mutex>
 #include <unordered_set>
@@ -56,6 +58,14 @@ void CpuRouter::FreeRouted(void* p) {
   if (!st.ok()) std::fprintf(stderr, "spillway: freeing a CPU tensor: %s\n", st.ToString().c_str());
 }
 
+size_t CpuRouter::UsableBytes(void* p) { return malloc_usable_size(p); }
+
+void CpuRouter::FreeForwarded(void* p) {
+  g_router->stats_.forwarded_live_bytes.fetch_sub(static_cast<int64_t>(UsableBytes(p)),
+                                                  std::memory_order_relaxed);
+  g_router->next_->raw_deleter()(p);
+}
+
 void CpuRouter::FreeInChild(void* p) {
   ChildArena* c = ThisProcessChild();
   if (c != nullptr && TakeChildPointer(c, p)) FreeChildPointer(c, p);
@@ -68,7 +78,7 @@ void CpuRouter::RawFree(void* p) {
     return FreeChildPointer(c, p);
   }
   // In a forked child the parent's regions are not mapped, and malloc may reuse their addresses.
-  g_router->next_->raw_deleter()(p);
+  FreeForwarded(p);
 }
 
 c10::DataPtr CpuRouter::AllocateInChild(size_t n, const allocator::OwnerTag& tag) {

@@ -20,12 +20,16 @@ struct RouterStats {
   std::atomic<uint64_t> routed_allocations{0};
   std::atomic<uint64_t> routed_bytes{0};
   std::atomic<uint64_t> small_forwarded{0};  // inside a scope but below small_bytes
+  // torch's own CPU tensors, live: malloc_usable_size of what the replaced allocator handed out
+  // through this one (signed: a raw free of a pointer it made before install() is subtracted too).
+  std::atomic<int64_t> forwarded_live_bytes{0};
 };
 
 // Thread-safe. While no tag scope is open anywhere in the process, allocate() is one relaxed atomic
 // load and a forward; otherwise one ThreadLocalDebugInfo read (null unless some debug info is
-// pushed on this thread or propagated to it) decides. Frees need no routing: a storage
-// frees through the deleter of the allocator that made it.
+// pushed on this thread or propagated to it) decides. A storage frees through the deleter of the
+// allocator that made it; a forwarded one's deleter also takes its bytes off forwarded_live_bytes
+// (one relaxed add each way: the process's memory names torch's CPU tensors with it).
 class CpuRouter final : public c10::Allocator {
  public:
   CpuRouter(c10::Allocator* next, std::shared_ptr<PyArena> arena, uint64_t small_bytes)
@@ -35,12 +39,12 @@ class CpuRouter final : public c10::Allocator {
         child_budget_bytes_(arena_->get()->Stats().budget_bytes) {}
 
   c10::DataPtr allocate(size_t n) override {
-    if (C10_LIKELY(g_open_scopes.load(std::memory_order_relaxed) == 0)) return next_->allocate(n);
+    if (C10_LIKELY(g_open_scopes.load(std::memory_order_relaxed) == 0)) return Forward(n);
     const TagScope* scope = CurrentTag();
-    if (scope == nullptr) return next_->allocate(n);
+    if (scope == nullptr) return Forward(n);
     if (n < small_bytes_) {
       stats_.small_forwarded.fetch_add(1, std::memory_order_relaxed);
-      return next_->allocate(n);
+      return Forward(n);
     }
     if (C10_UNLIKELY(Forked())) return AllocateInChild(n, scope->tag);
     void* p = ArenaAllocate(*arena_, n, scope->tag, "a CPU tensor allocation inside spillway.tag");
@@ -58,6 +62,7 @@ class CpuRouter final : public c10::Allocator {
   }
 
   static void FreeRouted(void* p);
+  static void FreeForwarded(void* p);
   static void RawFree(void* p);
   // In a process forked after install(): the child's own arena, made on its first tagged
   // allocation (Note [Fork] in docs/allocator.md). The parent's regions are not mapped there.
@@ -72,6 +77,22 @@ class CpuRouter final : public c10::Allocator {
  private:
   c10::Allocator* const next_;
   const std::shared_ptr<PyArena> arena_;
+  // The replaced allocator's allocation, counted when its deleter is the raw one (torch's default
+  // CPU allocator: context == data, freed by one function); any other passes through uncounted.
+  c10::DataPtr Forward(size_t n) {
+    c10::DataPtr dp = next_->allocate(n);
+    void* p = dp.get();
+    const c10::DeleterFnPtr raw = next_->raw_deleter();
+    if (p == nullptr || raw == nullptr || dp.get_context() != p ||
+        !dp.compare_exchange_deleter(raw, &FreeForwarded)) {
+      return dp;
+    }
+    stats_.forwarded_live_bytes.fetch_add(static_cast<int64_t>(UsableBytes(p)),
+                                          std::memory_order_relaxed);
+    return dp;
+  }
+  static size_t UsableBytes(void* p);
+
   const uint64_t small_bytes_;
   const uint64_t child_budget_bytes_;  // a forked child's arena gets the parent's budget
   RouterStats stats_;

@@ -21,6 +21,15 @@ namespace {
 using allocator::NodeGovernor;
 using allocator::NodeStats;
 
+// {"arenas": bytes, ...}: a rank's resident memory by owner.
+py::dict OwnerDict(const allocator::OwnerBytes& owners) {
+  py::dict d;
+  for (int o = 0; o < allocator::kMemoryOwnerCount; ++o) {
+    d[allocator::MemoryOwnerName(static_cast<allocator::MemoryOwner>(o))] = owners[o];
+  }
+  return d;
+}
+
 py::dict StatsToDict(const NodeStats& s) {
   py::dict d;
   d["job"] = s.job;
@@ -69,6 +78,8 @@ py::dict StatsToDict(const NodeStats& s) {
     rd["workers_private_bytes"] = r.workers_private_bytes;
     rd["workers"] = r.workers;
     rd["trims"] = r.trims;
+    rd["memory"] = OwnerDict(r.memory.owners);
+    rd["memory_counted_beyond_resident_bytes"] = r.memory.counted_beyond_resident;
     ranks.append(rd);
   }
   d["ranks"] = ranks;
@@ -190,6 +201,33 @@ void BindNode(py::module_& m) {
         CurrentOrRaise("spillway.node.publish_workers()")->PublishWorkers(private_bytes, workers);
       },
       py::arg("private_bytes"), py::arg("workers"));
+  m.def(
+      "_process_memory",
+      [](uint64_t torch_cpu, uint64_t torch_pinned, uint64_t python, bool publish) {
+        allocator::HeapCounters c;
+        c.torch_cpu = torch_cpu;
+        c.torch_pinned = torch_pinned;
+        c.python = python;
+        Result<allocator::MappedBytes> mapped = [&] {
+          py::gil_scoped_release nogil;  // one read of /proc/self/smaps
+          allocator::ReadMallocCounters(&c);
+          return allocator::ReadMappedBytes();
+        }();
+        Check(mapped.status());  // with the GIL held
+        const allocator::ProcessMemory pm = allocator::AttributeMemory(*mapped, c);
+        if (publish) {
+          if (std::shared_ptr<NodeGovernor> g = NodeGovernor::Current()) g->PublishMemory(pm);
+        }
+        py::dict d;
+        d["owners"] = OwnerDict(pm.owners);
+        d["resident_bytes"] = pm.total;
+        d["counted_beyond_resident_bytes"] = pm.counted_beyond_resident;
+        d["named_fraction"] = pm.named_fraction();
+        d["mappings"] = mapped->mappings;
+        d["text"] = allocator::DescribeMemory(pm);
+        return d;
+      },
+      py::arg("torch_cpu"), py::arg("torch_pinned"), py::arg("python"), py::arg("publish"));
   m.def("_node_trim", [] {
     std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.trim()");
     py::gil_scoped_release nogil;

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -223,6 +224,7 @@ void BindTorchAllocators(py::module_& m) {
     d["routed_allocations"] = g_router->stats().routed_allocations.load();
     d["routed_bytes"] = g_router->stats().routed_bytes.load();
     d["small_forwarded"] = g_router->stats().small_forwarded.load();
+    d["forwarded_live_bytes"] = std::max<int64_t>(0, g_router->stats().forwarded_live_bytes.load());
     d["small_bytes"] = g_router->small_bytes();
     // A process forked after install(): its own arena for tagged allocations, once it made one.
     if (auto child = CpuRouter::ChildStats()) {

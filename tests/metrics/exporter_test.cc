@@ -376,6 +376,13 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
   go.host_budget_bytes = 0;
   auto rank1 = std::move(allocator::NodeGovernor::Join(go).value());
   ASSERT_TRUE(rank1->Reserve(allocator::NodeTier::kPinned, 8 * kMiB).ok());
+  // Rank 1 publishes this process's real memory by owner; rank 0 publishes none.
+  allocator::HeapCounters counters;
+  allocator::ReadMallocCounters(&counters);
+  auto mapped = allocator::ReadMappedBytes();
+  ASSERT_TRUE(mapped.ok()) << mapped.status().ToString();
+  const allocator::ProcessMemory memory = allocator::AttributeMemory(*mapped, counters);
+  rank1->PublishMemory(memory);
   (*e)->Watch(rank0.get());
   const std::string text = (*e)->Render();
   (*e)->Unwatch(rank0.get());
@@ -389,6 +396,14 @@ TEST(ExporterTest, AFullExpositionWithTheOffloadLayerReportsItAndPassesPromtool)
             8.0 * kMiB);
   EXPECT_EQ(Sample(text, "spillway_node_rank_bytes{" + job + "local_rank=\"0\",tier=\"pinned\"}"),
             0);
+  EXPECT_EQ(
+      Sample(text,
+             "spillway_node_rank_memory_bytes{" + job + "local_rank=\"1\",owner=\"libraries\"}"),
+      static_cast<double>(memory.owners[static_cast<int>(allocator::MemoryOwner::kLibraries)]));
+  EXPECT_GT(memory.owners[static_cast<int>(allocator::MemoryOwner::kLibraries)], 0u);
+  EXPECT_EQ(text.find("spillway_node_rank_memory_bytes{" + job + "local_rank=\"0\""),
+            std::string::npos)
+      << "a rank that published nothing has no series";
   const std::string isa = StrCat("{isa=\"", engine::IsaName(opt->isa()), "\"}");
   EXPECT_EQ(Sample(text, "spillway_optimizer_steps_total" + isa), 1);
   EXPECT_EQ(Sample(text, "spillway_optimizer_skipped_steps_total" + isa), 1);

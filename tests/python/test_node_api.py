@@ -20,11 +20,19 @@ if mode == "hold":
     spillway.install()
     with spillway.tag("optimizer_state"):
         state = torch.zeros(8 << 20)  # 32 MiB
+    plain = torch.ones(12 << 20)  # 48 MiB of torch's own
+    import mmap
+    stray = mmap.mmap(-1, 40 << 20, flags=mmap.MAP_PRIVATE)  # nobody's: the negative control of "unowned"
+    stray.write(b"x" * (40 << 20))
+    memory = spillway.node.memory()  # published to the ledger
     print("ready", flush=True)
     sys.stdin.readline()
     spillway.next_epoch()
     report = spillway.next_epoch()
-    print(json.dumps({"joined": spillway.node.joined(), "budget": report["node"]["host_budget_bytes"]}))
+    [row] = report["node"]["ranks"]
+    print(json.dumps({"joined": spillway.node.joined(), "budget": report["node"]["host_budget_bytes"],
+                      "epoch_memory": sum(row["memory"].values()) > 0, "named": memory["named_fraction"],
+                      "resident": memory["resident_bytes"]}))
 elif mode == "parent":
     spillway.install()
     import subprocess
@@ -85,13 +93,21 @@ def test_install_joins_the_named_job_and_the_viewer_reads_it_from_outside():
         assert rank["pid"] == p.pid and rank["job"] == job
         assert rank["pageable_bytes"] >= 32 * MiB  # the tagged tensor's region, booked
         assert rank["live_by_kind"]["optimizer_state"] >= 32 * MiB
+        # Every byte named: the tagged state is the arenas', the plain tensor torch's, the stray
+        # mapping nobody's (Note [Every byte named]).
+        memory = rank["memory"]
+        assert memory["arenas"] >= 31 * MiB and memory["torch_cpu"] >= 47 * MiB, memory
+        assert memory["unowned"] >= 38 * MiB, memory
         text = _zygote.run([sys.executable, "-m", "spillway.node", "--job", job], capture_output=True,
                            text=True, timeout=120)
         assert text.returncode == 0 and f"job {job}" in text.stdout and "by kind" in text.stdout, text
+        assert f"{job} rank 0 resident" in text.stdout and "% named)" in text.stdout, text.stdout
         p.stdin.write("\n")
         p.stdin.flush()
         done = json.loads(p.stdout.readline())
-        assert done == {"joined": True, "budget": 256 * MiB}  # the epoch report carries the ledger
+        # the epoch report carries the ledger, with the rank's memory published at the boundary
+        assert (done["joined"], done["budget"], done["epoch_memory"]) == (True, 256 * MiB, True), done
+        assert done["named"] <= 1 - 38 * MiB / done["resident"], done  # the stray mapping is not named
     finally:
         p.stdin.close()
         p.wait(timeout=120)

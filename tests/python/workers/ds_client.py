@@ -2,6 +2,7 @@
 
     python ds_client.py configs DIR                                     writes DIR/zero3.json, DIR/accelerate.yaml
     python ds_client.py trainer OUT_DIR                                 HF Trainer, TrainingArguments(deepspeed=...)
+    torchrun --nproc_per_node 2 ds_client.py trainer OUT_DIR            the same on two ranks
     accelerate launch --config_file DIR/accelerate.yaml ds_client.py accelerate OUT_DIR
     deepspeed --num_gpus 1 ds_client.py engine OUT_DIR                 deepspeed.initialize, its own loop
     torchrun --nproc_per_node 2 ds_client.py engine OUT_DIR            the same under torchrun
@@ -11,7 +12,9 @@ it, it is the control. The model is a GPT-2 from a small config (no download), Z
 state and parameters offloaded to the CPU, bf16, DeepSpeed's CPU accelerator. The DataLoader forks 2
 workers at every epoch (persistent_workers=False). Each rank writes OUT_DIR/rank<R>.json: per epoch, what the
 first optimizer step after the fork added to the anonymous PSS of that rank's process tree (the
-copy-on-write the issue is about, measured as spillway.leak_suite does), and the losses."""
+copy-on-write the issue is about, measured as spillway.leak_suite does), and the losses. The trainer
+also saves a checkpoint at each epoch and the model at the end; with the one line it records, at each
+epoch's end and after each save, the rank's memory by owner (spillway.node.memory())."""
 import json
 import os
 import sys
@@ -71,7 +74,7 @@ class ForkGrowth:
     anonymous PSS before it and after it."""
 
     def __init__(self):
-        self.epochs, self.losses, self.before = [], [], None
+        self.epochs, self.losses, self.before, self.owners = [], [], None, []
 
     def first_step_begins(self):
         time.sleep(SETTLE)  # the workers finish prefetching (their own writes copy pages too)
@@ -84,13 +87,21 @@ class ForkGrowth:
         if loss is not None:
             self.losses.append(float(loss))
 
+    def memory(self, when):
+        if INSTALL:
+            import spillway.node  # noqa: PLC0415
+
+            m = spillway.node.memory()
+            self.owners.append({"when": when, **{k: m[k] for k in ("owners", "named_fraction", "resident_bytes",
+                                                                    "counted_beyond_resident_bytes", "text")}})
+
     def write(self, rank, engine, **extra):
         import spillway.deepspeed  # noqa: PLC0415 (the control imports it here, after training)
 
         os.makedirs(out_dir, exist_ok=True)
         state = sum(t.untyped_storage().nbytes() for _n, _k, t in spillway.deepspeed.offloaded_tensors(engine))
         out = {"client": client, "installed": INSTALL, "epochs": self.epochs, "losses": self.losses,
-               "offloaded_bytes": state, **extra}
+               "offloaded_bytes": state, "memory": self.owners, **extra}
         if INSTALL:
             out["host_live_by_kind"] = spillway.installed().host.stats()["live_by_kind"]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -138,17 +149,26 @@ elif client == "trainer":
         def on_step_end(self, args, state, control, **kw):
             growth.step_ended(None)
 
+        def on_epoch_end(self, args, state, control, **kw):
+            growth.memory(f"end of epoch {round(state.epoch or 0)}")
+
+        def on_save(self, args, state, control, **kw):
+            growth.memory(f"after the checkpoint of step {state.global_step}")
+
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 growth.losses.append(logs["loss"])
 
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out_dir, "trainer"), deepspeed=ds_config(auto=True), per_device_train_batch_size=MICRO,
-        num_train_epochs=EPOCHS, learning_rate=LR, bf16=True, use_cpu=True, logging_steps=1, save_strategy="no", report_to=[],
+        num_train_epochs=EPOCHS, learning_rate=LR, bf16=True, use_cpu=True, logging_steps=1, save_strategy="epoch", report_to=[],
         dataloader_num_workers=2, dataloader_persistent_workers=False, disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model(), args=args, train_dataset=Tokens(STEPS * MICRO), callbacks=[Measure()])
+    trainer = transformers.Trainer(model=model(), args=args, train_dataset=Tokens(STEPS * MICRO * int(os.environ["WORLD_SIZE"])),
+                                 callbacks=[Measure()])  # STEPS steps per rank, as the other clients take
     trainer.train()
-    growth.write(args.process_index, trainer.model_wrapped)
+    trainer.save_model(os.path.join(out_dir, "final"))
+    growth.memory("after the final save_model")
+    growth.write(args.process_index, trainer.model_wrapped, world=args.world_size)
 elif client == "accelerate":
     import accelerate  # noqa: E402
     from accelerate.utils import DummyOptim  # noqa: E402

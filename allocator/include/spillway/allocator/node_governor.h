@@ -23,6 +23,7 @@
 
 #include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
+#include "spillway/allocator/process_memory.h"
 #include "spillway/base/status.h"
 
 namespace spillway::allocator {
@@ -104,7 +105,8 @@ struct NodeRankStats {
   uint64_t declared_bytes = 0;         // what the rank declared at admission (0: none)
   uint64_t workers_private_bytes = 0;  // its DataLoader workers' private pages (last published)
   uint32_t workers = 0;
-  uint64_t trims = 0;  // trim requests it served
+  ProcessMemory memory;  // its resident bytes by owner, last published (total 0: never)
+  uint64_t trims = 0;    // trim requests it served
 };
 
 struct NodeJobStats {
@@ -149,6 +151,7 @@ std::string DescribeNodeRanks(const NodeStats& stats);
 
 namespace node {
 struct Segment;  // the shared layout (src/node_segment.h)
+struct Slot;
 struct JobEntry;
 }  // namespace node
 
@@ -205,6 +208,9 @@ class NodeGovernor {
   // Published for reports, without the lock (relaxed stores into the slot).
   void PublishKinds(NodeTier tier, const KindBytes& live_by_kind);
   void PublishWorkers(uint64_t private_bytes, uint32_t workers);
+  // This rank's resident memory by owner (AttributeMemory), for `spillway node`, Prometheus and
+  // the over-budget messages.
+  void PublishMemory(const ProcessMemory& memory);
 
   // Admission, in rounds (one per call in each rank, e.g. one per DeepSpeed engine): declares
   // that this rank will hold `need_bytes` more host memory (of which `workers_fork_bytes` is its
@@ -262,6 +268,9 @@ class NodeGovernor {
   const std::string path_;
   const int fd_;
   node::Segment* const segment_;
+  // This rank's slot, or null once it left (or was reaped) or in a forked child: what the Publish
+  // calls write to.
+  node::Slot* PublishedSlot();
   const int slot_;
   const int job_;         // its entry in the segment
   const int local_rank_;  // within the job
