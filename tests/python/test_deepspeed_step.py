@@ -173,6 +173,35 @@ def test_zero_1_and_2_with_offload_run_spillways_step_within_the_control(tmp_pat
     assert ours["losses"][-1] < 0.8 * ours["losses"][0]
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+                    reason="DeepSpeed's CPU accelerator refuses fp16 where mkldnn has no fp16 kernels (they need "
+                           "AVX-512 FP16 or AMX): run on such a machine, or on a GPU")
+@pytest.mark.parametrize("stage", [3, 2])
+def test_fp16_overflow_steps_are_skipped_and_the_scale_halved_as_deepspeed_does(tmp_path, stage):
+    # fp16 with DeepSpeed's dynamic loss scale; the worker makes the loss infinite at steps 3, 7, 8
+    # and 20, so every gradient overflows there. DeepSpeed's overflow check runs before the fused
+    # pass: the step is skipped, the scale halved (twice in a row at 7 and 8), doubled again after 4
+    # good steps. The same sequence of scales and skips as plain DeepSpeed's, and the masters within
+    # the control of the other step tests.
+    r = {w: run(tmp_path, w, steps=30, variant=f"fp16-zero{stage}") for w in ("deepspeed", "torch-adam", "spillway")}
+    ours, theirs, control = r["spillway"], r["deepspeed"], r["torch-adam"]
+    assert ours["kernel"] and not theirs["kernel"], ours["warnings"]
+    assert not [w for w in ours["warnings"] if "own optimizer step runs" in w or "audit" in w], ours["warnings"]
+    print(f"zero-{stage} fp16 scales {theirs['scales']}, skipped {theirs['skipped']}")
+    assert ours["scales"] == theirs["scales"] == control["scales"]
+    assert ours["skipped"] == theirs["skipped"] and theirs["skipped"][-1] == 4
+    for k in (3, 7, 8, 20):
+        assert theirs["scales"][k] == theirs["scales"][k - 1] / 2, (k, theirs["scales"])
+    assert len(set(theirs["scales"])) >= 4  # it also grew back after good windows
+    assert [float(s) for s in ours["steps"]] == [float(s) for s in theirs["steps"]] == [26.0] * ours["sub_groups"]
+    for i, (a, b, c) in enumerate(zip(theirs["masters"], ours["masters"], control["masters"])):
+        print(f"zero-{stage} fp16 group {i}: rms spillway-ds {rms(a, b):.3e}, torch-ds {rms(a, c):.3e}")
+        assert rms(a, b) <= 2 * rms(a, c), i
+        assert (a - b).abs().max() <= 2 * (a - c).abs().max(), i
+    finite = [(x, y) for x, y in zip(ours["losses"], theirs["losses"]) if x != float("inf")]
+    assert len(finite) == 26 and abs(finite[-1][0] - finite[-1][1]) <= 0.01 * finite[-1][1]
+
+
 def test_the_16_bit_partition_is_the_round_to_nearest_even_of_the_new_master(runs):
     ours = runs["spillway"]
     for i, (master, p16) in enumerate(zip(ours["masters"], ours["params16"])):

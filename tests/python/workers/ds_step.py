@@ -10,9 +10,12 @@ model whose optimizer state and parameters DeepSpeed really swaps to NVMe (above
 `bf16-params-on-device`: offload_optimizer only, the 16-bit partitions on the accelerator (cuda:0
 under DS_ACCELERATOR=cuda: Spillway's pass updates the master, DeepSpeed copies it down), or
 `bf16-zero2` / `bf16-zero1`: ZeRO-2 / ZeRO-1 with offload_optimizer cpu (one flat partition per
-parameter group). Also saved: each step's time, the bytes this process read and wrote
-(/proc/self/io) and the swap folder's files. (fp16 and its dynamic loss scale are
-refused by DeepSpeed's CPU accelerator: GPU only.)
+parameter group), or `fp16-zero3` / `fp16-zero2`: fp16 with DeepSpeed's dynamic loss scale
+(initial 2^8, window 4, hysteresis 1) and an infinite loss at steps 3, 7, 8 and 20, whose
+overflowing gradients DeepSpeed must skip and halve the scale for (on the CPU accelerator fp16 needs
+mkldnn's fp16 support, which AVX-512 FP16 or AMX machines have). Also saved: each step's time, the
+bytes this process read and wrote (/proc/self/io), the swap folder's files, and each step's loss
+scale and skipped-step count.
 
 `torch-adam` is DeepSpeed's own step with torch.optim.AdamW in place of DeepSpeedCPUAdam
 ("torch_adam": true): the control for how far two correct implementations of one step drift apart.
@@ -89,9 +92,16 @@ elif variant == "bf16-params-on-device":  # offload_optimizer only: the 16-bit p
     del config["zero_optimization"]["offload_param"]
 elif variant in ("bf16-zero2", "bf16-zero1"):
     config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+elif variant in ("fp16-zero3", "fp16-zero2"):
+    del config["bf16"]
+    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 4,
+                      "hysteresis": 1, "min_loss_scale": 1}
+    if variant == "fp16-zero2":
+        config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant != "bf16-cpu":
     sys.exit(f"unknown variant {variant!r}: bf16-cpu, bf16-params-on-device, bf16-nvme-ga2, bf16-infinity, "
-             "bf16-zero2 or bf16-zero1")
+             "bf16-zero2, bf16-zero1, fp16-zero3 or fp16-zero2")
+OVERFLOW_STEPS = {3, 7, 8, 20} if variant.startswith("fp16") else set()
 
 
 def masters_of(opt):
@@ -102,7 +112,7 @@ def masters_of(opt):
     return opt.single_partition_of_fp32_groups, [g[rank] for g in opt.parallel_partitioned_bit16_groups]
 
 
-dtype = torch.bfloat16
+dtype = torch.float16 if variant.startswith("fp16") else torch.bfloat16
 
 
 def io_bytes():
@@ -117,7 +127,7 @@ with warnings.catch_warnings(record=True) as caught:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(64, 8, generator=g)
-    losses, lrs, first = [], [], None
+    losses, lrs, first, scales, skipped = [], [], None, [], []
     io_before = io_bytes()
     step_s = []
     for step in range(steps):
@@ -126,9 +136,13 @@ with warnings.catch_warnings(record=True) as caught:
             x = torch.randn(16, 64, generator=g).to(dtype)
             y = (x.float() @ teacher).argmax(dim=1)
             loss = torch.nn.functional.cross_entropy(engine(x.to(device())).float(), y.to(device()))
+            if step in OVERFLOW_STEPS:  # every gradient inf or nan: DeepSpeed's overflow check must skip it
+                loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
         losses.append(loss.item())
+        scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
+        skipped.append(int(engine.skipped_steps))
         step_s.append(time.perf_counter() - t0)
         lrs.append([pg["lr"] for pg in engine.optimizer.optimizer.param_groups])
         if step == 0 and variant != "bf16-infinity":  # swapped masters are on NVMe between steps
@@ -159,7 +173,7 @@ if swapper is not None:  # a swapped sub-group's master is on NVMe between steps
 masters = [t.detach().clone() for t in fp32]
 state = [inner.state.get(t, {}) for t in fp32]
 torch.save({
-    "losses": losses, "lrs": lrs, "masters": masters, "first": first,
+    "losses": losses, "lrs": lrs, "masters": masters, "first": first, "scales": scales, "skipped": skipped,
     "exp_avg": [s["exp_avg"].clone() for s in state if "exp_avg" in s],
     "exp_avg_sq": [s["exp_avg_sq"].clone() for s in state if "exp_avg_sq" in s],
     "steps": [s.get("step") for s in state],
