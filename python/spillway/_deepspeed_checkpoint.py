@@ -18,12 +18,15 @@ format, the same names and contents), and
 Private: spillway.deepspeed installs it.
 """
 import contextlib
+import ctypes
 import glob
 import json
 import mmap
 import os
 import secrets
+import shutil
 import signal
+import socket
 import zipfile
 
 import torch
@@ -122,6 +125,9 @@ def engine_class():
                 super().__init__(config_params)
                 self.name = "SpillwayCheckpointEngine"
                 self.save_id = None  # set by the save_checkpoint wrapper while a save runs
+                # checkpoint.use_node_local_storage: each node's ranks save into a directory of that
+                # node's, which holds only their files and manifests.
+                self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
                 self.failure = None  # (what, exception): the first failure of this save
                 self._dir = None  # save_dir/tag of this save
                 self._written = {}  # path relative to _dir -> {"bytes", "crc32c"}
@@ -158,7 +164,7 @@ def engine_class():
                 rank, world = _rank_and_world()
                 os.makedirs(self._dir, exist_ok=True)
                 manifest = {"format": MANIFEST_FORMAT, "save_id": self.save_id, "rank": rank, "world_size": world,
-                            "complete": complete, "files": self._written}
+                            "node_local": self.node_local, "complete": complete, "files": self._written}
                 path = os.path.join(self._dir, MANIFEST.format(rank=rank))
                 _replace_durably(_temporary(path), path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
                 _fsync_directory(self._dir)
@@ -212,16 +218,32 @@ def load_file(path, map_location=None):
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+def _sharers(directory):
+    """The ranks that see the same `directory` as this one (the same host, device and inode), this
+    rank among them: with node-local storage each node's ranks, else every rank. Every rank must
+    call it."""
+    try:
+        st = os.stat(directory)
+        key = (socket.gethostname(), st.st_dev, st.st_ino)
+    except OSError:
+        key = None
+    keys = _gather(key)
+    rank = _rank_and_world()[0]
+    return [r for r, k in enumerate(keys) if r == rank or (key is not None and k == key)]
+
+
 def verify(load_dir, tag):
-    """Checks load_dir/tag against its manifests, the files divided among the ranks, and raises
-    ChecksumMismatch on every rank naming what is wrong: a listed file missing, of another length or
-    another CRC32C; a manifest that cannot be read, of another save, or of a rank whose part of the
-    save did not finish (in progress, or absent). Every rank must call it. Returns how many files
-    were listed (0: no manifest, a checkpoint plain DeepSpeed wrote)."""
+    """Checks load_dir/tag against its manifests, the files divided among the ranks that share the
+    directory, and raises ChecksumMismatch on every rank naming what is wrong: a listed file
+    missing, of another length or another CRC32C; a manifest that cannot be read, of another save,
+    or of a rank whose part of the save did not finish (in progress, or absent: of any rank of the
+    save, or with node-local storage of any rank that shares this directory). Every rank must call
+    it. Returns how many files were listed (0: no manifest, a checkpoint plain DeepSpeed wrote)."""
     directory = os.path.join(load_dir, str(tag))
     entries, problems = [], []
+    sharers = _sharers(directory)
     try:
-        _check(directory, entries, problems)
+        _check(directory, entries, problems, sharers)
     except Exception as e:  # noqa: BLE001 (reported on every rank below, after the exchange)
         problems.append(f"{directory}: checking it failed ({type(e).__name__}: {e})")
     problems = [p for found in _gather(problems) for p in found]
@@ -233,10 +255,11 @@ def verify(load_dir, tag):
     return len(entries)
 
 
-def _check(directory, entries, problems):
+def _check(directory, entries, problems, sharers):
     """verify()'s own part on this rank: appends the listed files to `entries` and what is wrong to
-    `problems`."""
-    manifests = {}
+    `problems`. `sharers`: the ranks that see this directory (this one among them), which divide
+    its files between them."""
+    manifests, node_local = {}, False
     for path in sorted(glob.glob(os.path.join(glob.escape(directory), MANIFEST.replace("{rank:05d}", "*")))):
         try:
             with open(path, "rb") as f:
@@ -245,6 +268,7 @@ def _check(directory, entries, problems):
                 raise ValueError(f"format {m.get('format')!r}, not {MANIFEST_FORMAT!r}")
             files = [(name, int(e["bytes"]), int(e["crc32c"])) for name, e in m["files"].items()]
             manifests[path] = (int(m["rank"]), int(m["world_size"]), str(m["save_id"]), bool(m["complete"]))
+            node_local |= bool(m.get("node_local", False))
             entries += files
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             problems.append(f"{path}: cannot be read as a manifest ({e})")
@@ -256,17 +280,19 @@ def _check(directory, entries, problems):
         problems.append(f"{directory}: its manifests are of {len(saves)} different saves, not of one")
     unfinished = sorted(r for r, _w, _i, complete in manifests.values() if not complete)
     world = max(worlds)
-    absent = sorted(set(range(world)) - {r for r, _w, _i, _c in manifests.values()})
+    # Node-local storage: this directory holds the parts of the ranks of this node only.
+    expected = set(sharers) if node_local else set(range(world))
+    absent = sorted(expected - {r for r, _w, _i, _c in manifests.values()})
     if unfinished or absent:
         problems.append(f"{directory}: the part of the {world}-rank save of rank "
                         f"{', '.join(map(str, sorted(unfinished + absent)))} did not finish (killed or failed: "
                         f"{'its manifest says in progress' if unfinished else 'no manifest'})")
-    rank, ranks = _rank_and_world()
+    mine, ranks = sharers.index(_rank_and_world()[0]), len(sharers)
     # One anonymous mapping for the reads, unmapped after: a buffer from the heap would leave the
     # heap's top that much higher (glibc raises its mmap threshold after the first such free).
     with mmap.mmap(-1, _CHUNK) as buf:
         for i, (name, size, crc) in enumerate(sorted(entries)):
-            if i % ranks != rank:
+            if i % ranks != mine:
                 continue
             path = os.path.join(directory, name)
             try:
@@ -327,6 +353,63 @@ def state_in_place(basic):
         kept.clear()
 
 
+_STAGING = ".spillway-saving-"  # tag + this + save id: a tag's directory while it is saved again
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _holds_a_save(directory):
+    """True when `directory` holds a checkpoint's files (a manifest, or a file DeepSpeed names
+    *.pt): what a save of its tag must not destroy before it is whole."""
+    try:
+        with os.scandir(directory) as it:
+            return any(e.name.startswith("spillway-checkpoint-rank") or (e.name.endswith(".pt") and e.is_file())
+                       for e in it)
+    except OSError:
+        return False
+
+
+def _exchange(a, b):
+    """Swaps the directory entries `a` and `b` in one step (renameat2 RENAME_EXCHANGE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _remove_staged(save_dir, tag):
+    """Removes what a killed save of `tag` left staged (by the first rank of each directory)."""
+    staged = glob.glob(os.path.join(glob.escape(save_dir), glob.escape(tag) + _STAGING + "*"))
+    if staged and min(_sharers(save_dir)) == _rank_and_world()[0]:
+        for path in staged:
+            shutil.rmtree(path, ignore_errors=True)
+    _gather(None)  # none saves into save_dir before they are gone
+
+
+def _swap_in(save_dir, staged, tag):
+    """Puts a whole save made in save_dir/staged in place of save_dir/tag, on every rank's
+    directory (by the first rank of each): one renameat2 RENAME_EXCHANGE, the directory fsynced,
+    then the previous copy removed. Raises IoError on every rank when any failed."""
+    failure = None
+    final, made = os.path.join(save_dir, tag), os.path.join(save_dir, staged)
+    if min(_sharers(save_dir)) == _rank_and_world()[0]:
+        try:
+            if os.path.isdir(final):
+                _exchange(made, final)
+            else:  # this node's directory had no copy of the tag
+                os.rename(made, final)
+            _fsync_directory(save_dir)
+            shutil.rmtree(made, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 (raised below, on every rank)
+            failure = e
+    failed = [str(f) for f in _gather(None if failure is None else f"{type(failure).__name__}: {failure}") if f]
+    if failed:
+        raise _spillway.IoError(
+            f"spillway.deepspeed: save_checkpoint({save_dir!r}, tag={tag!r}): the new checkpoint is whole in "
+            f"{made} but could not take the place of {final} ({'; '.join(failed)}); {final} is the previous "
+            "one, unchanged. Move it by hand, or save under another tag") from failure
+
+
 def _gather(item):
     """[item of rank 0, item of rank 1, ...]: every rank must call it."""
     dist = torch.distributed
@@ -377,8 +460,14 @@ def install(patch):
         ckpt = self.checkpoint_engine
         # One id per save, rank 0's, in every rank's manifest: the load refuses manifests of two saves.
         ckpt.save_id = _gather(secrets.token_hex(8) if _rank_and_world()[0] == 0 else None)[0]
+        # A tag saved again is written beside the one on disk and swapped in once whole: a save
+        # killed midway leaves the previous copy (Note [DeepSpeed checkpoints]).
+        again = any(_gather(_holds_a_save(os.path.join(save_dir, tag))))
+        into = f"{tag}{_STAGING}{ckpt.save_id}" if again else tag
+        if again:
+            _remove_staged(save_dir, tag)
         try:
-            result = save(self, save_dir, tag, client_state, False, *args, **kwargs)
+            result = save(self, save_dir, into, client_state, False, *args, **kwargs)
             failed = ckpt.failure
         finally:
             ckpt.save_id, ckpt.failure = None, None
@@ -389,6 +478,8 @@ def install(patch):
                 f"{'; '.join(m for m in everyone if m)}. The checkpoint {tag} is not whole (a load of it is "
                 "refused) and `latest` was not changed. Fix the cause (space, permissions) and save again") \
                 from (failed[1] if failed else None)
+        if again:
+            _swap_in(save_dir, into, tag)
         if not save_latest:
             return result
         # DeepSpeed writes `latest` by truncating it in place; here it is written once every rank has

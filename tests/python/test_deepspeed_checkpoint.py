@@ -199,14 +199,21 @@ def test_a_save_killed_midway_leaves_latest_naming_the_previous_checkpoint_which
         verify(str(d), "global_step4")
 
 
-def test_a_tag_saved_again_and_killed_midway_is_refused_not_loaded_as_a_mix(tmp_path):
-    # Two saves under one tag; the second is killed after its first file replaced the first save's.
+def test_a_tag_saved_again_and_killed_midway_keeps_its_previous_checkpoint(tmp_path):
+    # A tag saved, then saved again by a later run (more steps: other state) that is killed after
+    # both of its files are written, before its manifest says complete: the tag still loads, as the
+    # first save wrote it.
     d = tmp_path / "ckpt"
-    run(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 2, "every": 2, "tag": "t", "save_dir": str(d),
-                           "kill_after_files": 1}, expect_rc=-signal.SIGKILL)
-    r = run(tmp_path, "load", {"stage": 3, "spillway": True, "load_dir": str(d), "load_tag": "t",
-                               "expect_error": "ChecksumMismatch"})
-    assert "did not finish" in r["error"]
+    first = run(tmp_path, "first", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "tag": "t", "save_dir": str(d)})
+    run(tmp_path, "again", {"stage": 3, "spillway": True, "saves": 1, "every": 4, "tag": "t", "save_dir": str(d),
+                            "kill_after_files": 2}, expect_rc=-signal.SIGKILL)
+    r = run(tmp_path, "load", {"stage": 3, "spillway": True, "load_dir": str(d), "load_tag": "t"})
+    assert r["digest"] == first["digest"]
+    # A whole second save replaces it, and leaves no staging directory behind (the killed one's too).
+    again = run(tmp_path, "whole", {"stage": 3, "spillway": True, "saves": 1, "every": 4, "tag": "t", "save_dir": str(d)})
+    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == ["t"] and (d / "latest").read_text() == "t"
+    r = run(tmp_path, "load-again", {"stage": 3, "spillway": True, "load_dir": str(d), "load_tag": None})
+    assert r["digest"] == again["digest"] != first["digest"]
 
 
 def run_two_ranks(tmp_path, name, spec):
@@ -245,3 +252,27 @@ def test_bad_input_two_ranks_a_file_rank_1_cannot_write_fails_the_save_on_both_a
 
     with pytest.raises(ChecksumMismatch, match="of the 2-rank save of rank 1 did not finish"):
         verify(str(d), "global_step2")
+
+
+def test_use_node_local_storage_loads_each_nodes_part_from_its_own_directory(tmp_path):
+    # DeepSpeed's checkpoint.use_node_local_storage, two nodes of one rank each: every rank saves to
+    # and loads from a directory of its own, which holds its node's files and manifest only. The
+    # load checks the manifests of the ranks that share the directory, not every rank's.
+    d = tmp_path / "node{rank}"
+    saved = run_two_ranks(tmp_path, "save", {"stage": 3, "spillway": True, "saves": 1, "every": 2, "node_local": True,
+                                             "save_dir": str(d)})
+    for rank in (0, 1):
+        tag = tmp_path / f"node{rank}" / "global_step2"
+        assert sorted(f.name for f in tag.glob("spillway-checkpoint-rank*")) == [f"spillway-checkpoint-rank{rank:05d}.json"]
+        assert sorted(f.name for f in tag.glob("*.pt")) == [f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                                                            f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"]
+    loaded = run_two_ranks(tmp_path, "load", {"stage": 3, "spillway": True, "node_local": True, "load_dir": str(d),
+                                              "load_tag": "global_step2"})
+    assert loaded["digests"] == saved["digests"] and saved["digests"][0] != saved["digests"][1]
+    # A damaged file on node 1 is still found, and refused on both ranks.
+    victim = tmp_path / "node1" / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    corrupt(victim)
+    r = run_two_ranks(tmp_path, "refused", {"stage": 3, "spillway": True, "node_local": True, "pre_steps": 1,
+                                            "load_dir": str(d), "load_tag": "global_step2",
+                                            "expect_error": "ChecksumMismatch"})
+    assert str(victim) in r["error"] and r["digest"] == r["digest_before_error"], r["error"]

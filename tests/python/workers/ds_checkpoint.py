@@ -14,7 +14,9 @@ The JSON spec's keys (all optional):
   the last save); expect_error (the load must raise an exception whose class name is this; the
   engine's state before and after it is recorded); expect_save_error (the same for the first
   save); also_plain_dir (after the saves, save once more
-  there through DeepSpeed's own TorchCheckpointEngine).
+  there through DeepSpeed's own TorchCheckpointEngine); node_local (DeepSpeed's
+  checkpoint.use_node_local_storage, each rank its own node: local rank 0, and "{rank}" in save_dir
+  and load_dir is its global rank, so each saves to and loads from a directory of its own).
 
 OUT.json: losses (one per step, floats), digest (a SHA-256 over the offloaded fp32 master
 partitions and Adam moments, in offloaded_tensors order, at the end), state_bytes, saves (per
@@ -22,7 +24,7 @@ save: RssAnon after it over before the first, and the peak over just before it),
 RssAnon over just before it, what it left, and the RssFile peak), audit (after the load: bytes of
 offloaded state that are not in Spillway's arenas), largest (the largest offloaded tensor's bytes),
 error (the expected error's message), digest_before_error, engine_device (where DeepSpeed's
-engine computes)."""
+engine computes), digests (each rank's digest at the end)."""
 import hashlib
 import json
 import os
@@ -48,6 +50,11 @@ from spillway.leak_suite import build_model  # noqa: E402
 
 
 world_from_env_or_single()
+if spec.get("node_local"):  # every rank the first of its node: each writes its node's model states
+    os.environ["LOCAL_RANK"] = "0"
+    for key in ("save_dir", "load_dir"):
+        if key in spec:
+            spec[key] = spec[key].format(rank=os.environ["RANK"])
 deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False)
 stage = spec.get("stage", 3)
 zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
@@ -56,6 +63,8 @@ if stage == 3:
     zero["sub_group_size"] = spec.get("sub_group_size", 1 << 20)
 config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "bf16": {"enabled": True}, "zero_optimization": zero}
+if spec.get("node_local"):
+    config["checkpoint"] = {"use_node_local_storage": True}
 torch.manual_seed(0)
 model = build_model(int(float(spec.get("params", 2e6))), torch)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -146,4 +155,8 @@ if "also_plain_dir" in spec:
     engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
     engine.save_checkpoint(spec["also_plain_dir"], tag=spec.get("tag"))
 out["digest"] = digest()
+out["digests"] = [out["digest"]]
+if torch.distributed.get_world_size() > 1:
+    out["digests"] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out["digests"], out["digest"])
 finish()
