@@ -195,8 +195,36 @@ def engine_class():
             def commit(self, info):
                 super().commit(info)
                 if self._dir is not None and self.failure is None:
+                    copy = os.path.join(self._dir, "offloaded_tensors", self._swap_rank_dir())
+                    self._keep(f"the swap folder's copy in {copy}", lambda: self._take_swap_copy(copy))
                     self._keep(f"the manifest in {self._dir}", lambda: self._write_manifest(True))
                 return self.failure is None
+
+            def _swap_rank_dir(self):
+                # ZeRO-Infinity: DeepSpeed's save_checkpoint copies the optimizer's swap folder
+                # into offloaded_tensors/rankNN of the tag (its local rank with node-local storage),
+                # after the files and before this commit.
+                rank = int(os.environ.get("LOCAL_RANK", "0")) if self.node_local else _rank_and_world()[0]
+                return f"rank{rank:0>2d}"
+
+            def _take_swap_copy(self, copy):
+                """Fsyncs the files of this rank's swap-folder copy and lists them, with their
+                CRC32C, in the manifest: DeepSpeed's copytree neither syncs nor checks them."""
+                if not os.path.isdir(copy):
+                    return
+                with mmap.mmap(-1, _CHUNK) as buf:
+                    for d, _dirs, files in os.walk(copy):
+                        for name in sorted(files):
+                            path = os.path.join(d, name)
+                            fd = os.open(path, os.O_RDONLY)
+                            try:
+                                os.fsync(fd)
+                            finally:
+                                os.close(fd)
+                            size, crc = file_crc32c(path, buf)
+                            self._written[os.path.relpath(path, self._dir)] = {"bytes": size, "crc32c": crc}
+                        _fsync_directory(d)
+                _fsync_directory(os.path.dirname(copy))
 
         _ENGINE = SpillwayCheckpointEngine
     return _ENGINE

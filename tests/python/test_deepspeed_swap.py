@@ -127,6 +127,26 @@ def test_deepspeeds_checkpoint_of_swapped_state_round_trips_as_with_its_own_file
     assert store["files"] >= len(names) and store["checksum_failures"] == 0
 
 
+def test_the_checkpoints_swap_copy_is_in_its_manifest_and_a_damaged_one_is_refused(tmp_path, saved):
+    """The swap folder's copy DeepSpeed makes into the checkpoint (offloaded_tensors/rankNN) is
+    fsynced and listed, with its CRC32C, in the rank's manifest: a byte flipped in it is refused by
+    the load, naming the file, before DeepSpeed copies it back."""
+    ckpt = saved / "arena" / "ckpt"
+    copy = files_under(ckpt / "t3" / "offloaded_tensors")
+    manifest = json.loads((ckpt / "t3" / "spillway-checkpoint-rank00000.json").read_text())
+    listed = sorted(f for f in manifest["files"] if f.startswith("offloaded_tensors/"))
+    assert copy and listed == [f"offloaded_tensors/{n}" for n in copy], (listed, copy)
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(ckpt, damaged)
+    victim = damaged / "t3" / "offloaded_tensors" / copy[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    p = _zygote.run([sys.executable, str(WORKER), "load", str(tmp_path / "swap"), str(damaged), str(tmp_path / "o.json")],
+                    capture_output=True, text=True, timeout=600, env=dict(os.environ, DS_INFINITY_SWAP="arena"))
+    assert p.returncode != 0 and "ChecksumMismatch" in p.stderr and str(victim) in p.stderr, p.stderr[-3000:]
+
+
 def test_bad_input_a_swap_budget_too_small_fails_naming_the_file_and_the_budget(tmp_path):
     env = dict(os.environ, SPILLWAY_NVME_BUDGET_BYTES=str(8 << 20))  # the run swaps ~37 MiB
     p = _zygote.run([sys.executable, str(WORKER), "run", str(tmp_path / "swap"), "arena"], capture_output=True,
