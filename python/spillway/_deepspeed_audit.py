@@ -1,7 +1,9 @@
 """spillway.deepspeed's audit: which of DeepSpeed's offloaded host tensors live in Spillway's arenas,
-run after deepspeed.initialize and after the first optimizer step. Public through spillway.deepspeed
-(audit, offloaded_tensors, AuditWarning); this module is private.
+run after deepspeed.initialize and after the first optimizer step, and the warnings that name, once
+each, what a run turned on that stays DeepSpeed's. Public through spillway.deepspeed (audit,
+offloaded_tensors, AuditWarning); this module is private.
 """
+import functools
 import warnings
 
 import torch
@@ -108,3 +110,59 @@ def _audit_and_warn(engine, when):
             AuditWarning, stacklevel=3)
     return report
 
+
+# What a DeepSpeed config can turn on that stays DeepSpeed's under install(): (the setting, whether
+# a config has it, what it means). Each is named once per process, at deepspeed.initialize. The
+# table of every feature, covered or not, is in docs/deepspeed.md ("What stays DeepSpeed's").
+_LEFT_SETTINGS = (
+    ("aio.use_gds", lambda c: (c.get("aio") or {}).get("use_gds"),
+     "DeepSpeed's swapper moves tensors between GPU memory and NVMe with GPUDirect Storage (GDSBuilder's "
+     "gds_handle), not through Spillway's aio op, so those swap files are DeepSpeed's, outside Spillway's NVMe "
+     "budget and metrics. Set aio.use_gds false for Spillway's io_uring op"),
+    ("checkpoint.writer", lambda c: (c.get("checkpoint") or {}).get("writer") is not None,
+     "DeepSpeed's FastPersist or decoupled checkpoint engine writes the checkpoints, not Spillway's: no "
+     "manifest, no CRC32C check at load, `latest` written in place, loads read into new memory. Remove "
+     "checkpoint.writer for Spillway's engine"),
+    ("checkpoint.checkpoint_serialization: false", lambda c: (c.get("checkpoint") or {}).get(
+        "checkpoint_serialization") is False,
+     "it is not honoured: Spillway's checkpoint engine writes torch's zip format, which DeepSpeed, torch.load "
+     "and zero_to_fp32 read as before and which its loads map instead of reading"),
+)
+_named_settings = set()
+
+
+def _name_left_settings(config):
+    """One AuditWarning per setting of _LEFT_SETTINGS the DeepSpeed config dict has (once per
+    process), at deepspeed.initialize."""
+    for setting, has, why in _LEFT_SETTINGS:
+        if setting not in _named_settings and has(config):
+            _named_settings.add(setting)
+            warnings.warn(f"spillway.deepspeed: {setting} is set: {why}", AuditWarning, stacklevel=4)
+
+
+def _name_left_engine_parts(engine, ours):
+    """After deepspeed.initialize: a checkpoint engine that is not Spillway's (`ours`; FastPersist, the
+    decoupled engine, DataStates) is named once; engine.offload_states() says, when first called,
+    that what it moves leaves Spillway's arenas."""
+    ckpt = getattr(engine, "checkpoint_engine", None)
+    name = type(ckpt).__name__
+    if ckpt is not None and not isinstance(ckpt, ours) and name not in _named_settings:
+        _named_settings.add(name)
+        warnings.warn(f"spillway.deepspeed: the checkpoint engine is DeepSpeed's {name}: its saves and loads stay "
+                      "DeepSpeed's (no manifest, no CRC32C check at load, loads into new memory)",
+                      AuditWarning, stacklevel=3)
+    offload = getattr(engine, "offload_states", None)
+    if offload is None or getattr(offload, "__spillway_original__", None) is not None:
+        return
+
+    @functools.wraps(offload)
+    def offload_states(*args, **kwargs):
+        if "offload_states" not in _named_settings:
+            _named_settings.add("offload_states")
+            warnings.warn("spillway.deepspeed: engine.offload_states() moves the state it offloads into new tensors "
+                          "of torch's (pinned where pin_memory=True), outside Spillway's arenas, budget and fork "
+                          "safety until engine.reload_states(); install()'s offload_optimizer: cpu keeps the "
+                          "optimizer state in Spillway's arenas all along", AuditWarning, stacklevel=2)
+        return offload(*args, **kwargs)
+    offload_states.__spillway_original__ = offload
+    engine.offload_states = offload_states

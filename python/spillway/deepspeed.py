@@ -54,6 +54,7 @@ from . import _deepspeed_checkpoint, _deepspeed_save, _deepspeed_swap, _spillway
 from . import guard as _guard
 from . import node as _node
 from ._deepspeed_audit import AuditWarning, _audit_and_warn, audit, offloaded_tensors  # noqa: F401
+from ._deepspeed_audit import _name_left_engine_parts, _name_left_settings
 from ._deepspeed_common import _deepspeed_version, _defined, _Missing, _patch, _patched, _unpatch_to
 from ._deepspeed_save import SaveWarning, save_16bit_model  # noqa: F401
 from ._deepspeed_step import StepWarning, _install_step, _why_not_ours  # noqa: F401
@@ -468,26 +469,24 @@ def _admit(args, kwargs):
                detail=f"Settings that would make it fit: {hint + '; ' if hint else ''}{_NODE_HINT}")
 
 
-def _warn_gds(args, kwargs):
+def _warn_left(args, kwargs):
+    """Names, once each, the settings of the DeepSpeed config that leave a part DeepSpeed's."""
     try:
         config = _ds_config(args, kwargs)
     except (OSError, ValueError):
         return  # DeepSpeed reads the config next and names what is wrong with it
-    if isinstance(config, dict) and (config.get("aio") or {}).get("use_gds"):
-        warnings.warn(
-            "spillway.deepspeed: aio.use_gds is set: DeepSpeed's swapper moves tensors between GPU memory and "
-            "NVMe with GPUDirect Storage (GDSBuilder's gds_handle), not through Spillway's aio op, so those swap "
-            "files are DeepSpeed's, outside Spillway's NVMe budget and metrics. Set aio.use_gds false for "
-            "Spillway's io_uring op", AuditWarning, stacklevel=3)
+    if isinstance(config, dict):
+        _name_left_settings(config)
 
 
 def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        _warn_gds(args, kwargs)
+        _warn_left(args, kwargs)
         _admit(args, kwargs)
         out = original(*args, **kwargs)
         try:
+            _name_left_engine_parts(out[0], _deepspeed_checkpoint.engine_class())
             _audit_and_warn(out[0], "after deepspeed.initialize")
         except Exception as e:  # noqa: BLE001 (the engine exists: hand it over, say what failed)
             warnings.warn(f"spillway.deepspeed: the audit after deepspeed.initialize failed: "

@@ -229,7 +229,7 @@ def test_pin_backends_and_gds_that_bypass_spillway_are_named(tmp_path):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             spillway.deepspeed.install()
-            spillway.deepspeed._warn_gds((), {"config": {"aio": {"use_gds": True}}})
+            spillway.deepspeed._warn_left((), {"config": {"aio": {"use_gds": True}}})
         print(json.dumps([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)]))
     """)
     p = _zygote.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

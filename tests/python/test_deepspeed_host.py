@@ -125,6 +125,46 @@ def run(code):
     return p.stdout
 
 
+def test_what_a_run_turns_on_that_stays_deepspeeds_is_named_once_each():
+    # The rows "left to DeepSpeed" of docs/deepspeed.md's table: each setting once per process at
+    # deepspeed.initialize, engine.offload_states() when first called, a checkpoint engine that is
+    # not Spillway's. A second engine with the same settings hears nothing again. (FastPersist,
+    # checkpoint.writer, cannot start on the CPU accelerator: its config is judged alone, and the
+    # engine check is shown with DeepSpeed's own TorchCheckpointEngine put back.)
+    out = run("""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        install_saying(spillway.deepspeed.AuditWarning)
+        said = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                m = build()
+                engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
+                                                  config=dict(CONFIG, checkpoint={"checkpoint_serialization": False}))
+                for _ in range(2):
+                    try:
+                        engine.offload_states()
+                        engine.reload_states()
+                    except AssertionError as e:  # DeepSpeed's own refusal with offloaded parameters
+                        print("offload_states:", e)
+            said.append([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)])
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            spillway.deepspeed._warn_left((), {"config": {"checkpoint": {"writer": {"type": "fast"}}}})
+            engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+            spillway.deepspeed._name_left_engine_parts(engine, spillway._deepspeed_checkpoint.engine_class())
+        said.append([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)])
+        print(json.dumps(said))
+    """)
+    first, again, left = json.loads(out.strip().splitlines()[-1])
+    assert sum("checkpoint.checkpoint_serialization: false is set: it is not honoured" in m for m in first) == 1, first
+    assert sum("engine.offload_states() moves the state" in m for m in first) == 1, first
+    assert again == [], again
+    assert any("checkpoint.writer is set" in m and "FastPersist" in m for m in left), left
+    assert any("the checkpoint engine is DeepSpeed's TorchCheckpointEngine" in m for m in left), left
+
+
 def test_bad_input_install_twice():
     run("""
         spillway.deepspeed.install()
