@@ -183,9 +183,14 @@ Result<MappedBytes> ReadMappedBytes() {
 Result<MappedBytes> ReadMappedBytes(const std::string& path) { return ReadSmaps(path, {}, {}); }
 
 void ReadMallocCounters(HeapCounters* counters) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   const struct mallinfo2 mi = mallinfo2();
   counters->malloc_in_use = mi.uordblks + mi.hblkhd;
   counters->malloc_free = mi.fordblks;
+#else
+  // No mallinfo2 (glibc before 2.33, musl): malloc's bytes are left to "unowned", in plain sight.
+  counters->malloc_in_use = counters->malloc_free = 0;
+#endif
 }
 
 double ProcessMemory::named_fraction() const {

@@ -19,6 +19,7 @@ Private: spillway.deepspeed installs it.
 """
 import contextlib
 import ctypes
+import errno
 import glob
 import json
 import mmap
@@ -246,35 +247,51 @@ def load_file(path, map_location=None):
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def _sharers(directory):
-    """The ranks that see the same `directory` as this one (the same host, device and inode), this
-    rank among them: with node-local storage each node's ranks, else every rank. Every rank must
-    call it."""
+def _sharers(directory, node_local):
+    """The ranks that see `directory` as this one does, this rank among them, in order: with
+    node-local storage those of this host where it is the same directory (device and inode: tests
+    give each rank of one host a "node" directory of its own); else every rank (shared storage:
+    one directory for all, whose device numbers differ between NFS clients). Every rank must call
+    it with the same `node_local` (the engine's config)."""
+    rank, world = _rank_and_world()
+    if not node_local:
+        return list(range(world))
     try:
         st = os.stat(directory)
         key = (socket.gethostname(), st.st_dev, st.st_ino)
     except OSError:
         key = None
     keys = _gather(key)
-    rank = _rank_and_world()[0]
     return [r for r, k in enumerate(keys) if r == rank or (key is not None and k == key)]
 
 
-def verify(load_dir, tag):
+def verify(load_dir, tag, node_local=False):
     """Checks load_dir/tag against its manifests, the files divided among the ranks that share the
     directory, and raises ChecksumMismatch on every rank naming what is wrong: a listed file
     missing, of another length or another CRC32C; a manifest that cannot be read, of another save,
-    or of a rank whose part of the save did not finish (in progress, or absent: of any rank of the
-    save, or with node-local storage of any rank that shares this directory). Every rank must call
-    it. Returns how many files were listed (0: no manifest, a checkpoint plain DeepSpeed wrote)."""
+    or of a rank whose part of the save did not finish (in progress, or absent). With node-local
+    storage (`node_local`, the engine's config) each directory holds its ranks' parts, and the
+    directories together must hold every rank's part of one save. Every rank must call it. Returns
+    how many files were listed (0: no manifest, a checkpoint plain DeepSpeed wrote)."""
     directory = os.path.join(load_dir, str(tag))
-    entries, problems = [], []
-    sharers = _sharers(directory)
+    entries, problems, found = [], [], ([], [], 0)
+    sharers = _sharers(directory, node_local)
     try:
-        _check(directory, entries, problems, sharers)
+        found = _check(directory, entries, problems, sharers, node_local)
     except Exception as e:  # noqa: BLE001 (reported on every rank below, after the exchange)
         problems.append(f"{directory}: checking it failed ({type(e).__name__}: {e})")
-    problems = [p for found in _gather(problems) for p in found]
+    everyone = _gather((problems, found))
+    problems = [p for found_there, _ in everyone for p in found_there]
+    if node_local:  # the directories of every node together: one save, every rank's part
+        saves = {i for _, (ids, _r, _w) in everyone for i in ids}
+        present = {r for _, (_i, ranks, _w) in everyone for r in ranks}
+        world = max(w for _, (_i, _r, w) in everyone)
+        if len(saves) > 1:
+            problems.append(f"the node-local directories of {load_dir} hold {len(saves)} different saves of tag "
+                            f"{tag} (a save that finished on some nodes only)")
+        if saves and present != set(range(world)):
+            problems.append(f"no node's {directory} holds the part of rank "
+                            f"{', '.join(map(str, sorted(set(range(world)) - present)))} of the {world}-rank save")
     if problems:
         raise _spillway.ChecksumMismatch(
             f"spillway.deepspeed: load_checkpoint({load_dir!r}, tag={str(tag)!r}) refused, nothing of the engine "
@@ -283,11 +300,11 @@ def verify(load_dir, tag):
     return len(entries)
 
 
-def _check(directory, entries, problems, sharers):
+def _check(directory, entries, problems, sharers, node_local):
     """verify()'s own part on this rank: appends the listed files to `entries` and what is wrong to
     `problems`. `sharers`: the ranks that see this directory (this one among them), which divide
-    its files between them."""
-    manifests, node_local = {}, False
+    its files between them. Returns (save ids, ranks, world size) of the manifests it read."""
+    manifests = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(directory), MANIFEST.replace("{rank:05d}", "*")))):
         try:
             with open(path, "rb") as f:
@@ -296,12 +313,11 @@ def _check(directory, entries, problems, sharers):
                 raise ValueError(f"format {m.get('format')!r}, not {MANIFEST_FORMAT!r}")
             files = [(name, int(e["bytes"]), int(e["crc32c"])) for name, e in m["files"].items()]
             manifests[path] = (int(m["rank"]), int(m["world_size"]), str(m["save_id"]), bool(m["complete"]))
-            node_local |= bool(m.get("node_local", False))
             entries += files
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             problems.append(f"{path}: cannot be read as a manifest ({e})")
     if not manifests:
-        return
+        return [], [], 0
     worlds = {w for _r, w, _i, _c in manifests.values()}
     saves = {i for _r, _w, i, _c in manifests.values()}
     if len(worlds) > 1 or len(saves) > 1:
@@ -310,7 +326,8 @@ def _check(directory, entries, problems, sharers):
     world = max(worlds)
     # Node-local storage: this directory holds the parts of the ranks of this node only.
     expected = set(sharers) if node_local else set(range(world))
-    absent = sorted(expected - {r for r, _w, _i, _c in manifests.values()})
+    present = {r for r, _w, _i, _c in manifests.values()}
+    absent = sorted(expected - present)
     if unfinished or absent:
         problems.append(f"{directory}: the part of the {world}-rank save of rank "
                         f"{', '.join(map(str, sorted(unfinished + absent)))} did not finish (killed or failed: "
@@ -337,6 +354,7 @@ def _check(directory, entries, problems, sharers):
             elif got_crc != crc:
                 problems.append(f"{path}: CRC32C {got_crc:#010x} where the manifest says {crc:#010x} (its "
                                 "bytes changed since the save)")
+    return sorted(saves), sorted(present), world
 
 
 @contextlib.contextmanager
@@ -405,37 +423,57 @@ def _exchange(a, b):
         raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def _remove_staged(save_dir, tag):
+def _remove_staged(save_dir, tag, node_local):
     """Removes what a killed save of `tag` left staged (by the first rank of each directory)."""
-    staged = glob.glob(os.path.join(glob.escape(save_dir), glob.escape(tag) + _STAGING + "*"))
-    if staged and min(_sharers(save_dir)) == _rank_and_world()[0]:
-        for path in staged:
+    first = min(_sharers(save_dir, node_local)) == _rank_and_world()[0]
+    if first:
+        for path in glob.glob(os.path.join(glob.escape(save_dir), glob.escape(tag) + _STAGING + "*")):
             shutil.rmtree(path, ignore_errors=True)
     _gather(None)  # none saves into save_dir before they are gone
 
 
-def _swap_in(save_dir, staged, tag):
-    """Puts a whole save made in save_dir/staged in place of save_dir/tag, on every rank's
-    directory (by the first rank of each): one renameat2 RENAME_EXCHANGE, the directory fsynced,
-    then the previous copy removed. Raises IoError on every rank when any failed."""
-    failure = None
+def _swap_in(save_dir, staged, tag, node_local):
+    """Puts a whole save made in save_dir/staged in place of save_dir/tag, in every directory (by
+    its first rank: rank 0 on shared storage): one renameat2 RENAME_EXCHANGE, the directory fsynced,
+    then the previous copy removed. Where the file system has no RENAME_EXCHANGE (NFS, older
+    kernels), two renames, logged: a kill between them leaves the previous copy aside under its
+    own name. Raises IoError on every rank when any failed, saying where each copy is."""
+    failure, state = None, "staged"
     final, made = os.path.join(save_dir, tag), os.path.join(save_dir, staged)
-    if min(_sharers(save_dir)) == _rank_and_world()[0]:
+    aside = final + ".spillway-previous"
+    if min(_sharers(save_dir, node_local)) == _rank_and_world()[0]:
         try:
-            if os.path.isdir(final):
-                _exchange(made, final)
-            else:  # this node's directory had no copy of the tag
+            if not os.path.isdir(final):  # this directory had no copy of the tag
                 os.rename(made, final)
+            else:
+                try:
+                    _exchange(made, final)
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    logger.warning("spillway.deepspeed: %s has no RENAME_EXCHANGE (%s): the new copy of %s goes in "
+                                   "with two renames, the previous one aside as %s until it is removed", save_dir,
+                                   e.strerror, tag, aside)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.rename(final, aside)
+                    state = "aside"
+                    os.rename(made, final)
+                    made = aside
+            state = "swapped"
             _fsync_directory(save_dir)
             shutil.rmtree(made, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (raised below, on every rank)
             failure = e
-    failed = [str(f) for f in _gather(None if failure is None else f"{type(failure).__name__}: {failure}") if f]
+    said = {"staged": f"the new checkpoint is whole in {made} and {final} is the previous one, unchanged",
+            "aside": f"the previous checkpoint is in {aside} and the new one whole in {made}",
+            "swapped": f"the new checkpoint is in place in {final}; the previous one may remain in {made}"}[state]
+    failed = [str(f) for f in _gather(None if failure is None else f"{type(failure).__name__}: {failure} ({said})")
+              if f]
     if failed:
         raise _spillway.IoError(
-            f"spillway.deepspeed: save_checkpoint({save_dir!r}, tag={tag!r}): the new checkpoint is whole in "
-            f"{made} but could not take the place of {final} ({'; '.join(failed)}); {final} is the previous "
-            "one, unchanged. Move it by hand, or save under another tag") from failure
+            f"spillway.deepspeed: save_checkpoint({save_dir!r}, tag={tag!r}): putting the new copy of the tag in "
+            f"place failed: {'; '.join(failed)}. Move the directories by hand, or save under another tag") \
+            from failure
 
 
 def _gather(item):
@@ -493,7 +531,7 @@ def install(patch):
         again = any(_gather(_holds_a_save(os.path.join(save_dir, tag))))
         into = f"{tag}{_STAGING}{ckpt.save_id}" if again else tag
         if again:
-            _remove_staged(save_dir, tag)
+            _remove_staged(save_dir, tag, ckpt.node_local)
         try:
             result = save(self, save_dir, into, client_state, False, *args, **kwargs)
             failed = ckpt.failure
@@ -507,7 +545,7 @@ def install(patch):
                 "refused) and `latest` was not changed. Fix the cause (space, permissions) and save again") \
                 from (failed[1] if failed else None)
         if again:
-            _swap_in(save_dir, into, tag)
+            _swap_in(save_dir, into, tag, ckpt.node_local)
         if not save_latest:
             return result
         # DeepSpeed writes `latest` by truncating it in place; here it is written once every rank has
@@ -544,7 +582,7 @@ def install(patch):
                         named = f.read().strip()
             tag = _gather(named)[0]
         if tag is not None:
-            verify(load_dir, tag)
+            verify(load_dir, tag, getattr(self.checkpoint_engine, "node_local", False))
         with state_in_place(getattr(self.optimizer, "optimizer", None)):
             path, client_state = load(self, load_dir, tag, *args, **kwargs)
         # The caller's own state comes from the mapped file: copied, so nothing stays mapped.

@@ -29,12 +29,17 @@ import os
 import re
 import sys
 import time
+import warnings
 
 from . import _spillway
 
 _DIR = "/dev/shm"
-_sampled = {"at": 0.0, "peak": 0, "workers": 0, "memory_at": 0.0}
-_MEMORY_INTERVAL = 10.0  # seconds between two reads of /proc/self/smaps at step boundaries
+_sampled = {"at": 0.0, "peak": 0, "workers": 0, "memory_at": 0.0, "memory_took": 0.0}
+# Seconds between two reads of /proc/self/smaps at step boundaries: at least 10, and at least 100
+# times what the last read took, so the reads cost the training thread at most 1% (the kernel walks
+# the page tables: about 10 ms per resident GiB measured here).
+_MEMORY_INTERVAL = 10.0
+_MEMORY_SHARE = 100
 
 
 def _env_bytes(name):
@@ -322,19 +327,31 @@ def memory(publish=True):
     share some owner other than "unowned" holds; "counted_beyond_resident_bytes" what the counters
     claimed past the anonymous bytes (scaled down); "text" says it in a line. With `publish` (and a
     joined node budget) the owners go to this rank's row of the ledger, where `spillway node`,
-    Prometheus and the over-budget messages read them. One read of /proc/self/smaps (a few ms)."""
+    Prometheus and the epoch report read them. One read of /proc/self/smaps: a few ms, more where
+    much is resident (the kernel walks the page tables to count it)."""
     router = _spillway._router_stats()
     return _spillway._process_memory(max(0, router.get("forwarded_live_bytes", 0)), _torch_pinned_bytes(),
                                      _python_arena_bytes(), publish)
 
 
 def _sample_memory(min_interval=_MEMORY_INTERVAL):
-    """At a step boundary, at most once per `min_interval` seconds: publishes memory()."""
+    """At a step boundary, at most once per `min_interval` seconds and per 100 times the last read's
+    duration: publishes memory(). A failure warns once and ends the sampling: it must not stop
+    training."""
     now = time.monotonic()
-    if not joined() or now - _sampled["memory_at"] < min_interval:
+    if not joined() or _sampled["memory_at"] is None or \
+            now - _sampled["memory_at"] < max(min_interval, _MEMORY_SHARE * _sampled["memory_took"]):
         return None
     _sampled["memory_at"] = now
-    return memory()
+    try:
+        out = memory()
+        _sampled["memory_took"] = time.monotonic() - now
+        return out
+    except Exception as e:  # noqa: BLE001 (a boundary of the user's training loop)
+        _sampled["memory_at"] = None
+        warnings.warn(f"spillway.node: this rank's memory by owner is no longer published: {type(e).__name__}: "
+                      f"{e}", NodeWarning, stacklevel=3)
+        return None
 
 
 def _epoch_boundary():

@@ -77,13 +77,14 @@ class CpuRouter final : public c10::Allocator {
  private:
   c10::Allocator* const next_;
   const std::shared_ptr<PyArena> arena_;
-  // The replaced allocator's allocation, counted when its deleter is the raw one (torch's default
-  // CPU allocator: context == data, freed by one function); any other passes through uncounted.
+  // The replaced allocator's allocation, counted where that is torch's default CPU allocator
+  // (malloc's: malloc_usable_size applies) and the allocation is its plain kind (context == data,
+  // freed by its raw deleter); any other passes through uncounted.
   c10::DataPtr Forward(size_t n) {
     c10::DataPtr dp = next_->allocate(n);
     void* p = dp.get();
     const c10::DeleterFnPtr raw = next_->raw_deleter();
-    if (p == nullptr || raw == nullptr || dp.get_context() != p ||
+    if (p == nullptr || raw == nullptr || !next_is_default_ || dp.get_context() != p ||
         !dp.compare_exchange_deleter(raw, &FreeForwarded)) {
       return dp;
     }
@@ -93,6 +94,7 @@ class CpuRouter final : public c10::Allocator {
   }
   static size_t UsableBytes(void* p);
 
+  const bool next_is_default_ = next_ == c10::GetDefaultCPUAllocator();
   const uint64_t small_bytes_;
   const uint64_t child_budget_bytes_;  // a forked child's arena gets the parent's budget
   RouterStats stats_;

@@ -208,8 +208,7 @@ class NodeGovernor {
   // Published for reports, without the lock (relaxed stores into the slot).
   void PublishKinds(NodeTier tier, const KindBytes& live_by_kind);
   void PublishWorkers(uint64_t private_bytes, uint32_t workers);
-  // This rank's resident memory by owner (AttributeMemory), for `spillway node`, Prometheus and
-  // the over-budget messages.
+  // This rank's resident memory by owner (AttributeMemory), for `spillway node` and Prometheus.
   void PublishMemory(const ProcessMemory& memory);
 
   // Admission, in rounds (one per call in each rank, e.g. one per DeepSpeed engine): declares

@@ -73,7 +73,8 @@ struct HeapCounters {
   uint64_t malloc_in_use = 0;  // includes torch_cpu: torch's CPU allocator is malloc's client
   uint64_t malloc_free = 0;
 };
-// malloc_in_use and malloc_free of this process (glibc's mallinfo2: uordblks + hblkhd, fordblks).
+// malloc_in_use and malloc_free of this process (glibc's mallinfo2: uordblks + hblkhd, fordblks;
+// 0 without glibc 2.33's mallinfo2, so malloc's bytes show as unowned).
 // Walks malloc's free lists under its locks: call it at a boundary, not per allocation.
 void ReadMallocCounters(HeapCounters* counters);
 
