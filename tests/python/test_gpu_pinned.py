@@ -5,6 +5,7 @@ The stress: a D2H copy into a pinned block is queued behind a long kernel, the b
 dropped at once, and a new pinned block of the same size is taken and written by the host. Without
 the deferred free (record_event holding the block), the new block is the old one and the pending
 copy overwrites the host's bytes afterwards; every byte is checked."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -65,3 +66,33 @@ print("RATIO", held / asked, "TORCH", torch.cuda.host_memory_stats().get("alloca
     words = p.stdout.split()
     print(p.stdout)
     assert float(words[words.index("RATIO") + 1]) <= 1.02, p.stdout
+
+
+def test_gpu_every_byte_named_places_torchs_pinned_cache_and_spillways_once():
+    # Note [Every byte named] on a GPU, where it is unverified on the CPU: 256 MiB pinned by torch's
+    # own caching host allocator (no install()) must be named once, as torch_pinned or cuda_driver
+    # but not both; 256 MiB pinned after install() are the arenas'. Prints both tables.
+    cuda_or_skip()
+    code = """
+import json, sys, torch, spillway, spillway.node
+mode = sys.argv[1]
+if mode == "installed":
+    spillway.install()
+torch.cuda.init()
+before = spillway.node.memory(publish=False)
+keep = torch.ones(64 << 20, pin_memory=True)  # 256 MiB, touched
+after = spillway.node.memory(publish=False)
+print(json.dumps({"before": before, "after": after}))
+"""
+    for mode in ("torch", "installed"):
+        p = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        before, after = r["before"]["owners"], r["after"]["owners"]
+        grew = {k: after[k] - before[k] for k in after}
+        print(mode, r["after"]["text"], {k: round(v / (1 << 20), 1) for k, v in grew.items() if abs(v) >= 1 << 20})
+        assert r["after"]["named_fraction"] >= 0.95, r["after"]["text"]
+        if mode == "torch":
+            assert 250 << 20 <= grew["torch_pinned"] + grew["cuda_driver"] <= 280 << 20, grew
+        else:
+            assert grew["arenas"] >= 250 << 20 and grew["torch_pinned"] + grew["cuda_driver"] < 16 << 20, grew
