@@ -61,8 +61,12 @@ void CpuRouter::FreeRouted(void* p) {
 size_t CpuRouter::UsableBytes(void* p) { return malloc_usable_size(p); }
 
 void CpuRouter::FreeForwarded(void* p) {
-  g_router->stats_.forwarded_live_bytes.fetch_sub(static_cast<int64_t>(UsableBytes(p)),
-                                                  std::memory_order_relaxed);
+  // RawFree comes here for every pointer not in an arena: malloc_usable_size only where the
+  // replaced allocator is malloc's (torch's default), as Forward counts only there.
+  if (g_router->next_is_default_) {
+    g_router->stats_.forwarded_live_bytes.fetch_sub(static_cast<int64_t>(UsableBytes(p)),
+                                                    std::memory_order_relaxed);
+  }
   g_router->next_->raw_deleter()(p);
 }
 
