@@ -65,14 +65,17 @@ class _CrcWriter:
         self._f.flush()
 
 
-def file_crc32c(path, buf):
-    """(bytes, CRC32C) of a file, read in chunks through `buf` (a writable buffer)."""
+def file_crc32c(path, buf, sync=False):
+    """(bytes, CRC32C) of a file, read in chunks through `buf` (a writable buffer); with `sync`,
+    the file is fsynced through the same descriptor."""
     crc, total = 0, 0
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
             crc = _spillway.crc32c(view[:n], crc)
             total += n
+        if sync:
+            os.fsync(f.fileno())
     view.release()
     return total, crc
 
@@ -217,12 +220,7 @@ def engine_class():
                     for d, _dirs, files in os.walk(copy):
                         for name in sorted(files):
                             path = os.path.join(d, name)
-                            fd = os.open(path, os.O_RDONLY)
-                            try:
-                                os.fsync(fd)
-                            finally:
-                                os.close(fd)
-                            size, crc = file_crc32c(path, buf)
+                            size, crc = file_crc32c(path, buf, sync=True)
                             self._written[os.path.relpath(path, self._dir)] = {"bytes": size, "crc32c": crc}
                         _fsync_directory(d)
                 _fsync_directory(os.path.dirname(copy))
