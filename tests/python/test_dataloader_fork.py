@@ -3,7 +3,11 @@ epoch (num_workers=4, persistent_workers=False, fork start method), and the firs
 after the fork writes all of AdamW's state and the parameters. In ordinary torch tensors every page
 written is copied (the workers still map the old ones), so the process tree's anonymous PSS grows
 by the size of the state while the workers live. In Spillway's arena (MADV_DONTFORK regions) the
-workers never map that memory and nothing is copied. Same model, data and detector for both."""
+workers never map that memory and nothing is copied. Same model, data and detector for both.
+
+Under the forkserver and spawn start methods (forkserver is Python 3.14's default on Linux) the
+workers are fresh interpreters that share no page with the trainer: neither run copies anything,
+and each worker costs an interpreter of its own and a pickled dataset instead."""
 import ctypes
 import gc
 import os
@@ -28,9 +32,10 @@ class Tokens(Dataset):
         return torch.randn(256, generator=g), torch.randn(2048, generator=g)
 
 
-def run(arena, epochs=3):
+def run(arena, epochs=3, start_method="fork", workers=4):
     """Trains 3 epochs; returns (what each epoch's first step added to the tree's PSS while the
-    workers were alive, tree PSS at each boundary, the last loss)."""
+    workers were alive, tree PSS at each boundary, the last loss, what starting the workers added
+    to the tree's PSS at each epoch)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048))
     # The fused CPU AdamW updates in place (DeepSpeed's CPU Adam does too): no temporaries of the
@@ -52,15 +57,17 @@ def run(arena, epochs=3):
         p.grad = zeros(p, "grad")
         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(p, "optimizer_state"),
                         "exp_avg_sq": zeros(p, "optimizer_state")}
-    loader = DataLoader(Tokens(), batch_size=8, num_workers=4, persistent_workers=False,
-                        multiprocessing_context="fork")
-    growth, boundaries = [], []
+    loader = DataLoader(Tokens(), batch_size=8, num_workers=workers, persistent_workers=False,
+                        multiprocessing_context=start_method)
+    growth, boundaries, started = [], [], []
     for epoch in range(epochs):
+        unstarted = tree_pss_anon()
         for i, (x, y) in enumerate(loader):
             if i == 0:
                 # The workers are alive and have done their own copying (Python refcounts touch
                 # their inherited heap): measure what the first step adds on top.
                 before = tree_pss_anon()
+                started.append(before - unstarted)
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=False)
             loss.backward()
@@ -73,15 +80,15 @@ def run(arena, epochs=3):
         gc.collect()
         _libc.malloc_trim(0)
         boundaries.append(tree_pss_anon())
-    return growth, boundaries, loss.item()
+    return growth, boundaries, loss.item(), started
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs /proc/<pid>/smaps_rollup")
 def test_the_first_step_after_the_fork_copies_nothing_in_the_arena():
     state_bytes = 4 * 4 * (256 * 2048 + 2048 + 2048 * 2048 + 2048)  # params, grads, exp_avg, exp_avg_sq: 72 MiB
     arena = spillway.HostArena(budget_bytes=256 * MIB, pinned=False)
-    spill_growth, spill_bounds, spill_loss = run(arena)
-    ctrl_growth, ctrl_bounds, ctrl_loss = run(None)
+    spill_growth, spill_bounds, spill_loss, _ = run(arena)
+    ctrl_growth, ctrl_bounds, ctrl_loss, _ = run(None)
     print(f"\nstate {state_bytes / MIB:.1f} MiB; first-step growth per epoch: spillway "
           f"{[round(g / MIB, 2) for g in spill_growth]} MiB, torch tensors {[round(g / MIB, 2) for g in ctrl_growth]} MiB")
     assert abs(spill_loss - ctrl_loss) < 1e-4 * abs(ctrl_loss), "the same training either way"
@@ -98,6 +105,34 @@ def test_the_first_step_after_the_fork_copies_nothing_in_the_arena():
     assert max(spill_bounds) - min(spill_bounds) < 4 * MIB, spill_bounds
     print(f"tree PSS at the boundaries: spillway {[round(b / MIB, 1) for b in spill_bounds]} MiB, "
           f"torch tensors {[round(b / MIB, 1) for b in ctrl_bounds]} MiB")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs /proc/<pid>/smaps_rollup")
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_forkserver_and_spawn_workers_copy_nothing_either_way_and_cost_an_interpreter_each(start_method):
+    """The same training under the other start methods: the first step copies nothing, plain or in
+    the arena (the workers never mapped the trainer's pages), the two runs train alike, and what the
+    workers cost instead is an interpreter each, at every epoch: the tree's PSS grows by more than
+    the fork's page tables when they start. The fork control of the test above is the one that
+    grows."""
+    state_bytes = 4 * 4 * (256 * 2048 + 2048 + 2048 * 2048 + 2048)
+    arena = spillway.HostArena(budget_bytes=256 * MIB, pinned=False)
+    spill_growth, _, spill_loss, spill_started = run(arena, start_method=start_method, workers=2)
+    ctrl_growth, _, ctrl_loss, ctrl_started = run(None, start_method=start_method, workers=2)
+    print(f"\n{start_method}: state {state_bytes / MIB:.1f} MiB; first-step growth per epoch: spillway "
+          f"{[round(g / MIB, 2) for g in spill_growth]} MiB, torch tensors {[round(g / MIB, 2) for g in ctrl_growth]} "
+          f"MiB; starting 2 workers added {[round(g / MIB, 1) for g in spill_started]} / "
+          f"{[round(g / MIB, 1) for g in ctrl_started]} MiB")
+    assert abs(spill_loss - ctrl_loss) < 1e-4 * abs(ctrl_loss), "the same training either way"
+    # After epoch 0 (whose first step makes AdamW's buffers in both runs) the first step adds only
+    # backward's fresh temporaries (about the parameters' size, in heap pages trimmed at the
+    # boundary), the same in both runs: nothing of the state is copied.
+    param_bytes = state_bytes // 4
+    for s_g, c_g in zip(spill_growth[1:], ctrl_growth[1:]):
+        assert max(s_g, c_g) < 1.5 * param_bytes and abs(s_g - c_g) < 0.1 * state_bytes, (spill_growth, ctrl_growth)
+    # Each worker is an interpreter that imported torch: far more than a fork's page tables.
+    for g in spill_started + ctrl_started:
+        assert g > 2 * 40 * MIB, (spill_started, ctrl_started)
 
 
 WORKER_READS_STATE = r"""

@@ -80,6 +80,32 @@ def test_seed_scenario_the_first_step_after_each_fork_copies_none_of_deepspeeds_
         assert e["first_step_growth_bytes"] < 0.1 * e["state_at_fork_bytes"], ours["epochs"]
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_seed_scenario_under_forkserver_and_spawn_copies_nothing_either_way(tmp_path, start_method):
+    """The seed scenario with the DataLoader's other start methods (forkserver is Python 3.14's
+    default): the workers are fresh interpreters that share no page with the trainer, so plain
+    DeepSpeed's first step copies nothing either, Spillway's adds nothing over it, and each epoch's
+    workers cost an interpreter each and a second to their first batch instead of a fork's page
+    tables (the fork runs above are the control that copies)."""
+    out = tmp_path / "out.json"
+    p = subprocess.run([sys.executable, "-m", "spillway.leak_suite", "--deepspeed", str(CONFIG), "--epochs", "3",
+                        "--workers", "2", "--steps", "3", "--start-method", start_method, "--json", str(out),
+                        "--png", str(tmp_path / "suite.png")],
+                       capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    print(p.stdout)
+    assert out.exists(), p.stdout[-3000:] + p.stderr[-6000:]
+    r = json.loads(out.read_text())
+    plain, ours = r["plain"], r["spillway"]
+    assert p.returncode == 0 and r["ok"] and r["start_method"] == start_method, p.stdout[-3000:] + p.stderr[-3000:]
+    assert r["losses_identical"] and ours["dontfork_bytes"] >= 0.99 * ours["offloaded_bytes"], ours
+    state = ours["offloaded_bytes"]
+    for run in (plain, ours):
+        for e in run["epochs"][1:]:
+            assert e["first_step_growth_bytes"] < 0.1 * state, (run["run"], run["epochs"])
+        for e in run["epochs"]:
+            assert e["workers_start_bytes"] > 2 * 40 * MIB, (run["run"], run["epochs"])
+
+
 def test_bad_input_the_leak_suite_on_cuda_without_a_gpu_says_so_before_running(tmp_path):
     import torch
 
