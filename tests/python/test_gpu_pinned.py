@@ -96,3 +96,29 @@ print(json.dumps({"before": before, "after": after}))
             assert 250 << 20 <= grew["torch_pinned"] + grew["cuda_driver"] <= 280 << 20, grew
         else:
             assert grew["arenas"] >= 250 << 20 and grew["torch_pinned"] + grew["cuda_driver"] < 16 << 20, grew
+
+
+def test_gpu_the_dataloaders_pin_memory_thread_pins_batches_in_the_arena_and_reads_them():
+    # A row of docs/allocator.md's "Which children read what": DataLoader(pin_memory=True) pins each
+    # batch on a thread of the parent (its pin-memory thread), so the pinned arena's MADV_DONTFORK
+    # pages are its to write: the batches land in the pinned arena, their values intact, and reach
+    # the GPU; the fork workers that made them never touch the pinned pages.
+    cuda_or_skip()
+    code = """
+import torch, spillway
+from torch.utils.data import DataLoader, TensorDataset
+rt = spillway.install()
+data = TensorDataset(torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024))
+ok = 0
+for (b,) in DataLoader(data, batch_size=8, num_workers=2, pin_memory=True, multiprocessing_context="fork"):
+    assert b.is_pinned() and rt.pinned.contains(b.data_ptr(), b.nbytes), "the batch is not in the pinned arena"
+    d = b.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(d.cpu(), b)
+    ok += 1
+print("PINNED BATCHES", ok)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "PINNED BATCHES 8" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "spillway: process" not in p.stderr, p.stderr[-3000:]
