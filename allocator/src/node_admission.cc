@@ -183,8 +183,43 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
         other_jobs +=
             StrCat("; and ", held_by.size() - kNamed, " more job(s) with ", FormatMiB(rest));
       }
-      if (total + others <= snap.host_budget_bytes) {
+      // What the ranks under the limit hold outside the arenas, as each published it (Python
+      // publishes its memory by owner just before it declares): measured, where the budget's
+      // reserve is a fixed guess. The needs must fit the memory limit beside it too.
+      uint64_t outside = 0;
+      std::string outside_each;
+      for (const NodeRankStats& r : snap.ranks) {
+        const uint64_t held = node::HeldOutsideArenas(r.memory);
+        if (held == 0) continue;
+        outside += held;
+        outside_each += StrCat(outside_each.empty() ? "" : "; ",
+                               r.job == options_.job ? "" : StrCat("job '", r.job, "' "),
+                               "local rank ", r.local_rank, " ", FormatMiB(held), " (",
+                               node::DescribeHeldOutsideArenas(r.memory, 3), ")");
+      }
+      const bool over_limit =
+          snap.memory_limit_bytes != 0 && total + others + outside > snap.memory_limit_bytes;
+      if (total + others <= snap.host_budget_bytes && !over_limit) {
         write(Verdict::kFits, "");
+      } else if (total + others <= snap.host_budget_bytes) {
+        write(Verdict::kOverBudget,
+              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
+                     "' need ", FormatBytes(total), " of host memory together",
+                     others != 0 ? StrCat(", beside ", FormatBytes(others),
+                                          " that the other jobs' arenas hold or declared")
+                                 : std::string(),
+                     ", and the ranks under this memory limit already hold ", FormatBytes(outside),
+                     " outside Spillway's arenas, measured now (", outside_each,
+                     "): together more than the memory limit of ",
+                     FormatBytes(snap.memory_limit_bytes), " for ", snap.scope,
+                     ", though within the node budget of ", FormatBytes(snap.host_budget_bytes),
+                     ", whose reserve is too small for what these ranks hold besides. Each rank's "
+                     "need: ",
+                     each,
+                     ". Nothing was allocated. Free what the ranks hold outside the arenas (a "
+                     "model loaded on every rank: zero.Init, or load it on one), run fewer ranks "
+                     "per node, or offload more state to NVMe.",
+                     detail.empty() ? "" : " ", detail));
       } else {
         write(Verdict::kOverBudget,
               StrCat("node admission: the ", declared, " local ranks of job '", options_.job,

@@ -1,9 +1,13 @@
 // The node budget in words: the tier names, where the budget came from, what each rank holds, and
 // NodeStats' table (`spillway node` and the over-budget messages). Note [Node governor] in
 // docs/allocator.md.
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <utility>
+#include <vector>
 
+#include "node_segment.h"
 #include "spillway/allocator/node_governor.h"
 #include "spillway/base/bytes.h"
 
@@ -41,6 +45,41 @@ std::string KindsText(const KindBytes& by_kind) {
 
 }  // namespace
 
+namespace node {
+
+namespace {
+
+constexpr MemoryOwner kHeldOutside[] = {MemoryOwner::kTorchCpu,   MemoryOwner::kTorchPinned,
+                                        MemoryOwner::kCudaDriver, MemoryOwner::kPython,
+                                        MemoryOwner::kMalloc,     MemoryOwner::kMallocFree,
+                                        MemoryOwner::kUnowned};
+
+}  // namespace
+
+uint64_t HeldOutsideArenas(const ProcessMemory& memory) {
+  uint64_t held = 0;
+  for (const MemoryOwner o : kHeldOutside) held += memory.owners[static_cast<int>(o)];
+  return held;
+}
+
+std::string DescribeHeldOutsideArenas(const ProcessMemory& memory, int most) {
+  std::vector<std::pair<uint64_t, MemoryOwner>> held;
+  for (const MemoryOwner o : kHeldOutside) {
+    const uint64_t b = memory.owners[static_cast<int>(o)];
+    if (b != 0) held.emplace_back(b, o);
+  }
+  std::sort(held.begin(), held.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string out;
+  for (size_t i = 0; i < held.size() && static_cast<int>(i) < most; ++i) {
+    out += StrCat(out.empty() ? "" : ", ", MemoryOwnerName(held[i].second), " ",
+                  FormatMiB(held[i].first));
+  }
+  return out.empty() ? "nothing" : out;
+}
+
+}  // namespace node
+
 std::string DescribeNodeRanks(const NodeStats& stats) {
   std::string out;
   const bool name_jobs = stats.jobs.size() > 1;  // one job: its name is in the message already
@@ -53,6 +92,10 @@ std::string DescribeNodeRanks(const NodeStats& stats) {
     if (!kinds.empty()) out += StrCat(" [", kinds, "]");
     if (r.workers != 0) {
       out += StrCat(", ", r.workers, " workers' private ", FormatMiB(r.workers_private_bytes));
+    }
+    if (r.memory.total != 0) {  // published (spillway.node.memory())
+      out += StrCat(", outside the arenas ", FormatMiB(node::HeldOutsideArenas(r.memory)), " (",
+                    node::DescribeHeldOutsideArenas(r.memory, 3), ")");
     }
   }
   return out.empty() ? "no rank holds anything" : out;

@@ -191,4 +191,14 @@ Result<int> Reap(Segment* s, int own_slot, std::chrono::milliseconds timeout,
 // Assumes s->mu. `job`: the job the view is for (NodeStats::job, local_world_size); empty: none.
 NodeStats ReadStats(const Segment* s, const std::string& path, const std::string& job);
 
+// What a rank holds outside Spillway's arenas that its memory limit charges and no reclaim gives
+// back, from the memory by owner it published (0 when it published none): torch's CPU and pinned
+// bytes, the CUDA driver's, the interpreter's, malloc's (in use and kept free) and the unowned
+// rest. Not the arenas (booked in the ledger), mapped files and libraries (file pages the kernel
+// can drop and read again), nor shared memory (charged once, however many ranks map it and count
+// it in their resident bytes).
+uint64_t HeldOutsideArenas(const ProcessMemory& memory);
+// "torch_cpu 300.0 MiB, python 120.0 MiB, malloc 80.0 MiB": the `most` largest owners of it.
+std::string DescribeHeldOutsideArenas(const ProcessMemory& memory, int most);
+
 }  // namespace spillway::allocator::node

@@ -222,9 +222,18 @@ def admit(need_bytes, workers_fork_bytes=0, timeout=None, detail=""):
     """Declares this rank's host need and waits until every local rank has declared; raises
     spillway.OverBudget on every rank, with one message, when their sum passes the node budget, and
     spillway.Unavailable naming the ranks that never declared within `timeout` seconds (default
-    SPILLWAY_NODE_ADMIT_TIMEOUT, else 300)."""
+    SPILLWAY_NODE_ADMIT_TIMEOUT, else 300). Before declaring, publishes this rank's memory by owner:
+    the verdict also checks the needs against the memory limit beside what the ranks under it hold
+    outside the arenas, measured (a model loaded on every rank, torch's other tensors, the
+    interpreter), not only against the budget's fixed reserve."""
     if timeout is None:
         timeout = float(os.environ.get("SPILLWAY_NODE_ADMIT_TIMEOUT", "300"))
+    try:
+        memory()
+    except Exception as e:  # noqa: BLE001 (admission goes on with what the ledger has)
+        warnings.warn(f"spillway.node: admission could not measure this rank's memory outside the arenas "
+                      f"({type(e).__name__}: {e}); what it holds there is not counted", NodeWarning,
+                      stacklevel=2)
     _spillway._node_admit(int(need_bytes), int(workers_fork_bytes), float(timeout), detail)
 
 

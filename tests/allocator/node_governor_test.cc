@@ -851,6 +851,53 @@ TEST(NodeGovernorTest, ARefusedRoundIsTakenBackSoASmallerRetryIsJudgedAlone) {
   EXPECT_EQ(g0->Stats().ranks[1].declared_bytes, 100 * kMiB);
 }
 
+// A rank's memory by owner as spillway.node.memory() publishes it: `torch_cpu` and `python`
+// outside the arenas, and a mapped file the limit does not hold against it.
+ProcessMemory Published(uint64_t torch_cpu, uint64_t python, uint64_t mapped_files) {
+  ProcessMemory m;
+  m.owners[static_cast<int>(MemoryOwner::kTorchCpu)] = torch_cpu;
+  m.owners[static_cast<int>(MemoryOwner::kPython)] = python;
+  m.owners[static_cast<int>(MemoryOwner::kMappedFiles)] = mapped_files;
+  m.total = torch_cpu + python + mapped_files;
+  return m;
+}
+
+TEST(NodeGovernorTest, AdmissionCountsWhatTheRanksHoldOutsideTheArenasAgainstTheLimit) {
+  // 300 MiB of needs fit the 400 MiB budget. Beside them the limit (1 GiB) has room for 724 MiB
+  // held outside the arenas: 600 MiB fits (the control), 800 MiB does not, whatever the reserve
+  // said, and the message names who holds it. Mapped files (1 GiB here) are never counted.
+  for (const uint64_t torch_cpu : {500 * kMiB, 700 * kMiB}) {
+    const std::string job = UniqueJob("outside");
+    NodeGovernorOptions o = Options(job, 0, 400 * kMiB);
+    o.memory_limit_bytes = 1024 * kMiB;
+    o.local_world_size = 2;
+    auto g0 = JoinOrDie(o);
+    auto g1 = JoinOrDie(Options(job, 1, 0));
+    ASSERT_TRUE(g0 && g1);
+    g0->PublishMemory(Published(torch_cpu, 100 * kMiB, 1024 * kMiB));
+    const Status st = AdmitBoth(*g0, *g1, 150 * kMiB, "Set offload_param.device to nvme.");
+    if (torch_cpu == 500 * kMiB) {
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      continue;
+    }
+    ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
+    EXPECT_TRUE(Has(st, "already hold 800.00 MiB")) << st.ToString();
+    EXPECT_TRUE(Has(st,
+                    "outside Spillway's arenas, measured now (local rank 0 800.0 MiB (torch_cpu "
+                    "700.0 MiB, python 100.0 MiB))"))
+        << st.ToString();
+    EXPECT_TRUE(Has(st, "memory limit of 1.00 GiB")) << st.ToString();
+    EXPECT_TRUE(Has(st, "Set offload_param.device to nvme.")) << st.ToString();
+    // Nothing stands of the refused round, and each rank's line in the ledger's words names its
+    // owners too (the allocation-time refusals use the same words).
+    EXPECT_EQ(g0->Stats().ranks[0].declared_bytes, 0u);
+    const std::string ranks = DescribeNodeRanks(g0->Stats());
+    EXPECT_NE(ranks.find("outside the arenas 800.0 MiB (torch_cpu 700.0 MiB, python 100.0 MiB)"),
+              std::string::npos)
+        << ranks;
+  }
+}
+
 TEST(NodeGovernorTest, AdmissionWithoutTheNumberOfLocalRanksIsRefusedByName) {
   auto g = JoinOrDie(Options(UniqueJob("no-lws"), 0, 400 * kMiB));  // local_world_size 0
   ASSERT_TRUE(g);

@@ -302,6 +302,31 @@ def test_declared_needs_past_the_node_budget_fail_every_rank_with_one_message():
     assert "the 2 local ranks of job" in results[0]["text"] and "Nothing was allocated" in results[0]["text"]
 
 
+def test_admission_counts_what_a_rank_holds_outside_the_arenas_against_the_memory_limit():
+    """A budget set just under the memory limit leaves no room for what the rank holds outside the
+    arenas (the interpreter, torch, libraries' heaps): a need within that budget is still refused,
+    naming what the rank holds by owner, because admission measures it (spillway.node.memory(),
+    published before the declaration) instead of trusting the reserve. The control: a need 2 GiB
+    smaller fits."""
+    import spillway
+
+    limit = spillway.memory_limit_bytes()
+    budget = limit - 64 * MiB
+    results = []
+    for need in (budget, budget - 2048 * MiB):
+        out = _zygote.run([sys.executable, "-c", RANK, "declare", str(need)], capture_output=True, text=True,
+                          timeout=300, env=env_with(SPILLWAY_NODE_JOB=job_name("outside"), LOCAL_RANK="0",
+                                                    LOCAL_WORLD_SIZE="1", SPILLWAY_NODE_BUDGET_BYTES=str(budget)))
+        assert out.returncode == 0, out.stderr[-3000:]
+        results.append(json.loads(out.stdout.splitlines()[-1]))
+    refused, control = results
+    assert control == {"ok": True}, control
+    assert refused["type"] == "OverBudget", refused
+    text = refused["text"]
+    assert "outside Spillway's arenas, measured now (local rank 0 " in text, text
+    assert "python " in text and "though within the node budget" in text, text
+
+
 @pytest.mark.parametrize("env, declare, expect", [
     ({"SPILLWAY_NODE_BUDGET_BYTES": "lots"}, None, "SPILLWAY_NODE_BUDGET_BYTES='lots'"),
     ({"SPILLWAY_NODE_JOB": "../x"}, None, "SPILLWAY_NODE_JOB='../x'"),
