@@ -42,7 +42,7 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
   const NodeStats s = Stats();
   if (tier == NodeTier::kNvme) {
     return StrCat(
-        "node budget: local rank ", local_rank_, " of job '", options_.job, "' needs ",
+        "node budget: local rank ", local_rank(), " of job '", job(), "' needs ",
         FormatBytes(bytes), " more NVMe space, but the node's NVMe budget of ",
         FormatBytes(s.nvme_budget_bytes),
         " (SPILLWAY_NODE_NVME_BUDGET_BYTES, else 90% of the free space where the first NVMe arena "
@@ -60,8 +60,8 @@ std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
                      options_.trim_timeout.count(), " ms");
   }
   return StrCat(
-      "node budget: local rank ", local_rank_, " of job '", options_.job, "' needs ",
-      FormatBytes(bytes), " more ", NodeTierName(tier), " memory, but the host budget of ",
+      "node budget: local rank ", local_rank(), " of job '", job(), "' needs ", FormatBytes(bytes),
+      " more ", NodeTierName(tier), " memory, but the host budget of ",
       FormatBytes(s.host_budget_bytes), " for ", s.scope, " ", DescribeNodeBudget(s), " has ",
       FormatBytes(s.host_committed_bytes), " booked by ", s.ranks.size(), " rank(s) of ",
       s.jobs.size(), " job(s) ", trimmed, ": ", DescribeNodeRanks(s),
@@ -80,18 +80,18 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
   {
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     if (!OwnsSlotLocked()) {
-      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank_,
-                                               " of job '", options_.job,
+      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank(),
+                                               " of job '", job(),
                                                "' already left the node (or was reaped as dead)"));
     }
     if (entry().local_world_size == 0) {
       return Status::FailedPrecondition(
-          StrCat("node admission for job '", options_.job,
+          StrCat("node admission for job '", job(),
                  "': the number of local ranks is not known, so no rank can tell when all have "
                  "declared; start the ranks with a launcher that sets LOCAL_WORLD_SIZE (torchrun, "
                  "accelerate) or LOCAL_SIZE (deepspeed), or set LOCAL_WORLD_SIZE yourself"));
     }
-    Declaration& mine = entry().declarations[local_rank_];
+    Declaration& mine = entry().declarations[local_rank()];
     mine.need += need_bytes;
     mine.fork += workers_fork_bytes;
     mine.last_need = need_bytes;
@@ -105,7 +105,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     // A refused round's need is taken back (a retry with a smaller config is judged on its own):
     // when the verdict was written, for the ranks that had declared by then; here for a rank that
     // declared after it (last_need was zeroed for the others, so nothing is taken twice).
-    Declaration& mine = e.declarations[local_rank_];
+    Declaration& mine = e.declarations[local_rank()];
     if (mine.round == round) TakeBackLast(&mine);
     if (e.verdict == Verdict::kOverBudget) return Status::OverBudget(text);
     return Status::Make(StatusCode::kUnavailable, text);
@@ -131,18 +131,19 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     SPILLWAY_ASSIGN_OR_RETURN(auto lock, SegmentLock::Take(segment_, options_.lock_timeout, path_));
     if (!OwnsSlotLocked()) {  // left (the process is exiting) or reaped: the job entry may be
                               // reused
-      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank_,
-                                               " of job '", options_.job,
+      return Status::FailedPrecondition(StrCat("node admission: local rank ", local_rank(),
+                                               " of job '", job(),
                                                "' left the node while waiting; nothing declared"));
     }
     if (entry().verdict_round >= round) return verdict();
     std::vector<int> missing;
     for (int r = 0; r < kMaxSlots; ++r) {
-      const bool expected = r < entry().local_world_size || node::RankSlot(segment_, job_, r) >= 0;
+      const bool expected = r < entry().local_world_size ||
+                            node::RankSlot(segment_, job_.load(std::memory_order_acquire), r) >= 0;
       if (expected && entry().declarations[r].round < round) missing.push_back(r);
     }
     if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
-      const NodeStats snap = node::ReadStats(segment_, path_, options_.job);
+      const NodeStats snap = node::ReadStats(segment_, path_, job());
       uint64_t total = 0;
       std::string each;
       int declared = 0;
@@ -163,7 +164,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
       uint64_t others = 0;
       std::vector<std::pair<uint64_t, std::string>> held_by;
       for (int j = 0; j < node::kMaxJobs; ++j) {
-        if (j == job_) continue;
+        if (j == job_.load(std::memory_order_acquire)) continue;
         int ranks = 0;
         const uint64_t held = node::JobHeldOrDeclared(segment_, j, &ranks);
         if (ranks == 0) continue;
@@ -192,10 +193,10 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
         const uint64_t held = node::HeldOutsideArenas(r.memory);
         if (held == 0) continue;
         outside += held;
-        outside_each += StrCat(outside_each.empty() ? "" : "; ",
-                               r.job == options_.job ? "" : StrCat("job '", r.job, "' "),
-                               "local rank ", r.local_rank, " ", FormatMiB(held), " (",
-                               node::DescribeHeldOutsideArenas(r.memory, 3), ")");
+        outside_each +=
+            StrCat(outside_each.empty() ? "" : "; ",
+                   r.job == job() ? "" : StrCat("job '", r.job, "' "), "local rank ", r.local_rank,
+                   " ", FormatMiB(held), " (", node::DescribeHeldOutsideArenas(r.memory, 3), ")");
       }
       const bool over_limit =
           snap.memory_limit_bytes != 0 && total + others + outside > snap.memory_limit_bytes;
@@ -203,8 +204,8 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
         write(Verdict::kFits, "");
       } else if (total + others <= snap.host_budget_bytes) {
         write(Verdict::kOverBudget,
-              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
-                     "' need ", FormatBytes(total), " of host memory together",
+              StrCat("node admission: the ", declared, " local ranks of job '", job(), "' need ",
+                     FormatBytes(total), " of host memory together",
                      others != 0 ? StrCat(", beside ", FormatBytes(others),
                                           " that the other jobs' arenas hold or declared")
                                  : std::string(),
@@ -222,8 +223,8 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                      detail.empty() ? "" : " ", detail));
       } else {
         write(Verdict::kOverBudget,
-              StrCat("node admission: the ", declared, " local ranks of job '", options_.job,
-                     "' need ", FormatBytes(total), " of host memory together",
+              StrCat("node admission: the ", declared, " local ranks of job '", job(), "' need ",
+                     FormatBytes(total), " of host memory together",
                      others != 0 ? StrCat(", beside ", FormatBytes(others),
                                           " that the other jobs under the same memory limit hold "
                                           "or declared (",
@@ -239,7 +240,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
       std::string names;
       for (int r : missing) names += StrCat(names.empty() ? "" : ", ", r);
       write(Verdict::kAborted,
-            StrCat("node admission: local rank(s) ", names, " of job '", options_.job,
+            StrCat("node admission: local rank(s) ", names, " of job '", job(),
                    "' did not declare their host memory within ", timeout.count(),
                    " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
                    "declared size). Check that they started, or raise "

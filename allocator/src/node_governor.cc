@@ -55,6 +55,7 @@ NodeGovernor::NodeGovernor(NodeGovernorOptions options, std::string path, int fd
       slot_(slot),
       job_(job),
       local_rank_(local_rank),
+      job_name_(options_.job),
       ledger_(options_.ledger),
       generation_(generation),
       pid_(process_.pid()) {
@@ -85,7 +86,7 @@ void NodeGovernor::Leave() {
     auto lock = SegmentLock::Take(segment_, options_.lock_timeout, path_);
     if (!lock.ok()) {
       Log(LogLevel::kError,
-          StrCat(lock.status().ToString(), "; local rank ", local_rank_, " of job '", options_.job,
+          StrCat(lock.status().ToString(), "; local rank ", local_rank(), " of job '", job(),
                  "' leaves its slot to be reaped when this process exits"));
       return;
     }
@@ -102,7 +103,7 @@ void NodeGovernor::Leave() {
   }
   if (held != 0) {
     Log(LogLevel::kInfo,
-        StrCat("node governor: local rank ", local_rank_, " left job '", options_.job, "' with ",
+        StrCat("node governor: local rank ", local_rank(), " left job '", job(), "' with ",
                FormatBytes(held), " still booked (its arenas outlive it); given back"));
   }
   if (last) {  // the closer removes it; a Join that finds it closed finishes the removal instead
@@ -129,10 +130,86 @@ void NodeGovernor::SetCurrent(std::shared_ptr<NodeGovernor> governor) {
 
 uint64_t NodeGovernor::host_budget_bytes() const { return segment_->host_budget; }
 
-node::JobEntry& NodeGovernor::entry() const { return segment_->jobs[job_]; }
+node::JobEntry& NodeGovernor::entry() const {
+  return segment_->jobs[job_.load(std::memory_order_acquire)];
+}
+
+std::string NodeGovernor::job() const {
+  std::lock_guard<std::mutex> l(identity_mu_);
+  return job_name_;
+}
 
 Status NodeGovernor::ReapDead() const {
   return node::Reap(segment_, slot_, options_.lock_timeout, path_).status();
+}
+
+Status NodeGovernor::Rekey(const std::string& to_job, int to_rank, int to_size) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Rekey"));
+  if (!node::ValidJob(to_job)) {
+    return Status::InvalidArgument(StrCat("node governor: job '", to_job, "' must be 1 to ",
+                                          node::kJobChars,
+                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
+  }
+  if (to_rank < 0 || to_rank >= kMaxSlots || to_size < 0 || to_size > kMaxSlots ||
+      (to_size != 0 && to_rank >= to_size)) {
+    return Status::InvalidArgument(StrCat("node governor: local rank ", to_rank, " of ", to_size,
+                                          " is not a rank of a job of at most ", kMaxSlots,
+                                          " local ranks"));
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(auto lock,
+                            node::SegmentLock::Take(segment_, options_.lock_timeout, path_));
+  const std::string was = job();
+  if (!OwnsSlotLocked()) {
+    return Status::FailedPrecondition(
+        StrCat("node governor: local rank ", local_rank(), " of job '", was,
+               "' left the node; it cannot move to job '", to_job, "'"));
+  }
+  if (admit_rounds_.load(std::memory_order_acquire) != 0) {
+    return Status::FailedPrecondition(StrCat(
+        "node governor: local rank ", local_rank(), " of job '", was,
+        "' already declared its need for admission there; it cannot move to job '", to_job, "'"));
+  }
+  int to = node::FindJob(segment_, to_job);
+  const bool running = to >= 0 && node::JobHasRanks(segment_, to);
+  if (running) {
+    const int holder = node::RankSlot(segment_, to, to_rank);
+    if (holder >= 0 && holder != slot_) {
+      return Status::FailedPrecondition(
+          StrCat("node governor: local rank ", to_rank, " of job '", to_job, "' is held by pid ",
+                 segment_->slots[holder].pid, ", which is alive; this process (job '", was,
+                 "') cannot take it"));
+    }
+    const int counted = segment_->jobs[to].local_world_size;
+    if (to_size != 0 && counted != 0 && counted != to_size) {
+      return Status::FailedPrecondition(StrCat("node governor: job '", to_job, "' counts ", counted,
+                                               " local ranks, and this process says ", to_size));
+    }
+  } else {
+    to = node::TakeJob(segment_, to_job);
+    if (to < 0) {
+      return Status::ResourceExhausted(
+          StrCat("node governor: the ledger ", path_, " already holds ", node::kMaxJobs,
+                 " jobs with live ranks; job '", to_job, "' cannot be made"));
+    }
+  }
+  Slot& mine = segment_->slots[slot_];
+  const int from = mine.job;
+  segment_->jobs[from].declarations[mine.local_rank] = node::Declaration{};
+  mine.job = to;
+  mine.local_rank = to_rank;
+  node::JobEntry& entry = segment_->jobs[to];
+  entry.declarations[to_rank] = node::Declaration{};
+  if (entry.local_world_size == 0) entry.local_world_size = to_size;
+  {
+    std::lock_guard<std::mutex> l(identity_mu_);
+    job_name_ = to_job;
+    job_.store(to, std::memory_order_release);
+    local_rank_.store(to_rank, std::memory_order_release);
+  }
+  { auto unlock = std::move(lock); }  // no lock held across the log's write
+  Log(LogLevel::kInfo, StrCat("node governor: pid ", pid_, " moved from job '", was,
+                              "' to local rank ", to_rank, " of job '", to_job, "' in ", path_));
+  return Status::Ok();
 }
 
 bool NodeGovernor::OwnsSlotLocked() const {
@@ -163,8 +240,8 @@ void NodeGovernor::ReleaseLocked(NodeTier tier, uint64_t bytes) {
 Status NodeGovernor::TryReserve(NodeTier tier, uint64_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NodeGovernor", "Reserve"));
   auto left = [&] {
-    return Status::FailedPrecondition(StrCat("node governor: local rank ", local_rank_,
-                                             " already left job '", options_.job,
+    return Status::FailedPrecondition(StrCat("node governor: local rank ", local_rank(),
+                                             " already left job '", job(),
                                              "' (the process is exiting, or it was reaped as "
                                              "dead); nothing is booked"));
   };
@@ -399,12 +476,12 @@ NodeStats NodeGovernor::Snapshot() const {
   if (!lock.ok()) {  // a report without numbers rather than a scrape that hangs
     Log(LogLevel::kWarning, lock.status().ToString());
     NodeStats empty;
-    empty.job = options_.job;
+    empty.job = job();
     empty.ledger = ledger_;
     empty.path = path_;
     return empty;
   }
-  return node::ReadStats(segment_, path_, options_.job);
+  return node::ReadStats(segment_, path_, job());
 }
 
 Status NodeGovernor::Validate() const {

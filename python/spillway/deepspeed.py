@@ -42,6 +42,7 @@ save_16bit_model are spillway.deepspeed's names for them. What this module and t
 _deepspeed_common.py, which they all import.
 """
 import functools
+import inspect
 import json
 import math
 import os
@@ -418,6 +419,25 @@ def _plannable_json(config):
     return json.dumps(finite(config), allow_nan=False)
 
 
+def _learn_job(original, args, kwargs):
+    """Before admission: makes the process group as deepspeed.initialize would a few lines later
+    (same backend, port and dist_init_required), so that a rank no launcher described learns its
+    job and local rank from the group (spillway.node.learn_job; every rank does this, so it is
+    collective like initialize itself). Where that fails, initialize meets the same error itself."""
+    from deepspeed import comm as ds_comm  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+    try:
+        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+        ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                 distributed_port=bound.get("distributed_port", inspect.signature(original)
+                                                            .parameters["distributed_port"].default),
+                                 dist_init_required=bound.get("dist_init_required"))
+    except Exception:  # noqa: BLE001 (initialize raises it again, with DeepSpeed's words)
+        return
+    _node.learn_job()
+
+
 def _admit(args, kwargs):
     """Node admission (spillway.node.admit) at deepspeed.initialize, before DeepSpeed allocates the
     offloaded state: this rank's host need comes from the planner (offload/planner.h) for the
@@ -483,6 +503,8 @@ def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         _warn_left(args, kwargs)
+        if _node.joined():
+            _learn_job(original, args, kwargs)
         _admit(args, kwargs)
         out = original(*args, **kwargs)
         try:

@@ -6,13 +6,15 @@ machine), not a job: so the ledger belongs to the limit, and each job is a part 
 spillway.install() joins it by itself: a process a launcher started as a local rank of its job
 (torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK, mpirun and srun their own
 variables; torch.multiprocessing.spawn's ranks share the process that started them;
-SPILLWAY_NODE_JOB names a job explicitly), any other process as a job of its own. So every
+SPILLWAY_NODE_JOB names a job explicitly), any other process as a job of its own until it learns
+its job from its process group (learn_job(), at deepspeed.initialize). So every
 process's pinned and pageable arenas book their regions in one shared ledger: a rank may take what
 the others leave free, two jobs under one limit share its budget, and the limit as a whole is never
 passed. A process no ledger can take warns once (NodeWarning). This module reads and steers that ledger:
 
     spillway.node.stats()          # the ledger: budget, committed, each job, each rank by tier/kind
     spillway.node.memory()         # this process's resident memory, every byte by owner
+    spillway.node.learn_job()      # after init_process_group: a process no launcher described
     python -m spillway.node        # the live ledgers of this user on the machine
 
 Settings (environment, the same on every rank): SPILLWAY_NODE=0 turns the node budget off,
@@ -192,6 +194,74 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
         # this tells their spillway.install() that they are not ranks.
         os.environ["SPILLWAY_NODE_MEMBER"] = str(os.getpid())
     return path
+
+
+_learned = {"calls": 0}
+LONE = "process-"  # the job of a process no launcher described (join_alone)
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def learn_job(timeout=None):
+    """Where install() found no launcher to name this process's job (it joined as a job of its own,
+    "process-<pid>") or its count of local ranks, learns both from torch.distributed's process group
+    once it exists: the ranks tell each other through the group's store where they run (the host's
+    boot and the ledger of their memory limit), and those under one limit become one job, local
+    ranks in the order of their global ranks, with what each already booked. Every rank of the group
+    must call it (collective; spillway.deepspeed.install() does at each deepspeed.initialize, before
+    admission). Returns the job's name when this rank moved or learned its count, else None. A rank
+    that does not answer within `timeout` seconds (default SPILLWAY_NODE_ADMIT_TIMEOUT, else 300)
+    is named in a NodeWarning, and nothing moves."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if timeout is None:
+        timeout = float(os.environ.get("SPILLWAY_NODE_ADMIT_TIMEOUT", "300"))
+    import datetime  # noqa: PLC0415
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ledger = stats() if joined() else None
+    me = {"where": f"{_boot_id()} {ledger['path'] if ledger else ''}", "pid": os.getpid(),
+          "start": _proc_start_ticks(os.getpid()), "job": ledger["job"] if ledger else "",
+          "local_rank": next((r["local_rank"] for r in ledger["ranks"] if r["pid"] == os.getpid()), -1)
+          if ledger else -1, "local_world_size": ledger["local_world_size"] if ledger else 0}
+    _learned["calls"] += 1  # every rank calls as often: the keys of one call are its own
+    prefix = f"spillway-node-job/{_learned['calls']}/"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(prefix + str(rank), json.dumps(me))
+    keys = [prefix + str(r) for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 (the store's timeout error differs between releases)
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        warnings.warn(f"spillway.node: rank {rank} could not learn its job: rank(s) {missing} of the process "
+                      f"group did not say where they run within {timeout:g} s ({type(e).__name__}); it stays "
+                      f"in job '{me['job']}'", NodeWarning, stacklevel=2)
+        return None
+    everyone = [json.loads(store.get(k)) for k in keys]
+    local = [r for r in range(world) if everyone[r]["where"] == me["where"]]
+    if ledger is None:
+        return None
+    lone = [everyone[r]["job"].startswith(LONE) for r in local]
+    if me["job"].startswith(LONE) and all(lone):
+        first = everyone[local[0]]
+        job_id = f"dist-{first['pid']}-{first['start']}"
+        _spillway._node_rekey(job_id, local.index(rank), len(local))
+        return job_id
+    if me["local_world_size"] == 0 and not any(lone) and len({everyone[r]["job"] for r in local}) == 1:
+        _spillway._node_rekey(me["job"], me["local_rank"], len(local))  # its launcher gave no count
+        return me["job"]
+    if any(lone) and not all(lone):
+        warnings.warn(f"spillway.node: rank {rank} stays in job '{me['job']}': of the {len(local)} ranks of its "
+                      f"process group under this memory limit, {sum(lone)} joined as jobs of their own and the "
+                      f"others as a launcher's job; start them all the same way", NodeWarning, stacklevel=2)
+    return None
 
 
 def leave():

@@ -196,6 +196,18 @@ void BindNode(py::module_& m) {
       py::arg("need_bytes"), py::arg("workers_fork_bytes"), py::arg("timeout_seconds"),
       py::arg("detail"));
   m.def(
+      "_node_rekey",
+      [](const std::string& job, int local_rank, int local_world_size) {
+        std::shared_ptr<NodeGovernor> g = CurrentOrRaise("spillway.node.learn_job()");
+        Status st;
+        {
+          py::gil_scoped_release nogil;  // takes the segment's lock
+          st = g->Rekey(job, local_rank, local_world_size);
+        }
+        Check(st);
+      },
+      py::arg("job"), py::arg("local_rank"), py::arg("local_world_size"));
+  m.def(
       "_node_publish_workers",
       [](uint64_t private_bytes, uint32_t workers) {
         CurrentOrRaise("spillway.node.publish_workers()")->PublishWorkers(private_bytes, workers);

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -896,6 +897,67 @@ TEST(NodeGovernorTest, AdmissionCountsWhatTheRanksHoldOutsideTheArenasAgainstThe
               std::string::npos)
         << ranks;
   }
+}
+
+TEST(NodeGovernorTest, AProcessNoLauncherDescribedMovesIntoTheJobItLearnsWithItsBytes) {
+  // Two processes that joined as jobs of their own (what spillway.install() does where the
+  // environment names no launcher) learn at their process group's start that they are local
+  // ranks 0 and 1 of one job: each moves there with what it booked, and admission then judges
+  // them as one job.
+  const std::string base = UniqueJob("rekey");
+  auto lone = [&](const char* name, uint64_t budget) {
+    NodeGovernorOptions o = Options(StrCat(base, name), 0, budget);
+    o.ledger = StrCat("ledger-", base);
+    o.local_world_size = 1;
+    return JoinOrDie(o);
+  };
+  auto g0 = lone("-a", 400 * kMiB);
+  auto g1 = lone("-b", 0);
+  auto g2 = lone("-c", 0);
+  ASSERT_TRUE(g0 && g1 && g2);
+  ASSERT_TRUE(g0->Reserve(NodeTier::kPageable, 30 * kMiB).ok());
+  ASSERT_TRUE(g1->Reserve(NodeTier::kPinned, 20 * kMiB).ok());
+  EXPECT_EQ(g0->Stats().jobs.size(), 3u);
+  const std::string job = StrCat(base, "-dist");
+  ASSERT_TRUE(g1->Rekey(job, 1, 2).ok());
+  ASSERT_TRUE(g0->Rekey(job, 0, 2).ok());
+  EXPECT_EQ(g0->job(), job);
+  EXPECT_EQ(g1->local_rank(), 1);
+  NodeStats s = g0->Stats();
+  ASSERT_EQ(s.jobs.size(), 2u);  // the job and g2's own; the two left behind have no rank
+  const auto it = std::find_if(s.jobs.begin(), s.jobs.end(),
+                               [&](const NodeJobStats& j) { return j.name == job; });
+  ASSERT_NE(it, s.jobs.end());
+  EXPECT_EQ(it->ranks, 2);
+  EXPECT_EQ(it->local_world_size, 2);
+  EXPECT_EQ(it->host_bytes, 50 * kMiB);
+  EXPECT_EQ(s.host_committed_bytes, 50 * kMiB);
+  // Bad moves are refused by name and change nothing: a local rank a live rank holds, another
+  // count of local ranks, a bad name.
+  Status st = g2->Rekey(job, 1, 2);
+  ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_TRUE(Has(st, "local rank 1 of job")) << st.ToString();
+  EXPECT_TRUE(Has(st, "is held by pid")) << st.ToString();
+  st = g2->Rekey(job, 2, 3);
+  ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_TRUE(Has(st, "counts 2 local ranks, and this process says 3")) << st.ToString();
+  EXPECT_EQ(g2->Rekey("../x", 0, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(g2->Rekey(job, 2, 2).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(g2->job(), StrCat(base, "-c"));
+  // One admission round for the two: 2 x 150 MiB fits the 400 MiB; another 2 x 100 (500 in all)
+  // does not.
+  ASSERT_TRUE(AdmitBoth(*g0, *g1, 150 * kMiB, "").ok());
+  st = AdmitBoth(*g0, *g1, 100 * kMiB, "");
+  ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
+  EXPECT_TRUE(Has(st, StrCat("the 2 local ranks of job '", job, "'"))) << st.ToString();
+  // After a declaration the rank stays where it declared.
+  st = g0->Rekey(StrCat(base, "-other"), 0, 1);
+  ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_TRUE(Has(st, "already declared")) << st.ToString();
+  g0->Release(NodeTier::kPageable, 30 * kMiB);
+  g1->Release(NodeTier::kPinned, 20 * kMiB);
+  EXPECT_EQ(g2->Stats().host_committed_bytes, 0u);
+  EXPECT_TRUE(g0->Validate().ok()) << g0->Validate().ToString();
 }
 
 TEST(NodeGovernorTest, AdmissionWithoutTheNumberOfLocalRanksIsRefusedByName) {

@@ -237,10 +237,17 @@ class NodeGovernor {
   NodeStats Stats() const;     // reaps dead ranks first (system calls: kill, /proc)
   NodeStats Snapshot() const;  // as the segment is now: its lock only (for metrics scrapes)
   Status Validate() const;
-  int local_rank() const { return local_rank_; }
+  // Moves this rank, with every byte it booked, into job `job` as its local rank `local_rank` of
+  // `local_world_size` (0: keep what the job has): for a process no launcher described at Join,
+  // which learns its job once its process group exists. Only before its first Admit. Refused by
+  // name when that local rank of the job is held by a live rank, or the job already counts a
+  // different number of local ranks.
+  Status Rekey(const std::string& job, int local_rank, int local_world_size);
+
+  int local_rank() const { return local_rank_.load(std::memory_order_acquire); }
   const std::string& path() const { return path_; }
   const std::string& ledger() const { return ledger_; }
-  const std::string& job() const { return options_.job; }
+  std::string job() const;  // its name (Rekey may change it)
   uint64_t host_budget_bytes() const;
 
   // The process's governor, set by the one that joins for the process (spillway.install()):
@@ -271,8 +278,12 @@ class NodeGovernor {
   // calls write to.
   node::Slot* PublishedSlot();
   const int slot_;
-  const int job_;         // its entry in the segment
-  const int local_rank_;  // within the job
+  // Who this rank is: its job's entry in the segment, its local rank there and the job's name.
+  // Set at Join and changed only by Rekey, which holds the segment's lock and then identity_mu_.
+  std::atomic<int> job_;
+  std::atomic<int> local_rank_;
+  mutable std::mutex identity_mu_;
+  std::string job_name_;  // guarded by identity_mu_
   const std::string ledger_;
   const uint64_t generation_;  // the slot's generation when this rank claimed it
   const ProcessTag process_;
