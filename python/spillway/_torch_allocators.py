@@ -176,6 +176,7 @@ def install(budget_bytes=None, pinned_budget_bytes=None, small_bytes=4096, polic
                 "replaced twice. Use spillway.installed() to reach the Runtime it returned")
         check_torch_version()
         node_budget = _join_node(node)
+        _node._learn_at_init_process_group()  # a rank no launcher described learns its job there
         if declare_bytes is not None:
             if node_budget is None:
                 raise FailedPrecondition(

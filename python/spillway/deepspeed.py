@@ -427,13 +427,22 @@ def _learn_job(original, args, kwargs):
     from deepspeed import comm as ds_comm  # noqa: PLC0415
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
+    params = inspect.signature(original).parameters
     try:
         bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return  # initialize raises it again, with DeepSpeed's words
+    if "distributed_port" not in params or "dist_init_required" not in params:
+        warnings.warn("spillway.deepspeed: this DeepSpeed's initialize takes no distributed_port or "
+                      "dist_init_required, so a rank no launcher described does not learn its job before "
+                      "admission here (spillway.node.learn_job() after init_process_group does)",
+                      AuditWarning, stacklevel=3)
+        return
+    try:
         ds_comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                                 distributed_port=bound.get("distributed_port", inspect.signature(original)
-                                                            .parameters["distributed_port"].default),
+                                 distributed_port=bound.get("distributed_port", params["distributed_port"].default),
                                  dist_init_required=bound.get("dist_init_required"))
-    except Exception:  # noqa: BLE001 (initialize raises it again, with DeepSpeed's words)
+    except Exception:  # noqa: BLE001 (initialize makes the same call a few lines later and raises it there)
         return
     _node.learn_job()
 
@@ -503,8 +512,7 @@ def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         _warn_left(args, kwargs)
-        if _node.joined():
-            _learn_job(original, args, kwargs)
+        _learn_job(original, args, kwargs)  # every rank, joined or not: the exchange is collective
         _admit(args, kwargs)
         out = original(*args, **kwargs)
         try:

@@ -7,7 +7,7 @@ spillway.install() joins it by itself: a process a launcher started as a local r
 (torchrun, Accelerate and the deepspeed launcher set LOCAL_RANK, mpirun and srun their own
 variables; torch.multiprocessing.spawn's ranks share the process that started them;
 SPILLWAY_NODE_JOB names a job explicitly), any other process as a job of its own until it learns
-its job from its process group (learn_job(), at deepspeed.initialize). So every
+its job from its process group (learn_job(), at init_process_group or deepspeed.initialize). So every
 process's pinned and pageable arenas book their regions in one shared ledger: a rank may take what
 the others leave free, two jobs under one limit share its budget, and the limit as a whole is never
 passed. A process no ledger can take warns once (NodeWarning). This module reads and steers that ledger:
@@ -26,6 +26,7 @@ SPILLWAY_NODE_LEDGER=<name> keeps the job in a ledger of that name instead of it
 import argparse
 import atexit
 import ctypes
+import functools
 import json
 import os
 import re
@@ -196,7 +197,7 @@ def join(job_id=None, local_rank=None, local_world_size=None, budget_bytes=None,
     return path
 
 
-_learned = {"calls": 0}
+_learned = {"calls": 0, "declared": False}
 LONE = "process-"  # the job of a process no launcher described (join_alone)
 
 
@@ -208,60 +209,108 @@ def _boot_id():
         return ""
 
 
+def _learn_at_init_process_group():
+    """Makes torch.distributed.init_process_group call learn_job() once the group exists (what
+    spillway.install() does): every rank of a group calls init_process_group, and every rank, joined
+    or not, takes part in the exchange, so it is as collective as the call. A group made before
+    install() is learned from at deepspeed.initialize (spillway.deepspeed.install()) or by calling
+    learn_job()."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return
+    original = dist.init_process_group
+    if getattr(original, "__spillway_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        out = original(*args, **kwargs)
+        learn_job()
+        return out
+
+    init_process_group.__spillway_original__ = original
+    dist.init_process_group = init_process_group
+
+
 def learn_job(timeout=None):
     """Where install() found no launcher to name this process's job (it joined as a job of its own,
     "process-<pid>") or its count of local ranks, learns both from torch.distributed's process group
     once it exists: the ranks tell each other through the group's store where they run (the host's
     boot and the ledger of their memory limit), and those under one limit become one job, local
-    ranks in the order of their global ranks, with what each already booked. Every rank of the group
-    must call it (collective; spillway.deepspeed.install() does at each deepspeed.initialize, before
-    admission). Returns the job's name when this rank moved or learned its count, else None. A rank
-    that does not answer within `timeout` seconds (default SPILLWAY_NODE_ADMIT_TIMEOUT, else 300)
-    is named in a NodeWarning, and nothing moves."""
+    ranks in the order of their global ranks, with what each already booked; it returns when every
+    rank has moved. Every rank of the group must call it, joined or not (collective: spillway.install()
+    makes init_process_group call it, and spillway.deepspeed.install() calls it at each
+    deepspeed.initialize, before admission). Returns the job's name when this rank moved or learned
+    its count, else None. A rank that does not answer within `timeout` seconds (default
+    SPILLWAY_NODE_ADMIT_TIMEOUT, else 300), or a move the ledger refuses, is named in a NodeWarning,
+    and the rank that warns stays where it is (ranks that heard from everyone may have moved). No
+    rank moves where one of its group under the limit already declared for admission."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if timeout is None:
         timeout = float(os.environ.get("SPILLWAY_NODE_ADMIT_TIMEOUT", "300"))
-    import datetime  # noqa: PLC0415
-
     rank, world = dist.get_rank(), dist.get_world_size()
     ledger = stats() if joined() else None
-    me = {"where": f"{_boot_id()} {ledger['path'] if ledger else ''}", "pid": os.getpid(),
+    import socket  # noqa: PLC0415
+
+    me = {"where": f"{socket.gethostname()} {_boot_id()} {ledger['path'] if ledger else ''}", "pid": os.getpid(),
           "start": _proc_start_ticks(os.getpid()), "job": ledger["job"] if ledger else "",
+          "lone": bool(ledger) and ledger["job"] == f"{LONE}{os.getpid()}", "declared": _learned["declared"],
           "local_rank": next((r["local_rank"] for r in ledger["ranks"] if r["pid"] == os.getpid()), -1)
           if ledger else -1, "local_world_size": ledger["local_world_size"] if ledger else 0}
     _learned["calls"] += 1  # every rank calls as often: the keys of one call are its own
     prefix = f"spillway-node-job/{_learned['calls']}/"
     store = dist.distributed_c10d._get_default_store()
-    store.set(prefix + str(rank), json.dumps(me))
+    everyone = _store_round(store, prefix + "where/", rank, world, me, timeout, me["job"])
+    if everyone is None:
+        return None
+    moved, error = None, None
+    if ledger is not None:
+        local = [r for r in range(world) if everyone[r]["where"] == me["where"]]
+        lone = [everyone[r]["lone"] for r in local]
+        try:
+            if any(everyone[r]["declared"] for r in local):  # every rank sees it: none moves
+                if me["lone"] or me["local_world_size"] == 0:
+                    error = ("a rank of its process group under this memory limit already declared its need "
+                             "for admission (spillway.install(declare_bytes=...)) in the job it joined; set "
+                             "LOCAL_RANK and LOCAL_WORLD_SIZE (or SPILLWAY_NODE_JOB) before install() instead")
+            elif me["lone"] and all(lone):
+                first = everyone[local[0]]
+                moved = f"dist-{first['pid']}-{first['start']}"
+                _spillway._node_rekey(moved, local.index(rank), len(local))
+            elif me["local_world_size"] == 0 and not any(lone) and len({everyone[r]["job"] for r in local}) == 1:
+                moved = me["job"]  # its launcher gave no count
+                _spillway._node_rekey(moved, me["local_rank"], len(local))
+            elif any(lone) and not all(lone):
+                error = (f"of the {len(local)} ranks of its process group under this memory limit, {sum(lone)} "
+                         f"joined as jobs of their own and the others as a launcher's job; start them all the "
+                         f"same way")
+        except _spillway.Error as e:
+            moved, error = None, f"{type(e).__name__}: {e}"
+    if error is not None:
+        warnings.warn(f"spillway.node: rank {rank} stays in job '{me['job']}': {error}", NodeWarning, stacklevel=2)
+    # A second round: no rank reads the ledger, or declares for admission, before every rank moved.
+    _store_round(store, prefix + "moved/", rank, world, moved or "", timeout, moved or me["job"])
+    return moved
+
+
+def _store_round(store, prefix, rank, world, value, timeout, job_name):
+    """Every rank of the group writes `value` under `prefix` and reads everyone's (a list by rank);
+    None, after a NodeWarning naming the ranks that did not write within `timeout` seconds."""
+    import datetime  # noqa: PLC0415
+
+    store.set(prefix + str(rank), json.dumps(value))
     keys = [prefix + str(r) for r in range(world)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 (the store's timeout error differs between releases)
         missing = [r for r in range(world) if not store.check([keys[r]])]
-        warnings.warn(f"spillway.node: rank {rank} could not learn its job: rank(s) {missing} of the process "
-                      f"group did not say where they run within {timeout:g} s ({type(e).__name__}); it stays "
-                      f"in job '{me['job']}'", NodeWarning, stacklevel=2)
+        warnings.warn(f"spillway.node: rank {rank} could not learn its job: rank(s) {missing} of the process group "
+                      f"did not answer within {timeout:g} s ({type(e).__name__}: {e}); it stays in job "
+                      f"'{job_name}'", NodeWarning, stacklevel=3)
         return None
-    everyone = [json.loads(store.get(k)) for k in keys]
-    local = [r for r in range(world) if everyone[r]["where"] == me["where"]]
-    if ledger is None:
-        return None
-    lone = [everyone[r]["job"].startswith(LONE) for r in local]
-    if me["job"].startswith(LONE) and all(lone):
-        first = everyone[local[0]]
-        job_id = f"dist-{first['pid']}-{first['start']}"
-        _spillway._node_rekey(job_id, local.index(rank), len(local))
-        return job_id
-    if me["local_world_size"] == 0 and not any(lone) and len({everyone[r]["job"] for r in local}) == 1:
-        _spillway._node_rekey(me["job"], me["local_rank"], len(local))  # its launcher gave no count
-        return me["job"]
-    if any(lone) and not all(lone):
-        warnings.warn(f"spillway.node: rank {rank} stays in job '{me['job']}': of the {len(local)} ranks of its "
-                      f"process group under this memory limit, {sum(lone)} joined as jobs of their own and the "
-                      f"others as a launcher's job; start them all the same way", NodeWarning, stacklevel=2)
-    return None
+    return [json.loads(store.get(k)) for k in keys]
 
 
 def leave():
@@ -304,6 +353,7 @@ def admit(need_bytes, workers_fork_bytes=0, timeout=None, detail=""):
         warnings.warn(f"spillway.node: admission could not measure this rank's memory outside the arenas "
                       f"({type(e).__name__}: {e}); what it holds there is not counted", NodeWarning,
                       stacklevel=2)
+    _learned["declared"] = True  # learn_job() moves no rank of a group where one declared
     _spillway._node_admit(int(need_bytes), int(workers_fork_bytes), float(timeout), detail)
 
 

@@ -163,40 +163,51 @@ def test_four_ranks_in_a_memory_cgroup_hold_its_default_budget_and_no_oom_kill(t
 
 
 LEARNS = r"""
-import json, os, torch, spillway
+import json, os, sys, torch, spillway
+import torch.distributed as dist
+where = sys.argv[1]
+if where == "deepspeed.initialize":  # a group made before the one line: learned at initialize
+    dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 spillway.deepspeed.install()
-import deepspeed, torch.distributed as dist
 before = spillway.node.stats()["job"]
-dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-os.environ["LOCAL_RANK"] = os.environ["RANK"]  # DeepSpeed asserts it; the script sets it after the one line
-model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
-config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
-deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+if where == "init_process_group":  # after the one line: learned as the group is made
+    dist.init_process_group("gloo")
+    after_group = spillway.node.stats()["job"]
+else:
+    import deepspeed
+    after_group = spillway.node.stats()["job"]
+    os.environ["LOCAL_RANK"] = os.environ["RANK"]  # DeepSpeed asserts it; the script sets it after the one line
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}}}
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 s = spillway.node.stats()
 me = [r for r in s["ranks"] if r["pid"] == os.getpid()][0]
-print(json.dumps({"before": before, "job": s["job"], "local_rank": me["local_rank"], "lws": s["local_world_size"],
-                  "mates": sorted(r["local_rank"] for r in s["ranks"] if r["job"] == s["job"]),
+print(json.dumps({"before": before, "after_group": after_group, "job": s["job"], "local_rank": me["local_rank"],
+                  "lws": s["local_world_size"], "mates": sorted(r["local_rank"] for r in s["ranks"] if r["job"] == s["job"]),
                   "declared": me["declared_bytes"], "jobs": sorted(j["name"] for j in s["jobs"])}), flush=True)
 dist.barrier()
 """
 
 
-def test_ranks_a_launcher_of_ones_own_started_learn_their_job_at_deepspeed_initialize():
+@pytest.mark.parametrize("where", ["init_process_group", "deepspeed.initialize"])
+def test_ranks_a_launcher_of_ones_own_started_learn_their_job_from_their_process_group(where):
     """Two processes a launcher of the user's own started with RANK, WORLD_SIZE and MASTER_* only (no
-    LOCAL_RANK at install(): the own-launcher case above, where each stays a job of its own) make
-    their process group, set LOCAL_RANK themselves (DeepSpeed asserts it) and call
-    deepspeed.initialize: there they learn from the group that they share one memory limit, move
-    into one job (named by the lowest rank's process) as local ranks 0 and 1 of 2, with what each
-    booked, and admission judges them together: each declared its need in that job."""
+    LOCAL_RANK: the own-launcher case above, where each stays a job of its own) join as jobs of
+    their own, then learn from their process group that they share one memory limit and move into
+    one job (named by the lowest rank's process) as local ranks 0 and 1 of 2, with what each booked:
+    as init_process_group makes the group after the one line, or, for a group made before it, at
+    deepspeed.initialize (the script sets LOCAL_RANK itself, which DeepSpeed asserts), where
+    admission then judges them together: each declared its need in that job."""
     import _zygote
 
-    port, ledger = free_port(), f"learn-{os.getpid()}"
+    port, ledger = free_port(), f"learn-{os.getpid()}-{where}"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE="2", SPILLWAY_NODE_LEDGER=ledger)
     for name in ("SPILLWAY_NODE_JOB", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SPILLWAY_NODE_BUDGET_BYTES"):
         env.pop(name, None)
-    procs = [_zygote.popen([sys.executable, "-c", LEARNS], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+    procs = [_zygote.popen([sys.executable, "-c", LEARNS, where], env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
     for p in procs:
@@ -205,7 +216,11 @@ def test_ranks_a_launcher_of_ones_own_started_learn_their_job_at_deepspeed_initi
         outs.append(json.loads(out.strip().splitlines()[-1]))
     print(outs)
     assert [o["before"] for o in outs] == [f"process-{p.pid}" for p in procs], outs
-    assert outs[0]["job"] == outs[1]["job"] and outs[0]["job"].startswith(f"dist-{procs[0].pid}-"), outs
+    job = outs[0]["job"]
+    assert outs[1]["job"] == job and job.startswith(f"dist-{procs[0].pid}-"), outs
+    assert [o["after_group"] for o in outs] == ([job, job] if where == "init_process_group" else
+                                                [o["before"] for o in outs]), outs
     assert [o["local_rank"] for o in outs] == [0, 1] and all(o["lws"] == 2 for o in outs), outs
-    assert all(o["mates"] == [0, 1] and o["declared"] > 0 for o in outs), outs
-    assert all(o["jobs"] == [outs[0]["job"]] for o in outs), outs
+    assert all(o["mates"] == [0, 1] and o["jobs"] == [job] for o in outs), outs
+    if where == "deepspeed.initialize":
+        assert all(o["declared"] > 0 for o in outs), outs
