@@ -184,22 +184,39 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
         other_jobs +=
             StrCat("; and ", held_by.size() - kNamed, " more job(s) with ", FormatMiB(rest));
       }
-      // What the ranks under the limit hold outside the arenas, as each published it (Python
-      // publishes its memory by owner just before it declares): measured, where the budget's
-      // reserve is a fixed guess. The needs must fit the memory limit beside it too.
+      // What the ranks under the limit hold outside the arenas, as each last published it (this
+      // job's ranks just before they declared): measured, where the budget's reserve is a fixed
+      // guess. The job's needs (or what its ranks already hold in the arenas, where more) must fit
+      // the memory limit beside it too. The largest few ranks by name, as for the other jobs.
       uint64_t outside = 0;
-      std::string outside_each;
+      std::vector<std::pair<uint64_t, std::string>> outside_by;
       for (const NodeRankStats& r : snap.ranks) {
         const uint64_t held = node::HeldOutsideArenas(r.memory);
         if (held == 0) continue;
         outside += held;
-        outside_each +=
-            StrCat(outside_each.empty() ? "" : "; ",
-                   r.job == job() ? "" : StrCat("job '", r.job, "' "), "local rank ", r.local_rank,
-                   " ", FormatMiB(held), " (", node::DescribeHeldOutsideArenas(r.memory, 3), ")");
+        outside_by.emplace_back(
+            held,
+            StrCat(r.job == job() ? "" : StrCat("job '", r.job, "' "), "local rank ", r.local_rank,
+                   " ", FormatMiB(held), " (", node::DescribeHeldOutsideArenas(r.memory, 3), ")"));
       }
+      std::sort(outside_by.begin(), outside_by.end(),
+                [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::string outside_each;
+      uint64_t outside_rest = outside;
+      for (size_t i = 0; i < outside_by.size() && i < kNamed; ++i) {
+        outside_each += StrCat(outside_each.empty() ? "" : "; ", outside_by[i].second);
+        outside_rest -= outside_by[i].first;
+      }
+      if (outside_by.size() > kNamed) {
+        outside_each += StrCat("; and ", outside_by.size() - kNamed, " more rank(s) with ",
+                               FormatMiB(outside_rest));
+      }
+      int own_ranks = 0;
+      const uint64_t own = std::max(
+          total,
+          node::JobHeldOrDeclared(segment_, job_.load(std::memory_order_acquire), &own_ranks));
       const bool over_limit =
-          snap.memory_limit_bytes != 0 && total + others + outside > snap.memory_limit_bytes;
+          snap.memory_limit_bytes != 0 && own + others + outside > snap.memory_limit_bytes;
       if (total + others <= snap.host_budget_bytes && !over_limit) {
         write(Verdict::kFits, "");
       } else if (total + others <= snap.host_budget_bytes) {
@@ -210,7 +227,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                                           " that the other jobs' arenas hold or declared")
                                  : std::string(),
                      ", and the ranks under this memory limit already hold ", FormatBytes(outside),
-                     " outside Spillway's arenas, measured now (", outside_each,
+                     " outside Spillway's arenas, as each last published it (", outside_each,
                      "): together more than the memory limit of ",
                      FormatBytes(snap.memory_limit_bytes), " for ", snap.scope,
                      ", though within the node budget of ", FormatBytes(snap.host_budget_bytes),

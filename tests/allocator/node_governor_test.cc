@@ -883,9 +883,10 @@ TEST(NodeGovernorTest, AdmissionCountsWhatTheRanksHoldOutsideTheArenasAgainstThe
     }
     ASSERT_EQ(st.code(), StatusCode::kOverBudget) << st.ToString();
     EXPECT_TRUE(Has(st, "already hold 800.00 MiB")) << st.ToString();
-    EXPECT_TRUE(Has(st,
-                    "outside Spillway's arenas, measured now (local rank 0 800.0 MiB (torch_cpu "
-                    "700.0 MiB, python 100.0 MiB))"))
+    EXPECT_TRUE(Has(
+        st,
+        "outside Spillway's arenas, as each last published it (local rank 0 800.0 MiB (torch_cpu "
+        "700.0 MiB, python 100.0 MiB))"))
         << st.ToString();
     EXPECT_TRUE(Has(st, "memory limit of 1.00 GiB")) << st.ToString();
     EXPECT_TRUE(Has(st, "Set offload_param.device to nvme.")) << st.ToString();

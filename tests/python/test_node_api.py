@@ -323,7 +323,7 @@ def test_admission_counts_what_a_rank_holds_outside_the_arenas_against_the_memor
     assert control == {"ok": True}, control
     assert refused["type"] == "OverBudget", refused
     text = refused["text"]
-    assert "outside Spillway's arenas, measured now (local rank 0 " in text, text
+    assert "outside Spillway's arenas, as each last published it (local rank 0 " in text, text
     assert "python " in text and "though within the node budget" in text, text
 
 
