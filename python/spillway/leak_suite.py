@@ -148,7 +148,7 @@ def worker(args):
         # DeepSpeed's state; the same advice applies to any fork-based DataLoader).
         gc.collect()
         gc.freeze()
-        step_times, growth, t0, before = [], None, None, None
+        step_times, growth, t0, before, first_batch_s, workers_bytes = [], None, None, None, 0.0, 0
         # What starting the workers costs (the fork's page tables, or an interpreter each under
         # forkserver and spawn, which also pickle the dataset to them): tree PSS and the time to
         # the first batch.
@@ -346,7 +346,8 @@ def main(argv=None):
         return 0
     plain = run_one("plain", args)
     ours = run_one("spillway", args)
-    ok, lines = verdict(plain, ours, args.min_removed, args.start_method)
+    # Without workers nothing starts, and the fork rule (nothing to remove) judges.
+    ok, lines = verdict(plain, ours, args.min_removed, args.start_method if args.workers else "fork")
     state = ours["offloaded_bytes"]
     print(f"spillway leak suite: {args.deepspeed}, {ours['params']} parameters, DeepSpeed {ours['deepspeed']} "
           f"on its {ours['accelerator']} accelerator, {args.epochs} epochs, {args.workers} workers started by "

@@ -117,11 +117,13 @@ def test_forkserver_and_spawn_workers_copy_nothing_either_way_and_cost_an_interp
     grows."""
     state_bytes = 4 * 4 * (256 * 2048 + 2048 + 2048 * 2048 + 2048)
     arena = spillway.HostArena(budget_bytes=256 * MIB, pinned=False)
-    spill_growth, _, spill_loss, spill_started = run(arena, start_method=start_method, workers=2)
-    ctrl_growth, _, ctrl_loss, ctrl_started = run(None, start_method=start_method, workers=2)
+    # One worker, two epochs (epoch 1 is judged): each start is an interpreter that imports torch,
+    # seconds of CI per start.
+    spill_growth, _, spill_loss, spill_started = run(arena, epochs=2, start_method=start_method, workers=1)
+    ctrl_growth, _, ctrl_loss, ctrl_started = run(None, epochs=2, start_method=start_method, workers=1)
     print(f"\n{start_method}: state {state_bytes / MIB:.1f} MiB; first-step growth per epoch: spillway "
           f"{[round(g / MIB, 2) for g in spill_growth]} MiB, torch tensors {[round(g / MIB, 2) for g in ctrl_growth]} "
-          f"MiB; starting 2 workers added {[round(g / MIB, 1) for g in spill_started]} / "
+          f"MiB; starting the worker added {[round(g / MIB, 1) for g in spill_started]} / "
           f"{[round(g / MIB, 1) for g in ctrl_started]} MiB")
     assert abs(spill_loss - ctrl_loss) < 1e-4 * abs(ctrl_loss), "the same training either way"
     # After epoch 0 (whose first step makes AdamW's buffers in both runs) the first step adds only
@@ -130,9 +132,9 @@ def test_forkserver_and_spawn_workers_copy_nothing_either_way_and_cost_an_interp
     param_bytes = state_bytes // 4
     for s_g, c_g in zip(spill_growth[1:], ctrl_growth[1:]):
         assert max(s_g, c_g) < 1.5 * param_bytes and abs(s_g - c_g) < 0.1 * state_bytes, (spill_growth, ctrl_growth)
-    # Each worker is an interpreter that imported torch: far more than a fork's page tables.
+    # The worker is an interpreter that imported torch: far more than a fork's page tables.
     for g in spill_started + ctrl_started:
-        assert g > 2 * 40 * MIB, (spill_started, ctrl_started)
+        assert g > 40 * MIB, (spill_started, ctrl_started)
 
 
 WORKER_READS_STATE = r"""

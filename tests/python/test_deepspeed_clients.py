@@ -1,5 +1,6 @@
 """The clients DeepSpeed users launch it through, each with the one line spillway.deepspeed.install()
-at the top of the training script and each against its control (the same script without it): HF
+at the top of the training script and each against its control (the same script without it; the
+`deepspeed` launcher's is torchrun's, which runs the same script on the same ranks): HF
 Trainer (TrainingArguments(deepspeed=...)), `accelerate launch` with a DeepSpeed config, the
 `deepspeed` launcher and torchrun, on the real DeepSpeed 0.19.8 (CPU accelerator, Gloo), ZeRO-3 with
 optimizer state and parameters offloaded to the CPU, bf16, a GPT-2 of 8.7M parameters, a DataLoader
