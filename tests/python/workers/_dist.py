@@ -9,6 +9,12 @@ def _leave_the_group():
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Every rank leaves together: a rank that destroyed its group while another was still in
+        # its last collective (HF Trainer's final save ends at different times on the two ranks)
+        # left Gloo's threads to abort at static destruction. A launcher kills the others when
+        # one rank fails, so no rank waits here for a dead one.
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
