@@ -88,8 +88,8 @@ if __name__ == "__main__":
         p = ctx.Process(target=read, args=(state, q))
         p.start()
         print("child read", q.get(timeout=120) == expected, "exit", exit_of(p), flush=True)
-    elif row == "loader-forkserver":
-        got = [float(b) for b in DataLoader(Reads(state), num_workers=1, multiprocessing_context="forkserver")]
+    elif row in ("loader-forkserver", "loader-spawn"):
+        got = [float(b) for b in DataLoader(Reads(state), num_workers=1, multiprocessing_context=row[7:])]
         print("worker read", got == [1.0, 1.0], flush=True)
     elif row == "thread":
         q = mp.get_context("fork").SimpleQueue()
@@ -132,10 +132,10 @@ def test_a_forked_child_that_reads_kept_out_state_dies_by_segv_after_one_named_l
     assert "parent's tensor in the arena: True shared: False same values: True" in out, out
 
 
-@pytest.mark.parametrize("row", ["mp-spawn", "loader-forkserver"])
+@pytest.mark.parametrize("row", ["mp-spawn", "loader-forkserver", "loader-spawn"])
 def test_a_spawn_or_forkserver_child_reads_a_shared_copy_and_torch_moves_the_parents_tensor(tmp_path, row):
-    """A child that gets the tensor pickled (torch.multiprocessing's spawn, a forkserver DataLoader
-    worker whose dataset holds it) reads it: torch moves the storage into shared memory for the
+    """A child that gets the tensor pickled (torch.multiprocessing's spawn, a forkserver or spawn
+    DataLoader worker whose dataset holds it) reads it: torch moves the storage into shared memory for the
     pickle (share_memory_()), so the parent's tensor leaves the arena for /dev/shm with its values,
     where Spillway's memory by owner counts it as shared. Nothing is said and nothing dies."""
     out, said, err = run_row(tmp_path, row)
