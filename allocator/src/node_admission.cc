@@ -35,6 +35,25 @@ void TakeBackLast(Declaration* d) {
   d->last_need = d->last_fork = 0;
 }
 
+// "a; b; and 3 more job(s) with 12.0 MiB": the texts of the `most` largest of `by` (bytes, text),
+// then what the rest hold together; the verdict's text is bounded (kVerdictChars).
+std::string NameLargest(std::vector<std::pair<uint64_t, std::string>> by, size_t most,
+                        const char* what) {
+  std::sort(by.begin(), by.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string out;
+  uint64_t rest = 0;
+  for (size_t i = 0; i < by.size(); ++i) {
+    if (i < most) {
+      out += StrCat(out.empty() ? "" : "; ", by[i].second);
+    } else {
+      rest += by[i].first;
+    }
+  }
+  if (by.size() > most)
+    out += StrCat("; and ", by.size() - most, " more ", what, " with ", FormatMiB(rest));
+  return out;
+}
+
 }  // namespace
 
 std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
@@ -172,18 +191,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
         held_by.emplace_back(held, StrCat("job '", segment_->jobs[j].name, "' ", FormatMiB(held),
                                           " (", ranks, " rank(s))"));
       }
-      std::sort(held_by.begin(), held_by.end(),
-                [](const auto& a, const auto& b) { return a.first > b.first; });
-      std::string other_jobs;
-      uint64_t rest = others;
-      for (size_t i = 0; i < held_by.size() && i < kNamed; ++i) {
-        other_jobs += StrCat(other_jobs.empty() ? "" : "; ", held_by[i].second);
-        rest -= held_by[i].first;
-      }
-      if (held_by.size() > kNamed) {
-        other_jobs +=
-            StrCat("; and ", held_by.size() - kNamed, " more job(s) with ", FormatMiB(rest));
-      }
+      const std::string other_jobs = NameLargest(std::move(held_by), kNamed, "job(s)");
       // What the ranks under the limit hold outside the arenas, as each last published it (this
       // job's ranks just before they declared): measured, where the budget's reserve is a fixed
       // guess. The job's needs (or what its ranks already hold in the arenas, where more) must fit
@@ -199,18 +207,7 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
             StrCat(r.job == job() ? "" : StrCat("job '", r.job, "' "), "local rank ", r.local_rank,
                    " ", FormatMiB(held), " (", node::DescribeHeldOutsideArenas(r.memory, 3), ")"));
       }
-      std::sort(outside_by.begin(), outside_by.end(),
-                [](const auto& a, const auto& b) { return a.first > b.first; });
-      std::string outside_each;
-      uint64_t outside_rest = outside;
-      for (size_t i = 0; i < outside_by.size() && i < kNamed; ++i) {
-        outside_each += StrCat(outside_each.empty() ? "" : "; ", outside_by[i].second);
-        outside_rest -= outside_by[i].first;
-      }
-      if (outside_by.size() > kNamed) {
-        outside_each += StrCat("; and ", outside_by.size() - kNamed, " more rank(s) with ",
-                               FormatMiB(outside_rest));
-      }
+      const std::string outside_each = NameLargest(std::move(outside_by), kNamed, "rank(s)");
       int own_ranks = 0;
       const uint64_t own = std::max(
           total,
