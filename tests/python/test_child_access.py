@@ -63,7 +63,24 @@ if __name__ == "__main__":
         mp.spawn(gloo_rank, args=(port,), nprocs=2)
         print("gloo all_reduce over the arena: ok", flush=True)
         sys.exit(0)
-    if row == "deepspeed-pinned":
+    if row == "zero3-partition":
+        import socket
+        import spillway.deepspeed
+        spillway.deepspeed.install()
+        import deepspeed
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
+                              LOCAL_RANK="0", WORLD_SIZE="1")
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                        "offload_optimizer": {"device": "cpu"}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        state = next(engine.module.parameters()).ds_tensor  # this rank's partition of the first weight
+        arena = spillway.installed().host
+    elif row == "deepspeed-pinned":
         import spillway.deepspeed
         from deepspeed.ops.op_builder import AsyncIOBuilder
         spillway.deepspeed.install()
@@ -78,7 +95,14 @@ if __name__ == "__main__":
         arena = rt.host
     assert arena.contains(state.data_ptr(), state.nbytes)
     expected = float(state.sum())
-    if row in ("mp-fork", "deepspeed-pinned"):
+    if row == "zero3-partition":
+        try:
+            for _ in DataLoader(Reads(state), num_workers=1, multiprocessing_context="fork"):
+                pass
+            print("worker read", flush=True)
+        except RuntimeError as e:
+            print("worker died:", str(e).splitlines()[0], flush=True)
+    elif row in ("mp-fork", "deepspeed-pinned"):
         p = mp.get_context("fork").Process(target=read, args=(state,))
         p.start()
         print("child exit", exit_of(p), flush=True)
@@ -129,6 +153,23 @@ def test_a_forked_child_that_reads_kept_out_state_dies_by_segv_after_one_named_l
     arena, kind = ("pinned", "swap_buffer") if row == "deepspeed-pinned" else ("host", "optimizer_state")
     assert len(said) == 1, err[-3000:]
     assert f"host arena '{arena}'" in said[0] and f"first mapped for {kind}" in said[0], said[0]
+    assert "parent's tensor in the arena: True shared: False same values: True" in out, out
+
+
+def test_a_dataloader_worker_that_reads_a_zero3_parameter_partition_dies_by_segv_after_one_named_line(tmp_path):
+    """The case users meet: under spillway.deepspeed.install(), a fork DataLoader worker whose dataset
+    holds this rank's ZeRO-3 partition of a weight (offload_param cpu: the host arena, kind param)
+    reads it: the worker's stderr has Spillway's line naming the arena and the kind, then torch's
+    own (its SIGSEGV handler's), and the DataLoader reports the worker's death, as it would without
+    the line. The
+    fault elsewhere and the copy made outside spillway.tag() are test_dataloader_fork.py's."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
+    out, said, err = run_row(tmp_path, "zero3-partition")
+    assert "worker died:" in out and "exited unexpectedly" in out, out + err[-3000:]
+    assert len(said) == 1, err[-3000:]
+    assert "host arena 'host'" in said[0] and "first mapped for param" in said[0], said[0]
+    torchs = [line for line in err.splitlines() if "Unexpected segmentation fault encountered in worker" in line]
+    assert torchs and err.index(said[0]) < err.index(torchs[0]), err[-3000:]
     assert "parent's tensor in the arena: True shared: False same values: True" in out, out
 
 
