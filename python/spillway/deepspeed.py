@@ -427,9 +427,10 @@ def _learn_job(original, args, kwargs):
     from deepspeed import comm as ds_comm  # noqa: PLC0415
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
-    params = inspect.signature(original).parameters
+    signature = inspect.signature(original)
+    params = signature.parameters
     try:
-        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+        bound = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
         return  # initialize raises it again, with DeepSpeed's words
     if "distributed_port" not in params or "dist_init_required" not in params:
