@@ -338,6 +338,13 @@ class Reader {
         if (!(v.is_string() && v.get<std::string>() == "auto") && NonNegative(v, p, &bucket)) {
           c_->prefetch_bucket_size = static_cast<uint64_t>(bucket);
         }
+      } else if (k == "reduce_bucket_size") {
+        // The gradient bucket DeepSpeed allocates whole on the accelerator (host memory on its CPU
+        // accelerator); "auto" (HF fills it from the model) keeps DeepSpeed's default.
+        double bucket = 0.0;
+        if (!(v.is_string() && v.get<std::string>() == "auto") && NonNegative(v, p, &bucket)) {
+          c_->reduce_bucket_size = static_cast<uint64_t>(bucket);
+        }
       } else
         c_->ignored_keys.push_back(p);
     }

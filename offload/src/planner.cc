@@ -145,6 +145,88 @@ uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<
          std::min(transient, allocator::RetainLimitFor(o, live));
 }
 
+// Note [Phase peaks]: node 0's peak at each phase of a DeepSpeed ZeRO-3 run, per rank. `copied` is
+// what a fork copies per rank without fork-safe arenas.
+void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
+  const PhaseInput& ph = in.phases;
+  const Config& c = in.config;
+  const bool cpu = in.accelerator == Accelerator::kCpu;
+  const double P = in.params, ranks = static_cast<double>(in.world_size) / in.nodes;
+  const double b = ph.checkpoint_dtype_bytes;
+  const double largest = ph.largest_tensor > 0 ? static_cast<double>(ph.largest_tensor) : P / 8;
+  // The state this rank holds in host memory: on DeepSpeed's CPU accelerator, the GPU's share too.
+  double state = 0, params16 = 0, moments = 0;
+  for (const PlanLine& l : r->lines) {
+    const bool host = l.place == Place::kHostPinned || l.place == Place::kHostPageable ||
+                      (cpu && l.place == Place::kGpu);
+    if (!host) continue;
+    state += static_cast<double>(l.bytes_per_rank);
+    if (l.kind == allocator::Kind::kParam) params16 += static_cast<double>(l.bytes_per_rank);
+    if (l.kind == allocator::Kind::kOptimizerState)
+      moments += static_cast<double>(l.bytes_per_rank);
+  }
+  double load = static_cast<double>(kClientRuntimeBytes);  // what loading leaves on each rank
+  switch (ph.load) {
+    case ModelLoad::kZeroInit:
+      // The partitions, and the model built whole in the checkpoint's dtype before zero.Init
+      // partitions it, which the heap keeps; a .bin's records read through the heap as well, of
+      // which glibc kept a fifth to seven tenths here (its moving mmap threshold): half.
+      load += params16 + b * P + (ph.torch_bin ? b * P / 2 : 0);
+      break;
+    case ModelLoad::kWhole:
+      // transformers maps the checkpoint and keeps its tensors where the dtype is the file's:
+      // file pages, shared by the ranks and not anonymous memory.
+      break;
+    case ModelLoad::kLoaded:
+      load = 0;
+      break;
+  }
+  const double base = static_cast<double>(ph.rank_baseline_bytes) + load;
+  // deepspeed.initialize: the state but the Adam moments (made at the first step); the partitions
+  // exist already unless the whole model was loaded.
+  const double init = base + state - moments - (ph.load == ModelLoad::kWhole ? 0 : params16) +
+                      static_cast<double>(kEngineRuntimeBytes);
+  // After the first step: the moments; on the CPU accelerator the step's device side is host
+  // memory: the gradient bucket DeepSpeed reserves whole (its pages touched up to the model's
+  // 16-bit gradients) and the step's transients (the model gathered for the forward and for the
+  // backward, its full 16-bit gradients: 3 x 2P) that the arena's retained cache keeps, up to its
+  // cap. The cache fills toward them over the first epochs (75 to 95% of them at the checkpoints
+  // measured): the plan counts 5/6.
+  double device = 0;
+  if (cpu) {
+    const double bucket = static_cast<double>(c.reduce_bucket_size);
+    const double live = state + 2 * bucket;
+    device =
+        2 * std::min(bucket, P) +
+        std::min(static_cast<double>(allocator::RetainLimitFor(c.HostArenaOptions(), Bytes(live))),
+                 5.0 / 6 * 3 * 2 * P);
+  }
+  const double steady = init + moments + device;
+  const double workers =
+      static_cast<double>(ph.dataloader_workers) * static_cast<double>(kDataLoaderWorkerBytes);
+  const double fork_spillway = static_cast<double>(r->fork_extra_spillway_per_node) / ranks;
+  const double window =
+      static_cast<double>(c.aio.block_size) * static_cast<double>(c.aio.queue_depth);
+  auto add = [&](const char* name, double rank0, double other, double naive_rank0,
+                 double naive_other) {
+    PhasePeak p;
+    p.name = name;
+    p.rank0 = Bytes(rank0);
+    p.other_rank = Bytes(other);
+    p.node = Bytes(rank0 + (ranks - 1) * other);
+    p.naive_node = Bytes(naive_rank0 + (ranks - 1) * naive_other);
+    r->phases.push_back(p);
+  };
+  const double dc = static_cast<double>(copied);
+  add("load", base, base, base, base);
+  add("initialize", init, init, init, init);
+  add("epoch boundary", steady + workers + fork_spillway, steady + workers + fork_spillway,
+      steady + workers + dc, steady + workers + dc);
+  // Rank 0 writes the 16-bit model: Spillway streams it a tensor at a time; DeepSpeed gathers it.
+  add("checkpoint", steady + window + 2 * largest, steady + window, steady + 2 * P, steady);
+  add("final save", steady + 2 * largest, steady, steady + 2 * P, steady);
+}
+
 // The plan without suggestions (they re-plan with changed settings).
 Result<PlanReport> Compute(const PlanInput& in) {
   if (!(in.params > 0) || in.params > 1e15) {
@@ -165,6 +247,22 @@ Result<PlanReport> Compute(const PlanInput& in) {
   if (c.any_nvme() && in.nvme_bytes == 0) {
     return Status::InvalidArgument(
         "the config offloads to nvme but --nvme is 0; give the NVMe bytes per node");
+  }
+  const PhaseInput& ph = in.phases;
+  if (ph.rank_baseline_bytes > kMaxBytes)
+    return Status::InvalidArgument("--rank-baseline must be at most 1 EiB");
+  if (ph.rank_baseline_bytes > 0 && in.runtime != Runtime::kDeepSpeed) {
+    return Status::InvalidArgument(
+        "--rank-baseline plans a DeepSpeed run's phases; the trainer's are not modelled: drop it "
+        "or --trainer");
+  }
+  if (!(ph.checkpoint_dtype_bytes == 2 || ph.checkpoint_dtype_bytes == 4)) {
+    return Status::InvalidArgument(StrCat("--checkpoint-dtype has ", ph.checkpoint_dtype_bytes,
+                                          " bytes per element; fp32 (4), bf16 or fp16 (2)"));
+  }
+  if (static_cast<double>(ph.largest_tensor) > in.params) {
+    return Status::InvalidArgument(
+        StrCat("--largest-tensor ", ph.largest_tensor, " is more than --params ", in.params));
   }
   if (!(in.gpu_reserve_fraction >= 0 && in.gpu_reserve_fraction < 1)) {
     return Status::InvalidArgument(
@@ -257,6 +355,7 @@ Result<PlanReport> Compute(const PlanInput& in) {
                      static_cast<int64_t>(r.gpu_per_rank);
     gpu_fits = r.gpu_headroom >= 0;
   }
+  if (ph.rank_baseline_bytes > 0) PlanPhases(in, copied_per_rank, &r);
   r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0 && gpu_fits;
   r.naive_fits =
       r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 && gpu_fits;
@@ -264,6 +363,18 @@ Result<PlanReport> Compute(const PlanInput& in) {
 }
 
 }  // namespace
+
+const char* ModelLoadName(ModelLoad load) {
+  switch (load) {
+    case ModelLoad::kZeroInit:
+      return "zero-init";
+    case ModelLoad::kWhole:
+      return "whole";
+    case ModelLoad::kLoaded:
+      return "loaded";
+  }
+  return "?";
+}
 
 const char* PlaceName(Place place) {
   switch (place) {
@@ -382,6 +493,20 @@ std::string PlanReport::ToString() const {
   if (gpu_reserve_bytes > 0) o << ", gpu headroom " << Gb(static_cast<double>(gpu_headroom));
   o << ")\n";
   for (const std::string& s : suggestions) o << "  would fit with " << s << "\n";
+  if (!phases.empty()) {
+    o << "\nphase peaks on node 0 (Note [Phase peaks]):  rank 0      each other rank  node        "
+         "DeepSpeed defaults\n";
+    for (const PhasePeak& p : phases) {
+      const std::string name = p.name;
+      const std::string cols[] = {
+          Gb(static_cast<double>(p.rank0)), Gb(static_cast<double>(p.other_rank)),
+          Gb(static_cast<double>(p.node)), Gb(static_cast<double>(p.naive_node))};
+      o << "  " << name << std::string(name.size() < 42 ? 42 - name.size() : 1, ' ');
+      for (const std::string& col : cols)
+        o << col << std::string(col.size() < 12 ? 12 - col.size() : 1, ' ');
+      o << "\n";
+    }
+  }
   return o.str();
 }
 

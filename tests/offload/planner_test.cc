@@ -237,5 +237,72 @@ TEST(PlannerTest, ImpossibleInputsNameTheFlag) {
   EXPECT_NE(MakePlan(in).status().message().find("--nvme is 0"), std::string::npos);
 }
 
+TEST(PlannerTest, PhasePeaksFollowTheNoteOnTheCpuAccelerator) {
+  // Note [Phase peaks], by hand: 24M parameters on 2 ranks (p = 12M each), ZeRO-3 cpu/cpu, an fp32
+  // safetensors checkpoint loaded under zero.Init, a rank baseline of 200 MiB, DeepSpeed's default
+  // gradient bucket (5e8 elements), largest tensor 4M, 2 DataLoader workers per rank.
+  constexpr uint64_t kMiB = 1 << 20;
+  PlanInput in;
+  in.params = 24e6;
+  in.world_size = 2;
+  in.host_ram_bytes = 64 * kGiB;
+  in.accelerator = Accelerator::kCpu;
+  in.config = Parse(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu", "pin_memory": true},
+      "offload_optimizer": {"device": "cpu", "pin_memory": true}}})");
+  in.phases.rank_baseline_bytes = 200 * kMiB;
+  in.phases.largest_tensor = 4'000'000;
+  auto r = MakePlan(in);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->phases.size(), 5u);
+  // load: baseline + client runtime + partitions 2p (24 MB) + the model built whole, 4P (96 MB).
+  const uint64_t load = 200 * kMiB + kClientRuntimeBytes + 24'000'000 + 96'000'000;
+  EXPECT_EQ(r->phases[0].rank0, load);
+  // initialize: + 16-bit grads 2p, fp32 grads 4p, master 4p (120 MB) + the engine's runtime.
+  const uint64_t init = load + 120'000'000 + kEngineRuntimeBytes;
+  EXPECT_EQ(r->phases[1].other_rank, init);
+  // steady: + moments 8p (96 MB) + the bucket's touched pages 2P (48 MB) + retained transients
+  // 5/6 x 3 x 2P (120 MB; under the cap 0.25 x (240 MB state + 1 GB bucket)).
+  const uint64_t steady = init + 96'000'000 + 48'000'000 + 120'000'000;
+  EXPECT_EQ(r->phases[2].other_rank, steady + 2 * kDataLoaderWorkerBytes);
+  // The boundary without Spillway copies every private byte of the state (240 MB per rank).
+  EXPECT_EQ(r->phases[2].naive_node, 2 * (steady + 2 * kDataLoaderWorkerBytes + 240'000'000));
+  // checkpoint: the I/O window (8 x 1 MiB) on every rank, the 16-bit largest tensor on rank 0.
+  EXPECT_EQ(r->phases[3].rank0, steady + 8 * kMiB + 8'000'000);
+  EXPECT_EQ(r->phases[3].other_rank, steady + 8 * kMiB);
+  // final save: Spillway streams the largest tensor; DeepSpeed gathers the 16-bit model (2P).
+  EXPECT_EQ(r->phases[4].node, 2 * steady + 8'000'000);
+  EXPECT_EQ(r->phases[4].naive_node, 2 * steady + 48'000'000);
+  // Loaded whole, the mapped checkpoint adds nothing anonymous; a .bin under zero.Init adds
+  // half of its bytes (the heap's share of torch.load's reads).
+  in.phases.load = ModelLoad::kWhole;
+  EXPECT_EQ(MakePlan(in)->phases[0].rank0, 200 * kMiB + kClientRuntimeBytes);
+  in.phases.load = ModelLoad::kZeroInit;
+  in.phases.torch_bin = true;
+  EXPECT_EQ(MakePlan(in)->phases[0].rank0, load + 48'000'000);
+  // No baseline, no phases.
+  in.phases.rank_baseline_bytes = 0;
+  EXPECT_TRUE(MakePlan(in)->phases.empty());
+}
+
+TEST(PlannerTest, PhaseInputsThatCannotBeNameTheFlag) {
+  PlanInput in;
+  in.params = 24e6;
+  in.host_ram_bytes = 64 * kGiB;
+  in.phases.rank_baseline_bytes = 1 << 28;
+  in.phases.checkpoint_dtype_bytes = 8;
+  EXPECT_NE(MakePlan(in).status().message().find("--checkpoint-dtype has 8 bytes"),
+            std::string::npos);
+  in.phases.checkpoint_dtype_bytes = 2;
+  in.phases.largest_tensor = 25'000'000;
+  EXPECT_NE(MakePlan(in).status().message().find("--largest-tensor 25000000 is more than --params"),
+            std::string::npos);
+  in.phases.largest_tensor = 0;
+  in.runtime = Runtime::kTrainer;
+  in.trainer_units = {24'000'000};
+  EXPECT_NE(MakePlan(in).status().message().find("--rank-baseline plans a DeepSpeed run's phases"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace spillway::offload

@@ -102,6 +102,7 @@ struct Config {
   OffloadOptimizerConfig offload_optimizer;
   uint64_t sub_group_size = 1'000'000'000;     // elements
   uint64_t prefetch_bucket_size = 50'000'000;  // zero_optimization.stage3_prefetch_bucket_size
+  uint64_t reduce_bucket_size = 500'000'000;   // zero_optimization.reduce_bucket_size (elements)
   AioConfig aio;
   TrainingConfig training;
   SpillwayConfig spillway;

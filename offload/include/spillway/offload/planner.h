@@ -27,6 +27,46 @@ enum class Runtime : uint8_t {
   kTrainer,        // `spillway train`'s reference trainer (engine/trainer.h) under `config`
 };
 
+// How each rank comes to hold the model before deepspeed.initialize (Note [Phase peaks]).
+enum class ModelLoad : uint8_t {
+  kZeroInit = 0,  // from_pretrained under zero.Init: HF Trainer's and Accelerate's path when their
+                  // DeepSpeed ZeRO-3 config exists before the model
+  kWhole,         // from_pretrained before any DeepSpeed config: the whole model on every rank
+  kLoaded,        // already in memory: rank_baseline_bytes includes it (admission at initialize)
+};
+const char* ModelLoadName(ModelLoad load);
+
+// The run's phases, for a DeepSpeed plan (Note [Phase peaks] in docs/offload.md).
+struct PhaseInput {
+  // What each rank holds before it loads the model and makes its client's arguments (the
+  // interpreter, torch, DeepSpeed, transformers imported, the process group); 0: phases are not
+  // planned.
+  uint64_t rank_baseline_bytes = 0;
+  ModelLoad load = ModelLoad::kZeroInit;
+  bool torch_bin = false;             // the checkpoint is a torch .bin (else safetensors)
+  double checkpoint_dtype_bytes = 4;  // the checkpoint's dtype, which from_pretrained keeps
+  uint64_t largest_tensor = 0;        // elements of the model's largest tensor; 0: params / 8
+  uint32_t dataloader_workers = 2;    // per rank, forked at each epoch
+};
+
+// Measured constants of the phase model (Note [Phase peaks]; torch 2.13, DeepSpeed 0.19.8,
+// transformers 5.24): what the client's runtime adds to a rank when it first runs (HF's
+// TrainingArguments, or the first from_pretrained), what DeepSpeed's engine, its CPU Adam op and
+// HF Trainer add beyond the state at deepspeed.initialize, and one forked DataLoader worker's own
+// pages while it runs.
+inline constexpr uint64_t kClientRuntimeBytes = 106ull << 20;
+inline constexpr uint64_t kEngineRuntimeBytes = 72ull << 20;
+inline constexpr uint64_t kDataLoaderWorkerBytes = 20ull << 20;
+
+// One phase's peak on node 0: rank 0 (which writes the saves) and each other rank.
+struct PhasePeak {
+  const char* name = "";  // "load", "initialize", "epoch boundary", "checkpoint", "final save"
+  uint64_t rank0 = 0;
+  uint64_t other_rank = 0;
+  uint64_t node = 0;        // rank0 + (ranks per node - 1) x other_rank
+  uint64_t naive_node = 0;  // the same run with DeepSpeed's defaults (no Spillway)
+};
+
 struct PlanInput {
   double params = 0;        // model parameters (34e9 for Yi-34B)
   uint32_t world_size = 1;  // ranks (one per GPU)
@@ -44,6 +84,7 @@ struct PlanInput {
   // fragmentation; a stated estimate, not a model of the network) must fit.
   uint64_t gpu_mem_bytes = 0;
   double gpu_reserve_fraction = 0.25;
+  PhaseInput phases;  // kDeepSpeed only
 };
 
 enum class Place : uint8_t { kGpu = 0, kHostPinned, kHostPageable, kNvme };
@@ -103,6 +144,8 @@ struct PlanReport {
   int64_t gpu_headroom = 0;              // gpu_mem - reserve - states (0 when not checked)
   bool naive_fits = false;               // the same run with DeepSpeed's default behaviour
   std::vector<std::string> suggestions;  // settings that make it fit, when it does not
+  // The run's phases on node 0, in order (empty unless phases.rank_baseline_bytes is given).
+  std::vector<PhasePeak> phases;
 
   std::string ToString() const;  // the table `spillway plan` prints
 };
