@@ -107,6 +107,36 @@ int main(int argc, char** argv) {
   plan->add_option("--gpu-reserve", gpu_reserve,
                    "share of each GPU kept for activations, the CUDA context and fragmentation")
       ->capture_default_str();
+  // The run's phases (Note [Phase peaks] in docs/offload.md).
+  std::string rank_baseline_text, load_text = "zero-init", ckpt_dtype = "fp32";
+  uint64_t largest_tensor = 0;
+  uint32_t loader_workers = 2;
+  bool plan_json = false;
+  plan->add_option("--rank-baseline", rank_baseline_text,
+                   "what each rank holds before it loads the model (the interpreter, torch, "
+                   "DeepSpeed, the process group), e.g. 320MiB; plans the run's phase peaks");
+  plan->add_option("--load", load_text,
+                   "with --rank-baseline: how from_pretrained loads the model: zero-init (HF "
+                   "Trainer's ZeRO-3 config made first) or whole (on every rank)")
+      ->check(CLI::IsMember({"zero-init", "whole"}))
+      ->capture_default_str();
+  std::string ckpt_format = "safetensors";
+  plan->add_option("--checkpoint-format", ckpt_format,
+                   "with --rank-baseline: the checkpoint from_pretrained loads, safetensors or a "
+                   "torch .bin")
+      ->check(CLI::IsMember({"safetensors", "bin"}))
+      ->capture_default_str();
+  plan->add_option("--checkpoint-dtype", ckpt_dtype,
+                   "with --rank-baseline: the dtype of the checkpoint from_pretrained loads")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  plan->add_option("--largest-tensor", largest_tensor,
+                   "with --rank-baseline: elements of the model's largest tensor (default "
+                   "params / 8), which the streamed saves hold on rank 0");
+  plan->add_option("--dataloader-workers", loader_workers,
+                   "with --rank-baseline: DataLoader workers per rank, forked at each epoch")
+      ->capture_default_str();
+  plan->add_flag("--json", plan_json, "print the plan's totals and phase peaks as one JSON object");
   bool plan_trainer = false;
   plan->add_flag(
       "--trainer", plan_trainer,
@@ -365,8 +395,42 @@ int main(int argc, char** argv) {
         return Fail("--gpu-mem " + gpu.status().message() + ", or 0 not to check the GPU");
       in.gpu_mem_bytes = *gpu;
     }
+    if (!rank_baseline_text.empty()) {
+      auto baseline = ParseByteSize(rank_baseline_text);
+      if (!baseline.ok()) return Fail("--rank-baseline " + baseline.status().message());
+      in.phases.rank_baseline_bytes = *baseline;
+      in.phases.load = load_text == "whole" ? spillway::offload::ModelLoad::kWhole
+                                            : spillway::offload::ModelLoad::kZeroInit;
+      in.phases.checkpoint_dtype_bytes = ckpt_dtype == "fp32" ? 4 : 2;
+      in.phases.torch_bin = ckpt_format == "bin";
+      in.phases.largest_tensor = largest_tensor;
+      in.phases.dataloader_workers = loader_workers;
+    } else if (plan->count("--load") + plan->count("--checkpoint-dtype") +
+                   plan->count("--checkpoint-format") + plan->count("--largest-tensor") +
+                   plan->count("--dataloader-workers") >
+               0) {
+      return Fail(
+          "--load, --checkpoint-format, --checkpoint-dtype, --largest-tensor and "
+          "--dataloader-workers plan the run's phases: give --rank-baseline too");
+    }
     auto r = MakePlan(in);
     if (!r.ok()) return Fail(r.status().ToString());
+    if (plan_json) {
+      std::printf("{\"fits\": %s, \"host_peak_spillway_per_node\": %llu, \"phases\": [",
+                  r->fits ? "true" : "false",
+                  static_cast<unsigned long long>(r->host_peak_spillway_per_node));
+      for (size_t i = 0; i < r->phases.size(); ++i) {
+        const auto& p = r->phases[i];
+        std::printf(
+            "%s{\"name\": \"%s\", \"rank0\": %llu, \"other_rank\": %llu, \"node\": %llu, "
+            "\"naive_node\": %llu}",
+            i ? ", " : "", p.name, static_cast<unsigned long long>(p.rank0),
+            static_cast<unsigned long long>(p.other_rank), static_cast<unsigned long long>(p.node),
+            static_cast<unsigned long long>(p.naive_node));
+      }
+      std::printf("]}\n");
+      return r->fits ? 0 : 1;
+    }
     std::printf("spillway plan: %s%.3g parameters, %u ranks on %u node(s), GPU memory %s\n\n%s",
                 plan_trainer ? "spillway train's trainer, " : "", in.params, world, nodes,
                 gpu_mem_text == "0" ? "not checked" : gpu_mem_text.c_str(), r->ToString().c_str());

@@ -78,6 +78,31 @@ TEST(CliTest, PlanRefusesAModelItsGpusCannotHoldAndNamesTheOffloadThatFits) {
   EXPECT_NE(r.out.find("GPU memory not checked"), std::string::npos) << r.out;
 }
 
+TEST(CliTest, PlanPrintsThePhasePeaksFromARankBaselineAndRefusesHalfAPhaseInput) {
+  const std::string cfg = WriteConfig("phases.json", R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})");
+  const std::string run =
+      "plan --params 7e9 --nproc-per-node 8 --host-mem 2TiB --gpu-mem 0 --config " + cfg;
+  Outcome r = Spillway(run + " --rank-baseline 2GiB --load whole --checkpoint-dtype bf16");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("phase peaks on node 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  final save"), std::string::npos) << r.out;
+  r = Spillway(run + " --rank-baseline 2GiB --json");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find(R"("phases": [{"name": "load", "rank0": )"), std::string::npos) << r.out;
+  r = Spillway(run + " --load whole");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("plan the run's phases: give --rank-baseline too"), std::string::npos)
+      << r.out;
+  r = Spillway(run + " --rank-baseline 0");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--rank-baseline '0' is not a byte size"), std::string::npos) << r.out;
+  r = Spillway(run + " --rank-baseline 2GiB --largest-tensor 8000000000");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--largest-tensor 8000000000 is more than --params"), std::string::npos)
+      << r.out;
+}
+
 #if SPILLWAY_WITH_TORCH
 TEST(CliTest, PlanTheTrainerFromItsModelFlags) {
   // 2 blocks of width 64 with the corpus's vocabulary: the units' sum, all on the host (pinned, the
