@@ -474,7 +474,8 @@ def _admit(args, kwargs):
         return
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
-    params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
+    numels = [getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters()]
+    params = sum(numels)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config_json = _plannable_json(config)
@@ -489,11 +490,13 @@ def _admit(args, kwargs):
     try:
         plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
                                          room, config_json,
-                                         get_accelerator().device_name() == "cpu")
+                                         get_accelerator().device_name() == "cpu",
+                                         _node.anon_shared_bytes(), max(numels, default=0))
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
                       AuditWarning, stacklevel=3)
         return
+    _node._planned["phases"] = plan["phases"]
     hint = "; ".join(plan["suggestions"])
     _node.admit(plan["host_per_rank"] + plan["fork_copy_per_rank"], plan["fork_copy_per_rank"],
                detail=f"Settings that would make it fit: {hint + '; ' if hint else ''}{_NODE_HINT}")

@@ -374,16 +374,40 @@ def children(pid):
     return out
 
 
-def _private_bytes(pid):
+def _rollup_bytes(pid, keys):
+    """The sum of `keys` ("Pss_Anon:", ...) of /proc/<pid>/smaps_rollup, in bytes; 0 for a process
+    gone."""
     total = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                if line.startswith(keys):
                     total += int(line.split()[1]) * 1024
     except OSError:
         return 0
     return total
+
+
+def _private_bytes(pid):
+    return _rollup_bytes(pid, ("Private_Clean:", "Private_Dirty:"))
+
+
+_planned = {"phases": None}  # set by admission at deepspeed.initialize (spillway.deepspeed)
+
+
+def planned_phases():
+    """The node's peaks ahead that admission planned at the last deepspeed.initialize (Note [Phase
+    peaks] in docs/offload.md), from this rank's level then: a list of {"name" ("load": the level
+    then; "initialize", "epoch boundary", "checkpoint", "final save"), "rank0", "other_rank", "node",
+    "naive_node" (the same run with DeepSpeed's defaults)} in bytes; None before any admission (no
+    node budget joined, SPILLWAY_NODE_ADMIT=0, or nothing to plan from)."""
+    return _planned["phases"]
+
+
+def anon_shared_bytes():
+    """This process's anonymous and shared memory (Pss_Anon + Pss_Shmem): the level the planner's
+    phases start from at deepspeed.initialize (Note [Phase peaks] in docs/offload.md)."""
+    return _rollup_bytes(os.getpid(), ("Pss_Anon:", "Pss_Shmem:"))
 
 
 def workers_private_bytes(pid=None):

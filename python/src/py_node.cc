@@ -257,7 +257,8 @@ void BindNode(py::module_& m) {
   m.def(
       "_plan_deepspeed",
       [](double params, uint32_t world_size, uint32_t nodes, uint64_t host_ram_bytes,
-         const std::string& config_json, bool cpu_accelerator) {
+         const std::string& config_json, bool cpu_accelerator, uint64_t rank_level_bytes,
+         uint64_t largest_tensor) {
         offload::PlanInput in;
         in.params = params;
         in.world_size = world_size;
@@ -268,6 +269,10 @@ void BindNode(py::module_& m) {
         in.config = Check(offload::Config::Parse(config_json, /*warn_ignored=*/false));
         in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
         in.gpu_mem_bytes = 0;
+        // The phases ahead of a rank that holds its model already (Note [Phase peaks]).
+        in.phases.rank_baseline_bytes = rank_level_bytes;
+        in.phases.load = offload::ModelLoad::kLoaded;
+        in.phases.largest_tensor = largest_tensor;
         const offload::PlanReport r = Check(offload::MakePlan(in));
         const auto host = static_cast<size_t>(offload::Place::kHostPinned);
         const auto pageable = static_cast<size_t>(offload::Place::kHostPageable);
@@ -279,11 +284,23 @@ void BindNode(py::module_& m) {
         d["fork_copy_per_rank"] = r.fork_extra_spillway_per_node / per_node;
         d["fork_copy_naive_per_rank"] = r.fork_extra_naive_per_node / per_node;
         d["suggestions"] = r.suggestions;
+        py::list phases;
+        for (const offload::PhasePeak& p : r.phases) {
+          py::dict ph;
+          ph["name"] = p.name;
+          ph["rank0"] = p.rank0;
+          ph["other_rank"] = p.other_rank;
+          ph["node"] = p.node;
+          ph["naive_node"] = p.naive_node;
+          phases.append(ph);
+        }
+        d["phases"] = phases;
         d["text"] = r.ToString();
         return d;
       },
       py::arg("params"), py::arg("world_size"), py::arg("nodes"), py::arg("host_ram_bytes"),
-      py::arg("config_json"), py::arg("cpu_accelerator"));
+      py::arg("config_json"), py::arg("cpu_accelerator"), py::arg("rank_level_bytes") = 0,
+      py::arg("largest_tensor") = 0);
 }
 
 }  // namespace spillway::python
