@@ -136,7 +136,9 @@ int main(int argc, char** argv) {
   plan->add_option("--dataloader-workers", loader_workers,
                    "with --rank-baseline: DataLoader workers per rank, forked at each epoch")
       ->capture_default_str();
-  plan->add_flag("--json", plan_json, "print the plan's totals and phase peaks as one JSON object");
+  plan->add_flag("--json", plan_json,
+                 "print the verdict, Spillway's host peak per node and the phase peaks as one JSON "
+                 "object");
   bool plan_trainer = false;
   plan->add_flag(
       "--trainer", plan_trainer,
@@ -398,6 +400,7 @@ int main(int argc, char** argv) {
     if (!rank_baseline_text.empty()) {
       auto baseline = ParseByteSize(rank_baseline_text);
       if (!baseline.ok()) return Fail("--rank-baseline " + baseline.status().message());
+      if (*baseline == 0) return Fail("--rank-baseline is under a byte; give e.g. 320MiB");
       in.phases.rank_baseline_bytes = *baseline;
       in.phases.load = load_text == "whole" ? spillway::offload::ModelLoad::kWhole
                                             : spillway::offload::ModelLoad::kZeroInit;

@@ -340,9 +340,11 @@ class Reader {
         }
       } else if (k == "reduce_bucket_size") {
         // The gradient bucket DeepSpeed allocates whole on the accelerator (host memory on its CPU
-        // accelerator); "auto" (HF fills it from the model) keeps DeepSpeed's default.
+        // accelerator). "auto" is HF's placeholder, which it fills with hidden_size^2: a plan of
+        // the file keeps DeepSpeed's default, the larger bucket.
         double bucket = 0.0;
         if (!(v.is_string() && v.get<std::string>() == "auto") && NonNegative(v, p, &bucket)) {
+          if (bucket > 1e15) Fail(p, StrCat("is ", bucket, "; at most 1e15 elements"));
           c_->reduce_bucket_size = static_cast<uint64_t>(bucket);
         }
       } else

@@ -178,13 +178,15 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
       // file pages, shared by the ranks and not anonymous memory.
       break;
     case ModelLoad::kLoaded:
+    case ModelLoad::kLoadedWhole:
       load = 0;
       break;
   }
+  const bool partitioned = ph.load == ModelLoad::kZeroInit || ph.load == ModelLoad::kLoaded;
   const double base = static_cast<double>(ph.rank_baseline_bytes) + load;
   // deepspeed.initialize: the state but the Adam moments (made at the first step); the partitions
   // exist already unless the whole model was loaded.
-  const double init = base + state - moments - (ph.load == ModelLoad::kWhole ? 0 : params16) +
+  const double init = base + state - moments - (partitioned ? params16 : 0) +
                       static_cast<double>(kEngineRuntimeBytes);
   // After the first step: the moments; on the CPU accelerator the step's device side is host
   // memory: the gradient bucket DeepSpeed reserves whole (its pages touched up to the model's
@@ -193,7 +195,11 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
   // cap. The cache fills toward them over the first epochs (75 to 95% of them at the checkpoints
   // measured): the plan counts 5/6.
   double device = 0;
-  if (cpu) {
+  if (!cpu) {
+    r->phases_note =
+        "on CUDA the step's device side is the GPU's, and its host side beyond the state (CUDA's "
+        "and NCCL's host memory) is not modelled: the phases are checked on the CPU accelerator";
+  } else {
     const double bucket = static_cast<double>(c.reduce_bucket_size);
     const double live = state + 2 * bucket;
     device =
@@ -217,7 +223,9 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
     p.naive_node = Bytes(naive_rank0 + (ranks - 1) * naive_other);
     r->phases.push_back(p);
   };
-  const double dc = static_cast<double>(copied);
+  // Without fork-safe arenas a fork copies the private state: on the CPU accelerator all of it
+  // (its GPU share is host memory too), on CUDA what the pinned mapping does not hold.
+  const double dc = cpu ? state : static_cast<double>(copied);
   add("load", base, base, base, base);
   add("initialize", init, init, init, init);
   add("epoch boundary", steady + workers + fork_spillway, steady + workers + fork_spillway,
@@ -249,8 +257,12 @@ Result<PlanReport> Compute(const PlanInput& in) {
         "the config offloads to nvme but --nvme is 0; give the NVMe bytes per node");
   }
   const PhaseInput& ph = in.phases;
-  if (ph.rank_baseline_bytes > kMaxBytes)
-    return Status::InvalidArgument("--rank-baseline must be at most 1 EiB");
+  if (ph.rank_baseline_bytes > (1ull << 40))
+    return Status::InvalidArgument("--rank-baseline must be at most 1 TiB per rank");
+  if (ph.dataloader_workers > 1024) {
+    return Status::InvalidArgument(
+        StrCat("--dataloader-workers ", ph.dataloader_workers, " is more than 1024 per rank"));
+  }
   if (ph.rank_baseline_bytes > 0 && in.runtime != Runtime::kDeepSpeed) {
     return Status::InvalidArgument(
         "--rank-baseline plans a DeepSpeed run's phases; the trainer's are not modelled: drop it "
@@ -355,10 +367,17 @@ Result<PlanReport> Compute(const PlanInput& in) {
                      static_cast<int64_t>(r.gpu_per_rank);
     gpu_fits = r.gpu_headroom >= 0;
   }
-  if (ph.rank_baseline_bytes > 0) PlanPhases(in, copied_per_rank, &r);
-  r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0 && gpu_fits;
-  r.naive_fits =
-      r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 && gpu_fits;
+  bool phases_fit = true, naive_phases_fit = true;
+  if (ph.rank_baseline_bytes > 0) {
+    PlanPhases(in, copied_per_rank, &r);
+    for (const PhasePeak& p : r.phases) {
+      phases_fit = phases_fit && p.node <= in.host_ram_bytes;
+      naive_phases_fit = naive_phases_fit && p.naive_node <= in.host_ram_bytes;
+    }
+  }
+  r.fits = r.host_headroom >= 0 && r.nvme_headroom >= 0 && gpu_fits && phases_fit;
+  r.naive_fits = r.host_peak_naive_per_node <= in.host_ram_bytes && r.nvme_headroom >= 0 &&
+                 gpu_fits && naive_phases_fit;
   return r;
 }
 
@@ -372,6 +391,8 @@ const char* ModelLoadName(ModelLoad load) {
       return "whole";
     case ModelLoad::kLoaded:
       return "loaded";
+    case ModelLoad::kLoadedWhole:
+      return "loaded whole";
   }
   return "?";
 }
@@ -494,18 +515,23 @@ std::string PlanReport::ToString() const {
   o << ")\n";
   for (const std::string& s : suggestions) o << "  would fit with " << s << "\n";
   if (!phases.empty()) {
-    o << "\nphase peaks on node 0 (Note [Phase peaks]):  rank 0      each other rank  node        "
-         "DeepSpeed defaults\n";
+    auto cell = [&](const std::string& text, size_t width) {
+      o << text << std::string(text.size() < width ? width - text.size() : 1, ' ');
+    };
+    o << "\n";
+    cell("phase peaks on node 0 (Note [Phase peaks])", 44);
+    cell("rank 0", 12);
+    cell("other rank", 12);
+    cell("node", 12);
+    o << "DeepSpeed defaults\n";
     for (const PhasePeak& p : phases) {
-      const std::string name = p.name;
-      const std::string cols[] = {
-          Gb(static_cast<double>(p.rank0)), Gb(static_cast<double>(p.other_rank)),
-          Gb(static_cast<double>(p.node)), Gb(static_cast<double>(p.naive_node))};
-      o << "  " << name << std::string(name.size() < 42 ? 42 - name.size() : 1, ' ');
-      for (const std::string& col : cols)
-        o << col << std::string(col.size() < 12 ? 12 - col.size() : 1, ' ');
-      o << "\n";
+      cell(StrCat("  ", p.name), 44);
+      cell(Gb(static_cast<double>(p.rank0)), 12);
+      cell(Gb(static_cast<double>(p.other_rank)), 12);
+      cell(Gb(static_cast<double>(p.node)), 12);
+      o << Gb(static_cast<double>(p.naive_node)) << "\n";
     }
+    if (!phases_note.empty()) o << "  (" << phases_note << ")\n";
   }
   return o.str();
 }

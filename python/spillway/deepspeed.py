@@ -491,7 +491,8 @@ def _admit(args, kwargs):
         plan = _spillway._plan_deepspeed(float(params), world, max(world // ledger["local_world_size"], 1),
                                          room, config_json,
                                          get_accelerator().device_name() == "cpu",
-                                         _node.anon_shared_bytes(), max(numels, default=0))
+                                         _node.anon_shared_bytes(), max(numels, default=0),
+                                         any(hasattr(p, "ds_numel") for p in model.parameters()))
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
                       AuditWarning, stacklevel=3)

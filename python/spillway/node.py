@@ -399,8 +399,10 @@ def planned_phases():
     """The node's peaks ahead that admission planned at the last deepspeed.initialize (Note [Phase
     peaks] in docs/offload.md), from this rank's level then: a list of {"name" ("load": the level
     then; "initialize", "epoch boundary", "checkpoint", "final save"), "rank0", "other_rank", "node",
-    "naive_node" (the same run with DeepSpeed's defaults)} in bytes; None before any admission (no
-    node budget joined, SPILLWAY_NODE_ADMIT=0, or nothing to plan from)."""
+    "naive_node" (the same run with DeepSpeed's defaults)} in bytes, planned with no DataLoader
+    workers (admission cannot know them) and checked on DeepSpeed's CPU accelerator only; None
+    before any admission (no node budget joined, SPILLWAY_NODE_ADMIT=0, nothing to plan from) and
+    for a stage other than ZeRO-3."""
     return _planned["phases"]
 
 

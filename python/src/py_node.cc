@@ -258,7 +258,7 @@ void BindNode(py::module_& m) {
       "_plan_deepspeed",
       [](double params, uint32_t world_size, uint32_t nodes, uint64_t host_ram_bytes,
          const std::string& config_json, bool cpu_accelerator, uint64_t rank_level_bytes,
-         uint64_t largest_tensor) {
+         uint64_t largest_tensor, bool partitioned) {
         offload::PlanInput in;
         in.params = params;
         in.world_size = world_size;
@@ -269,10 +269,13 @@ void BindNode(py::module_& m) {
         in.config = Check(offload::Config::Parse(config_json, /*warn_ignored=*/false));
         in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
         in.gpu_mem_bytes = 0;
-        // The phases ahead of a rank that holds its model already (Note [Phase peaks]).
-        in.phases.rank_baseline_bytes = rank_level_bytes;
-        in.phases.load = offload::ModelLoad::kLoaded;
+        // The phases ahead of a ZeRO-3 rank that holds its model already (Note [Phase peaks]);
+        // the DataLoader's workers are not known at initialize: none.
+        in.phases.rank_baseline_bytes = in.config.zero_stage == 3 ? rank_level_bytes : 0;
+        in.phases.load =
+            partitioned ? offload::ModelLoad::kLoaded : offload::ModelLoad::kLoadedWhole;
         in.phases.largest_tensor = largest_tensor;
+        in.phases.dataloader_workers = 0;
         const offload::PlanReport r = Check(offload::MakePlan(in));
         const auto host = static_cast<size_t>(offload::Place::kHostPinned);
         const auto pageable = static_cast<size_t>(offload::Place::kHostPageable);
@@ -294,13 +297,13 @@ void BindNode(py::module_& m) {
           ph["naive_node"] = p.naive_node;
           phases.append(ph);
         }
-        d["phases"] = phases;
+        d["phases"] = r.phases.empty() ? py::object(py::none()) : py::object(phases);
         d["text"] = r.ToString();
         return d;
       },
       py::arg("params"), py::arg("world_size"), py::arg("nodes"), py::arg("host_ram_bytes"),
       py::arg("config_json"), py::arg("cpu_accelerator"), py::arg("rank_level_bytes") = 0,
-      py::arg("largest_tensor") = 0);
+      py::arg("largest_tensor") = 0, py::arg("partitioned") = true);
 }
 
 }  // namespace spillway::python

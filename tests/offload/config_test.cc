@@ -133,6 +133,29 @@ TEST(ConfigTest, PrefetchAndSpillSettings) {
   EXPECT_EQ(c->spillway.eviction, Eviction::kLru);
 }
 
+TEST(ConfigTest, ReduceBucketSizeIsReadAndAutoKeepsDeepSpeedsDefault) {
+  auto c = Config::Parse("{}");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->reduce_bucket_size, 500'000'000u);
+  c = Config::Parse(R"({"zero_optimization": {"reduce_bucket_size": 2e8}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->reduce_bucket_size, 200'000'000u);
+  EXPECT_TRUE(c->ignored_keys.empty());
+  c = Config::Parse(R"({"zero_optimization": {"reduce_bucket_size": "auto"}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->reduce_bucket_size, 500'000'000u)
+      << "HF fills \"auto\"; the file's plan keeps the larger";
+  c = Config::Parse(R"({"zero_optimization": {"reduce_bucket_size": 1e16}})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(
+      c.status().message().find("zero_optimization.reduce_bucket_size': is 1e+16; at most 1e15"),
+      std::string::npos)
+      << c.status().ToString();
+  c = Config::Parse(R"({"zero_optimization": {"reduce_bucket_size": -1}})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("reduce_bucket_size"), std::string::npos);
+}
+
 TEST(ConfigTest, RegionAndBounceSettingsReachTheArenaAndTheEngine) {
   auto c = Config::Parse("{}");
   ASSERT_TRUE(c.ok());

@@ -280,8 +280,24 @@ TEST(PlannerTest, PhasePeaksFollowTheNoteOnTheCpuAccelerator) {
   in.phases.load = ModelLoad::kZeroInit;
   in.phases.torch_bin = true;
   EXPECT_EQ(MakePlan(in)->phases[0].rank0, load + 48'000'000);
-  // No baseline, no phases.
+  // Admission's view at initialize: the level includes the model; partitioned by zero.Init it
+  // holds the 16-bit partitions already, whole it does not (initialize makes them, 24 MB).
+  in.phases.torch_bin = false;
+  in.phases.load = ModelLoad::kLoaded;
+  const uint64_t level = 200 * kMiB;
+  EXPECT_EQ(MakePlan(in)->phases[1].rank0, level + 120'000'000 + kEngineRuntimeBytes);
+  in.phases.load = ModelLoad::kLoadedWhole;
+  EXPECT_EQ(MakePlan(in)->phases[1].rank0, level + 144'000'000 + kEngineRuntimeBytes);
+  // The verdict needs every phase within host RAM: the steady state alone (480 MB on the node)
+  // fits 1.2 GB, the epoch boundary (1.9 GB on the node) does not.
+  in.phases.load = ModelLoad::kZeroInit;
+  in.host_ram_bytes = 1'200'000'000;
+  auto tight = MakePlan(in);
+  ASSERT_TRUE(tight.ok());
+  EXPECT_FALSE(tight->fits);
   in.phases.rank_baseline_bytes = 0;
+  EXPECT_TRUE(MakePlan(in)->fits);
+  // No baseline, no phases.
   EXPECT_TRUE(MakePlan(in)->phases.empty());
 }
 
@@ -298,6 +314,14 @@ TEST(PlannerTest, PhaseInputsThatCannotBeNameTheFlag) {
   EXPECT_NE(MakePlan(in).status().message().find("--largest-tensor 25000000 is more than --params"),
             std::string::npos);
   in.phases.largest_tensor = 0;
+  in.phases.dataloader_workers = 2000;
+  EXPECT_NE(MakePlan(in).status().message().find("--dataloader-workers 2000 is more than 1024"),
+            std::string::npos);
+  in.phases.dataloader_workers = 2;
+  in.phases.rank_baseline_bytes = 2ull << 40;
+  EXPECT_NE(MakePlan(in).status().message().find("--rank-baseline must be at most 1 TiB"),
+            std::string::npos);
+  in.phases.rank_baseline_bytes = 1 << 28;
   in.runtime = Runtime::kTrainer;
   in.trainer_units = {24'000'000};
   EXPECT_NE(MakePlan(in).status().message().find("--rank-baseline plans a DeepSpeed run's phases"),

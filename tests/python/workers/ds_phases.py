@@ -11,8 +11,9 @@ Each rank writes OUT_DIR/rank<R>.json: the wall-clock interval of each phase ("l
 "initialize": Trainer.train up to its first step, deepspeed.initialize inside; "boundary": the
 first epoch after the first, from its start to the end of its first optimizer step, the step that
 writes the state after the DataLoader forked; "checkpoint": each epoch's checkpoint; "final save":
-Trainer.save_model), and its own level before loading. The caller samples the node's memory
-(the tree's anonymous and shared PSS) and takes each phase's peak from its samples."""
+Trainer.save_model) and, with --train, the phases admission planned at deepspeed.initialize
+(spillway.node.planned_phases()). The caller samples the node's memory (the tree's anonymous and
+shared PSS) and takes the level before loading and each phase's peak from its samples."""
 import json
 import os
 import sys

@@ -32,7 +32,9 @@ enum class ModelLoad : uint8_t {
   kZeroInit = 0,  // from_pretrained under zero.Init: HF Trainer's and Accelerate's path when their
                   // DeepSpeed ZeRO-3 config exists before the model
   kWhole,         // from_pretrained before any DeepSpeed config: the whole model on every rank
-  kLoaded,        // already in memory: rank_baseline_bytes includes it (admission at initialize)
+  kLoaded,        // in memory, partitioned by zero.Init: rank_baseline_bytes includes it
+                  // (admission at deepspeed.initialize)
+  kLoadedWhole,   // in memory, whole: rank_baseline_bytes includes it; initialize partitions it
 };
 const char* ModelLoadName(ModelLoad load);
 
@@ -46,7 +48,7 @@ struct PhaseInput {
   bool torch_bin = false;             // the checkpoint is a torch .bin (else safetensors)
   double checkpoint_dtype_bytes = 4;  // the checkpoint's dtype, which from_pretrained keeps
   uint64_t largest_tensor = 0;        // elements of the model's largest tensor; 0: params / 8
-  uint32_t dataloader_workers = 2;    // per rank, forked at each epoch
+  uint32_t dataloader_workers = 2;    // per rank, forked at each epoch (at most 1024)
 };
 
 // Measured constants of the phase model (Note [Phase peaks]; torch 2.13, DeepSpeed 0.19.8,
@@ -144,8 +146,10 @@ struct PlanReport {
   int64_t gpu_headroom = 0;              // gpu_mem - reserve - states (0 when not checked)
   bool naive_fits = false;               // the same run with DeepSpeed's default behaviour
   std::vector<std::string> suggestions;  // settings that make it fit, when it does not
-  // The run's phases on node 0, in order (empty unless phases.rank_baseline_bytes is given).
+  // The run's phases on node 0, in order (empty unless phases.rank_baseline_bytes is given). When
+  // planned, `fits` and `naive_fits` also need the largest phase within host RAM.
   std::vector<PhasePeak> phases;
+  std::string phases_note;  // what the phases leave out for this accelerator, if anything
 
   std::string ToString() const;  // the table `spillway plan` prints
 };
