@@ -19,6 +19,23 @@ def free_port():
         return s.getsockname()[1]
 
 
+def tree_bytes(root, keys=("Pss:",)):
+    """The sum of `keys` of /proc/<pid>/smaps_rollup over `root` and every process below it, in
+    bytes (by default the summed Pss: what the node really holds); a process gone counts 0."""
+    import spillway.node  # noqa: PLC0415
+
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith(keys))
+        except OSError:
+            continue
+        todo += spillway.node.children(pid)
+    return total
+
+
 def segment_path():
     """The node ledger of the ranks this test file starts (conftest names one per test process)."""
     return f"/dev/shm/spillway-node-{os.geteuid()}-{os.environ['SPILLWAY_NODE_LEDGER']}"

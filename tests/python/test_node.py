@@ -19,23 +19,9 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
 import spillway  # noqa: E402
 
-from _launch import RANKS, MiB, finish, free_port, results, segment_path  # noqa: E402
+from _launch import RANKS, MiB, finish, free_port, results, segment_path, tree_bytes  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_node.py"
-
-
-def tree_pss(root):
-    """Summed Pss (bytes) of `root` and every process below it: what the node really holds."""
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-        except OSError:
-            continue
-        todo += spillway.node.children(pid)
-    return total
 
 
 class Watcher(threading.Thread):
@@ -50,7 +36,7 @@ class Watcher(threading.Thread):
 
     def run(self):
         while not self.stop.is_set() and self.proc.poll() is None:
-            self.peak_pss = max(self.peak_pss, tree_pss(self.proc.pid))
+            self.peak_pss = max(self.peak_pss, tree_bytes(self.proc.pid))
             if os.path.exists(self.path):
                 try:
                     self.samples.append(spillway.node.inspect(self.path))

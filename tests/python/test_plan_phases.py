@@ -11,7 +11,6 @@ level the ranks held before loading (the interpreter and its libraries, which th
 given: `--rank-baseline`)."""
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from _launch import free_port, tree_bytes
 from spillway import node as _node
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install-deps installs 0.19.8)")
@@ -31,31 +31,9 @@ MIB = 1 << 20
 RANKS = 2
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pss(pid):
-    """Pss_Anon + Pss_Shmem of one process and its descendants, in bytes."""
-    total, stack = 0, [pid]
-    while stack:
-        pid = stack.pop()
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
-                        total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        stack += _node.children(pid)
-    return total
-
-
 def node_bytes(root):
     """{rank's pid: its tree's bytes} under root (not root itself: the launcher)."""
-    return {pid: pss(pid) for pid in _node.children(root)}
+    return {pid: tree_bytes(pid, ("Pss_Anon:", "Pss_Shmem:")) for pid in _node.children(root)}
 
 
 def run(out, model_dir, init, train):
