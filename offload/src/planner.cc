@@ -384,20 +384,6 @@ Result<PlanReport> Compute(const PlanInput& in) {
 
 }  // namespace
 
-const char* ModelLoadName(ModelLoad load) {
-  switch (load) {
-    case ModelLoad::kZeroInit:
-      return "zero-init";
-    case ModelLoad::kWhole:
-      return "whole";
-    case ModelLoad::kLoaded:
-      return "loaded";
-    case ModelLoad::kLoadedWhole:
-      return "loaded whole";
-  }
-  return "?";
-}
-
 const char* PlaceName(Place place) {
   switch (place) {
     case Place::kGpu:

@@ -474,7 +474,8 @@ def _admit(args, kwargs):
         return
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
-    numels = [getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters()]
+    tensors = list(model.parameters())
+    numels = [getattr(p, "ds_numel", 0) or p.numel() for p in tensors]
     params = sum(numels)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -492,7 +493,7 @@ def _admit(args, kwargs):
                                          room, config_json,
                                          get_accelerator().device_name() == "cpu",
                                          _node.anon_shared_bytes(), max(numels, default=0),
-                                         any(hasattr(p, "ds_numel") for p in model.parameters()))
+                                         any(hasattr(p, "ds_numel") for p in tensors))
     except _spillway.Error as e:
         warnings.warn(f"spillway.deepspeed: node admission skipped: the planner cannot read this run: {e}",
                       AuditWarning, stacklevel=3)

@@ -33,6 +33,8 @@ from _dist import world_from_env_or_single  # noqa: E402
 
 out_dir, model_dir, init = sys.argv[1:4]
 train = "--train" in sys.argv[4:]
+if train and init != "zero-init":
+    sys.exit("--train loads under zero.Init (HF Trainer's path); 'whole' is a load alone")
 world_from_env_or_single()
 EPOCHS, STEPS, MICRO, SEQ = 3, 3, 2, 32
 phases = []
@@ -92,14 +94,12 @@ torch.distributed.barrier()
 time.sleep(0.2)  # the caller's sampler reads the level before loading
 start = time.time()
 args = None
-if init == "zero-init" or train:  # TrainingArguments(deepspeed=...) before the model: zero.Init
+if init == "zero-init":  # TrainingArguments(deepspeed=...) before the model: zero.Init
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out_dir, "trainer"), deepspeed=ds_config(), per_device_train_batch_size=MICRO,
         num_train_epochs=EPOCHS, learning_rate=3e-4, bf16=True, use_cpu=True, logging_steps=1,
         save_strategy="epoch", report_to=[], dataloader_num_workers=2, dataloader_persistent_workers=False,
         disable_tqdm=True, seed=0)
-    if init == "whole":  # the same arguments, made after the model: no zero.Init
-        raise SystemExit("--train loads under zero.Init (HF Trainer's path); 'whole' is a load alone")
 model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
 phase("load", start)
 torch.distributed.barrier()

@@ -36,7 +36,6 @@ enum class ModelLoad : uint8_t {
                   // (admission at deepspeed.initialize)
   kLoadedWhole,   // in memory, whole: rank_baseline_bytes includes it; initialize partitions it
 };
-const char* ModelLoadName(ModelLoad load);
 
 // The run's phases, for a DeepSpeed plan (Note [Phase peaks] in docs/offload.md).
 struct PhaseInput {
