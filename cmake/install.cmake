@@ -7,10 +7,11 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-set(spillway_exported spillway_base spillway_allocator spillway_aio spillway_offload spillway_engine spillway_metrics)
-set(spillway_header_dirs base allocator aio offload engine metrics)
+set(spillway_exported spillway_base spillway_allocator spillway_aio spillway_offload spillway_engine spillway_metrics
+    spillway_torch_alloc_core)
+set(spillway_header_dirs base allocator aio offload engine metrics torch_alloc)
 if(SPILLWAY_WITH_TORCH)
-  list(APPEND spillway_exported spillway_trainer)
+  list(APPEND spillway_exported spillway_torch_alloc spillway_trainer)
   list(APPEND spillway_header_dirs trainer)
 endif()
 foreach(t IN LISTS spillway_exported)

@@ -2,8 +2,6 @@
 // contract on Spillway's I/O engine. It turns tensors into buffers (checked with the GIL held),
 // releases the GIL for every call into the handle, and keeps the pinned tensors of
 // new_cpu_locked_tensor. Note [aio_handle] in docs/aio.md.
-#include "aio_binding.h"
-
 #include <torch/extension.h>
 
 #include <map>
@@ -12,9 +10,11 @@
 #include <string>
 #include <utility>
 
+#include "bindings.h"
 #include "errors.h"
-#include "py_arena.h"
 #include "spillway/aio/aio_handle.h"
+#include "spillway/torch_alloc/shared_arena.h"
+#include "spillway/torch_alloc/tensors.h"
 
 namespace py = pybind11;
 
@@ -43,7 +43,8 @@ Result<aio::AioBuffer> TensorBuffer(const torch::Tensor& t, const char* what) {
 class PyAioHandle {
  public:
   PyAioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
-              int intra_op_parallelism, std::shared_ptr<PyArena> arena, const std::string& backend)
+              int intra_op_parallelism, std::shared_ptr<torch_alloc::SharedArena> arena,
+              const std::string& backend)
       : arena_(std::move(arena)) {
     aio::AioHandleOptions o;
     o.block_size = block_size;
@@ -131,8 +132,13 @@ class PyAioHandle {
     Check(handle_->CheckProcess());
     if (num_elem < 0)
       Raise(Status::InvalidArgument(StrCat("new_cpu_locked_tensor: num_elem ", num_elem, " < 0")));
-    torch::Tensor t = arena_->Empty({num_elem}, example.scalar_type(), allocator::Kind::kSwapBuffer,
-                                    allocator::Lifetime::kPersistent, 0);
+    const allocator::OwnerTag tag{allocator::Kind::kSwapBuffer, allocator::Lifetime::kPersistent, 0,
+                                  allocator::kProcessScope, "python"};
+    Result<torch::Tensor> made = [&] {
+      py::gil_scoped_release nogil;  // mapping and pinning a region are syscalls
+      return torch_alloc::EmptyTensor(arena_, {num_elem}, example.scalar_type(), tag);
+    }();
+    torch::Tensor t = Check(std::move(made));
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     locked_[t.storage().data()] = t.storage();
@@ -155,7 +161,7 @@ class PyAioHandle {
   bool IsPinned(const torch::Tensor& t) const {
     Check(handle_->CheckProcess());
     const bool arena_pins = arena_->get()->pin_mode() != allocator::PinMode::kPageable;
-    return (arena_pins && arena_->Owns(t)) || (t.defined() && t.is_pinned());
+    return (arena_pins && torch_alloc::ArenaOwns(*arena_, t)) || (t.defined() && t.is_pinned());
   }
 
  private:
@@ -175,7 +181,8 @@ class PyAioHandle {
     return Check(std::move(r));
   }
 
-  const std::shared_ptr<PyArena> arena_;  // declared first: the engine's arena outlives the handle
+  const std::shared_ptr<torch_alloc::SharedArena>
+      arena_;  // declared first: the engine's arena outlives the handle
   std::unique_ptr<aio::AioHandle> handle_;
   std::mutex mu_;
   std::map<const void*, c10::Storage> locked_;  // guarded by mu_
@@ -183,19 +190,18 @@ class PyAioHandle {
 
 }  // namespace
 
-void BindAioHandle(
-    py::module_& m,
-    std::function<std::shared_ptr<PyArena>(std::shared_ptr<PyArena>)> arena_or_default) {
+void BindAioHandle(py::module_& m) {
   py::class_<PyAioHandle>(m, "aio_handle")
-      .def(py::init([arena_or_default](uint64_t bs, int qd, bool ss, bool oe, int iop,
-                                       std::shared_ptr<PyArena> arena, const std::string& backend) {
-             return std::make_unique<PyAioHandle>(bs, qd, ss, oe, iop,
-                                                  arena_or_default(std::move(arena)), backend);
-           }),
-           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
-           py::arg("single_submit") = false, py::arg("overlap_events") = false,
-           py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
-           py::arg("backend") = "auto")
+      .def(
+          py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop,
+                      std::shared_ptr<torch_alloc::SharedArena> arena, const std::string& backend) {
+            return std::make_unique<PyAioHandle>(bs, qd, ss, oe, iop,
+                                                 ArenaOrDefault(std::move(arena)), backend);
+          }),
+          py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
+          py::arg("single_submit") = false, py::arg("overlap_events") = false,
+          py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
+          py::arg("backend") = "auto")
       .def("get_block_size", &PyAioHandle::block_size)
       .def("get_queue_depth", &PyAioHandle::queue_depth)
       .def("get_single_submit", &PyAioHandle::single_submit)

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "bindings.h"
 #include "errors.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/io_engine.h"

@@ -44,9 +44,4 @@ pybind11::dict KindBytesDict(const Array& bytes) {
   return d;
 }
 
-// Defined in engine.cc (the libtorch trainer, for spillway.engine).
-void BindEngine(pybind11::module_& m);
-// Defined in optim.cc (the fused host AdamW pass, for spillway.optim and spillway.deepspeed).
-void BindOptim(pybind11::module_& m);
-
 }  // namespace spillway::python

@@ -11,8 +11,6 @@
 // written to stderr at once as well (a process may abort or crash before Python runs again); emit
 // is told, so an unconfigured logger does not print them twice. At exit, and in a forked child
 // until its Python side routes it again, lines go to stderr as without the bridge.
-#include "log_bridge.h"
-
 #include <Python.h>
 #include <pthread.h>
 
@@ -23,6 +21,7 @@
 #include <thread>
 #include <utility>
 
+#include "bindings.h"
 #include "spillway/base/log.h"
 
 namespace py = pybind11;

@@ -1,5 +1,5 @@
-// The `spillway._spillway` extension: Spillway's host arena for Python, the exceptions, and the
-// bindings of the parts in their own files (aio_binding.cc, torch_allocators.cc, engine.cc).
+// The `spillway._spillway` extension: the exceptions, the base and metrics functions, and the
+// bindings of the parts in their own files (bindings.h).
 // Pure-Python parts (exceptions, spillway.deepspeed, spillway.metrics) live in python/spillway/.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,86 +11,20 @@
 #include <utility>
 #include <vector>
 
-#include "aio_binding.h"
+#include "bindings.h"
 #include "errors.h"
-#include "log_bridge.h"
-#include "py_arena.h"
-#include "py_node.h"
 #include "spillway/allocator/crc32c.h"
 #include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/base/log.h"
 #include "spillway/metrics/exporter.h"
-#include "swap_store.h"
-#include "torch_allocators.h"
+#include "spillway/torch_alloc/shared_arena.h"
 
 namespace py = pybind11;
 using namespace spillway;
-using allocator::HostArena;
 using python::Check;
 using python::ExceptionTypes;
-using python::KindBytesDict;
-using python::PyArena;
 using python::Raise;
-
-namespace {
-
-py::dict ArenaStats(PyArena& a) {
-  const allocator::HostArenaStats s = a.get()->Stats();
-  py::dict d;
-  d["name"] = a.name();
-  d["pin_mode"] = allocator::PinModeName(s.pin_mode);
-  d["fork_safety"] = allocator::ForkSafetyName(s.fork_safety);
-  d["budget_bytes"] = s.budget_bytes;
-  d["live_bytes"] = s.live_bytes;
-  d["live_allocations"] = s.live_allocations;
-  d["live_by_kind"] = KindBytesDict(s.live_by_kind);
-  d["committed_bytes"] = s.committed_bytes;
-  d["peak_committed_bytes"] = s.peak_committed_bytes;
-  d["retained_bytes"] = s.retained_bytes;
-  d["pinned_bytes"] = s.pinned_bytes;
-  d["regions"] = s.regions;
-  d["over_budget_count"] = s.over_budget_count;
-  d["escape_count"] = s.escape_count;
-  return d;
-}
-
-py::dict ReportToDict(const allocator::BoundaryReport& r) {
-  py::dict d;
-  d["kind"] = r.kind == allocator::BoundaryKind::kEpoch ? "epoch" : "step";
-  d["epoch"] = r.epoch;
-  d["step"] = r.step;
-  d["live_bytes"] = r.live_bytes();
-  d["escape_count"] = r.escape_count();
-  d["escaped_bytes"] = r.escaped_bytes();
-  d["clean"] = r.clean();
-  d["text"] = r.ToString();
-  return d;
-}
-
-std::shared_ptr<PyArena>& DefaultArena() {
-  static auto* arena = new std::shared_ptr<PyArena>();
-  return *arena;
-}
-
-// The default arena is per process: a forked child that makes an aio handle (DeepSpeed's test
-// harness, fork-start pools) gets one of its own, made on first use; the parent's arenas refuse
-// there (Note [Fork] in docs/allocator.md). Called with the GIL held.
-std::shared_ptr<PyArena> ArenaOrDefault(std::shared_ptr<PyArena> arena) {
-  if (arena) return arena;
-  auto& d = DefaultArena();
-  if (d && !d->made_in_this_process()) {
-    // The parent's: never destroyed in the child (its destructor would take the parent's locks).
-    new std::shared_ptr<PyArena>(std::move(d));
-    d = nullptr;
-  }
-  if (!d)
-    d = std::make_shared<PyArena>(0, allocator::PinMode::kAuto, allocator::EscapePolicy::kReport,
-                                  "python", nullptr);
-  return d;
-}
-
-}  // namespace
 
 PYBIND11_MODULE(_spillway, m) {
   m.doc() = "Spillway: host-memory and NVMe offload for large-model training (C++ core)";
@@ -129,64 +63,6 @@ PYBIND11_MODULE(_spillway, m) {
   make("ResourceExhausted", StatusCode::kResourceExhausted, nullptr);
   make("ExternalError", StatusCode::kExternal, nullptr);
 
-  py::class_<PyArena, std::shared_ptr<PyArena>>(m, "HostArena")
-      .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy,
-                       const std::string& name, std::shared_ptr<PyArena> share_ledger_with) {
-             const allocator::EscapePolicy p = Check(allocator::ParseEscapePolicy(policy));
-             if (p == allocator::EscapePolicy::kReclaim) {
-               // Reclaim frees escaped allocations at a boundary; a Python tensor may still view
-               // one.
-               Raise(Status::InvalidArgument(
-                   "HostArena(policy='reclaim'): a boundary would free memory that a live torch "
-                   "tensor "
-                   "may still view. Use policy='report' (list escapes) or 'fail' (raise Escaped)"));
-             }
-             return std::make_shared<PyArena>(
-                 budget_bytes, pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable,
-                 p, name, share_ledger_with);
-           }),
-           py::arg("budget_bytes") = 0, py::arg("pinned") = true, py::arg("policy") = "report",
-           py::arg("name") = "python", py::arg("share_ledger_with") = nullptr)
-      .def(
-          "empty",
-          [](PyArena& a, std::vector<int64_t> shape, py::object dtype, const std::string& kind,
-             const std::string& lifetime, uint64_t owner) {
-            const c10::ScalarType st = dtype.is_none()
-                                           ? c10::ScalarType::Float
-                                           : torch::python::detail::py_object_to_dtype(dtype);
-            return a.Empty(shape, st, Check(allocator::ParseKind(kind)),
-                           Check(allocator::ParseLifetime(lifetime)), owner);
-          },
-          py::arg("shape"), py::arg("dtype") = py::none(), py::arg("kind") = "transient",
-          py::arg("lifetime") = "step", py::arg("owner") = 0)
-      .def("owns", &PyArena::Owns)
-      .def(
-          "contains",
-          [](const PyArena& a, uint64_t ptr, uint64_t bytes) {
-            return a.Contains(reinterpret_cast<const void*>(ptr), bytes);
-          },
-          py::arg("ptr"), py::arg("nbytes"))
-      .def_property_readonly("name", &PyArena::name)
-      .def("stats", &ArenaStats)
-      .def("trim",
-           [](PyArena& a) {
-             py::gil_scoped_release nogil;
-             return a.get()->Trim();
-           })
-      .def("_begin_epoch", [](PyArena& a, int64_t e) { Check(a.ledger().BeginEpoch(e)); })
-      .def("_end_epoch",
-           [](PyArena& a) {
-             allocator::BoundaryReport r;
-             Check(a.ledger().EndEpoch(&r));
-             return ReportToDict(r);
-           })
-      .def("_begin_step", [](PyArena& a, int64_t s) { Check(a.ledger().BeginStep(s)); })
-      .def("_end_step", [](PyArena& a) {
-        allocator::BoundaryReport r;
-        Check(a.ledger().EndStep(&r));
-        return ReportToDict(r);
-      });
-  m.def("default_arena", [] { return ArenaOrDefault(nullptr); });
   m.def(
       "set_log_level",
       [](const std::string& level) {
@@ -219,7 +95,7 @@ PYBIND11_MODULE(_spillway, m) {
       py::arg("data"), py::arg("crc") = 0,
       "The CRC32C of `data` (a contiguous buffer) continuing `crc`: crc32c(b, crc32c(a)) == "
       "crc32c(a + b).");
-  python::BindAioHandle(m, [](std::shared_ptr<PyArena> a) { return ArenaOrDefault(std::move(a)); });
+  python::BindAioHandle(m);
 
   py::class_<metrics::Exporter>(m, "Exporter")
       .def_property_readonly("port", &metrics::Exporter::port)
@@ -227,7 +103,7 @@ PYBIND11_MODULE(_spillway, m) {
       .def("render", &metrics::Exporter::Render)
       .def(
           "watch",
-          [](metrics::Exporter& e, std::shared_ptr<PyArena> a) {
+          [](metrics::Exporter& e, std::shared_ptr<torch_alloc::SharedArena> a) {
             e.Watch(a->get());
             e.Watch(&a->ledger());
           },
@@ -246,7 +122,7 @@ PYBIND11_MODULE(_spillway, m) {
   python::BindNode(m);
   python::BindOptim(m);
   python::BindSwapStore(m);
-  python::BindTorchAllocators(m);
+  python::BindTorchAlloc(m);
   m.def(
       "_serve",
       [](const std::string& address, const std::map<std::string, std::string>& labels) {

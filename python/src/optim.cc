@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "bindings.h"
 #include "errors.h"
 #include "spillway/engine/host_optimizer.h"
 

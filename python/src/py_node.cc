@@ -1,13 +1,12 @@
 // The node governor's Python binding (spillway.node): join, the process's governor, admission, the
 // ledger as dicts, and the planner's per-rank need for a DeepSpeed config. Note [Node governor].
-#include "py_node.h"
-
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
 
+#include "bindings.h"
 #include "errors.h"
 #include "spillway/allocator/node_governor.h"
 #include "spillway/offload/config.h"

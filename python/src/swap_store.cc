@@ -2,8 +2,6 @@
 // swap folder's filesystem, CRC32C per extent, a budget), keyed by the path DeepSpeed names.
 // spillway.deepspeed routes its swappers' async_pwrite/async_pread of those paths here
 // (Note [DeepSpeed swap] in docs/deepspeed.md).
-#include "swap_store.h"
-
 #include <fcntl.h>
 #include <pybind11/stl.h>
 #include <sys/statvfs.h>
@@ -17,12 +15,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bindings.h"
 #include "errors.h"
-#include "py_arena.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/metrics/exporter.h"
+#include "spillway/torch_alloc/shared_arena.h"
 
 namespace py = pybind11;
 
@@ -35,7 +34,7 @@ namespace {
 class SwapStore {
  public:
   SwapStore(const std::string& directory, uint64_t budget_bytes, uint64_t block_size,
-            uint32_t queue_depth, std::shared_ptr<PyArena> host)
+            uint32_t queue_depth, std::shared_ptr<torch_alloc::SharedArena> host)
       : host_(std::move(host)) {
     allocator::IoEngineOptions eo;
     eo.arena = host_->get();
@@ -266,7 +265,7 @@ class SwapStore {
 
   // The engine's bounce pool and fixed buffers, and the ledger the arena is booked in: declared
   // first, so both outlive the arena.
-  const std::shared_ptr<PyArena> host_;
+  const std::shared_ptr<torch_alloc::SharedArena> host_;
   std::unique_ptr<allocator::IoEngine> engine_;
   std::unique_ptr<allocator::NvmeArena> arena_;
   std::mutex mu_;
@@ -277,7 +276,8 @@ class SwapStore {
 
 void BindSwapStore(py::module_& m) {
   py::class_<SwapStore, std::shared_ptr<SwapStore>>(m, "_SwapStore")
-      .def(py::init<const std::string&, uint64_t, uint64_t, uint32_t, std::shared_ptr<PyArena>>(),
+      .def(py::init<const std::string&, uint64_t, uint64_t, uint32_t,
+                    std::shared_ptr<torch_alloc::SharedArena>>(),
            py::arg("directory"), py::arg("budget_bytes"), py::arg("block_size"),
            py::arg("queue_depth"), py::arg("host"))
       .def("write", &SwapStore::Write)

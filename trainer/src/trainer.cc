@@ -12,6 +12,7 @@
 #include "catch_torch.h"
 #include "spillway/base/log.h"
 #include "spillway/offload/device_guard.h"
+#include "spillway/torch_alloc/tensors.h"
 
 namespace spillway::trainer {
 
@@ -125,20 +126,14 @@ Status Trainer::Init() {
 Result<torch::Tensor> Trainer::Gather(int64_t u) {
   const Unit& unit = units_[u];
   const uint64_t full_elems = static_cast<uint64_t>(unit.shard * coll_->world_size());
-  SPILLWAY_ASSIGN_OR_RETURN(
-      auto buf,
-      arena_->Allocate(full_elems * 4,
-                       allocator::OwnerTag{allocator::Kind::kTransient, allocator::Lifetime::kStep,
-                                           static_cast<uint64_t>(u), scope_, SPILLWAY_SITE}));
-  allocator::HostArena* arena = arena_;
   // Freed back to the arena when the last reference (autograd's included) dies.
-  torch::Tensor full = torch::from_blob(
-      buf, {static_cast<int64_t>(full_elems)},
-      [arena](void* p) {
-        Status st = arena->Free(p);
-        if (!st.ok()) Log(LogLevel::kError, StrCat("freeing a gather buffer: ", st.ToString()));
-      },
-      torch::kFloat32);
+  SPILLWAY_ASSIGN_OR_RETURN(
+      torch::Tensor full,
+      torch_alloc::TransientTensor(
+          arena_, static_cast<int64_t>(full_elems),
+          allocator::OwnerTag{allocator::Kind::kTransient, allocator::Lifetime::kStep,
+                              static_cast<uint64_t>(u), scope_, SPILLWAY_SITE}));
+  void* buf = full.data_ptr();
   SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(unit.param, offload::Access::kRead));
   Status st = coll_->AllGather(static_cast<const float*>(v.data()),
                                static_cast<uint64_t>(unit.shard), static_cast<float*>(buf));

@@ -8,11 +8,12 @@
 #include <memory>
 #include <optional>
 
-#include "deferred_blocks.h"
-#include "py_arena.h"
-#include "tag_scope.h"
+#include "spillway/torch_alloc/blocks.h"
+#include "spillway/torch_alloc/installation.h"
+#include "spillway/torch_alloc/shared_arena.h"
+#include "spillway/torch_alloc/tag_scope.h"
 
-namespace spillway::python::torch_alloc {
+namespace spillway::torch_alloc {
 
 // The allocating thread's current stream on the CUDA device (through torch's device guard, so no
 // CUDA call of Spillway's own); a CPU stream where torch has no CUDA (the tests' pools).
@@ -21,11 +22,11 @@ c10::Stream CurrentStream();
 // Thread-safe (Blocks is). Memory the allocator did not make goes to the allocator it replaced.
 class PinnedAllocator final : public at::HostAllocator {
  public:
-  PinnedAllocator(at::HostAllocator* previous, std::shared_ptr<PyArena> arena)
+  PinnedAllocator(at::HostAllocator* previous, std::shared_ptr<SharedArena> arena)
       : previous_(previous), arena_(std::move(arena)) {}
 
   at::DataPtr allocate(size_t n) override {
-    Blocks::Get().Poll();
+    Blocks::ForThisProcess().Poll();
     if (n == 0) return {nullptr, nullptr, &ReleaseBlock, c10::Device(c10::DeviceType::CPU)};
     const TagScope* scope = CurrentTag();
     const allocator::OwnerTag tag =
@@ -37,9 +38,9 @@ class PinnedAllocator final : public at::HostAllocator {
     // The current stream (a device call) is asked only while a graph pool is being allocated to:
     // its filter is the only thing that reads it.
     std::optional<c10::Stream> stream;
-    if (Blocks::Get().PoolsActive()) stream = CurrentStream();
-    Block* b =
-        Blocks::Get().Make(p, n, arena_, /*pinned_allocator=*/true, stream ? &*stream : nullptr);
+    if (Blocks::ForThisProcess().PoolsActive()) stream = CurrentStream();
+    TorchBlock* b = Blocks::ForThisProcess().Make(p, n, arena_, /*pinned_allocator=*/true,
+                                                  stream ? &*stream : nullptr);
     return {p, b, &ReleaseBlock, c10::Device(c10::DeviceType::CPU)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -47,12 +48,12 @@ class PinnedAllocator final : public at::HostAllocator {
   }
 
   bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
-    if (Blocks::Get().Record(ctx, stream)) return true;
+    if (Blocks::ForThisProcess().Record(ctx, stream)) return true;
     return previous_ != nullptr && previous_->record_event(ptr, ctx, stream);
   }
   void empty_cache() override {
-    if (Forked()) return;  // nothing of the parent's to give back
-    Blocks::Get().Poll();
+    if (Installation::Forked()) return;  // nothing of the parent's to give back
+    Blocks::ForThisProcess().Poll();
     arena_->get()->Trim();  // returns the bytes given back; none is not an error
     if (previous_ != nullptr) previous_->empty_cache();
   }
@@ -60,7 +61,7 @@ class PinnedAllocator final : public at::HostAllocator {
   // keeps describing every pinned byte of the process.
   at::HostStats get_stats() override {
     at::HostStats s = previous_ != nullptr ? previous_->get_stats() : at::HostStats{};
-    const BlockStats b = Blocks::Get().Stats(/*pinned_only=*/true);
+    const BlockStats b = Blocks::ForThisProcess().Stats(/*pinned_only=*/true);
     const allocator::HostArenaStats a = arena_->get()->Stats();
     s.active_requests.current += static_cast<int64_t>(b.live_blocks);
     s.active_bytes.current += static_cast<int64_t>(b.live_bytes);
@@ -76,27 +77,31 @@ class PinnedAllocator final : public at::HostAllocator {
     return s;
   }
   void reset_accumulated_stats() override {
-    Blocks::Get().ResetAccumulated();
+    Blocks::ForThisProcess().ResetAccumulated();
     if (previous_ != nullptr) previous_->reset_accumulated_stats();
   }
   void reset_peak_stats() override {
-    Blocks::Get().ResetPeak();
+    Blocks::ForThisProcess().ResetPeak();
     if (previous_ != nullptr) previous_->reset_peak_stats();
   }
   // Note [Torch allocators] in docs/deepspeed.md: blocks made inside the bracket on a stream the
   // filter accepts belong to the pool (Blocks::BeginPool).
   void begin_allocate_to_pool(c10::MempoolId_t pool_id,
                               std::function<bool(c10::Stream)> filter) override {
-    Blocks::Get().BeginPool(pool_id, std::move(filter));
+    Blocks::ForThisProcess().BeginPool(pool_id, std::move(filter));
   }
-  void end_allocate_to_pool(c10::MempoolId_t pool_id) override { Blocks::Get().EndPool(pool_id); }
-  void release_pool(c10::MempoolId_t pool_id) override { Blocks::Get().ReleasePool(pool_id); }
+  void end_allocate_to_pool(c10::MempoolId_t pool_id) override {
+    Blocks::ForThisProcess().EndPool(pool_id);
+  }
+  void release_pool(c10::MempoolId_t pool_id) override {
+    Blocks::ForThisProcess().ReleasePool(pool_id);
+  }
 
-  PyArena& arena() { return *arena_; }
+  SharedArena& arena() { return *arena_; }
 
  private:
   at::HostAllocator* const previous_;
-  const std::shared_ptr<PyArena> arena_;
+  const std::shared_ptr<SharedArena> arena_;
 };
 
-}  // namespace spillway::python::torch_alloc
+}  // namespace spillway::torch_alloc

@@ -1,6 +1,6 @@
 // The router's frees, and its child path: in a process forked after install(), tagged allocations
 // come from an arena of the child's own.
-#include "cpu_router.h"
+#include "spillway/torch_alloc/cpu_router.h"
 
 #include <malloc.h>
 
@@ -10,19 +10,16 @@
 
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/process.h"
+#include "spillway/torch_alloc/installation.h"
 
-namespace spillway::python::torch_alloc {
-
-CpuRouter* g_router = nullptr;
-
-namespace {
+namespace spillway::torch_alloc {
 
 // The arena a forked child's tagged allocations come from, made on the first one. One per process:
 // a grandchild makes its own. The parent's storages that die here free through FreeRouted, a
 // no-op in a child, so they never reach this arena even where mmap gave it the parent's unmapped
 // (MADV_DONTFORK) addresses; a grandchild's cannot alias ours either, since this arena is
 // MADV_WIPEONFORK and its ranges stay mapped there. `live` names what this process allocated, for
-// raw frees, which carry no deleter of their own.
+// raw frees, which carry no deleter of their own. The installation holds the pointer.
 struct ChildArena {
   allocator::Ledger ledger;  // declared first: destroyed after the arena
   std::unique_ptr<allocator::HostArena> arena;
@@ -31,11 +28,13 @@ struct ChildArena {
   std::unordered_set<void*> live;  // guarded by mu
 };
 
-// Never destroyed: a descendant process holds a copy it must not tear down.
-std::atomic<ChildArena*> g_child{nullptr};
+namespace {
+
+CpuRouter& Router() { return Installation::Get()->router(); }
 
 ChildArena* ThisProcessChild() {
-  ChildArena* c = g_child.load(std::memory_order_acquire);
+  Installation* i = Installation::Get();
+  ChildArena* c = i != nullptr ? i->child_arena().load(std::memory_order_acquire) : nullptr;
   return c != nullptr && c->process.InOwner() ? c : nullptr;
 }
 
@@ -53,8 +52,8 @@ void FreeChildPointer(ChildArena* c, void* p) {
 }  // namespace
 
 void CpuRouter::FreeRouted(void* p) {
-  if (Forked()) return;  // the parent's memory: the child has no mapping to free
-  const Status st = g_router->arena_->get()->Free(p);
+  if (Installation::Forked()) return;  // the parent's memory: the child has no mapping to free
+  const Status st = Router().arena_->get()->Free(p);
   if (!st.ok()) std::fprintf(stderr, "spillway: freeing a CPU tensor: %s\n", st.ToString().c_str());
 }
 
@@ -63,11 +62,11 @@ size_t CpuRouter::UsableBytes(void* p) { return malloc_usable_size(p); }
 void CpuRouter::FreeForwarded(void* p) {
   // RawFree comes here for every pointer not in an arena: malloc_usable_size only where the
   // replaced allocator is malloc's (torch's default), as Forward counts only there.
-  if (g_router->next_is_default_) {
-    g_router->stats_.forwarded_live_bytes.fetch_sub(static_cast<int64_t>(UsableBytes(p)),
-                                                    std::memory_order_relaxed);
+  if (Router().next_is_default_) {
+    Router().stats_.forwarded_live_bytes.fetch_sub(static_cast<int64_t>(UsableBytes(p)),
+                                                   std::memory_order_relaxed);
   }
-  g_router->next_->raw_deleter()(p);
+  Router().next_->raw_deleter()(p);
 }
 
 void CpuRouter::FreeInChild(void* p) {
@@ -76,8 +75,8 @@ void CpuRouter::FreeInChild(void* p) {
 }
 
 void CpuRouter::RawFree(void* p) {
-  if (!Forked()) {
-    if (g_router->arena_->Contains(p, 1)) return FreeRouted(p);
+  if (!Installation::Forked()) {
+    if (Router().arena_->Contains(p, 1)) return FreeRouted(p);
   } else if (ChildArena* c = ThisProcessChild(); c != nullptr && TakeChildPointer(c, p)) {
     return FreeChildPointer(c, p);
   }
@@ -104,10 +103,11 @@ c10::DataPtr CpuRouter::AllocateInChild(size_t n, const allocator::OwnerTag& tag
                 "forked after spillway.install(): ",
                 arena.status().ToString());
     made->arena = std::move(*arena);
-    ChildArena* seen = g_child.load(std::memory_order_acquire);
+    std::atomic<ChildArena*>& slot = Installation::Get()->child_arena();
+    ChildArena* seen = slot.load(std::memory_order_acquire);
     if (seen != nullptr && seen->process.InOwner()) {
       c = seen;  // another thread of this process made it first; ours is destroyed here
-    } else if (g_child.compare_exchange_strong(seen, made.get(), std::memory_order_acq_rel)) {
+    } else if (slot.compare_exchange_strong(seen, made.get(), std::memory_order_acq_rel)) {
       c = made.release();  // an ancestor's (in `seen`) is left as it is
     }
   }
@@ -129,4 +129,4 @@ std::optional<allocator::HostArenaStats> CpuRouter::ChildStats() {
   return c->arena->Stats();
 }
 
-}  // namespace spillway::python::torch_alloc
+}  // namespace spillway::torch_alloc

@@ -1,9 +1,9 @@
 // The pinned allocator's view of the current stream, for the CUDA-graph pools' filters.
-#include "pinned_allocator.h"
+#include "spillway/torch_alloc/pinned_allocator.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-namespace spillway::python::torch_alloc {
+namespace spillway::torch_alloc {
 
 c10::Stream CurrentStream() {
   const c10::Stream host(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
@@ -15,4 +15,4 @@ c10::Stream CurrentStream() {
   return impl->getStream(impl->getDevice());
 }
 
-}  // namespace spillway::python::torch_alloc
+}  // namespace spillway::torch_alloc

@@ -10,11 +10,12 @@
 #include <memory>
 #include <optional>
 
-#include "deferred_blocks.h"
-#include "py_arena.h"
-#include "tag_scope.h"
+#include "spillway/torch_alloc/blocks.h"
+#include "spillway/torch_alloc/installation.h"
+#include "spillway/torch_alloc/shared_arena.h"
+#include "spillway/torch_alloc/tag_scope.h"
 
-namespace spillway::python::torch_alloc {
+namespace spillway::torch_alloc {
 
 struct RouterStats {
   std::atomic<uint64_t> routed_allocations{0};
@@ -32,7 +33,7 @@ struct RouterStats {
 // (one relaxed add each way: the process's memory names torch's CPU tensors with it).
 class CpuRouter final : public c10::Allocator {
  public:
-  CpuRouter(c10::Allocator* next, std::shared_ptr<PyArena> arena, uint64_t small_bytes)
+  CpuRouter(c10::Allocator* next, std::shared_ptr<SharedArena> arena, uint64_t small_bytes)
       : next_(next),
         arena_(std::move(arena)),
         small_bytes_(small_bytes),
@@ -46,7 +47,7 @@ class CpuRouter final : public c10::Allocator {
       stats_.small_forwarded.fetch_add(1, std::memory_order_relaxed);
       return Forward(n);
     }
-    if (C10_UNLIKELY(Forked())) return AllocateInChild(n, scope->tag);
+    if (C10_UNLIKELY(Installation::Forked())) return AllocateInChild(n, scope->tag);
     void* p = ArenaAllocate(*arena_, n, scope->tag, "a CPU tensor allocation inside spillway.tag");
     stats_.routed_allocations.fetch_add(1, std::memory_order_relaxed);
     stats_.routed_bytes.fetch_add(n, std::memory_order_relaxed);
@@ -70,13 +71,13 @@ class CpuRouter final : public c10::Allocator {
   static void FreeInChild(void* p);
   // The child arena's stats, or nullopt where this process has made none.
   static std::optional<allocator::HostArenaStats> ChildStats();
-  PyArena& arena() { return *arena_; }
+  SharedArena& arena() { return *arena_; }
   const RouterStats& stats() const { return stats_; }
   uint64_t small_bytes() const { return small_bytes_; }
 
  private:
   c10::Allocator* const next_;
-  const std::shared_ptr<PyArena> arena_;
+  const std::shared_ptr<SharedArena> arena_;
   // The replaced allocator's allocation, counted where that is torch's default CPU allocator
   // (malloc's: malloc_usable_size applies) and the allocation is its plain kind (context == data,
   // freed by its raw deleter); any other passes through uncounted.
@@ -100,8 +101,4 @@ class CpuRouter final : public c10::Allocator {
   RouterStats stats_;
 };
 
-// The installed router (set once by Install in torch_allocators.cc; torch keeps the raw pointer,
-// so it is never destroyed). Null before install.
-extern CpuRouter* g_router;
-
-}  // namespace spillway::python::torch_alloc
+}  // namespace spillway::torch_alloc
