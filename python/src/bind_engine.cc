@@ -152,7 +152,7 @@ class AdamKernel {
 
 }  // namespace
 
-void BindOptim(py::module_& m) {
+void BindEngine(py::module_& m) {
   py::class_<AdamKernel>(m, "AdamKernel")
       .def(py::init<uint32_t>(), py::arg("threads") = 0)
       .def("update", &AdamKernel::Update, py::arg("name"), py::arg("master"), py::arg("exp_avg"),

@@ -1,18 +1,20 @@
-// The bridge from Spillway's C++ log (base/include/spillway/base/log.h) to Python's
-// `logging`. Lines come from any thread, often with a Spillway lock held (an arena's, the store's,
-// the ring thread's), so the sink never takes the GIL: taking it there could deadlock against a
-// Python thread that holds the GIL and waits for that lock. It appends the line to a bounded queue
-// under a leaf mutex and, when the queue was empty, asks the interpreter to deliver it
-// (Py_AddPendingCall, callable from any thread without the GIL). The main thread then runs
-// Deliver between two bytecodes, with the GIL and none of Spillway's locks held, and hands each
-// line to spillway/_log.py's emit. No thread of its own: a process that imports spillway stays
-// single-threaded for fork(). Lines logged while the main thread is inside a long call that
-// released the GIL (spillway.engine.train_gpt) arrive when it returns to Python. Error lines are
-// written to stderr at once as well (a process may abort or crash before Python runs again); emit
-// is told, so an unconfigured logger does not print them twice. At exit, and in a forked child
-// until its Python side routes it again, lines go to stderr as without the bridge.
+// spillway._spillway's binding of spillway::base: the log level, and the bridge from Spillway's C++
+// log (base/include/spillway/base/log.h) to Python's `logging`. Lines come from any thread, often
+// with a Spillway lock held (an arena's, the store's, the ring thread's), so the sink never takes
+// the GIL: taking it there could deadlock against a Python thread that holds the GIL and waits for
+// that lock. It appends the line to a bounded queue under a leaf mutex and, when the queue was
+// empty, asks the interpreter to deliver it (Py_AddPendingCall, callable from any thread without
+// the GIL). The main thread then runs Deliver between two bytecodes, with the GIL and none of
+// Spillway's locks held, and hands each line to spillway/_log.py's emit. No thread of its own: a
+// process that imports spillway stays single-threaded for fork(). Lines logged while the main
+// thread is inside a long call that released the GIL (spillway.engine.train_gpt) arrive when it
+// returns to Python. Error lines are written to stderr at once as well (a process may abort or
+// crash before Python runs again); emit is told, so an unconfigured logger does not print them
+// twice. At exit, and in a forked child until its Python side routes it again, lines go to stderr
+// as without the bridge.
 #include <Python.h>
 #include <pthread.h>
+#include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <deque>
@@ -22,6 +24,7 @@
 #include <utility>
 
 #include "bindings.h"
+#include "errors.h"
 #include "spillway/base/log.h"
 
 namespace py = pybind11;
@@ -187,7 +190,18 @@ void AfterForkInChild() {
 
 }  // namespace
 
-void BindLogBridge(py::module_& m) {
+void BindBase(py::module_& m) {
+  m.def(
+      "set_log_level",
+      [](const std::string& level) {
+        const std::optional<LogLevel> l = ParseLogLevel(level);
+        if (!l)
+          Raise(Status::InvalidArgument(
+              StrCat("set_log_level('", level, "'): use error, warning, info or debug")));
+        SetLogLevel(*l);
+      },
+      "What Spillway's C++ core logs from now on (default: SPILLWAY_LOG, else warning).");
+
   if (LogEnabled(LogLevel::kError)) {
     // Reads SPILLWAY_LOG now, before any line is logged: a value that names no level is said at
     // import.

@@ -166,7 +166,7 @@ trainer::GptConfig ModelFromDict(const py::dict& d) {
 
 }  // namespace
 
-void BindEngine(py::module_& m) {
+void BindTrainer(py::module_& m) {
   m.def(
       "_train_gpt",
       [](const std::string& config_json, const py::dict& model, int64_t steps,

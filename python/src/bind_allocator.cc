@@ -1,5 +1,7 @@
-// The node governor's Python binding (spillway.node): join, the process's governor, admission, the
-// ledger as dicts, and the planner's per-rank need for a DeepSpeed config. Note [Node governor].
+// spillway._spillway's bindings of spillway::allocator: the node governor (spillway.node: join, the
+// process's governor, admission, the ledger as dicts; Note [Node governor]), the memory limits the
+// default budgets come from, and CRC32C.
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <chrono>
@@ -8,9 +10,9 @@
 
 #include "bindings.h"
 #include "errors.h"
+#include "spillway/allocator/crc32c.h"
+#include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/node_governor.h"
-#include "spillway/offload/config.h"
-#include "spillway/offload/planner.h"
 
 namespace py = pybind11;
 
@@ -100,7 +102,29 @@ std::shared_ptr<NodeGovernor> CurrentOrRaise(const char* what) {
 
 }  // namespace
 
-void BindNode(py::module_& m) {
+void BindAllocator(py::module_& m) {
+  m.def(
+      "memory_limit_bytes", [] { return allocator::MemoryLimitBytes(); },
+      "Physical memory, lowered by this process's cgroup limit (memory.max) where one is set.");
+  m.def(
+      "default_host_budget", [] { return allocator::DefaultHostBudget(); },
+      "3/4 of memory_limit_bytes(): what spillway.install()'s two arenas share by default.");
+
+  m.def(
+      "crc32c",
+      [](const py::object& data, uint32_t crc) {
+        // A contiguous buffer only (PyBUF_SIMPLE): a strided view would be summed in the wrong
+        // order. The GIL is released while it runs; the view keeps the memory alive.
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> release(&view, PyBuffer_Release);
+        py::gil_scoped_release unlocked;
+        return allocator::Crc32cExtend(crc, view.buf, static_cast<size_t>(view.len));
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "The CRC32C of `data` (a contiguous buffer) continuing `crc`: crc32c(b, crc32c(a)) == "
+      "crc32c(a + b).");
+
   m.def("_node_job", [] {
     const allocator::NodeJob job = Check(allocator::NodeJobFromEnvironment());
     py::dict d;
@@ -251,58 +275,6 @@ void BindNode(py::module_& m) {
                               allocator::DefaultNodeReserve(limit));
       },
       py::arg("memory_limit_bytes"));
-
-  // The planner's per-rank host need for a DeepSpeed run (offload/planner.h), for admission.
-  m.def(
-      "_plan_deepspeed",
-      [](double params, uint32_t world_size, uint32_t nodes, uint64_t host_ram_bytes,
-         const std::string& config_json, bool cpu_accelerator, uint64_t rank_level_bytes,
-         uint64_t largest_tensor, bool partitioned) {
-        offload::PlanInput in;
-        in.params = params;
-        in.world_size = world_size;
-        in.nodes = nodes;
-        in.host_ram_bytes = host_ram_bytes;
-        in.nvme_bytes = 1ull << 59;  // admission checks host memory; the disk is not its to judge
-        // DeepSpeed's own config: the keys Spillway does not act on are DeepSpeed's to act on.
-        in.config = Check(offload::Config::Parse(config_json, /*warn_ignored=*/false));
-        in.accelerator = cpu_accelerator ? offload::Accelerator::kCpu : offload::Accelerator::kCuda;
-        in.gpu_mem_bytes = 0;
-        // The phases ahead of a ZeRO-3 rank that holds its model already (Note [Phase peaks]);
-        // the DataLoader's workers are not known at initialize: none.
-        in.phases.rank_baseline_bytes = in.config.zero_stage == 3 ? rank_level_bytes : 0;
-        in.phases.load =
-            partitioned ? offload::ModelLoad::kLoaded : offload::ModelLoad::kLoadedWhole;
-        in.phases.largest_tensor = largest_tensor;
-        in.phases.dataloader_workers = 0;
-        const offload::PlanReport r = Check(offload::MakePlan(in));
-        const auto host = static_cast<size_t>(offload::Place::kHostPinned);
-        const auto pageable = static_cast<size_t>(offload::Place::kHostPageable);
-        const uint32_t per_node = world_size / nodes;
-        py::dict d;
-        d["host_pinned_per_rank"] = r.per_rank[host];
-        d["host_pageable_per_rank"] = r.per_rank[pageable];
-        d["host_per_rank"] = r.per_rank[host] + r.per_rank[pageable];
-        d["fork_copy_per_rank"] = r.fork_extra_spillway_per_node / per_node;
-        d["fork_copy_naive_per_rank"] = r.fork_extra_naive_per_node / per_node;
-        d["suggestions"] = r.suggestions;
-        py::list phases;
-        for (const offload::PhasePeak& p : r.phases) {
-          py::dict ph;
-          ph["name"] = p.name;
-          ph["rank0"] = p.rank0;
-          ph["other_rank"] = p.other_rank;
-          ph["node"] = p.node;
-          ph["naive_node"] = p.naive_node;
-          phases.append(ph);
-        }
-        d["phases"] = r.phases.empty() ? py::object(py::none()) : py::object(phases);
-        d["text"] = r.ToString();
-        return d;
-      },
-      py::arg("params"), py::arg("world_size"), py::arg("nodes"), py::arg("host_ram_bytes"),
-      py::arg("config_json"), py::arg("cpu_accelerator"), py::arg("rank_level_bytes") = 0,
-      py::arg("largest_tensor") = 0, py::arg("partitioned") = true);
 }
 
 }  // namespace spillway::python

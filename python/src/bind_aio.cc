@@ -1,7 +1,10 @@
-// spillway.aio_handle: the binding of spillway::aio::AioHandle (aio/), DeepSpeed's aio_handle
-// contract on Spillway's I/O engine. It turns tensors into buffers (checked with the GIL held),
-// releases the GIL for every call into the handle, and keeps the pinned tensors of
-// new_cpu_locked_tensor. Note [aio_handle] in docs/aio.md.
+// spillway._spillway's bindings of spillway::aio: spillway.aio_handle (aio::AioHandle, DeepSpeed's
+// aio_handle contract on Spillway's I/O engine; Note [aio_handle] in docs/aio.md) and _SwapStore
+// (aio::SwapStore, DeepSpeed's swap files in Spillway's NVMe arena; Note [DeepSpeed swap] in
+// docs/deepspeed.md). They turn tensors into buffers (checked with the GIL held), release the GIL
+// for every call into the library, and keep the pinned tensors of new_cpu_locked_tensor.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <map>
@@ -13,6 +16,9 @@
 #include "bindings.h"
 #include "errors.h"
 #include "spillway/aio/aio_handle.h"
+#include "spillway/aio/swap_store.h"
+#include "spillway/allocator/nvme_arena.h"
+#include "spillway/metrics/exporter.h"
 #include "spillway/torch_alloc/shared_arena.h"
 #include "spillway/torch_alloc/tensors.h"
 
@@ -190,7 +196,7 @@ class PyAioHandle {
 
 }  // namespace
 
-void BindAioHandle(py::module_& m) {
+static void BindAioHandle(py::module_& m) {
   py::class_<PyAioHandle>(m, "aio_handle")
       .def(
           py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop,
@@ -251,6 +257,105 @@ void BindAioHandle(py::module_& m) {
       .def("free_cpu_locked_tensor", &PyAioHandle::FreeLockedTensor)
       .def("is_pinned", &PyAioHandle::IsPinned)
       .def("close", &PyAioHandle::Close);
+}
+
+namespace {
+
+std::pair<void*, uint64_t> SwapBytes(const torch::Tensor& t, const std::string& path) {
+  if (!t.device().is_cpu() || !t.is_contiguous() || t.nbytes() == 0) {
+    Raise(Status::InvalidArgument(StrCat("DeepSpeed swap file ", path,
+                                         ": the buffer must be a non-empty contiguous CPU "
+                                         "tensor")));
+  }
+  return {t.data_ptr(), static_cast<uint64_t>(t.nbytes())};
+}
+
+// The store and the host arena whose ledger and bounce buffers it uses (declared first: outlives
+// the store).
+struct PySwapStore {
+  std::shared_ptr<torch_alloc::SharedArena> host;
+  std::unique_ptr<aio::SwapStore> store;
+};
+
+py::dict SwapStats(const PySwapStore& s) {
+  const allocator::NvmeArenaStats st = s.store->arena().Stats();
+  py::dict d;
+  d["arena"] = s.store->arena().tier_name();
+  d["files"] = s.store->files();
+  d["live_bytes"] = st.live_bytes;
+  d["capacity_bytes"] = st.capacity_bytes;
+  d["budget_bytes"] = st.budget_bytes;
+  d["written_bytes"] = st.written_bytes;
+  d["read_bytes"] = st.read_bytes;
+  d["checksum"] = st.checksum;
+  d["checksum_failures"] = st.checksum_failures;
+  d["direct_io"] = st.direct_io;
+  d["live_by_kind"] = KindBytesDict(st.live_by_kind);
+  return d;
+}
+
+}  // namespace
+
+static void BindSwapStore(py::module_& m) {
+  py::class_<PySwapStore, std::shared_ptr<PySwapStore>>(m, "_SwapStore")
+      .def(py::init([](const std::string& directory, uint64_t budget_bytes, uint64_t block_size,
+                       uint32_t queue_depth, std::shared_ptr<torch_alloc::SharedArena> host) {
+             if (host == nullptr) Raise(Status::InvalidArgument("_SwapStore: host must be given"));
+             aio::SwapStoreOptions o;
+             o.directory = directory;
+             o.budget_bytes = budget_bytes;
+             o.block_size = block_size;
+             o.queue_depth = queue_depth;
+             o.host = host->get();
+             o.ledger = &host->ledger();  // install()'s ledger: its boundaries see the store
+             auto made = std::make_shared<PySwapStore>();
+             made->host = std::move(host);
+             made->store = Check(aio::SwapStore::Create(o));
+             return made;
+           }),
+           py::arg("directory"), py::arg("budget_bytes"), py::arg("block_size"),
+           py::arg("queue_depth"), py::arg("host"))
+      .def("write",
+           [](PySwapStore& s, const std::string& path, const torch::Tensor& t,
+              const std::string& kind) {
+             const allocator::Kind k = Check(allocator::ParseKind(kind));
+             const auto [ptr, bytes] = SwapBytes(t, path);
+             Status st;
+             {
+               py::gil_scoped_release nogil;
+               st = s.store->Write(path, ptr, bytes, k);
+             }
+             Check(st);
+           })
+      .def("read",
+           [](PySwapStore& s, const std::string& path, torch::Tensor& t) {
+             const auto [ptr, bytes] = SwapBytes(t, path);
+             Status st;
+             {
+               py::gil_scoped_release nogil;
+               st = s.store->Read(path, ptr, bytes);
+             }
+             Check(st);
+           })
+      .def("contains",
+           [](const PySwapStore& s, const std::string& p) { return s.store->Contains(p); })
+      .def("size", [](const PySwapStore& s, const std::string& p) { return s.store->Size(p); })
+      .def("paths", [](const PySwapStore& s, const std::string& p) { return s.store->Paths(p); })
+      .def("remove", [](PySwapStore& s, const std::string& p) { return Check(s.store->Remove(p)); })
+      .def("stats", &SwapStats)
+      // The exporter keeps the store alive: it holds the arena's address until it is destroyed.
+      .def(
+          "_watched_by",
+          [](const PySwapStore& s, metrics::Exporter& e) { e.Watch(&s.store->arena()); },
+          py::keep_alive<2, 1>())
+      .def("_corrupt_for_testing", [](PySwapStore& s, const std::string& path, uint64_t byte) {
+        Check(s.store->CorruptForTesting(path, byte));
+      });
+}
+
+void BindAio(py::module_& m) {
+  BindAioHandle(m);
+  BindSwapStore(m);
 }
 
 }  // namespace spillway::python
