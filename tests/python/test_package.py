@@ -99,9 +99,9 @@ RUNTIME = re.compile(r"symbol `(_Z(N|NK|T[TVIS])?S[tabsiod]|__cxa_|__gxx_persona
 
 
 def test_a_library_exporting_its_own_cxx_runtime_serves_none_of_the_extensions_std_calls(tmp_path):
-    """The GPU image's segfaults (docs/gpu.md): a library loaded into the global scope before the
-    extension (there, by CUDA torch's RTLD_GLOBAL loads) that exports its own copy of the C++
-    runtime serves every later library's std:: calls the dynamic linker resolves, whatever order
+    """The GPU image's segfaults (docs/results/gpu-findings.md): a library loaded into the global
+    scope before the extension (there, by CUDA torch's RTLD_GLOBAL loads) that exports its own copy
+    of the C++ runtime serves every later library's std:: calls the dynamic linker resolves, whatever order
     their own dependencies are listed in: a stream built by that copy is then read through another
     runtime's locale. Here such a library (libstdc++ linked in statically, nothing hidden) is
     loaded RTLD_GLOBAL before torch; the control is torch's own libraries, whose std:: calls it

@@ -281,7 +281,7 @@ Result<torch::Tensor> Trainer::GatherToCompute(int64_t u,
   if (!host.ok() || options_.compute.is_cpu()) return host;
   // A blocking copy: the pinned gather buffer returns to the arena as soon as this returns, so the
   // copy must be complete by then (an asynchronous copy would need an event per buffer). Pinned
-  // memory makes it a DMA at full PCIe speed (docs/gpu.md).
+  // memory makes it a DMA at full PCIe speed (docs/results/gpu-findings.md).
   return host->to(torch::TensorOptions().device(options_.compute), /*non_blocking=*/false);
 }
 

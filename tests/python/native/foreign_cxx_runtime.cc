@@ -2,7 +2,7 @@
 // -static-libstdc++ and nothing hidden, as some libraries a CUDA torch loads into the global scope
 // are. test_package.py loads it with RTLD_GLOBAL before torch: any later library whose std:: calls
 // are left to the dynamic linker gets this copy, which is what happened to the extension on the GPU
-// image (docs/gpu.md).
+// image (docs/results/gpu-findings.md).
 #include <sstream>
 #include <string>
 
