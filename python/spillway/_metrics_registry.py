@@ -1,6 +1,6 @@
 """The live Prometheus exporters of this process, and the NVMe swap stores that join them: shared by
 spillway.metrics, whose serve() adds each exporter it starts (watching the swap stores made before
-it), and _deepspeed_swap, whose stores made later join every live exporter. Both import it; neither
+it), and spillway.deepspeed._swap, whose stores made later join every live exporter. Both import it; neither
 imports the other for it. Private.
 """
 import os

@@ -1,7 +1,8 @@
 """The live Prometheus exporter: `spillway.metrics.serve("127.0.0.1:9464")`."""
 import os
 
-from . import _deepspeed_swap, _metrics_registry, _spillway, _torch_allocators
+from . import _metrics_registry, _spillway, _torch_allocators
+from .deepspeed import _swap as _deepspeed_swap
 
 
 def _rank():

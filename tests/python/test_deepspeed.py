@@ -43,7 +43,7 @@ def test_install_routes_the_aio_op_and_uninstall_restores_it():
         op = AsyncIOBuilder().load(verbose=False)
         # Spillway's handle, with DeepSpeed's swap paths routed to its NVMe arena (Note [DeepSpeed swap])
         made = op.aio_handle(1 << 20, 8, False, True, 1)
-        assert isinstance(made, spillway.deepspeed._deepspeed_swap.Handle)
+        assert isinstance(made, spillway.deepspeed._swap.Handle)
         assert isinstance(made._inner, spillway.aio_handle)
         assert AsyncIOBuilder().is_compatible()
         with pytest.raises(spillway.FailedPrecondition, match="already called"):

@@ -193,7 +193,7 @@ def test_a_save_killed_midway_leaves_latest_naming_the_previous_checkpoint_which
     assert len(r["losses"]) == 1
     # The killed save's directory, loaded by its tag, is refused: its manifest says in progress.
     from spillway import ChecksumMismatch
-    from spillway._deepspeed_checkpoint import verify
+    from spillway.deepspeed._checkpoint import verify
 
     with pytest.raises(ChecksumMismatch, match="rank 0 did not finish.*in progress"):
         verify(str(d), "global_step4")
@@ -248,7 +248,7 @@ def test_bad_input_two_ranks_a_file_rank_1_cannot_write_fails_the_save_on_both_a
     # Rank 0's part is whole and has its manifest; rank 1's has none, and a load of the tag by name
     # is refused for it.
     from spillway import ChecksumMismatch
-    from spillway._deepspeed_checkpoint import verify
+    from spillway.deepspeed._checkpoint import verify
 
     with pytest.raises(ChecksumMismatch, match="of the 2-rank save of rank 1 did not finish"):
         verify(str(d), "global_step2")

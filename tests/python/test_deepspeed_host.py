@@ -182,7 +182,7 @@ def test_what_a_run_turns_on_that_stays_deepspeeds_is_named_once_each():
             warnings.simplefilter("always")
             spillway.deepspeed._warn_left((), {"config": {"checkpoint": {"writer": {"type": "fast"}}}})
             engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
-            spillway.deepspeed._name_left_engine_parts(engine, spillway._deepspeed_checkpoint.engine_class())
+            spillway.deepspeed._name_left_engine_parts(engine, spillway.deepspeed._checkpoint.engine_class())
         said.append([str(x.message) for x in w if issubclass(x.category, spillway.deepspeed.AuditWarning)])
         print(json.dumps(said))
     """)
@@ -268,7 +268,7 @@ def test_a_release_that_moved_a_patched_function_keeps_that_part_deepspeeds_and_
     run("""
         import sys
         import transformers.trainer  # so that Trainer.save_model is patched too
-        from spillway import _deepspeed_common
+        from spillway.deepspeed import _common as _deepspeed_common
         from spillway.deepspeed import _parts, AuditWarning, SaveWarning, StepWarning
         import importlib
         from spillway.deepspeed import _SITES
@@ -345,7 +345,7 @@ def test_the_fused_step_follows_what_deepspeeds_functions_are_not_its_version_st
     run("""
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
-        from spillway import _deepspeed_step
+        from spillway.deepspeed import _step as _deepspeed_step
         deepspeed.__version__ = "0.99.0"
         said = install_saying(spillway.deepspeed.StepWarning)
         assert not said, said

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from _ranks import run_ranks  # noqa: E402
 from spillway import safetensors_stream  # noqa: E402
-from spillway._deepspeed_save import _GATHER_VERIFIED  # noqa: E402
+from spillway.deepspeed._save import _GATHER_VERIFIED  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ds_save.py"
 TRAINER = Path(__file__).parent / "workers" / "ds_trainer_save.py"
@@ -73,7 +73,7 @@ def test_engine_save_16bit_model_under_install_writes_deepspeeds_format_streamed
 
 
 def test_bad_input_deepspeeds_format_refuses_what_does_not_match_its_plan_and_leaves_nothing(tmp_path):
-    from spillway._deepspeed_save import TorchFile
+    from spillway.deepspeed._save import TorchFile
 
     a, tied = object(), object()
     plan = [("a", (2, 3), torch.bfloat16, a), ("b", (4,), torch.float32, tied), ("c", (4,), torch.float32, tied)]
@@ -420,7 +420,7 @@ def test_bad_input_a_trainer_save_fails_on_every_rank_or_stays_the_trainers_own_
 
 WRITE_PAST_THE_FILE_SIZE_LIMIT = """
 import os, resource, signal, sys, torch
-from spillway._deepspeed_save import TorchFile
+from spillway.deepspeed._save import TorchFile
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 path = os.path.join(sys.argv[1], "pytorch_model.bin")

@@ -65,7 +65,7 @@ def store_and_paths():
     if not spillway.deepspeed.swap_stats():  # nvme_swap="files": DeepSpeed's own files
         return None, []
     (root,) = spillway.deepspeed.swap_stats()
-    from spillway import _deepspeed_swap
+    from spillway.deepspeed import _swap as _deepspeed_swap
 
     store = _deepspeed_swap._stores[(os.getpid(), root)]
     return store, store.paths(root)

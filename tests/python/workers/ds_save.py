@@ -112,7 +112,7 @@ engine_peak, engine_streamed, save_warnings = None, None, []
 if deepspeeds is not type(engine).save_16bit_model:
     import warnings  # noqa: E402
 
-    from spillway import _deepspeed_save  # noqa: E402
+    from spillway.deepspeed import _save as _deepspeed_save  # noqa: E402
 
     streams = _deepspeed_save._streams
     with warnings.catch_warnings(record=True) as caught:

@@ -165,7 +165,7 @@ if swapper is not None:  # a swapped sub-group's master is on NVMe between steps
                     data = bytearray(f.read(info.tensor_numel * 4))
                 fp32[i] = torch.frombuffer(data, dtype=torch.float32).clone()
             else:  # in Spillway's NVMe arena (install(nvme_swap="arena"))
-                from spillway import _deepspeed_swap
+                from spillway.deepspeed import _swap as _deepspeed_swap
                 store, real = _deepspeed_swap._managed(path)
                 whole = torch.empty(store.size(real) // 4, dtype=torch.float32)
                 store.read(real, whole)

@@ -21,7 +21,7 @@ streamed save; then, with save_on_each_node set (which Spillway's save does not 
 Trainer's own save runs into OUT_DIR/each-node. Every rank records what the first raised, the saves
 the second streamed and the SaveWarnings in OUT_DIR/raised.rank<R>.json, and the run ends.
 Rank 0 writes OUT_DIR/result.json, with the SaveWarnings of the whole run and the number of saves
-that were streamed (spillway._deepspeed_save._streams)."""
+that were streamed (spillway.deepspeed._save._streams)."""
 import json
 import os
 import sys
@@ -31,7 +31,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 import spillway.deepspeed  # noqa: E402
-from spillway import _deepspeed_save  # noqa: E402
+from spillway.deepspeed import _save as _deepspeed_save  # noqa: E402
 
 caught = warnings.catch_warnings(record=True)
 caught = caught.__enter__()  # every SaveWarning of the run, the checkpoint's during train() too

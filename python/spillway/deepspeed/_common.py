@@ -1,7 +1,7 @@
-"""What spillway.deepspeed's install and its private parts (_deepspeed_step's fused step,
-_deepspeed_audit's audit) share: the record of DeepSpeed's functions patched, which uninstall()
-restores, and DeepSpeed's version. Private: spillway.deepspeed re-exports both, and the parts import
-them from here rather than from the module that imports them.
+"""What spillway.deepspeed's install() and its private modules (_sites, _aio, _step, _swap,
+_device_guard, _boundary, _checkpoint, _save, _audit) share: the record of DeepSpeed's functions
+patched, which uninstall() restores, _defined and _patch, and DeepSpeed's version. Private: it
+imports none of them, so each can import it without a circle.
 """
 _patched = []       # (owner, name, original) for each function wrapped
 

@@ -21,9 +21,9 @@ import threading
 
 import torch
 
-from . import _metrics_registry, _spillway, _torch_allocators
-from ._deepspeed_common import _defined
-from ._log import logger
+from .. import _metrics_registry, _spillway, _torch_allocators
+from ._common import _defined
+from .._log import logger
 
 _lock = threading.Lock()
 _stores = {}    # (pid, nvme_path) -> _SwapStore

@@ -13,9 +13,9 @@ import warnings
 
 import torch
 
-from . import _spillway, _torch_allocators
-from ._deepspeed_common import _defined, _Missing
-from . import safetensors_stream as st
+from .. import _spillway, _torch_allocators
+from ._common import _defined, _Missing
+from .. import safetensors_stream as st
 
 
 # DeepSpeed releases on which the weights two ranks gather one parameter at a time were checked
@@ -366,7 +366,7 @@ def _unstreamable(engine, writer=False):
     import deepspeed.comm as dist  # noqa: PLC0415
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415
 
-    from ._deepspeed_checkpoint import engine_class  # noqa: PLC0415
+    from ._checkpoint import engine_class  # noqa: PLC0415
 
     if dist.get_world_size() > 1 and deepspeed.__version__ not in _GATHER_VERIFIED:
         return (f"on DeepSpeed {deepspeed.__version__} with {dist.get_world_size()} ranks, gathering one parameter "

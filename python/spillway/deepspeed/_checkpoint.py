@@ -32,10 +32,10 @@ import zipfile
 
 import torch
 
-from . import _spillway, _torch_allocators
-from ._deepspeed_common import _defined
-from ._log import logger
-from .safetensors_stream import _fsync_directory
+from .. import _spillway, _torch_allocators
+from ._common import _defined
+from .._log import logger
+from ..safetensors_stream import _fsync_directory
 
 MANIFEST = "spillway-checkpoint-rank{rank:05d}.json"
 MANIFEST_FORMAT = "spillway-deepspeed-checkpoint/1"

@@ -8,8 +8,8 @@ import warnings
 
 import torch
 
-from . import _torch_allocators
-from ._deepspeed_common import _deepspeed_version
+from .. import _torch_allocators
+from ._common import _deepspeed_version
 
 
 class AuditWarning(UserWarning):

@@ -1,6 +1,7 @@
 """spillway.deepspeed's optimizer step: ZeRO-3's per-sub-group unscale-and-clip, DeepSpeedCPUAdam
 update and fp32 to 16-bit copy, run as Spillway's one fused pass, and ZeRO-1/2's per-group
-unscale-and-clip and update (Note [DeepSpeed step] in docs/deepspeed.md). spillway.deepspeed.install(step=True) patches the seam; this module is private.
+unscale-and-clip and update (Note [DeepSpeed step] in docs/deepspeed.md).
+spillway.deepspeed.install(step=True) patches the seam; this module is private.
 """
 import ast
 import functools
@@ -12,8 +13,8 @@ import warnings
 
 import torch
 
-from . import _spillway
-from ._deepspeed_common import _defined, _patch
+from .. import _spillway
+from ._common import _defined, _patch
 
 # DeepSpeedZeroOptimizer_Stage3's per-sub-group sequence in step(), read from DeepSpeed 0.19.8:
 #   unscale_and_clip_grads(i, norm)                grad *= 1 / combined_scale        (pass 1)
