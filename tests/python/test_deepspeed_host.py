@@ -345,14 +345,14 @@ def test_the_fused_step_follows_what_deepspeeds_functions_are_not_its_version_st
     run("""
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
-        from spillway.deepspeed import _step as _deepspeed_step
+        from spillway.deepspeed import _verified
         deepspeed.__version__ = "0.99.0"
         said = install_saying(spillway.deepspeed.StepWarning)
         assert not said, said
         # unscale_and_clip_grads is patched by the fused step only (_optimizer_step is an allocation site too)
         assert hasattr(Stage3.unscale_and_clip_grads, "__spillway_original__")
         spillway.deepspeed.uninstall()
-        _deepspeed_step._VERIFIED[("stage3", "_optimizer_step")] = {"0123456789abcdef": ("0.0.1",)}
+        _verified._VERIFIED[("stage3", "_optimizer_step")] = {"0123456789abcdef": ("0.0.1",)}
         msgs = install_saying(spillway.deepspeed.StepWarning)
         assert len(msgs) == 1 and "ZeRO-3 on DeepSpeed 0.99.0" in msgs[0], msgs
         assert "DeepSpeedZeroOptimizer_Stage3._optimizer_step is not one Spillway's fused step was verified" in msgs[0], msgs

@@ -56,16 +56,12 @@ from ._common import _deepspeed_version, _Missing, _patch, _patched, _unpatch_to
 from ._save import SaveWarning, save_16bit_model  # noqa: F401
 from ._sites import _SITES  # noqa: F401
 from ._step import StepWarning, _install_step, _why_not_ours  # noqa: F401
+from ._verified import TESTED_DEEPSPEED  # the releases of the verified bodies (_verified.py)
 
 # Named where users import them from (help(), reprs, pickles), not by the private files.
 for _public in (AuditWarning, audit, offloaded_tensors, save_16bit_model, SaveWarning, StepWarning):
     _public.__module__ = __name__
 del _public
-
-# The DeepSpeed releases whose runs are tested: 0.19.8 by CI (tests/python), the others by
-# scripts/check-deepspeed (docs/deepspeed.md, "Versions"; on the CPU accelerator).
-TESTED_DEEPSPEED = ("0.17.6", "0.18.9", "0.19.0", "0.19.8")
-
 
 _saved = None       # (AsyncIOBuilder, load, is_compatible) while installed
 _left = []          # the parts of install() left to DeepSpeed: "<part> (<why>)"

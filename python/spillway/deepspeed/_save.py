@@ -16,14 +16,7 @@ import torch
 from .. import _spillway, _torch_allocators
 from ._common import _defined, _Missing
 from .. import safetensors_stream as st
-
-
-# DeepSpeed releases on which the weights two ranks gather one parameter at a time were checked
-# against DeepSpeed's own engine.save_16bit_model (test_deepspeed_save.py, under scripts/check-deepspeed
-# for releases other than the installed one). On 0.18.9 (CPU accelerator, Gloo) some gathered
-# parameters held wrong values (zeros, 1e38): with several ranks the save is refused there, before
-# any collective, so every rank refuses alike. Not yet found why.
-_GATHER_VERIFIED = ("0.19.8",)
+from ._verified import _GATHER_VERIFIED  # the releases its multi-rank gather was verified on
 
 
 def _consolidated_entries(engine, exclude_frozen_parameters):
