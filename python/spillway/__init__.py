@@ -68,7 +68,7 @@ def set_log_level(level):
     _log.set_level(level)
 
 __all__ = [
-    "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "metrics", "node", "Error", "InvalidArgument",
+    "__version__", "HostArena", "aio_handle", "default_arena", "deepspeed", "engine", "trainer", "metrics", "node", "Error", "InvalidArgument",
     "FailedPrecondition", "OverBudget", "OutOfMemory", "IoError", "NoSpace", "ChecksumMismatch",
     "Unavailable", "Escaped", "InternalError", "ResourceExhausted", "ExternalError", "DeviceMismatch", "guard", "optim", "install", "installed", "tag", "next_epoch", "Runtime", "set_log_level",
 ]
@@ -89,5 +89,5 @@ for _public in (Boundary, HostArena, Runtime, check_torch_version, install, inst
     _public.__module__ = __name__
 del _public
 
-from . import deepspeed, engine, guard, metrics, node, optim  # noqa: F401,E402
+from . import deepspeed, engine, guard, metrics, node, optim, trainer  # noqa: F401,E402
 from .guard import DeviceMismatch  # noqa: F401,E402
