@@ -7,7 +7,7 @@
 // the GIL). The main thread then runs Deliver between two bytecodes, with the GIL and none of
 // Spillway's locks held, and hands each line to spillway/_log.py's emit. No thread of its own: a
 // process that imports spillway stays single-threaded for fork(). Lines logged while the main
-// thread is inside a long call that released the GIL (spillway.engine.train_gpt) arrive when it
+// thread is inside a long call that released the GIL (spillway.trainer.train_gpt) arrive when it
 // returns to Python. Error lines are written to stderr at once as well (a process may abort or
 // crash before Python runs again); emit is told, so an unconfigured logger does not print them
 // twice. At exit, and in a forked child until its Python side routes it again, lines go to stderr

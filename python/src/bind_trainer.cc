@@ -1,4 +1,4 @@
-// spillway.engine: the ZeRO-3 reference trainer (trainer/trainer.h) driven from Python, so that it
+// spillway.trainer: the ZeRO-3 reference trainer (trainer/trainer.h) driven from Python, so that it
 // can run on a c10d process group that `torch.distributed.init_process_group("gloo")` made. The
 // torch wheels ship c10d's headers but not gloo's, so C++ cannot construct ProcessGroupGloo itself;
 // it can use one (Note [Process groups] in docs/engine.md).

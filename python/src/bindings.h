@@ -18,7 +18,7 @@ void BindOffload(pybind11::module_& m);     // bind_offload.cc: the planner, for
 void BindEngine(pybind11::module_& m);      // bind_engine.cc: the fused host AdamW pass
 void BindMetrics(pybind11::module_& m);     // bind_metrics.cc: the Prometheus exporter
 void BindTorchAlloc(pybind11::module_& m);  // bind_torch_alloc.cc: torch's host allocators
-void BindTrainer(pybind11::module_& m);  // bind_trainer.cc: the libtorch trainer (spillway.engine)
+void BindTrainer(pybind11::module_& m);  // bind_trainer.cc: the libtorch trainer (spillway.trainer)
 
 // `arena`, or (null) the module's default pinned arena, made on first use in each process
 // (bind_torch_alloc.cc). Called with the GIL held.
