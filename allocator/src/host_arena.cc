@@ -302,9 +302,80 @@ class HostArena::SpillCallGuard {
   const bool active_;
 };
 
+// One Allocate call's request, checked: the size rounded to pages, the owner, where the extent may
+// come from, and the backtrace to record with it.
+struct HostArena::AllocRequest {
+  uint64_t bytes = 0;    // as asked
+  uint64_t rounded = 0;  // to pages
+  // Small requests stay in shared regions (extents no larger than a region); large ones reuse an
+  // extent only when it wastes at most 1/reuse_waste_divisor of it (Note [Regions]).
+  bool dedicated = false;
+  uint64_t max_extent = 0;
+  OwnerTag owner;
+  std::vector<void*> frames;  // moved into the live record by the round that places it
+};
+
+// What one round of Allocate planned under mu_ and carries past it: regions to unmap, the region to
+// map, and the spill-handler call it counted.
+struct HostArena::AllocRound {
+  std::vector<Region> to_release;
+  uint64_t map_bytes = 0;   // 0: no region to map this round
+  uint64_t spill_need = 0;  // the budget headroom missing, when it asks the spill handler
+  SpillHandler handler;
+  bool counted = false;  // this round holds one of spill_calls_in_flight_
+  uint64_t given_back = 0;
+  Status node_refusal;  // the node's budget refused the region (ok: it did not)
+};
+
 Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("HostArena", "Allocate"));
+  SPILLWAY_RETURN_IF_ERROR(CheckRequest(bytes, tag));
+  AllocRequest req = MakeRequest(bytes, tag);
+  if (options_.capture_backtraces) {  // here, not in a helper: the frames start at Allocate
+    req.frames.resize(16);
+    req.frames.resize(static_cast<size_t>(backtrace(req.frames.data(), 16)));
+  }
+  for (int round = 0;; ++round) {
+    AllocRound r;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ledger_->scope_live(req.owner.scope)) {
+        return Status::FailedPrecondition(
+            StrCat("HostArena::Allocate: scope ", req.owner.scope,
+                   " was released; create a new scope for the rebuilt owner"));
+      }
+      if (void* got = TakeFreeExtent(&req)) return got;
+      PlanRegion(req, round, &r);
+    }
+    // Unmap before mapping: released regions are budget the new region may need (the node's too).
+    const bool released = !r.to_release.empty();
+    ReleaseRegions(r.to_release);
+    SPILLWAY_RETURN_IF_ERROR(BookOnNode(req, round, &r));
+    // Gives the count back on every way out of this round, after any lock below is released
+    // (it is constructed before them, so destroyed after them).
+    SpillCallGuard spill_call(this, r.counted);
+    if (r.map_bytes == 0 && released && r.node_refusal.ok()) continue;  // room may have come back
+    if (r.map_bytes != 0) {
+      SPILLWAY_ASSIGN_OR_RETURN(void* got, MapAndTake(&req, r.map_bytes));
+      if (got != nullptr) return got;
+      continue;
+    }
+    // Over budget: ask the spill handler (without any lock) to free room, a few rounds at most.
+    uint64_t freed = 0;
+    if (r.counted) freed = r.handler(SpillRequest{r.spill_need, req.rounded});
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.spilled_bytes += freed;
+    if (freed > 0) continue;
+    // The handler freed nothing itself, but other threads gave memory back meanwhile (a spill
+    // handler may wait for them: the store waits for another thread's spill or Evict): try again.
+    if (r.counted && given_back_ != r.given_back) continue;
+    stats_.over_budget_count++;
+    return OverBudgetError(req, r);
+  }
+}
+
+Status HostArena::CheckRequest(uint64_t bytes, const OwnerTag& tag) {
   if (static_cast<int>(tag.kind) >= kKindCount ||
       static_cast<int>(tag.lifetime) >= kLifetimeCount) {
     return Status::InvalidArgument("HostArena::Allocate: owner tag kind or lifetime out of range");
@@ -332,174 +403,149 @@ Result<void*> HostArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     return Status::InvalidArgument(StrCat("HostArena::Allocate: scope ", tag.scope,
                                           " was never created; call Ledger::CreateScope first"));
   }
-  OwnerTag owned = tag;
-  std::vector<void*> frames;
-  if (options_.capture_backtraces) {
-    frames.resize(16);
-    frames.resize(static_cast<size_t>(backtrace(frames.data(), 16)));
-  }
+  return Status::Ok();
+}
 
-  // Small requests stay in shared regions (extents no larger than a region); large ones reuse an
-  // extent only when it wastes at most 1/reuse_waste_divisor of it (Note [Regions]).
-  const bool dedicated = rounded >= options_.region_bytes / options_.dedicated_divisor;
-  const uint64_t max_extent =
-      dedicated ? rounded + rounded / options_.reuse_waste_divisor : options_.region_bytes;
-  uint64_t spill_need = 0;
-  for (int round = 0;; ++round) {
-    std::vector<Region> to_release;
-    uint64_t map_bytes = 0;
-    SpillHandler handler;
-    bool counted = false;  // this round holds one of spill_calls_in_flight_
-    uint64_t given_back = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ledger_->scope_live(owned.scope)) {
-        return Status::FailedPrecondition(
-            StrCat("HostArena::Allocate: scope ", owned.scope,
-                   " was released; create a new scope for the rebuilt owner"));
-      }
-      if (auto addr = extents_.Allocate(rounded, max_extent)) {
-        live_->Insert(*addr, rounded, bytes, owned, &frames);
-        return reinterpret_cast<void*>(*addr);
-      }
-      // No free extent fits: plan a new region within the budget, counting regions being mapped
-      // or unmapped by other threads so the OS never holds more than the budget.
-      auto headroom = [&] {
-        const uint64_t held = stats_.committed_bytes + pending_map_bytes_ + pending_unmap_bytes_;
-        return held >= options_.budget_bytes ? 0 : options_.budget_bytes - held;
-      };
-      if (headroom() < rounded) DetachEmptyRegions(0, &to_release);
-      if (headroom() >= rounded) {
-        // Large requests get an exact region; small ones share a region of region_bytes.
-        map_bytes = dedicated ? rounded : options_.region_bytes;
-        if (map_bytes > headroom()) map_bytes = rounded;  // a shared region would cross it
-        // The retained cache must not raise the high-water mark: if this region would lift
-        // committed bytes above their peak, give back retained regions first.
-        // Anchored to the peak of what is needed (held minus the cache), so it cannot ratchet.
-        const uint64_t held = stats_.committed_bytes + pending_map_bytes_ + pending_unmap_bytes_;
-        need_peak_bytes_ =
-            std::max(need_peak_bytes_, held - extents_.empty_span_bytes() + map_bytes);
-        const auto ceiling = static_cast<uint64_t>(static_cast<double>(need_peak_bytes_) *
-                                                   (1.0 + options_.peak_slack));
-        if (held + map_bytes > ceiling && extents_.empty_span_bytes() > 0) {
-          const uint64_t over = held + map_bytes - ceiling;
-          const uint64_t keep =
-              extents_.empty_span_bytes() > over ? extents_.empty_span_bytes() - over : 0;
-          DetachEmptyRegions(keep, &to_release);
-        }
-        pending_map_bytes_ += map_bytes;
-      } else {
-        spill_need = rounded - headroom();
-        counted = TakeSpillHandlerLocked(round, &handler, &given_back);
-      }
-    }
-    // Unmap before mapping: released regions are budget the new region may need (the node's too).
-    const bool released = !to_release.empty();
-    ReleaseRegions(to_release);
-    // The node's budget (Note [Node governor]): the region is booked there before it is mapped.
-    // A shared region the node cannot hold is cut to the request; a request it cannot hold after
-    // every rank trimmed goes to the spill handler, like a request over this arena's budget.
-    Status node_refusal;
-    if (map_bytes != 0 && node_ != nullptr) {
-      Status st = map_bytes > rounded ? node_->TryReserve(node_tier_, map_bytes)
-                                      : node_->Reserve(node_tier_, map_bytes);
-      uint64_t booked = map_bytes;
-      if (!st.ok() && map_bytes > rounded && st.code() == StatusCode::kOverBudget) {
-        booked = rounded;
-        st = node_->Reserve(node_tier_, rounded);
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      if (st.ok()) {
-        pending_map_bytes_ -= map_bytes - booked;
-        map_bytes = booked;
-      } else {
-        pending_map_bytes_ -= map_bytes;
-        map_bytes = 0;
-        if (st.code() != StatusCode::kOverBudget) {
-          return st.WithContext(StrCat("host arena '", options_.name, "': allocating ",
-                                       FormatBytes(bytes), " for ", KindName(owned.kind)));
-        }
-        stats_.node_refusals++;
-        node_refusal = st;
-        spill_need = rounded;
-        counted = TakeSpillHandlerLocked(round, &handler, &given_back);
-      }
-    }
-    // Gives the count back on every way out of this round, after any lock below is released
-    // (it is constructed before them, so destroyed after them).
-    SpillCallGuard spill_call(this, counted);
-    if (map_bytes == 0 && released && node_refusal.ok()) continue;  // room may have come back
-    if (map_bytes != 0) {
-      auto region = MapRegion(map_bytes);
-      std::vector<Region> unused;  // released after the lock below: see the scope check
-      if (!region.ok() && node_ != nullptr) node_->Release(node_tier_, map_bytes);
-      std::unique_lock<std::mutex> lock(mu_);
-      pending_map_bytes_ -= map_bytes;
-      if (!region.ok()) {
-        return region.status().WithContext(StrCat("host arena '", options_.name, "': allocating ",
-                                                  FormatBytes(bytes), " for ", KindName(owned.kind),
-                                                  " owner ", owned.owner_id));
-      }
-      // Listed for the process's memory map; named if a forked child touches one kept out of it.
-      fork_fault::Register(region->base, map_bytes, options_.name.c_str(), KindName(owned.kind),
-                           options_.fork_safety == ForkSafety::kDontFork);
-      const auto base = reinterpret_cast<uint64_t>(region->base);
-      Status st = extents_.AddSpan(base, map_bytes);
-      if (!st.ok()) return st;  // the kernel gave us overlapping memory: cannot happen
-      regions_.emplace(base, *region);
-      stats_.committed_bytes += map_bytes;
-      if (pin_mode_ == PinMode::kCuda) stats_.cuda_registered_bytes += map_bytes;
-      if (pin_mode_ == PinMode::kMlock) stats_.mlocked_bytes += map_bytes;
-      stats_.region_map_count++;
-      NoteCommitted();
-      void* got = nullptr;
-      // The scope may have been released while the region was mapped (the next round refuses),
-      // or other threads may have taken the new region's space first (go round again).
-      if (ledger_->scope_live(owned.scope)) {
-        if (auto addr = extents_.Allocate(rounded, max_extent)) {
-          live_->Insert(*addr, rounded, bytes, owned, &frames);
-          got = reinterpret_cast<void*>(*addr);
-          PublishToNode();
-        }
-      }
-      // The new region can be left empty: the scope was released, or memory that another thread
-      // freed while this one mapped fits the request better (best fit). Keep the retain limit
-      // (the debug walker found retained > RetainLimit() here under HostArenaStressTest).
-      DetachEmptyRegions(RetainLimit(), &unused);
-      lock.unlock();
-      ReleaseRegions(unused);
-      if (got != nullptr) return got;
-      continue;
-    }
-    // Over budget: ask the spill handler (without any lock) to free room, a few rounds at most.
-    uint64_t freed = 0;
-    if (counted) freed = handler(SpillRequest{spill_need, rounded});
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.spilled_bytes += freed;
-    if (freed > 0) continue;
-    // The handler freed nothing itself, but other threads gave memory back meanwhile (a spill
-    // handler may wait for them: the store waits for another thread's spill or Evict): try again.
-    if (counted && given_back_ != given_back) continue;
-    stats_.over_budget_count++;
-    if (!node_refusal.ok()) {
-      return Status::OverBudget(
-          StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
-                 KindName(owned.kind), " owner ", owned.owner_id, ": ", node_refusal.message(),
-                 !handler ? "" : "; this rank's spill handler freed nothing more"));
-    }
-    return Status::OverBudget(
-        StrCat("host arena '", options_.name, "': allocating ", FormatBytes(rounded), " for ",
-               KindName(owned.kind), " owner ", owned.owner_id, " needs ", FormatBytes(spill_need),
-               " more than the host budget of ", FormatBytes(options_.budget_bytes), " allows (",
-               DescribeLive(),
-               !handler  ? "; no spill handler is set"
-               : counted ? "; the spill handler freed nothing"
+HostArena::AllocRequest HostArena::MakeRequest(uint64_t bytes, const OwnerTag& tag) const {
+  AllocRequest req;
+  req.bytes = bytes;
+  req.rounded = RoundUp(bytes, page_);
+  req.owner = tag;
+  req.dedicated = req.rounded >= options_.region_bytes / options_.dedicated_divisor;
+  req.max_extent = req.dedicated ? req.rounded + req.rounded / options_.reuse_waste_divisor
+                                 : options_.region_bytes;
+  return req;
+}
+
+void* HostArena::TakeFreeExtent(AllocRequest* req) {
+  auto addr = extents_.Allocate(req->rounded, req->max_extent);
+  if (!addr) return nullptr;
+  live_->Insert(*addr, req->rounded, req->bytes, req->owner, &req->frames);
+  return reinterpret_cast<void*>(*addr);
+}
+
+void HostArena::PlanRegion(const AllocRequest& req, int round, AllocRound* r) {
+  // No free extent fits: plan a new region within the budget, counting regions being mapped
+  // or unmapped by other threads so the OS never holds more than the budget.
+  auto headroom = [&] {
+    const uint64_t held = stats_.committed_bytes + pending_map_bytes_ + pending_unmap_bytes_;
+    return held >= options_.budget_bytes ? 0 : options_.budget_bytes - held;
+  };
+  if (headroom() < req.rounded) DetachEmptyRegions(0, &r->to_release);
+  if (headroom() < req.rounded) {
+    r->spill_need = req.rounded - headroom();
+    r->counted = TakeSpillHandlerLocked(round, &r->handler, &r->given_back);
+    return;
+  }
+  // Large requests get an exact region; small ones share a region of region_bytes.
+  uint64_t map_bytes = req.dedicated ? req.rounded : options_.region_bytes;
+  if (map_bytes > headroom()) map_bytes = req.rounded;  // a shared region would cross it
+  // The retained cache must not raise the high-water mark: if this region would lift
+  // committed bytes above their peak, give back retained regions first.
+  // Anchored to the peak of what is needed (held minus the cache), so it cannot ratchet.
+  const uint64_t held = stats_.committed_bytes + pending_map_bytes_ + pending_unmap_bytes_;
+  need_peak_bytes_ = std::max(need_peak_bytes_, held - extents_.empty_span_bytes() + map_bytes);
+  const auto ceiling =
+      static_cast<uint64_t>(static_cast<double>(need_peak_bytes_) * (1.0 + options_.peak_slack));
+  if (held + map_bytes > ceiling && extents_.empty_span_bytes() > 0) {
+    const uint64_t over = held + map_bytes - ceiling;
+    const uint64_t keep =
+        extents_.empty_span_bytes() > over ? extents_.empty_span_bytes() - over : 0;
+    DetachEmptyRegions(keep, &r->to_release);
+  }
+  pending_map_bytes_ += map_bytes;
+  r->map_bytes = map_bytes;
+}
+
+Status HostArena::BookOnNode(const AllocRequest& req, int round, AllocRound* r) {
+  // The node's budget (Note [Node governor]): the region is booked there before it is mapped.
+  // A shared region the node cannot hold is cut to the request; a request it cannot hold after
+  // every rank trimmed goes to the spill handler, like a request over this arena's budget.
+  if (r->map_bytes == 0 || node_ == nullptr) return Status::Ok();
+  Status st = r->map_bytes > req.rounded ? node_->TryReserve(node_tier_, r->map_bytes)
+                                         : node_->Reserve(node_tier_, r->map_bytes);
+  uint64_t booked = r->map_bytes;
+  if (!st.ok() && r->map_bytes > req.rounded && st.code() == StatusCode::kOverBudget) {
+    booked = req.rounded;
+    st = node_->Reserve(node_tier_, req.rounded);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st.ok()) {
+    pending_map_bytes_ -= r->map_bytes - booked;
+    r->map_bytes = booked;
+    return Status::Ok();
+  }
+  pending_map_bytes_ -= r->map_bytes;
+  r->map_bytes = 0;
+  if (st.code() != StatusCode::kOverBudget) {
+    return st.WithContext(StrCat("host arena '", options_.name, "': allocating ",
+                                 FormatBytes(req.bytes), " for ", KindName(req.owner.kind)));
+  }
+  stats_.node_refusals++;
+  r->node_refusal = st;
+  r->spill_need = req.rounded;
+  r->counted = TakeSpillHandlerLocked(round, &r->handler, &r->given_back);
+  return Status::Ok();
+}
+
+Result<void*> HostArena::MapAndTake(AllocRequest* req, uint64_t map_bytes) {
+  auto region = MapRegion(map_bytes);
+  std::vector<Region> unused;  // released after the lock below: see the scope check
+  if (!region.ok() && node_ != nullptr) node_->Release(node_tier_, map_bytes);
+  std::unique_lock<std::mutex> lock(mu_);
+  pending_map_bytes_ -= map_bytes;
+  if (!region.ok()) {
+    return region.status().WithContext(
+        StrCat("host arena '", options_.name, "': allocating ", FormatBytes(req->bytes), " for ",
+               KindName(req->owner.kind), " owner ", req->owner.owner_id));
+  }
+  // Listed for the process's memory map; named if a forked child touches one kept out of it.
+  fork_fault::Register(region->base, map_bytes, options_.name.c_str(), KindName(req->owner.kind),
+                       options_.fork_safety == ForkSafety::kDontFork);
+  const auto base = reinterpret_cast<uint64_t>(region->base);
+  Status st = extents_.AddSpan(base, map_bytes);
+  if (!st.ok()) return st;  // the kernel gave us overlapping memory: cannot happen
+  regions_.emplace(base, *region);
+  stats_.committed_bytes += map_bytes;
+  if (pin_mode_ == PinMode::kCuda) stats_.cuda_registered_bytes += map_bytes;
+  if (pin_mode_ == PinMode::kMlock) stats_.mlocked_bytes += map_bytes;
+  stats_.region_map_count++;
+  NoteCommitted();
+  void* got = nullptr;
+  // The scope may have been released while the region was mapped (the next round refuses),
+  // or other threads may have taken the new region's space first (go round again).
+  if (ledger_->scope_live(req->owner.scope)) {
+    got = TakeFreeExtent(req);
+    if (got != nullptr) PublishToNode();
+  }
+  // The new region can be left empty: the scope was released, or memory that another thread
+  // freed while this one mapped fits the request better (best fit). Keep the retain limit
+  // (the debug walker found retained > RetainLimit() here under HostArenaStressTest).
+  DetachEmptyRegions(RetainLimit(), &unused);
+  lock.unlock();
+  ReleaseRegions(unused);
+  return got;
+}
+
+Status HostArena::OverBudgetError(const AllocRequest& req, const AllocRound& r) const {
+  if (!r.node_refusal.ok()) {
+    return Status::OverBudget(StrCat(
+        "host arena '", options_.name, "': allocating ", FormatBytes(req.rounded), " for ",
+        KindName(req.owner.kind), " owner ", req.owner.owner_id, ": ", r.node_refusal.message(),
+        !r.handler ? "" : "; this rank's spill handler freed nothing more"));
+  }
+  return Status::OverBudget(
+      StrCat("host arena '", options_.name, "': allocating ", FormatBytes(req.rounded), " for ",
+             KindName(req.owner.kind), " owner ", req.owner.owner_id, " needs ",
+             FormatBytes(r.spill_need), " more than the host budget of ",
+             FormatBytes(options_.budget_bytes), " allows (", DescribeLive(),
+             !r.handler  ? "; no spill handler is set"
+             : r.counted ? "; the spill handler freed nothing"
                          : StrCat("; memory came free ", kMaxSpillRounds,
                                   " times (the spill handler's, or other threads') and other "
                                   "allocations took it each time"),
-               "). Raise spillway.host_budget_bytes, offload more state to nvme "
-               "(offload_optimizer.device / offload_param.device), or free memory first"));
-  }
+             "). Raise spillway.host_budget_bytes, offload more state to nvme "
+             "(offload_optimizer.device / offload_param.device), or free memory first"));
 }
 
 Status HostArena::Free(void* ptr) {

@@ -232,6 +232,8 @@ class HostArena final : public Tier {
   HostArena(HostArenaOptions options, PinMode resolved, Ledger* ledger,
             std::shared_ptr<NodeGovernor> node);
   class SpillCallGuard;
+  struct AllocRequest;  // one Allocate call, checked (host_arena.cc)
+  struct AllocRound;    // what one round of Allocate planned under mu_ (host_arena.cc)
 
   // Private methods assume mu_ is held unless they say otherwise.
   void FreeExtent(uint64_t addr, uint64_t bytes) {  // assumes mu_
@@ -248,10 +250,24 @@ class HostArena final : public Tier {
   // given_back_ for the "memory came back meanwhile" check.
   bool TakeSpillHandlerLocked(int round, SpillHandler* handler, uint64_t* given_back);
   uint64_t RetainLimit() const;  // min(cap, max(region, fraction * live))
+  // Allocate's steps under mu_ (Note [Lock discipline]):
+  void* TakeFreeExtent(AllocRequest* req);  // a free extent placed for req; null: none fits
+  // A region within the budget into r->map_bytes, or, short of headroom, the spill handler taken.
+  void PlanRegion(const AllocRequest& req, int round, AllocRound* r);
+  // The over-budget error of a round that gave up: what was needed and why nothing freed it.
+  Status OverBudgetError(const AllocRequest& req, const AllocRound& r) const;
 
   // Without the lock: syscalls.
   Result<Region> MapRegion(uint64_t bytes);
   void ReleaseRegions(const std::vector<Region>& regions);
+  // Allocate's steps without mu_ held (each takes it only for its bookkeeping):
+  Status CheckRequest(uint64_t bytes, const OwnerTag& tag);  // over budget: counted, refused
+  AllocRequest MakeRequest(uint64_t bytes, const OwnerTag& tag) const;  // rounded, extent bound
+  // Books r->map_bytes on the node's budget; refused: maps nothing and takes the spill handler.
+  Status BookOnNode(const AllocRequest& req, int round, AllocRound* r);
+  // Maps the planned region and places req in it; null: the scope was released or another
+  // thread took the room (go round again).
+  Result<void*> MapAndTake(AllocRequest* req, uint64_t map_bytes);
 
   HostArenaOptions options_;
   const PinMode pin_mode_;
