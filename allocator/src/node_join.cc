@@ -196,6 +196,210 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
   return Claim{slot, job, local_rank};
 }
 
+// Checks the job and ledger names and the rank numbers, and fills in the default ledger and the
+// ledger's scope in words.
+Status CompleteJoinOptions(NodeGovernorOptions* options) {
+  auto bad_name = [](const char* what, const std::string& name) {
+    return Status::InvalidArgument(StrCat("node governor: ", what, " '", name, "' must be 1 to ",
+                                          node::kJobChars,
+                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
+  };
+  if (!node::ValidJob(options->job)) return bad_name("job", options->job);
+  if (options->ledger.empty()) {
+    NodeLedger ledger = DefaultNodeLedger();
+    options->ledger = std::move(ledger.name);
+    if (options->scope.empty()) options->scope = std::move(ledger.scope);
+  } else if (!node::ValidJob(options->ledger)) {
+    return bad_name("ledger", options->ledger);
+  }
+  if (options->scope.empty()) {
+    options->scope =
+        StrCat("the jobs that name the ledger '", options->ledger, "' (SPILLWAY_NODE_LEDGER)");
+  }
+  if (options->local_rank >= kMaxSlots || options->local_world_size > kMaxSlots ||
+      options->local_world_size < 0) {
+    return Status::InvalidArgument(StrCat(
+        "node governor: local rank ", options->local_rank, " or local world size ",
+        options->local_world_size, " is beyond the ", kMaxSlots, " ranks a node segment holds"));
+  }
+  return Status::Ok();
+}
+
+// This process's start time (/proc/self/stat), by which the other ranks tell it from a process
+// that reused its pid.
+Result<uint64_t> OwnStartTicks() {
+  char state = '?';
+  uint64_t start = 0;
+  if (!node::ReadProcStat(getpid(), &state, &start)) {
+    // Without its start time every other rank would judge this one dead (a reused pid).
+    return Status::Make(StatusCode::kUnavailable,
+                        StrCat("node governor: /proc/", getpid(),
+                               "/stat is unreadable, so this rank cannot be told apart from a "
+                               "process that reused its pid; mount /proc, or set SPILLWAY_NODE=0"));
+  }
+  return start;
+}
+
+// Sizes the new segment file `fd` at `path` and maps it, with its process-shared robust mutex
+// made; the rest is zero. On error the file is unlinked and closed.
+Result<Segment*> MapNewSegment(int fd, const std::string& path) {
+  Mapped m;
+  m.fd = fd;
+  void* p = MAP_FAILED;
+  int err = 0;
+  // posix_fallocate, not ftruncate alone: a tmpfs that is full then refuses here (ENOSPC)
+  // instead of the first write to a page it cannot back raising SIGBUS.
+  if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
+    err = errno;
+  } else if ((err = FallocateRetrying(fd, sizeof(Segment))) != 0) {
+    // err is set (posix_fallocate returns it, errno untouched)
+  } else {
+    p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
+  }
+  if (err != 0) {
+    unlink(path.c_str());
+    Unmap(m);
+    return Status::FromErrno(StatusCode::kOutOfMemory, err,
+                             StrCat("node governor: sizing and mapping segment ", path,
+                                    " (is /dev/shm full or too small?)"));
+  }
+  auto* s = new (p) Segment();
+  m.segment = s;
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  const int rc = pthread_mutex_init(&s->mu, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) {
+    unlink(path.c_str());
+    Unmap(m);
+    return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
+  }
+  return s;
+}
+
+// The new segment's header: its layout, PID namespace, names, memory limit and host budget
+// (the NVMe budget: ClaimLocked), and every slot free.
+void InitSegment(Segment* s, const NodeGovernorOptions& options) {
+  s->version = node::kVersion;
+  s->pid_ns = node::OwnPidNamespace();
+  s->slot_count = kMaxSlots;
+  s->size = sizeof(Segment);
+  std::snprintf(s->ledger, sizeof(s->ledger), "%s", options.ledger.c_str());
+  std::snprintf(s->scope, sizeof(s->scope), "%s", options.scope.c_str());
+  s->memory_limit =
+      options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
+  SetHostBudget(s,
+                options.host_budget_bytes != 0 ? options.host_budget_bytes
+                                               : DefaultNodeHostBudget(s->memory_limit),
+                options.host_budget_bytes != 0, options.job);  // NVMe's: ClaimLocked
+  for (Slot& slot : s->slots) {
+    slot.job = -1;
+    slot.local_rank = -1;
+  }
+}
+
+// The segment this rank made, mapped, with its slot claimed (a null segment: one was there).
+struct Made {
+  Mapped m;
+  Claim claim{};
+};
+
+// Under the DirLock: makes the segment at `path` when there is none, initialized whole and with
+// this rank's slot claimed before its magic is published. Made::m.segment is null when the file
+// exists (EEXIST). On error nothing is left behind.
+Result<Made> MakeSegment(const std::string& path, const NodeGovernorOptions& options,
+                         uint64_t start_ticks) {
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return Made{};
+    return Status::FromErrno(StatusCode::kUnavailable, errno,
+                             StrCat("node governor: creating segment ", path,
+                                    " (is the directory there and writable?)"));
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(Segment* const s, MapNewSegment(fd, path));
+  InitSegment(s, options);
+  const Mapped m{fd, s};
+  // Uncontended (nobody can open it before magic), and it cannot fail the budget check.
+  auto claim = ClaimLocked(s, options, path, start_ticks);
+  if (!claim.ok()) {
+    unlink(path.c_str());
+    Unmap(m);
+    return claim.status();
+  }
+  s->magic.store(node::kMagic, std::memory_order_release);
+  return Made{m, *claim};
+}
+
+// Under the DirLock: opens the segment at `path` that is there. Null segment: it was dead and is
+// removed, or vanished: go round and make it anew.
+Result<Mapped> OpenSegment(const std::string& path) {
+  // It exists. Under the DirLock no creator is midway, so an uninitialized one is abandoned,
+  // and a closed one is a removal its remover did not finish: finish it, then make anew.
+  if (RemoveIfDead(path, LogLevel::kInfo)) return Mapped{};
+  auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
+  if (!opened.ok()) {
+    if (opened.status().sys_error() == ENOENT) return Mapped{};
+    return opened.status().WithContext("node governor");
+  }
+  return *opened;
+}
+
+// What joining an opened segment found: this rank's claim, its slot's generation and the
+// admission rounds its job had done; or that the segment is closing (unmapped: make it anew).
+struct Joined {
+  bool closing = false;
+  Claim claim{};
+  uint64_t generation = 0;
+  uint32_t rounds_done = 0;
+};
+
+// Claims this rank's slot in the opened segment `m` under its lock, after reaping dead ranks.
+// On error, and when it is closing, `m` is unmapped.
+Result<Joined> ClaimInSegment(const Mapped& m, const NodeGovernorOptions& options,
+                              const std::string& path, uint64_t start_ticks) {
+  Segment* s = m.segment;
+  // A dead occupant of the slot this rank wants (an elastic restart's predecessor) goes first.
+  auto reaped = node::Reap(s, -1, options.lock_timeout, path);
+  if (!reaped.ok()) {
+    Unmap(m);
+    return reaped.status();
+  }
+  auto lock = SegmentLock::Take(s, options.lock_timeout, path);
+  if (!lock.ok()) {
+    Unmap(m);
+    return lock.status();
+  }
+  auto refuse = [&](Status st) {
+    { auto unlock = std::move(*lock); }
+    Unmap(m);
+    return st;
+  };
+  if (s->pid_ns != node::OwnPidNamespace()) {
+    return refuse(Status::FailedPrecondition(StrCat(
+        "node governor: the ledger ", path, " was made in another PID namespace (another ",
+        "container sharing /dev/shm?); the ranks under one ledger must see each other's pids. "
+        "Run them in one container, or give this job a ledger of its own "
+        "(SPILLWAY_NODE_LEDGER)")));
+  }
+  if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
+    { auto unlock = std::move(*lock); }
+    Unmap(m);
+    return Joined{.closing = true};
+  }
+  auto claim = ClaimLocked(s, options, path, start_ticks);
+  if (!claim.ok()) return refuse(claim.status());
+  Joined joined;
+  joined.claim = *claim;
+  joined.generation = s->slots[claim->slot].generation;
+  // A rank that joins a job whose ranks already passed admission rounds starts after them: it
+  // must not return an old round's verdict for a need nobody checked.
+  joined.rounds_done = s->jobs[claim->job].verdict_round;
+  return joined;
+}
+
 }  // namespace
 
 std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string& ledger) {
@@ -203,43 +407,13 @@ std::string NodeGovernor::SegmentPath(const std::string& dir, const std::string&
 }
 
 Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions options) {
-  auto bad_name = [](const char* what, const std::string& name) {
-    return Status::InvalidArgument(StrCat("node governor: ", what, " '", name, "' must be 1 to ",
-                                          node::kJobChars,
-                                          " characters of A-Z, a-z, 0-9, '.', '_', '-'"));
-  };
-  if (!node::ValidJob(options.job)) return bad_name("job", options.job);
-  if (options.ledger.empty()) {
-    NodeLedger ledger = DefaultNodeLedger();
-    options.ledger = std::move(ledger.name);
-    if (options.scope.empty()) options.scope = std::move(ledger.scope);
-  } else if (!node::ValidJob(options.ledger)) {
-    return bad_name("ledger", options.ledger);
-  }
-  if (options.scope.empty()) {
-    options.scope =
-        StrCat("the jobs that name the ledger '", options.ledger, "' (SPILLWAY_NODE_LEDGER)");
-  }
-  if (options.local_rank >= kMaxSlots || options.local_world_size > kMaxSlots ||
-      options.local_world_size < 0) {
-    return Status::InvalidArgument(StrCat(
-        "node governor: local rank ", options.local_rank, " or local world size ",
-        options.local_world_size, " is beyond the ", kMaxSlots, " ranks a node segment holds"));
-  }
+  SPILLWAY_RETURN_IF_ERROR(CompleteJoinOptions(&options));
   SPILLWAY_RETURN_IF_ERROR(ForkTracking());
   const std::string path = SegmentPath(options.dir, options.ledger);
   RemoveDeadSegments(options.dir);  // other ledgers' litter (a job killed whole leaves its segment)
   const uint64_t deadline =
       NowNs() + static_cast<uint64_t>(options.lock_timeout.count()) * 1'000'000ull;
-  char state = '?';
-  uint64_t my_start = 0;
-  if (!node::ReadProcStat(getpid(), &state, &my_start)) {
-    // Without its start time every other rank would judge this one dead (a reused pid).
-    return Status::Make(StatusCode::kUnavailable,
-                        StrCat("node governor: /proc/", getpid(),
-                               "/stat is unreadable, so this rank cannot be told apart from a "
-                               "process that reused its pid; mount /proc, or set SPILLWAY_NODE=0"));
-  }
+  SPILLWAY_ASSIGN_OR_RETURN(const uint64_t my_start, OwnStartTicks());
   while (true) {
     if (NowNs() > deadline) {
       return Status::Make(StatusCode::kUnavailable,
@@ -250,124 +424,25 @@ Result<std::unique_ptr<NodeGovernor>> NodeGovernor::Join(NodeGovernorOptions opt
     Mapped m;
     {
       SPILLWAY_ASSIGN_OR_RETURN(DirLock dir_lock, DirLock::Take(options.dir, options.lock_timeout));
-      const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-      if (fd >= 0) {  // this rank makes the segment: initialized whole before magic is published
-        m.fd = fd;
-        void* p = MAP_FAILED;
-        int err = 0;
-        // posix_fallocate, not ftruncate alone: a tmpfs that is full then refuses here (ENOSPC)
-        // instead of the first write to a page it cannot back raising SIGBUS.
-        if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof(Segment)) != 0) {
-          err = errno;
-        } else if ((err = FallocateRetrying(fd, sizeof(Segment))) != 0) {
-          // err is set (posix_fallocate returns it, errno untouched)
-        } else {
-          p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-          if (p == MAP_FAILED) err = errno;
-        }
-        if (err != 0) {
-          unlink(path.c_str());
-          Unmap(m);
-          return Status::FromErrno(StatusCode::kOutOfMemory, err,
-                                   StrCat("node governor: sizing and mapping segment ", path,
-                                          " (is /dev/shm full or too small?)"));
-        }
-        auto* s = new (p) Segment();
-        m.segment = s;
-        pthread_mutexattr_t attr;
-        pthread_mutexattr_init(&attr);
-        pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-        pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-        const int rc = pthread_mutex_init(&s->mu, &attr);
-        pthread_mutexattr_destroy(&attr);
-        if (rc != 0) {
-          unlink(path.c_str());
-          Unmap(m);
-          return Status::FromErrno(StatusCode::kInternal, rc, "node governor: pthread_mutex_init");
-        }
-        s->version = node::kVersion;
-        s->pid_ns = node::OwnPidNamespace();
-        s->slot_count = kMaxSlots;
-        s->size = sizeof(Segment);
-        std::snprintf(s->ledger, sizeof(s->ledger), "%s", options.ledger.c_str());
-        std::snprintf(s->scope, sizeof(s->scope), "%s", options.scope.c_str());
-        s->memory_limit =
-            options.memory_limit_bytes != 0 ? options.memory_limit_bytes : MemoryLimitBytes();
-        SetHostBudget(s,
-                      options.host_budget_bytes != 0 ? options.host_budget_bytes
-                                                     : DefaultNodeHostBudget(s->memory_limit),
-                      options.host_budget_bytes != 0, options.job);  // NVMe's: ClaimLocked
-        for (Slot& slot : s->slots) {
-          slot.job = -1;
-          slot.local_rank = -1;
-        }
-        // Uncontended (nobody can open it before magic), and it cannot fail the budget check.
-        auto claim = ClaimLocked(s, options, path, my_start);
-        if (!claim.ok()) {
-          unlink(path.c_str());
-          Unmap(m);
-          return claim.status();
-        }
-        s->magic.store(node::kMagic, std::memory_order_release);
+      SPILLWAY_ASSIGN_OR_RETURN(Made made, MakeSegment(path, options, my_start));
+      if (made.m.segment != nullptr) {  // this rank made it: its governor, still under the DirLock
+        const Claim& c = made.claim;
         return std::unique_ptr<NodeGovernor>(
-            new NodeGovernor(std::move(options), path, fd, s, claim->slot, claim->job,
-                             claim->local_rank, s->slots[claim->slot].generation));
+            new NodeGovernor(std::move(options), path, made.m.fd, made.m.segment, c.slot, c.job,
+                             c.local_rank, made.m.segment->slots[c.slot].generation));
       }
-      if (errno != EEXIST) {
-        return Status::FromErrno(StatusCode::kUnavailable, errno,
-                                 StrCat("node governor: creating segment ", path,
-                                        " (is the directory there and writable?)"));
-      }
-      // It exists. Under the DirLock no creator is midway, so an uninitialized one is abandoned,
-      // and a closed one is a removal its remover did not finish: finish it, then make anew.
-      if (RemoveIfDead(path, LogLevel::kInfo)) continue;
-      auto opened = node::OpenExisting(path, std::chrono::milliseconds(0));
-      if (!opened.ok()) {
-        if (opened.status().sys_error() == ENOENT) continue;
-        return opened.status().WithContext("node governor");
-      }
-      m = *opened;
+      SPILLWAY_ASSIGN_OR_RETURN(m, OpenSegment(path));
+      if (m.segment == nullptr) continue;
     }
-    Segment* s = m.segment;
-    // A dead occupant of the slot this rank wants (an elastic restart's predecessor) goes first.
-    auto reaped = node::Reap(s, -1, options.lock_timeout, path);
-    if (!reaped.ok()) {
-      Unmap(m);
-      return reaped.status();
-    }
-    auto lock = SegmentLock::Take(s, options.lock_timeout, path);
-    if (!lock.ok()) {
-      Unmap(m);
-      return lock.status();
-    }
-    auto refuse = [&](Status st) {
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
-      return st;
-    };
-    if (s->pid_ns != node::OwnPidNamespace()) {
-      return refuse(Status::FailedPrecondition(StrCat(
-          "node governor: the ledger ", path, " was made in another PID namespace (another ",
-          "container sharing /dev/shm?); the ranks under one ledger must see each other's pids. "
-          "Run them in one container, or give this job a ledger of its own "
-          "(SPILLWAY_NODE_LEDGER)")));
-    }
-    if (s->closed != 0) {  // its last rank is leaving: wait until it is gone, then make anew
-      { auto unlock = std::move(*lock); }
-      Unmap(m);
+    SPILLWAY_ASSIGN_OR_RETURN(Joined joined, ClaimInSegment(m, options, path, my_start));
+    if (joined.closing) {
       SleepMs(1);
       continue;
     }
-    auto claim = ClaimLocked(s, options, path, my_start);
-    if (!claim.ok()) return refuse(claim.status());
-    const uint64_t generation = s->slots[claim->slot].generation;
-    // A rank that joins a job whose ranks already passed admission rounds starts after them: it
-    // must not return an old round's verdict for a need nobody checked.
-    const uint32_t rounds_done = s->jobs[claim->job].verdict_round;
-    { auto unlock = std::move(*lock); }
+    const Claim& c = joined.claim;
     auto g = std::unique_ptr<NodeGovernor>(new NodeGovernor(
-        std::move(options), path, m.fd, s, claim->slot, claim->job, claim->local_rank, generation));
-    g->admit_rounds_.store(rounds_done, std::memory_order_relaxed);
+        std::move(options), path, m.fd, m.segment, c.slot, c.job, c.local_rank, joined.generation));
+    g->admit_rounds_.store(joined.rounds_done, std::memory_order_relaxed);
     return g;
   }
 }
