@@ -229,6 +229,191 @@ Status Prune(const std::string& dir, const std::string& current, int64_t step, i
   });
 }
 
+// What Load's check pass found, for its restore pass: the manifest, this rank's file, and the
+// records of the tensors the trainer needs with the CRC32Cs the manifest gives them, in
+// CheckpointSpecs order.
+struct CheckedCheckpoint {
+  std::string manifest_path;
+  json manifest;
+  std::string file;  // this rank's
+  std::unique_ptr<engine::checkpoint::FileReader> reader;
+  std::vector<const TensorRecord*> records;
+  std::vector<uint32_t> crcs;
+};
+
+// A manifest that contradicts itself or its files: what is wrong, and what to do.
+Status Damaged(const CheckedCheckpoint& c, const std::string& what) {
+  return Status::Make(StatusCode::kChecksumMismatch,
+                      StrCat(c.manifest_path, ": ", what,
+                             "; the manifest is damaged: load an older "
+                             "checkpoint or restore this one from a copy"));
+}
+
+// Reads the manifest of the checkpoint at `path` and checks it against this run: its format and
+// version, the world size, the model, and this rank's entry.
+Status ReadManifest(const std::string& path, const GptConfig& model, int rank, int world,
+                    CheckedCheckpoint* c) {
+  c->manifest_path = (fs::path(path) / kManifest).string();
+  SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(c->manifest_path));
+  c->manifest = json::parse(text, nullptr, false);
+  json& manifest = c->manifest;
+  if (!WellFormed(manifest) || manifest["format"] != kFormat) {
+    return Damaged(
+        *c, StrCat("not a ", kFormat, " manifest, or a field is missing or of the wrong type"));
+  }
+  if (manifest["version"] != kVersion) {
+    return Status::InvalidArgument(StrCat(c->manifest_path, ": format version ",
+                                          manifest["version"].dump(),
+                                          "; this Spillway reads version ", kVersion));
+  }
+  const int64_t saved_world = manifest["world_size"].get<int64_t>();
+  if (saved_world != world) {
+    return Status::InvalidArgument(StrCat(
+        "checkpoint ", path, " was written by ", saved_world, " rank(s); this run has ", world,
+        ". A ZeRO-3 checkpoint holds each rank's partitions: resume with ", saved_world,
+        " rank(s) (torchrun --nproc-per-node ", saved_world, "); resharding is not supported"));
+  }
+  const json mine = ModelJson(model);
+  for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
+    if (manifest["model"][k] != mine[k]) {
+      return Status::InvalidArgument(
+          StrCat("checkpoint ", path, " is of a model with ", k, " = ", manifest["model"][k].dump(),
+                 "; this trainer's has ", mine[k].dump(),
+                 ": create the trainer with the checkpoint's model ", manifest["model"].dump()));
+    }
+  }
+  if (manifest["ranks"].size() != static_cast<size_t>(world)) {
+    return Damaged(
+        *c, StrCat("it lists ", manifest["ranks"].size(), " rank files for world size ", world));
+  }
+  const json& entry = manifest["ranks"][static_cast<size_t>(rank)];
+  if (entry.at("file") != RankFile(rank, world)) {
+    return Damaged(*c, StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
+  }
+  return Status::Ok();
+}
+
+// Opens this rank's file and checks its RNG state is this libtorch's size. Returns that size.
+Result<uint64_t> OpenRankFile(const std::string& path, int rank, int world, allocator::IoEngine* io,
+                              CheckedCheckpoint* c) {
+  c->file = (fs::path(path) / RankFile(rank, world)).string();
+  SPILLWAY_ASSIGN_OR_RETURN(c->reader, engine::checkpoint::FileReader::Open(c->file, io));
+  const TensorRecord* rng = c->reader->Find(kRngTensor);
+  if (rng == nullptr) return Damaged(*c, StrCat(c->file, " has no tensor '", kRngTensor, "'"));
+  const uint64_t rng_bytes = static_cast<uint64_t>(RngState().numel());
+  if (rng->spec.bytes != rng_bytes) {
+    return Status::InvalidArgument(StrCat("checkpoint file ", c->file, ", tensor '", kRngTensor,
+                                          "': ", rng->spec.bytes,
+                                          " bytes of torch "
+                                          "CPU generator state, this libtorch's is ",
+                                          rng_bytes,
+                                          ": it was saved by another torch "
+                                          "version; resume with the torch it was saved with"));
+  }
+  return rng->spec.bytes;
+}
+
+// Finds each tensor of `specs` in this rank's file, checks it against the spec and the manifest's
+// entry, and records it with its CRC32C. Returns the largest one's bytes.
+Result<uint64_t> MatchRecords(const std::vector<TensorSpec>& specs, int rank,
+                              CheckedCheckpoint* c) {
+  const json& entry = c->manifest["ranks"][static_cast<size_t>(rank)];
+  uint64_t biggest = 0;
+  for (const TensorSpec& want : specs) {
+    const TensorRecord* got = c->reader->Find(want.name);
+    const json& m =
+        entry.at("tensors").contains(want.name) ? entry.at("tensors").at(want.name) : json();
+    if (got == nullptr || !m.is_object()) {
+      return Status::InvalidArgument(StrCat("checkpoint file ", c->file, " has no tensor '",
+                                            want.name,
+                                            "', which this trainer needs: it was saved by a "
+                                            "different trainer; load a checkpoint of this model"));
+    }
+    if (got->spec.dtype != want.dtype || got->spec.shape != want.shape) {
+      return Status::InvalidArgument(
+          StrCat("checkpoint file ", c->file, ", tensor '", want.name, "': ", got->spec.dtype, " ",
+                 json(got->spec.shape).dump(), " in the file, this trainer needs ", want.dtype, " ",
+                 json(want.shape).dump(), ": load a checkpoint of this model"));
+    }
+    if (m.value("dtype", "") != got->spec.dtype ||
+        m.value("shape", json()) != json(got->spec.shape) ||
+        m.value("data_offsets", json()) != json({got->begin, got->end})) {
+      return Damaged(*c, StrCat("its entry for tensor '", want.name,
+                                "' disagrees with the header of ", c->file));
+    }
+    c->records.push_back(got);
+    c->crcs.push_back(static_cast<uint32_t>(m.at("crc32c").get<uint64_t>()));
+    biggest = std::max(biggest, got->spec.bytes);
+  }
+  return biggest;
+}
+
+// Checksums every recorded tensor through a scratch buffer of the arena (at most kScratchBytes)
+// against the manifest's CRC32C.
+Status ChecksumRecords(const CheckedCheckpoint& c, uint64_t biggest, allocator::HostArena* arena,
+                       allocator::ScopeId scope) {
+  const uint64_t scratch_bytes = std::max<uint64_t>(1, std::min(biggest, kScratchBytes));
+  auto scratch = arena->Allocate(
+      scratch_bytes, allocator::OwnerTag{allocator::Kind::kCheckpoint, allocator::Lifetime::kStep,
+                                         0, scope, SPILLWAY_SITE});
+  if (!scratch.ok()) return scratch.status().WithContext("the checkpoint's checksum buffer");
+  Status checked;
+  for (size_t i = 0; i < c.records.size() && checked.ok(); ++i) {
+    auto crc = c.reader->Checksum(*c.records[i], *scratch, scratch_bytes);
+    if (!crc.ok()) {
+      checked = crc.status();
+    } else if (*crc != c.crcs[i]) {
+      checked = Status::Make(
+          StatusCode::kChecksumMismatch,
+          StrCat("checkpoint file ", c.file, ", tensor '", c.records[i]->spec.name,
+                 "': its bytes have CRC32C ", Hex(*crc), ", the manifest says ", Hex(c.crcs[i]),
+                 ": the file is damaged; load an older checkpoint "
+                 "or restore this one from a copy"));
+    }
+  }
+  SPILLWAY_RETURN_IF_ERROR(arena->Free(*scratch));
+  return checked;
+}
+
+// Every rank must have found the same checkpoint (each resolves `latest` itself; it could move
+// between their reads). Equal sums of the steps and of their squares mean equal steps. A
+// different one turns *st into the error; a failed collective is returned.
+Status CheckSameCheckpoint(Collectives* coll, int world, const std::string& dir,
+                           const std::string& path, const json& manifest, Status* st) {
+  const double my_step = st->ok() ? manifest["step"].get<double>() : 0.0;
+  auto sum = coll->AllReduceSum(my_step);
+  auto sum_sq = coll->AllReduceSum(my_step * my_step);  // both, before either error returns
+  if (!sum.ok()) return sum.status();
+  if (!sum_sq.ok()) return sum_sq.status();
+  if (st->ok() && (*sum != my_step * world || *sum_sq != my_step * my_step * world)) {
+    *st = Status::FailedPrecondition(StrCat("the ranks found different checkpoints in ", dir,
+                                            " (this rank: ", path,
+                                            "); was a save running? load a step-N directory"));
+  }
+  return Status::Ok();
+}
+
+// Tensor i into `dst`, against the CRC32C the check pass read.
+Status ReadChecked(const CheckedCheckpoint& c, size_t i, void* dst) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto crc, c.reader->Read(*c.records[i], dst));
+  if (crc != c.crcs[i]) {
+    return Status::Make(StatusCode::kChecksumMismatch,
+                        StrCat(c.reader->path(), ", tensor '", c.records[i]->spec.name,
+                               "' changed between the check and the load"));
+  }
+  return Status::Ok();
+}
+
+// Tensor i, the torch CPU generator's state, into the default CPU generator.
+Status RestoreRng(const CheckedCheckpoint& c, size_t i) {
+  torch::Tensor rng = torch::empty({static_cast<int64_t>(c.records[i]->spec.bytes)}, torch::kUInt8);
+  SPILLWAY_RETURN_IF_ERROR(ReadChecked(c, i, rng.data_ptr()));
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::vector<TensorSpec> Trainer::CheckpointSpecs(uint64_t rng_bytes) const {
@@ -377,170 +562,43 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
 Result<CheckpointInfo> Trainer::Load(const std::string& dir, const CheckpointOptions& o) {
   const int rank = coll_->rank(), world = coll_->world_size();
   CheckpointInfo info;
-  json manifest;
-  std::unique_ptr<engine::checkpoint::FileReader> reader;
-  std::vector<const TensorRecord*> records;  // in CheckpointSpecs order
-  std::vector<uint32_t> crcs;
+  CheckedCheckpoint c;
 
   // 1. Read-only: find it, check it against this trainer, checksum every byte of this rank's file.
   Status st = GuardJson(StrCat("loading the checkpoint in ", dir), [&]() -> Status {
     if (o.io == nullptr)
       return Status::InvalidArgument("Load needs CheckpointOptions::io (the io_uring engine)");
-    SPILLWAY_ASSIGN_OR_RETURN(auto path, ResolveCheckpoint(dir));
-    info.path = path;
-    const std::string mpath = (fs::path(path) / kManifest).string();
-    SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(mpath));
-    manifest = json::parse(text, nullptr, false);
-    const auto damaged = [&](const std::string& what) {
-      return Status::Make(StatusCode::kChecksumMismatch,
-                          StrCat(mpath, ": ", what,
-                                 "; the manifest is damaged: load an older "
-                                 "checkpoint or restore this one from a copy"));
-    };
-    if (!WellFormed(manifest) || manifest["format"] != kFormat) {
-      return damaged(
-          StrCat("not a ", kFormat, " manifest, or a field is missing or of the wrong type"));
-    }
-    if (manifest["version"] != kVersion) {
-      return Status::InvalidArgument(StrCat(mpath, ": format version ", manifest["version"].dump(),
-                                            "; this Spillway reads version ", kVersion));
-    }
-    const int64_t saved_world = manifest["world_size"].get<int64_t>();
-    if (saved_world != world) {
-      return Status::InvalidArgument(StrCat(
-          "checkpoint ", path, " was written by ", saved_world, " rank(s); this run has ", world,
-          ". A ZeRO-3 checkpoint holds each rank's partitions: resume with ", saved_world,
-          " rank(s) (torchrun --nproc-per-node ", saved_world, "); resharding is not supported"));
-    }
-    const json mine = ModelJson(options_.model);
-    for (const char* k : {"vocab", "d_model", "n_layer", "n_head", "seq_len"}) {
-      if (manifest["model"][k] != mine[k]) {
-        return Status::InvalidArgument(
-            StrCat("checkpoint ", path, " is of a model with ", k, " = ",
-                   manifest["model"][k].dump(), "; this trainer's has ", mine[k].dump(),
-                   ": create the trainer with the checkpoint's model ", manifest["model"].dump()));
-      }
-    }
-    if (manifest["ranks"].size() != static_cast<size_t>(world)) {
-      return damaged(
-          StrCat("it lists ", manifest["ranks"].size(), " rank files for world size ", world));
-    }
-    const json& entry = manifest["ranks"][static_cast<size_t>(rank)];
-    if (entry.at("file") != RankFile(rank, world)) {
-      return damaged(StrCat("rank ", rank, "'s entry does not name ", RankFile(rank, world)));
-    }
-    const std::string file = (fs::path(path) / RankFile(rank, world)).string();
-    SPILLWAY_ASSIGN_OR_RETURN(reader, engine::checkpoint::FileReader::Open(file, o.io));
-    const TensorRecord* rng = reader->Find(kRngTensor);
-    if (rng == nullptr) return damaged(StrCat(file, " has no tensor '", kRngTensor, "'"));
-    const uint64_t rng_bytes = static_cast<uint64_t>(RngState().numel());
-    if (rng->spec.bytes != rng_bytes) {
-      return Status::InvalidArgument(StrCat("checkpoint file ", file, ", tensor '", kRngTensor,
-                                            "': ", rng->spec.bytes,
-                                            " bytes of torch "
-                                            "CPU generator state, this libtorch's is ",
-                                            rng_bytes,
-                                            ": it was saved by another torch "
-                                            "version; resume with the torch it was saved with"));
-    }
-    uint64_t biggest = 0;
-    for (const TensorSpec& want : CheckpointSpecs(rng->spec.bytes)) {
-      const TensorRecord* got = reader->Find(want.name);
-      const json& m =
-          entry.at("tensors").contains(want.name) ? entry.at("tensors").at(want.name) : json();
-      if (got == nullptr || !m.is_object()) {
-        return Status::InvalidArgument(
-            StrCat("checkpoint file ", file, " has no tensor '", want.name,
-                   "', which this trainer needs: it was saved by a "
-                   "different trainer; load a checkpoint of this model"));
-      }
-      if (got->spec.dtype != want.dtype || got->spec.shape != want.shape) {
-        return Status::InvalidArgument(
-            StrCat("checkpoint file ", file, ", tensor '", want.name, "': ", got->spec.dtype, " ",
-                   json(got->spec.shape).dump(), " in the file, this trainer needs ", want.dtype,
-                   " ", json(want.shape).dump(), ": load a checkpoint of this model"));
-      }
-      if (m.value("dtype", "") != got->spec.dtype ||
-          m.value("shape", json()) != json(got->spec.shape) ||
-          m.value("data_offsets", json()) != json({got->begin, got->end})) {
-        return damaged(
-            StrCat("its entry for tensor '", want.name, "' disagrees with the header of ", file));
-      }
-      records.push_back(got);
-      crcs.push_back(static_cast<uint32_t>(m.at("crc32c").get<uint64_t>()));
-      biggest = std::max(biggest, got->spec.bytes);
-    }
-    const uint64_t scratch_bytes = std::max<uint64_t>(1, std::min(biggest, kScratchBytes));
-    auto scratch = arena_->Allocate(
-        scratch_bytes, allocator::OwnerTag{allocator::Kind::kCheckpoint, allocator::Lifetime::kStep,
-                                           0, scope_, SPILLWAY_SITE});
-    if (!scratch.ok()) return scratch.status().WithContext("the checkpoint's checksum buffer");
-    Status checked;
-    for (size_t i = 0; i < records.size() && checked.ok(); ++i) {
-      auto crc = reader->Checksum(*records[i], *scratch, scratch_bytes);
-      if (!crc.ok()) {
-        checked = crc.status();
-      } else if (*crc != crcs[i]) {
-        checked = Status::Make(
-            StatusCode::kChecksumMismatch,
-            StrCat("checkpoint file ", file, ", tensor '", records[i]->spec.name,
-                   "': its bytes have CRC32C ", Hex(*crc), ", the manifest says ", Hex(crcs[i]),
-                   ": the file is damaged; load an older checkpoint "
-                   "or restore this one from a copy"));
-      }
-    }
-    SPILLWAY_RETURN_IF_ERROR(arena_->Free(*scratch));
-    return checked;
+    SPILLWAY_ASSIGN_OR_RETURN(info.path, ResolveCheckpoint(dir));
+    SPILLWAY_RETURN_IF_ERROR(ReadManifest(info.path, options_.model, rank, world, &c));
+    SPILLWAY_ASSIGN_OR_RETURN(const uint64_t rng_bytes,
+                              OpenRankFile(info.path, rank, world, o.io, &c));
+    SPILLWAY_ASSIGN_OR_RETURN(const uint64_t biggest,
+                              MatchRecords(CheckpointSpecs(rng_bytes), rank, &c));
+    return ChecksumRecords(c, biggest, arena_, scope_);
   });
-  // Every rank must have found the same checkpoint (each resolves `latest` itself; it could move
-  // between their reads). Equal sums of the steps and of their squares mean equal steps.
-  const double my_step = st.ok() ? manifest["step"].get<double>() : 0.0;
-  auto sum = coll_->AllReduceSum(my_step);
-  auto sum_sq = coll_->AllReduceSum(my_step * my_step);  // both, before either error returns
-  if (!sum.ok()) return sum.status();
-  if (!sum_sq.ok()) return sum_sq.status();
-  if (st.ok() && (*sum != my_step * world || *sum_sq != my_step * my_step * world)) {
-    st = Status::FailedPrecondition(StrCat("the ranks found different checkpoints in ", dir,
-                                           " (this rank: ", info.path,
-                                           "); was a save running? load a step-N directory"));
-  }
+  SPILLWAY_RETURN_IF_ERROR(CheckSameCheckpoint(coll_, world, dir, info.path, c.manifest, &st));
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint load: checking it"));
 
   // 2. Every check passed on every rank: overwrite the state.
-  // Tensor i into `dst`, against the CRC32C the check pass read.
-  const auto read_checked = [&](size_t i, void* dst) -> Status {
-    SPILLWAY_ASSIGN_OR_RETURN(auto crc, reader->Read(*records[i], dst));
-    if (crc != crcs[i]) {
-      return Status::Make(StatusCode::kChecksumMismatch,
-                          StrCat(reader->path(), ", tensor '", records[i]->spec.name,
-                                 "' changed between the check and the load"));
-    }
-    return Status::Ok();
-  };
   st = CatchTorch("checkpoint load", [&]() -> Status {
     offload::PartitionStore::OffSchedule off_schedule(*store_);
     size_t i = 0;
     for (const Unit& unit : units_) {
       for (offload::PartitionId id : SavedPartitions(unit)) {
-        SPILLWAY_RETURN_IF_ERROR(UsePartition(*store_, id, offload::Access::kReadWrite, "load",
-                                              [&](void* data) { return read_checked(i++, data); }));
+        SPILLWAY_RETURN_IF_ERROR(
+            UsePartition(*store_, id, offload::Access::kReadWrite, "load",
+                         [&](void* data) { return ReadChecked(c, i++, data); }));
       }
     }
-    torch::Tensor rng = torch::empty({static_cast<int64_t>(records[i]->spec.bytes)}, torch::kUInt8);
-    SPILLWAY_RETURN_IF_ERROR(read_checked(i, rng.data_ptr()));
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng);
-    }
+    SPILLWAY_RETURN_IF_ERROR(RestoreRng(c, i));
     return ZeroGrads();
   });
   if (st.ok()) {
-    steps_ = manifest["step"].get<int64_t>();
+    steps_ = c.manifest["step"].get<int64_t>();
     attempts_ = std::max(attempts_, steps_);  // the ledger's step numbers only increase
-    optimizer_->RestoreStep(manifest["adam_step"].get<uint64_t>());
+    optimizer_->RestoreStep(c.manifest["adam_step"].get<uint64_t>());
     info.step = steps_;
-    info.extra_json = manifest["extra"].dump();
+    info.extra_json = c.manifest["extra"].dump();
   }
   Status agreed = Agree(st, "checkpoint load: restoring the state");
   if (!agreed.ok()) {
