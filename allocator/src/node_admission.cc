@@ -54,6 +54,159 @@ std::string NameLargest(std::vector<std::pair<uint64_t, std::string>> by, size_t
   return out;
 }
 
+// The largest few other jobs or ranks named in a verdict: with every process a job there may be
+// 63, and the verdict's text is bounded (kVerdictChars).
+constexpr size_t kNamed = 8;
+
+// Writes the round's verdict into the job's entry; assumes the segment's lock.
+void WriteVerdict(node::JobEntry& e, uint32_t round, Verdict v, const std::string& text) {
+  if (v != Verdict::kFits) {
+    // The refused round is taken back for every rank of the job now, not when each returns: the
+    // other jobs' admission must not count needs nobody will hold.
+    for (Declaration& d : e.declarations) {
+      if (d.round == round) TakeBackLast(&d);
+    }
+  }
+  // The round last: a writer killed midway leaves the previous round's verdict, never this
+  // round's number on another round's verdict.
+  e.verdict = v;
+  std::snprintf(e.verdict_text, sizeof(e.verdict_text), "%s", text.c_str());
+  __atomic_store_n(&e.verdict_round, round, __ATOMIC_RELEASE);
+}
+
+// This rank's answer from the verdict of its round; assumes the segment's lock.
+Status ReadVerdict(node::JobEntry& e, int local_rank, uint32_t round) {
+  const std::string text = e.verdict_text;
+  if (e.verdict == Verdict::kFits) return Status::Ok();
+  // A refused round's need is taken back (a retry with a smaller config is judged on its own):
+  // when the verdict was written, for the ranks that had declared by then; here for a rank that
+  // declared after it (last_need was zeroed for the others, so nothing is taken twice).
+  Declaration& mine = e.declarations[local_rank];
+  if (mine.round == round) TakeBackLast(&mine);
+  if (e.verdict == Verdict::kOverBudget) return Status::OverBudget(text);
+  return Status::Make(StatusCode::kUnavailable, text);
+}
+
+// The job's local ranks expected in the round (below its local world size, or holding a slot)
+// that have not declared in it yet; assumes the segment's lock.
+std::vector<int> MissingRanks(const Segment* s, const node::JobEntry& e, int job, uint32_t round) {
+  std::vector<int> missing;
+  for (int r = 0; r < kMaxSlots; ++r) {
+    const bool expected = r < e.local_world_size || node::RankSlot(s, job, r) >= 0;
+    if (expected && e.declarations[r].round < round) missing.push_back(r);
+  }
+  return missing;
+}
+
+// What the job's ranks declared: their sum, how many declared, and each rank's need in words.
+struct Declared {
+  uint64_t total = 0;
+  int ranks = 0;
+  std::string each;
+};
+Declared SumDeclarations(const node::JobEntry& e) {
+  Declared out;
+  for (int r = 0; r < kMaxSlots; ++r) {
+    const Declaration& d = e.declarations[r];
+    if (d.round == 0) continue;
+    ++out.ranks;
+    out.total += d.need;
+    out.each +=
+        StrCat(out.each.empty() ? "" : "; ", "local rank ", r, " ", FormatMiB(d.need),
+               d.fork != 0 ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
+                           : std::string());
+  }
+  return out;
+}
+
+// What the other jobs under the same memory limit hold or declared, each live rank's; *named: the
+// largest few of them by name.
+uint64_t OtherJobsHeld(const Segment* s, int job, std::string* named) {
+  uint64_t others = 0;
+  std::vector<std::pair<uint64_t, std::string>> held_by;
+  for (int j = 0; j < node::kMaxJobs; ++j) {
+    if (j == job) continue;
+    int ranks = 0;
+    const uint64_t held = node::JobHeldOrDeclared(s, j, &ranks);
+    if (ranks == 0) continue;
+    others += held;
+    held_by.emplace_back(
+        held, StrCat("job '", s->jobs[j].name, "' ", FormatMiB(held), " (", ranks, " rank(s))"));
+  }
+  *named = NameLargest(std::move(held_by), kNamed, "job(s)");
+  return others;
+}
+
+// What the ranks under the limit hold outside the arenas, as each last published it (this job's
+// ranks just before they declared): measured, where the budget's reserve is a fixed guess.
+// *named: the largest few ranks by name.
+uint64_t HeldOutside(const NodeStats& snap, const std::string& job_name, std::string* named) {
+  uint64_t outside = 0;
+  std::vector<std::pair<uint64_t, std::string>> outside_by;
+  for (const NodeRankStats& r : snap.ranks) {
+    const uint64_t held = node::HeldOutsideArenas(r.memory);
+    if (held == 0) continue;
+    outside += held;
+    outside_by.emplace_back(held, StrCat(r.job == job_name ? "" : StrCat("job '", r.job, "' "),
+                                         "local rank ", r.local_rank, " ", FormatMiB(held), " (",
+                                         node::DescribeHeldOutsideArenas(r.memory, 3), ")"));
+  }
+  *named = NameLargest(std::move(outside_by), kNamed, "rank(s)");
+  return outside;
+}
+
+// The verdict of a round every rank of the job declared in, with its text: the job's needs
+// beside the other jobs' against the node budget and, with what the ranks hold outside the
+// arenas, against the memory limit. Assumes the segment's lock.
+std::pair<Verdict, std::string> JudgeRound(const Segment* s, const std::string& path,
+                                           const node::JobEntry& e, int job,
+                                           const std::string& job_name, const std::string& detail) {
+  const NodeStats snap = node::ReadStats(s, path, job_name);
+  const Declared declared = SumDeclarations(e);
+  const uint64_t total = declared.total;
+  std::string other_jobs, outside_each;
+  const uint64_t others = OtherJobsHeld(s, job, &other_jobs);
+  const uint64_t outside = HeldOutside(snap, job_name, &outside_each);
+  // The job's needs (or what its ranks already hold in the arenas, where more) must fit the
+  // memory limit beside what the ranks hold outside the arenas too.
+  int own_ranks = 0;
+  const uint64_t own = std::max(total, node::JobHeldOrDeclared(s, job, &own_ranks));
+  const bool over_limit =
+      snap.memory_limit_bytes != 0 && own + others + outside > snap.memory_limit_bytes;
+  if (total + others <= snap.host_budget_bytes && !over_limit) return {Verdict::kFits, ""};
+  if (total + others <= snap.host_budget_bytes) {
+    return {Verdict::kOverBudget,
+            StrCat("node admission: the ", declared.ranks, " local ranks of job '", job_name,
+                   "' need ", FormatBytes(total), " of host memory together",
+                   others != 0 ? StrCat(", beside ", FormatBytes(others),
+                                        " that the other jobs' arenas hold or declared")
+                               : std::string(),
+                   ", and the ranks under this memory limit already hold ", FormatBytes(outside),
+                   " outside Spillway's arenas, as each last published it (", outside_each,
+                   "): together more than the memory limit of ",
+                   FormatBytes(snap.memory_limit_bytes), " for ", snap.scope,
+                   ", though within the node budget of ", FormatBytes(snap.host_budget_bytes),
+                   ", whose reserve is too small for what these ranks hold besides. Each rank's "
+                   "need: ",
+                   declared.each,
+                   ". Nothing was allocated. Free what the ranks hold outside the arenas (a "
+                   "model loaded on every rank: zero.Init, or load it on one), run fewer ranks "
+                   "per node, or offload more state to NVMe.",
+                   detail.empty() ? "" : " ", detail)};
+  }
+  return {Verdict::kOverBudget,
+          StrCat("node admission: the ", declared.ranks, " local ranks of job '", job_name,
+                 "' need ", FormatBytes(total), " of host memory together",
+                 others != 0 ? StrCat(", beside ", FormatBytes(others),
+                                      " that the other jobs under the same memory limit hold "
+                                      "or declared (",
+                                      other_jobs, ")")
+                             : std::string(),
+                 ": more than the node budget of ", FormatBytes(snap.host_budget_bytes), " for ",
+                 snap.scope, " ", DescribeNodeBudget(snap), ". Each rank's need: ", declared.each,
+                 ". Nothing was allocated.", detail.empty() ? "" : " ", detail)};
+}
+
 }  // namespace
 
 std::string NodeGovernor::DescribeOverBudget(NodeTier tier, uint64_t bytes,
@@ -117,33 +270,6 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
     mine.last_fork = workers_fork_bytes;
     mine.round = round;
   }
-  auto verdict = [&]() -> Status {  // assumes the lock; the verdict of this round
-    node::JobEntry& e = entry();
-    const std::string text = e.verdict_text;
-    if (e.verdict == Verdict::kFits) return Status::Ok();
-    // A refused round's need is taken back (a retry with a smaller config is judged on its own):
-    // when the verdict was written, for the ranks that had declared by then; here for a rank that
-    // declared after it (last_need was zeroed for the others, so nothing is taken twice).
-    Declaration& mine = e.declarations[local_rank()];
-    if (mine.round == round) TakeBackLast(&mine);
-    if (e.verdict == Verdict::kOverBudget) return Status::OverBudget(text);
-    return Status::Make(StatusCode::kUnavailable, text);
-  };
-  auto write = [&](Verdict v, const std::string& text) {  // assumes the lock
-    node::JobEntry& e = entry();
-    if (v != Verdict::kFits) {
-      // The refused round is taken back for every rank of the job now, not when each returns: the
-      // other jobs' admission must not count needs nobody will hold.
-      for (Declaration& d : e.declarations) {
-        if (d.round == round) TakeBackLast(&d);
-      }
-    }
-    // The round last: a writer killed midway leaves the previous round's verdict, never this
-    // round's number on another round's verdict.
-    e.verdict = v;
-    std::snprintf(e.verdict_text, sizeof(e.verdict_text), "%s", text.c_str());
-    __atomic_store_n(&e.verdict_round, round, __ATOMIC_RELEASE);
-  };
   const uint64_t deadline = NowNs() + static_cast<uint64_t>(timeout.count()) * 1'000'000ull;
   while (true) {
     SPILLWAY_RETURN_IF_ERROR(ReapDead());
@@ -154,112 +280,25 @@ Status NodeGovernor::Admit(uint64_t need_bytes, uint64_t workers_fork_bytes,
                                                " of job '", job(),
                                                "' left the node while waiting; nothing declared"));
     }
-    if (entry().verdict_round >= round) return verdict();
-    std::vector<int> missing;
-    for (int r = 0; r < kMaxSlots; ++r) {
-      const bool expected = r < entry().local_world_size ||
-                            node::RankSlot(segment_, job_.load(std::memory_order_acquire), r) >= 0;
-      if (expected && entry().declarations[r].round < round) missing.push_back(r);
-    }
+    node::JobEntry& e = entry();
+    const int job_index = job_.load(std::memory_order_acquire);  // only Rekey moves it, locked
+    if (e.verdict_round >= round) return ReadVerdict(e, local_rank(), round);
+    const std::vector<int> missing = MissingRanks(segment_, e, job_index, round);
     if (missing.empty()) {  // this rank completes the round: its verdict is every rank's
-      const NodeStats snap = node::ReadStats(segment_, path_, job());
-      uint64_t total = 0;
-      std::string each;
-      int declared = 0;
-      for (int r = 0; r < kMaxSlots; ++r) {
-        const Declaration& d = entry().declarations[r];
-        if (d.round == 0) continue;
-        ++declared;
-        total += d.need;
-        each += StrCat(each.empty() ? "" : "; ", "local rank ", r, " ", FormatMiB(d.need),
-                       d.fork != 0
-                           ? StrCat(" (of which its workers' fork copy ", FormatMiB(d.fork), ")")
-                           : std::string());
-      }
-      // The other jobs under the same memory limit: what each live rank holds or declared.
-      // The largest few by name: with every process a job there may be 63, and the verdict's
-      // text is bounded (kVerdictChars).
-      constexpr size_t kNamed = 8;
-      uint64_t others = 0;
-      std::vector<std::pair<uint64_t, std::string>> held_by;
-      for (int j = 0; j < node::kMaxJobs; ++j) {
-        if (j == job_.load(std::memory_order_acquire)) continue;
-        int ranks = 0;
-        const uint64_t held = node::JobHeldOrDeclared(segment_, j, &ranks);
-        if (ranks == 0) continue;
-        others += held;
-        held_by.emplace_back(held, StrCat("job '", segment_->jobs[j].name, "' ", FormatMiB(held),
-                                          " (", ranks, " rank(s))"));
-      }
-      const std::string other_jobs = NameLargest(std::move(held_by), kNamed, "job(s)");
-      // What the ranks under the limit hold outside the arenas, as each last published it (this
-      // job's ranks just before they declared): measured, where the budget's reserve is a fixed
-      // guess. The job's needs (or what its ranks already hold in the arenas, where more) must fit
-      // the memory limit beside it too. The largest few ranks by name, as for the other jobs.
-      uint64_t outside = 0;
-      std::vector<std::pair<uint64_t, std::string>> outside_by;
-      for (const NodeRankStats& r : snap.ranks) {
-        const uint64_t held = node::HeldOutsideArenas(r.memory);
-        if (held == 0) continue;
-        outside += held;
-        outside_by.emplace_back(
-            held,
-            StrCat(r.job == job() ? "" : StrCat("job '", r.job, "' "), "local rank ", r.local_rank,
-                   " ", FormatMiB(held), " (", node::DescribeHeldOutsideArenas(r.memory, 3), ")"));
-      }
-      const std::string outside_each = NameLargest(std::move(outside_by), kNamed, "rank(s)");
-      int own_ranks = 0;
-      const uint64_t own = std::max(
-          total,
-          node::JobHeldOrDeclared(segment_, job_.load(std::memory_order_acquire), &own_ranks));
-      const bool over_limit =
-          snap.memory_limit_bytes != 0 && own + others + outside > snap.memory_limit_bytes;
-      if (total + others <= snap.host_budget_bytes && !over_limit) {
-        write(Verdict::kFits, "");
-      } else if (total + others <= snap.host_budget_bytes) {
-        write(Verdict::kOverBudget,
-              StrCat("node admission: the ", declared, " local ranks of job '", job(), "' need ",
-                     FormatBytes(total), " of host memory together",
-                     others != 0 ? StrCat(", beside ", FormatBytes(others),
-                                          " that the other jobs' arenas hold or declared")
-                                 : std::string(),
-                     ", and the ranks under this memory limit already hold ", FormatBytes(outside),
-                     " outside Spillway's arenas, as each last published it (", outside_each,
-                     "): together more than the memory limit of ",
-                     FormatBytes(snap.memory_limit_bytes), " for ", snap.scope,
-                     ", though within the node budget of ", FormatBytes(snap.host_budget_bytes),
-                     ", whose reserve is too small for what these ranks hold besides. Each rank's "
-                     "need: ",
-                     each,
-                     ". Nothing was allocated. Free what the ranks hold outside the arenas (a "
-                     "model loaded on every rank: zero.Init, or load it on one), run fewer ranks "
-                     "per node, or offload more state to NVMe.",
-                     detail.empty() ? "" : " ", detail));
-      } else {
-        write(Verdict::kOverBudget,
-              StrCat("node admission: the ", declared, " local ranks of job '", job(), "' need ",
-                     FormatBytes(total), " of host memory together",
-                     others != 0 ? StrCat(", beside ", FormatBytes(others),
-                                          " that the other jobs under the same memory limit hold "
-                                          "or declared (",
-                                          other_jobs, ")")
-                                 : std::string(),
-                     ": more than the node budget of ", FormatBytes(snap.host_budget_bytes),
-                     " for ", snap.scope, " ", DescribeNodeBudget(snap), ". Each rank's need: ",
-                     each, ". Nothing was allocated.", detail.empty() ? "" : " ", detail));
-      }
-      return verdict();
+      const auto [verdict, text] = JudgeRound(segment_, path_, e, job_index, job(), detail);
+      WriteVerdict(e, round, verdict, text);
+      return ReadVerdict(e, local_rank(), round);
     }
     if (NowNs() > deadline) {
       std::string names;
       for (int r : missing) names += StrCat(names.empty() ? "" : ", ", r);
-      write(Verdict::kAborted,
-            StrCat("node admission: local rank(s) ", names, " of job '", job(),
-                   "' did not declare their host memory within ", timeout.count(),
-                   " ms; each rank declares at deepspeed.initialize (or spillway.install with a "
-                   "declared size). Check that they started, or raise "
-                   "SPILLWAY_NODE_ADMIT_TIMEOUT"));
-      return verdict();
+      WriteVerdict(e, round, Verdict::kAborted,
+                   StrCat("node admission: local rank(s) ", names, " of job '", job(),
+                          "' did not declare their host memory within ", timeout.count(),
+                          " ms; each rank declares at deepspeed.initialize (or spillway.install "
+                          "with a declared size). Check that they started, or raise "
+                          "SPILLWAY_NODE_ADMIT_TIMEOUT"));
+      return ReadVerdict(e, local_rank(), round);
     }
     { auto unlock = std::move(lock); }
     SleepMs(5);
