@@ -95,6 +95,72 @@ uint32_t DirectIoAlignment(int fd) {
   return 4096;  // kernels before 6.1, or filesystems that do not say
 }
 
+// NvmeArena::Allocate's checks of the request, before anything is locked.
+Status CheckNvmeRequest(uint64_t bytes, const OwnerTag& tag, uint64_t alignment,
+                        const Ledger& ledger) {
+  if (static_cast<int>(tag.kind) >= kKindCount ||
+      static_cast<int>(tag.lifetime) >= kLifetimeCount) {
+    return Status::InvalidArgument("NvmeArena::Allocate: owner tag kind or lifetime out of range");
+  }
+  if (bytes == 0) {
+    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size 0 for ", KindName(tag.kind),
+                                          " owner ", tag.owner_id, "; ask for at least 1 byte"));
+  }
+  if (bytes > UINT64_MAX - alignment) {
+    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size ", bytes, " overflows"));
+  }
+  if (!ledger.scope_exists(tag.scope)) {
+    return Status::InvalidArgument(
+        StrCat("NvmeArena::Allocate: scope ", tag.scope, " was never created"));
+  }
+  return Status::Ok();
+}
+
+// Books a growth of the swap file on the node's NVMe ledger (Note [Node governor]), without the
+// arena's lock: *grow, or only the request's `just_need` when the node cannot hold a whole step.
+Status BookGrowth(NodeGovernor* node, uint64_t just_need, uint64_t* grow) {
+  if (node == nullptr) return Status::Ok();
+  Status booked = node->Reserve(NodeTier::kNvme, *grow);
+  if (booked.code() == StatusCode::kOverBudget && *grow > just_need) {
+    *grow = just_need;  // the node cannot hold a whole grow step: grow by the request alone
+    booked = node->Reserve(NodeTier::kNvme, *grow);
+  }
+  return booked;
+}
+
+// Extends the swap file `fd` from `capacity` by `grow`, without the arena's lock: fallocate, or
+// ftruncate where the filesystem has none (*switched: this call found that out). Returns errno.
+int ExtendFile(int fd, uint64_t capacity, uint64_t grow, NvmeArenaFaults* faults,
+               std::atomic<bool>* without_fallocate, bool* switched) {
+  int err = faults != nullptr ? faults->fallocate_errno.exchange(0) : 0;
+  if (err == 0 && !without_fallocate->load()) {
+    err = fallocate(fd, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0 : errno;
+  }
+  if (err == EOPNOTSUPP || without_fallocate->load()) {
+    // No fallocate here (older ZFS, NFSv3, some FUSE): grow with ftruncate. The blocks are then
+    // allocated by the writes, so a full device shows up as ENOSPC on a write instead of here.
+    *switched = !without_fallocate->exchange(true);
+    err = ftruncate(fd, static_cast<off_t>(capacity + grow)) == 0 ? 0 : errno;
+  }
+  return err;
+}
+
+// The error of a growth of the swap file that failed with `err`: what to change for that errno.
+Status GrowthError(const NvmeArenaOptions& options, uint64_t capacity, uint64_t grow, int err) {
+  const bool fbig = err == EFBIG;
+  return Status::FromErrno(
+      StatusCode::kNoSpace, err,
+      StrCat("nvme arena '", options.name, "': growing the swap file in '", options.directory,
+             "' from ", FormatBytes(capacity), " by ", FormatBytes(grow), " failed (",
+             FreeSpace(options.directory), " free there); ",
+             fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
+                    "reached; raise the limit or lower spillway.nvme_budget_bytes"
+             : err == EOPNOTSUPP || err == ENOSYS
+                 ? "the filesystem supports neither fallocate nor growing the file; put nvme_path "
+                   "on a local filesystem (ext4, xfs)"
+                 : "free space on the device or lower spillway.nvme_budget_bytes",
+             ". Nothing was allocated"));
+}
 }  // namespace
 
 Result<std::unique_ptr<NvmeArena>> NvmeArena::Create(NvmeArenaOptions options, IoEngine* engine) {
@@ -185,21 +251,7 @@ NvmeArena::~NvmeArena() {
 Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Allocate"));
-  if (static_cast<int>(tag.kind) >= kKindCount ||
-      static_cast<int>(tag.lifetime) >= kLifetimeCount) {
-    return Status::InvalidArgument("NvmeArena::Allocate: owner tag kind or lifetime out of range");
-  }
-  if (bytes == 0) {
-    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size 0 for ", KindName(tag.kind),
-                                          " owner ", tag.owner_id, "; ask for at least 1 byte"));
-  }
-  if (bytes > UINT64_MAX - alignment_) {
-    return Status::InvalidArgument(StrCat("NvmeArena::Allocate: size ", bytes, " overflows"));
-  }
-  if (!ledger_->scope_exists(tag.scope)) {
-    return Status::InvalidArgument(
-        StrCat("NvmeArena::Allocate: scope ", tag.scope, " was never created"));
-  }
+  SPILLWAY_RETURN_IF_ERROR(CheckNvmeRequest(bytes, tag, alignment_, *ledger_));
   const uint64_t rounded = RoundUp(bytes, alignment_);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -234,38 +286,21 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
                              options_.budget_bytes - capacity);
     growing_ = true;
     lock.unlock();
-    if (options_.node != nullptr) {  // the node's NVMe ledger first (Note [Node governor])
-      Status booked = options_.node->Reserve(NodeTier::kNvme, grow);
-      const uint64_t just_need = RoundUp(need, alignment_);
-      if (booked.code() == StatusCode::kOverBudget && grow > just_need) {
-        grow = just_need;  // the node cannot hold a whole grow step: grow by the request alone
-        booked = options_.node->Reserve(NodeTier::kNvme, grow);
-      }
-      if (!booked.ok()) {
-        lock.lock();
-        growing_ = false;
-        grown_cv_.notify_all();
-        stats_.over_budget_count++;
-        return booked.WithContext(StrCat("nvme arena '", options_.name,
-                                         "': growing the swap file by ", FormatBytes(grow), " for ",
-                                         KindName(tag.kind), " owner ", tag.owner_id));
-      }
-    }
-    int err = options_.faults != nullptr ? options_.faults->fallocate_errno.exchange(0) : 0;
-    if (err == 0 && !without_fallocate_.load()) {
-      err = fallocate(fd_, 0, static_cast<off_t>(capacity), static_cast<off_t>(grow)) == 0 ? 0
-                                                                                           : errno;
-    }
+    // The node's NVMe ledger first, then the file: both without mu_ (growing_ holds the others).
+    const Status booked = BookGrowth(options_.node.get(), RoundUp(need, alignment_), &grow);
     bool switched = false;
-    if (err == EOPNOTSUPP || without_fallocate_.load()) {
-      // No fallocate here (older ZFS, NFSv3, some FUSE): grow with ftruncate. The blocks are then
-      // allocated by the writes, so a full device shows up as ENOSPC on a write instead of here.
-      switched = !without_fallocate_.exchange(true);
-      err = ftruncate(fd_, static_cast<off_t>(capacity + grow)) == 0 ? 0 : errno;
-    }
+    const int err = booked.ok() ? ExtendFile(fd_, capacity, grow, options_.faults,
+                                             &without_fallocate_, &switched)
+                                : 0;
     lock.lock();
     growing_ = false;
     grown_cv_.notify_all();
+    if (!booked.ok()) {
+      stats_.over_budget_count++;
+      return booked.WithContext(StrCat("nvme arena '", options_.name,
+                                       "': growing the swap file by ", FormatBytes(grow), " for ",
+                                       KindName(tag.kind), " owner ", tag.owner_id));
+    }
     if (switched) {
       stats_.grows_without_fallocate = true;
       Log(LogLevel::kWarning,
@@ -277,20 +312,7 @@ Result<uint64_t> NvmeArena::Allocate(uint64_t bytes, const OwnerTag& tag) {
     if (err != 0 && options_.node != nullptr) options_.node->Release(NodeTier::kNvme, grow);
     if (err != 0) {
       stats_.no_space_count++;
-      const bool fbig = err == EFBIG;
-      return Status::FromErrno(
-          StatusCode::kNoSpace, err,
-          StrCat(
-              "nvme arena '", options_.name, "': growing the swap file in '", options_.directory,
-              "' from ", FormatBytes(capacity), " by ", FormatBytes(grow), " failed (",
-              FreeSpace(options_.directory), " free there); ",
-              fbig ? "the file size limit (ulimit -f) or the filesystem's largest file was "
-                     "reached; raise the limit or lower spillway.nvme_budget_bytes"
-              : err == EOPNOTSUPP || err == ENOSYS
-                  ? "the filesystem supports neither fallocate nor growing the file; put nvme_path "
-                    "on a local filesystem (ext4, xfs)"
-                  : "free space on the device or lower spillway.nvme_budget_bytes",
-              ". Nothing was allocated"));
+      return GrowthError(options_, capacity, grow, err);
     }
     Status st = capacity == 0 ? extents_.AddSpan(0, grow) : extents_.GrowSpan(0, grow);
     if (!st.ok()) return st;
