@@ -283,10 +283,33 @@ void Unmap(const Mapped& m) {
   if (m.fd >= 0) close(m.fd);
 }
 
-Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds wait) {
-  Mapped m;
-  m.fd = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  if (m.fd < 0) {
+namespace {
+
+// A segment file that cannot be used as one: its creator died while making it, or another
+// Spillway version made it.
+Status AbandonedSegment(const std::string& path, const std::string& why) {
+  return Status::FromErrno(
+      StatusCode::kFailedPrecondition, EBADF,
+      StrCat("node segment ", path, " ", why,
+             ": its creator died while making it, or another Spillway version made it. The next "
+             "Join on this node removes it; or rm ",
+             path, " when no rank of the job runs"));
+}
+
+// A segment of another layout version, made by another Spillway.
+Status OtherLayout(const std::string& path, uint32_t version) {
+  return Status::FailedPrecondition(StrCat(
+      "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
+      ". Every process under one memory limit must run the same Spillway (or name its own "
+      "ledger: SPILLWAY_NODE_LEDGER); rm ",
+      path, " when no process of the other one runs"));
+}
+
+// Opens the segment file at `path` and checks it is this user's, mode 0600 and regular; *st: its
+// stat. Returns the fd; on error nothing is left open.
+Result<int> OpenOwnSegmentFile(const std::string& path, struct stat* st) {
+  const int fd = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
     const int err = errno;
     if (err == EACCES || err == EPERM) {
       return Status::FromErrno(StatusCode::kFailedPrecondition, err,
@@ -297,57 +320,58 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
     }
     return Status::FromErrno(StatusCode::kUnavailable, err, StrCat("opening node segment ", path));
   }
-  struct stat st {};
-  if (fstat(m.fd, &st) != 0) {
+  if (fstat(fd, st) != 0) {
     const int err = errno;
-    Unmap(m);
+    close(fd);
     return Status::FromErrno(StatusCode::kInternal, err, StrCat("fstat of ", path));
   }
-  if (st.st_uid != geteuid() || (st.st_mode & 0777) != 0600 || !S_ISREG(st.st_mode)) {
-    Unmap(m);
-    return Status::FailedPrecondition(StrCat("node segment ", path, " is owned by uid ", st.st_uid,
-                                             " with mode 0", std::oct, (st.st_mode & 0777),
+  if (st->st_uid != geteuid() || (st->st_mode & 0777) != 0600 || !S_ISREG(st->st_mode)) {
+    close(fd);
+    return Status::FailedPrecondition(StrCat("node segment ", path, " is owned by uid ", st->st_uid,
+                                             " with mode 0", std::oct, (st->st_mode & 0777),
                                              std::dec, "; Spillway makes its segments mode 0600 ",
                                              "for their own user (uid ", geteuid(),
                                              ") and uses no other. Remove it, or name "
                                              "this ledger differently (SPILLWAY_NODE_LEDGER)"));
   }
-  const uint64_t deadline = NowNs() + static_cast<uint64_t>(wait.count()) * 1'000'000ull;
-  auto abandoned = [&](const std::string& why) {
-    Unmap(m);
-    return Status::FromErrno(
-        StatusCode::kFailedPrecondition, EBADF,
-        StrCat("node segment ", path, " ", why,
-               ": its creator died while making it, or another Spillway version made it. The next "
-               "Join on this node removes it; or rm ",
-               path, " when no rank of the job runs"));
-  };
-  auto other_layout = [&](uint32_t version) {
-    Unmap(m);
-    return Status::FailedPrecondition(StrCat(
-        "node segment ", path, " has layout version ", version, "; this Spillway uses ", kVersion,
-        ". Every process under one memory limit must run the same Spillway (or name its own "
-        "ledger: SPILLWAY_NODE_LEDGER); rm ",
-        path, " when no process of the other one runs"));
-  };
-  while (static_cast<uint64_t>(st.st_size) < sizeof(Segment)) {  // its creator is sizing it
+  return fd;
+}
+
+// Waits until the segment file `fd` is a whole Segment long (its creator is sizing it), until
+// `deadline`; a published segment of another layout fails at once.
+Status WaitUntilSized(int fd, const std::string& path, uint64_t deadline, struct stat* st) {
+  while (static_cast<uint64_t>(st->st_size) < sizeof(Segment)) {
     // A published segment of another layout (a smaller one of an older Spillway): not being
     // sized, and not ours to remove, since its ranks cannot be read with this layout.
     uint64_t magic = 0;
     uint32_t version = 0;
-    if (pread(m.fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+    if (pread(fd, &magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
         magic == kMagic &&
-        pread(m.fd, &version, sizeof(version), offsetof(Segment, version)) ==
+        pread(fd, &version, sizeof(version), offsetof(Segment, version)) ==
             static_cast<ssize_t>(sizeof(version)) &&
         version != kVersion) {
-      return other_layout(version);
+      return OtherLayout(path, version);
     }
     if (NowNs() >= deadline) {
-      return abandoned(
-          StrCat("is ", st.st_size, " bytes, not the ", sizeof(Segment), " of this layout"));
+      return AbandonedSegment(
+          path, StrCat("is ", st->st_size, " bytes, not the ", sizeof(Segment), " of this layout"));
     }
     SleepMs(1);
-    if (fstat(m.fd, &st) != 0) st.st_size = 0;
+    if (fstat(fd, st) != 0) st->st_size = 0;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds wait) {
+  Mapped m;
+  struct stat st {};
+  SPILLWAY_ASSIGN_OR_RETURN(m.fd, OpenOwnSegmentFile(path, &st));
+  const uint64_t deadline = NowNs() + static_cast<uint64_t>(wait.count()) * 1'000'000ull;
+  if (Status sized = WaitUntilSized(m.fd, path, deadline, &st); !sized.ok()) {
+    Unmap(m);
+    return sized;
   }
   void* p = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, m.fd, 0);
   if (p == MAP_FAILED) {
@@ -357,11 +381,16 @@ Result<Mapped> OpenExisting(const std::string& path, std::chrono::milliseconds w
   }
   m.segment = static_cast<Segment*>(p);
   while (m.segment->magic.load(std::memory_order_acquire) != kMagic) {
-    if (NowNs() >= deadline) return abandoned("was never initialized");
+    if (NowNs() >= deadline) {
+      Unmap(m);
+      return AbandonedSegment(path, "was never initialized");
+    }
     SleepMs(1);
   }
   if (m.segment->version != kVersion || m.segment->size != sizeof(Segment)) {
-    return other_layout(m.segment->version);
+    const uint32_t version = m.segment->version;  // read before the unmap
+    Unmap(m);
+    return OtherLayout(path, version);
   }
   return m;
 }
