@@ -94,26 +94,26 @@ int FallocateRetrying(int fd, off_t bytes) {
   return err;
 }
 
-// Assumes s->mu. Claims a slot of the ledger for the job's local rank (the job's entry found or
-// made): every check is made before anything changes. Returns the slot, the job's entry and the
-// local rank.
-struct Claim {
-  int slot, job, local_rank;
-};
-Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::string& path,
-                          uint64_t start_ticks) {
-  // Names another ledger only for jobs that truly share no memory limit: under one, two ledgers
-  // promise its memory twice.
-  const char* kOwnLedger =
-      "; or, for a job that shares no memory limit with the others, a ledger of its own "
-      "(SPILLWAY_NODE_LEDGER)";
-  // A default budget (from the memory limit) yields to the first explicit one while what is
-  // booked fits under it: a lone process that made the ledger must not refuse a job started with
-  // SPILLWAY_NODE_BUDGET_BYTES. Two explicit budgets must agree.
-  // So may one set by a job whose ranks are all gone (a notebook outliving the jobs beside it).
+// Names another ledger only for jobs that truly share no memory limit: under one, two ledgers
+// promise its memory twice.
+constexpr const char* kOwnLedger =
+    "; or, for a job that shares no memory limit with the others, a ledger of its own "
+    "(SPILLWAY_NODE_LEDGER)";
+
+// Assumes s->mu. Whether the job's explicit host budget is adopted as the ledger's. A default
+// budget (from the memory limit) yields to the first explicit one while what is booked fits under
+// it: a lone process that made the ledger must not refuse a job started with
+// SPILLWAY_NODE_BUDGET_BYTES. Two explicit budgets must agree. So may one set by a job whose ranks
+// are all gone (a notebook outliving the jobs beside it).
+bool AdoptsBudget(const Segment* s, const NodeGovernorOptions& o) {
   const int setter = s->budget_explicit != 0 ? node::FindJob(s, s->budget_by) : -1;
-  const bool adopt = o.host_budget_bytes != 0 &&
-                     (s->budget_explicit == 0 || setter < 0 || !node::JobHasRanks(s, setter));
+  return o.host_budget_bytes != 0 &&
+         (s->budget_explicit == 0 || setter < 0 || !node::JobHasRanks(s, setter));
+}
+
+// Assumes s->mu. The job's host and NVMe budgets against the ledger's: an adopted host budget must
+// hold what is booked, one not adopted must equal the ledger's, and NVMe budgets must agree.
+Status CheckClaimBudgets(const Segment* s, const NodeGovernorOptions& o, bool adopt) {
   if (adopt && s->host_committed > o.host_budget_bytes) {
     return Status::InvalidArgument(StrCat(
         "node governor: job '", o.job, "' asks for a node budget of ",
@@ -143,6 +143,45 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
         "SPILLWAY_NODE_NVME_BUDGET_BYTES (or none)",
         kOwnLedger));
   }
+  return Status::Ok();
+}
+
+// Assumes s->mu. The first free slot of the ledger, or the error that live ranks hold them all.
+Result<int> FreeSlot(const Segment* s, const std::string& path) {
+  for (int i = 0; i < kMaxSlots; ++i) {
+    if (s->slots[i].pid == 0) return i;
+  }
+  return Status::ResourceExhausted(
+      StrCat("node governor: all ", kMaxSlots, " slots of the ledger ", path, " (", s->scope,
+             ") are held by live ranks; a memory limit's ledger holds at most ", kMaxSlots,
+             " ranks. Run fewer", kOwnLedger));
+}
+
+// Assumes s->mu. Makes `slot` this process's, for the job's local rank; nothing of an earlier
+// occupant stays, and the pid is written last.
+void FillSlot(Segment* s, int slot, int job, int local_rank, uint64_t start_ticks) {
+  Slot& mine = s->slots[slot];
+  const uint64_t generation = mine.generation;
+  ClearSlot(&mine);  // nothing of an earlier occupant stays
+  mine.generation = generation;
+  // The pid last: a rank killed midway leaves a free slot, or one that the lock's recovery frees.
+  mine.job = job;
+  mine.local_rank = local_rank;
+  mine.start_ticks = start_ticks;
+  mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  mine.pid = getpid();
+}
+
+// Assumes s->mu. Claims a slot of the ledger for the job's local rank (the job's entry found or
+// made): every check is made before anything changes. Returns the slot, the job's entry and the
+// local rank.
+struct Claim {
+  int slot, job, local_rank;
+};
+Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::string& path,
+                          uint64_t start_ticks) {
+  const bool adopt = AdoptsBudget(s, o);
+  SPILLWAY_RETURN_IF_ERROR(CheckClaimBudgets(s, o, adopt));
   int job = node::FindJob(s, o.job);
   const bool running = job >= 0 && node::JobHasRanks(s, job);
   int local_rank = o.local_rank;
@@ -156,16 +195,7 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
           "second job its own SPILLWAY_NODE_JOB"));
     }
   }
-  int slot = -1;
-  for (int i = 0; i < kMaxSlots && slot < 0; ++i) {
-    if (s->slots[i].pid == 0) slot = i;
-  }
-  if (slot < 0) {
-    return Status::ResourceExhausted(
-        StrCat("node governor: all ", kMaxSlots, " slots of the ledger ", path, " (", s->scope,
-               ") are held by live ranks; a memory limit's ledger holds at most ", kMaxSlots,
-               " ranks. Run fewer", kOwnLedger));
-  }
+  SPILLWAY_ASSIGN_OR_RETURN(const int slot, FreeSlot(s, path));
   if (!running) {
     job = node::TakeJob(s, o.job);
     if (job < 0) {
@@ -178,16 +208,7 @@ Result<Claim> ClaimLocked(Segment* s, const NodeGovernorOptions& o, const std::s
     local_rank = 0;
     while (node::RankSlot(s, job, local_rank) >= 0) ++local_rank;
   }
-  Slot& mine = s->slots[slot];
-  const uint64_t generation = mine.generation;
-  ClearSlot(&mine);  // nothing of an earlier occupant stays
-  mine.generation = generation;
-  // The pid last: a rank killed midway leaves a free slot, or one that the lock's recovery frees.
-  mine.job = job;
-  mine.local_rank = local_rank;
-  mine.start_ticks = start_ticks;
-  mine.trim_ack.store(s->trim_word.load(std::memory_order_relaxed), std::memory_order_relaxed);
-  mine.pid = getpid();
+  FillSlot(s, slot, job, local_rank, start_ticks);
   node::JobEntry& entry = s->jobs[job];
   entry.declarations[local_rank] = Declaration{};
   if (entry.local_world_size == 0) entry.local_world_size = o.local_world_size;
