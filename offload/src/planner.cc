@@ -236,8 +236,9 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
   add("final save", steady + 2 * largest, steady, steady + 2 * P, steady);
 }
 
-// The plan without suggestions (they re-plan with changed settings).
-Result<PlanReport> Compute(const PlanInput& in) {
+// Checks the plan's input: sizes in range, the world a multiple of the nodes, the phases' flags
+// only where they are modelled.
+Status CheckPlanInput(const PlanInput& in) {
   if (!(in.params > 0) || in.params > 1e15) {
     return Status::InvalidArgument(
         "--params must be a positive number of parameters, at most 1e15");
@@ -281,93 +282,130 @@ Result<PlanReport> Compute(const PlanInput& in) {
     return Status::InvalidArgument(
         StrCat("--gpu-reserve ", in.gpu_reserve_fraction, " must be in [0, 1)"));
   }
+  return Status::Ok();
+}
+
+// The trainer's lines (Runtime::kTrainer) into r, with its checkpoint's gather and streamed bytes.
+// Returns what its arena commits per rank, regions and transients included.
+Result<uint64_t> PlanTrainer(const PlanInput& in, double ranks_per_node, PlanReport* r) {
+  const Config& c = in.config;
+  if (in.trainer_units.empty())
+    return Status::InvalidArgument("a trainer plan needs the model's units");
+  uint64_t numel = 0, shard = 0, largest = 0;
+  for (uint64_t u : in.trainer_units) {
+    const uint64_t per_rank = (u + in.world_size - 1) / in.world_size;
+    numel += u;
+    shard += per_rank;
+    largest = std::max(largest, per_rank);
+  }
+  if (std::fabs(static_cast<double>(numel) - in.params) > 0.5) {
+    return Status::InvalidArgument(
+        StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
+  }
+  TrainerLines(in, shard, &r->lines);
+  // What stays in the arena between steps: per unit, the parameter and gradient partitions (host
+  // homed, or NVMe-homed copies cached), the optimizer's three unless they stream from NVMe;
+  // the engine's bounce pool. The step's transients: one unit gathered whole, and, streaming,
+  // the optimizer's three partitions of the group in use and of the prefetched ones.
+  const bool opt_nvme = c.offload_optimizer.device == OffloadDevice::kNvme;
+  std::vector<uint64_t> resident;
+  for (uint64_t u : in.trainer_units) {
+    const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
+    for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
+  }
+  uint64_t staging = c.spillway.bounce_buffers;
+  if (c.offload_param.device == OffloadDevice::kNvme)
+    staging += TransferPipelineOptions{}.staging_buffers;
+  for (uint64_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
+  const uint64_t gather = PageRound(4 * largest * in.world_size);
+  const uint64_t streamed =
+      opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
+  const uint64_t committed_per_rank =
+      ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));
+  r->checkpoint_gather_bytes = Bytes(4 * in.params);
+  // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the
+  // optimizer's state when it streams from NVMe.
+  r->checkpoint_streamed_bytes = c.offload_optimizer.device == OffloadDevice::kNvme
+                                     ? Bytes(4 * static_cast<double>(largest) * ranks_per_node)
+                                     : 0;
+  return committed_per_rank;
+}
+
+// Adds the lines up per rank: by place, and host and NVMe bytes by kind. Returns the host bytes
+// per rank that a fork copies.
+uint64_t SumLines(PlanReport* r) {
+  uint64_t copied_per_rank = 0;
+  for (const PlanLine& l : r->lines) {
+    r->per_rank[static_cast<int>(l.place)] += l.bytes_per_rank;
+    const size_t k = static_cast<size_t>(l.kind);
+    if (l.place == Place::kHostPinned || l.place == Place::kHostPageable) {
+      r->host_by_kind_per_rank[k] += l.bytes_per_rank;
+      if (l.fork_copies) copied_per_rank += l.bytes_per_rank;
+    } else if (l.place == Place::kNvme) {
+      r->nvme_by_kind_per_rank[k] += l.bytes_per_rank;
+    }
+  }
+  return copied_per_rank;
+}
+
+// The node's totals and peaks, Spillway's and the naive run's, and the host and NVMe headroom.
+void AddNodeTotals(const PlanInput& in, uint64_t committed_per_rank, uint64_t copied_per_rank,
+                   double ranks_per_node, PlanReport* r) {
+  const Config& c = in.config;
+  for (int k = 0; k < 4; ++k)
+    r->per_node[k] = Bytes(static_cast<double>(r->per_rank[k]) * ranks_per_node);
+  r->host_steady_per_node = r->per_node[1] + r->per_node[2];
+  r->nvme_per_node = r->per_node[3];
+  r->fork_extra_naive_per_node = Bytes(static_cast<double>(copied_per_rank) * ranks_per_node);
+  r->host_committed_per_node =
+      committed_per_rank == 0 ? r->host_steady_per_node
+                              : Bytes(static_cast<double>(committed_per_rank) * ranks_per_node);
+  r->fork_extra_spillway_per_node =
+      c.spillway.fork_safety == allocator::ForkSafety::kInherit ? r->host_committed_per_node : 0;
+  r->host_peak_naive_per_node =
+      r->host_steady_per_node + r->checkpoint_gather_bytes + r->fork_extra_naive_per_node;
+  r->host_peak_spillway_per_node =
+      r->host_committed_per_node + r->checkpoint_streamed_bytes + r->fork_extra_spillway_per_node;
+  r->host_headroom = static_cast<int64_t>(in.host_ram_bytes) -
+                     static_cast<int64_t>(r->host_peak_spillway_per_node);
+  r->nvme_headroom = static_cast<int64_t>(in.nvme_bytes) - static_cast<int64_t>(r->nvme_per_node);
+}
+
+// The GPU's bytes per rank against its memory less the reserve. Returns whether they fit (true
+// when the GPU is not checked).
+bool PlanGpu(const PlanInput& in, PlanReport* r) {
+  r->gpu_per_rank = r->per_rank[static_cast<int>(Place::kGpu)];
+  if (in.gpu_mem_bytes > 0) {
+    r->gpu_reserve_bytes = Bytes(static_cast<double>(in.gpu_mem_bytes) * in.gpu_reserve_fraction);
+    r->gpu_headroom = static_cast<int64_t>(in.gpu_mem_bytes) -
+                      static_cast<int64_t>(r->gpu_reserve_bytes) -
+                      static_cast<int64_t>(r->gpu_per_rank);
+    return r->gpu_headroom >= 0;
+  }
+  return true;
+}
+
+// The plan without suggestions (they re-plan with changed settings).
+Result<PlanReport> Compute(const PlanInput& in) {
+  SPILLWAY_RETURN_IF_ERROR(CheckPlanInput(in));
   PlanReport r;
   r.runtime = in.runtime;
   uint64_t committed_per_rank = 0;  // 0: as the steady state
   const double ranks_per_node =
       static_cast<double>(in.world_size) / in.nodes;  // divisible: checked above
   if (in.runtime == Runtime::kTrainer) {
-    if (in.trainer_units.empty())
-      return Status::InvalidArgument("a trainer plan needs the model's units");
-    uint64_t numel = 0, shard = 0, largest = 0;
-    for (uint64_t u : in.trainer_units) {
-      const uint64_t per_rank = (u + in.world_size - 1) / in.world_size;
-      numel += u;
-      shard += per_rank;
-      largest = std::max(largest, per_rank);
-    }
-    if (std::fabs(static_cast<double>(numel) - in.params) > 0.5) {
-      return Status::InvalidArgument(
-          StrCat("the trainer's units hold ", numel, " parameters, not --params ", in.params));
-    }
-    TrainerLines(in, shard, &r.lines);
-    // What stays in the arena between steps: per unit, the parameter and gradient partitions (host
-    // homed, or NVMe-homed copies cached), the optimizer's three unless they stream from NVMe;
-    // the engine's bounce pool. The step's transients: one unit gathered whole, and, streaming,
-    // the optimizer's three partitions of the group in use and of the prefetched ones.
-    const bool opt_nvme = c.offload_optimizer.device == OffloadDevice::kNvme;
-    std::vector<uint64_t> resident;
-    for (uint64_t u : in.trainer_units) {
-      const uint64_t b = 4 * ((u + in.world_size - 1) / in.world_size);
-      for (int k = 0; k < (opt_nvme ? 2 : 5); ++k) resident.push_back(b);
-    }
-    uint64_t staging = c.spillway.bounce_buffers;
-    if (c.offload_param.device == OffloadDevice::kNvme)
-      staging += TransferPipelineOptions{}.staging_buffers;
-    for (uint64_t i = 0; i < staging; ++i) resident.push_back(c.aio.block_size);
-    const uint64_t gather = PageRound(4 * largest * in.world_size);
-    const uint64_t streamed =
-        opt_nvme ? (uint64_t{1} + c.PrefetchWindow()) * 3 * PageRound(4 * largest) : 0;
-    committed_per_rank = ArenaCommitted(c.HostArenaOptions(), resident, std::max(gather, streamed));
-    r.checkpoint_gather_bytes = Bytes(4 * in.params);
-    // Save brings in, one at a time, the partitions that are neither host-homed nor cached: the
-    // optimizer's state when it streams from NVMe.
-    r.checkpoint_streamed_bytes = c.offload_optimizer.device == OffloadDevice::kNvme
-                                      ? Bytes(4 * static_cast<double>(largest) * ranks_per_node)
-                                      : 0;
+    SPILLWAY_ASSIGN_OR_RETURN(committed_per_rank, PlanTrainer(in, ranks_per_node, &r));
   } else {
     DeepSpeedLines(in, in.params / in.world_size, &r.lines);
     r.checkpoint_gather_bytes = Bytes(2 * in.params);
-    r.checkpoint_streamed_bytes = Bytes(static_cast<double>(c.aio.block_size) *
-                                        static_cast<double>(c.aio.queue_depth) * ranks_per_node);
+    r.checkpoint_streamed_bytes =
+        Bytes(static_cast<double>(in.config.aio.block_size) *
+              static_cast<double>(in.config.aio.queue_depth) * ranks_per_node);
   }
-  uint64_t copied_per_rank = 0;
-  for (const PlanLine& l : r.lines) {
-    r.per_rank[static_cast<int>(l.place)] += l.bytes_per_rank;
-    const size_t k = static_cast<size_t>(l.kind);
-    if (l.place == Place::kHostPinned || l.place == Place::kHostPageable) {
-      r.host_by_kind_per_rank[k] += l.bytes_per_rank;
-      if (l.fork_copies) copied_per_rank += l.bytes_per_rank;
-    } else if (l.place == Place::kNvme) {
-      r.nvme_by_kind_per_rank[k] += l.bytes_per_rank;
-    }
-  }
-  for (int k = 0; k < 4; ++k)
-    r.per_node[k] = Bytes(static_cast<double>(r.per_rank[k]) * ranks_per_node);
-  r.host_steady_per_node = r.per_node[1] + r.per_node[2];
-  r.nvme_per_node = r.per_node[3];
-  r.fork_extra_naive_per_node = Bytes(static_cast<double>(copied_per_rank) * ranks_per_node);
-  r.host_committed_per_node = committed_per_rank == 0
-                                  ? r.host_steady_per_node
-                                  : Bytes(static_cast<double>(committed_per_rank) * ranks_per_node);
-  r.fork_extra_spillway_per_node =
-      c.spillway.fork_safety == allocator::ForkSafety::kInherit ? r.host_committed_per_node : 0;
-  r.host_peak_naive_per_node =
-      r.host_steady_per_node + r.checkpoint_gather_bytes + r.fork_extra_naive_per_node;
-  r.host_peak_spillway_per_node =
-      r.host_committed_per_node + r.checkpoint_streamed_bytes + r.fork_extra_spillway_per_node;
-  r.host_headroom =
-      static_cast<int64_t>(in.host_ram_bytes) - static_cast<int64_t>(r.host_peak_spillway_per_node);
-  r.nvme_headroom = static_cast<int64_t>(in.nvme_bytes) - static_cast<int64_t>(r.nvme_per_node);
-  r.gpu_per_rank = r.per_rank[static_cast<int>(Place::kGpu)];
-  bool gpu_fits = true;
-  if (in.gpu_mem_bytes > 0) {
-    r.gpu_reserve_bytes = Bytes(static_cast<double>(in.gpu_mem_bytes) * in.gpu_reserve_fraction);
-    r.gpu_headroom = static_cast<int64_t>(in.gpu_mem_bytes) -
-                     static_cast<int64_t>(r.gpu_reserve_bytes) -
-                     static_cast<int64_t>(r.gpu_per_rank);
-    gpu_fits = r.gpu_headroom >= 0;
-  }
+  const uint64_t copied_per_rank = SumLines(&r);
+  AddNodeTotals(in, committed_per_rank, copied_per_rank, ranks_per_node, &r);
+  const bool gpu_fits = PlanGpu(in, &r);
+  const PhaseInput& ph = in.phases;
   bool phases_fit = true, naive_phases_fit = true;
   if (ph.rank_baseline_bytes > 0) {
     PlanPhases(in, copied_per_rank, &r);
