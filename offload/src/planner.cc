@@ -145,27 +145,29 @@ uint64_t ArenaCommitted(const allocator::HostArenaOptions& o, const std::vector<
          std::min(transient, allocator::RetainLimitFor(o, live));
 }
 
-// Note [Phase peaks]: node 0's peak at each phase of a DeepSpeed ZeRO-3 run, per rank. `copied` is
-// what a fork copies per rank without fork-safe arenas.
-void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
-  const PhaseInput& ph = in.phases;
-  const Config& c = in.config;
-  const bool cpu = in.accelerator == Accelerator::kCpu;
-  const double P = in.params, ranks = static_cast<double>(in.world_size) / in.nodes;
-  const double b = ph.checkpoint_dtype_bytes;
-  const double largest = ph.largest_tensor > 0 ? static_cast<double>(ph.largest_tensor) : P / 8;
-  // The state this rank holds in host memory: on DeepSpeed's CPU accelerator, the GPU's share too.
+// What a rank's state holds in host memory (on DeepSpeed's CPU accelerator, the GPU's share too):
+// all of it, its 16-bit parameters, and the Adam moments.
+struct HostState {
   double state = 0, params16 = 0, moments = 0;
-  for (const PlanLine& l : r->lines) {
+};
+HostState StateOnHost(const PlanReport& r, bool cpu) {
+  HostState h;
+  for (const PlanLine& l : r.lines) {
     const bool host = l.place == Place::kHostPinned || l.place == Place::kHostPageable ||
                       (cpu && l.place == Place::kGpu);
     if (!host) continue;
-    state += static_cast<double>(l.bytes_per_rank);
-    if (l.kind == allocator::Kind::kParam) params16 += static_cast<double>(l.bytes_per_rank);
+    h.state += static_cast<double>(l.bytes_per_rank);
+    if (l.kind == allocator::Kind::kParam) h.params16 += static_cast<double>(l.bytes_per_rank);
     if (l.kind == allocator::Kind::kOptimizerState)
-      moments += static_cast<double>(l.bytes_per_rank);
+      h.moments += static_cast<double>(l.bytes_per_rank);
   }
-  double load = static_cast<double>(kClientRuntimeBytes);  // what loading leaves on each rank
+  return h;
+}
+
+// What loading the model leaves on each rank, as the phases' input says it is loaded.
+double LoadBytes(const PhaseInput& ph, double params16, double P) {
+  const double b = ph.checkpoint_dtype_bytes;
+  double load = static_cast<double>(kClientRuntimeBytes);
   switch (ph.load) {
     case ModelLoad::kZeroInit:
       // The partitions, and the model built whole in the checkpoint's dtype before zero.Init
@@ -183,57 +185,76 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
       load = 0;
       break;
   }
-  const bool partitioned = ph.load == ModelLoad::kZeroInit || ph.load == ModelLoad::kLoaded;
-  const double base = static_cast<double>(ph.rank_baseline_bytes) + load;
-  // deepspeed.initialize: the state but the Adam moments (made at the first step); the partitions
-  // exist already unless the whole model was loaded.
-  const double init = base + state - moments - (partitioned ? params16 : 0) +
-                      static_cast<double>(kEngineRuntimeBytes);
-  // After the first step: the moments; on the CPU accelerator the step's device side is host
-  // memory: the gradient bucket DeepSpeed reserves whole (its pages touched up to the model's
-  // 16-bit gradients) and the step's transients (the model gathered for the forward and for the
-  // backward, its full 16-bit gradients: 3 x 2P) that the arena's retained cache keeps, up to its
-  // cap. The cache fills toward them over the first epochs (75 to 95% of them at the checkpoints
-  // measured): the plan counts 5/6.
-  double device = 0;
-  if (!cpu) {
+  return load;
+}
+
+// After the first step, on the CPU accelerator the step's device side is host memory: the
+// gradient bucket DeepSpeed reserves whole (its pages touched up to the model's 16-bit gradients)
+// and the step's transients (the model gathered for the forward and for the backward, its full
+// 16-bit gradients: 3 x 2P) that the arena's retained cache keeps, up to its cap. The cache fills
+// toward them over the first epochs (75 to 95% of them at the checkpoints measured): the plan
+// counts 5/6. On CUDA: 0, and the report says what is not modelled.
+double DeviceSideOnHost(const PlanInput& in, double state, PlanReport* r) {
+  if (in.accelerator != Accelerator::kCpu) {
     r->phases_note =
         "on CUDA the step's device side is the GPU's, and its host side beyond the state (CUDA's "
         "and NCCL's host memory) is not modelled: the phases are checked on the CPU accelerator";
-  } else {
-    const double bucket = static_cast<double>(c.reduce_bucket_size);
-    const double live = state + 2 * bucket;
-    device =
-        2 * std::min(bucket, P) +
-        std::min(static_cast<double>(allocator::RetainLimitFor(c.HostArenaOptions(), Bytes(live))),
-                 5.0 / 6 * 3 * 2 * P);
+    return 0;
   }
-  const double steady = init + moments + device;
+  const Config& c = in.config;
+  const double P = in.params;
+  const double bucket = static_cast<double>(c.reduce_bucket_size);
+  const double live = state + 2 * bucket;
+  return 2 * std::min(bucket, P) +
+         std::min(static_cast<double>(allocator::RetainLimitFor(c.HostArenaOptions(), Bytes(live))),
+                  5.0 / 6 * 3 * 2 * P);
+}
+
+// One phase's peak into r: rank 0's and each other rank's, Spillway's and the naive run's.
+void AddPhase(PlanReport* r, double ranks, const char* name, double rank0, double other,
+              double naive_rank0, double naive_other) {
+  PhasePeak p;
+  p.name = name;
+  p.rank0 = Bytes(rank0);
+  p.other_rank = Bytes(other);
+  p.node = Bytes(rank0 + (ranks - 1) * other);
+  p.naive_node = Bytes(naive_rank0 + (ranks - 1) * naive_other);
+  r->phases.push_back(p);
+}
+
+// Note [Phase peaks]: node 0's peak at each phase of a DeepSpeed ZeRO-3 run, per rank. `copied` is
+// what a fork copies per rank without fork-safe arenas.
+void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
+  const PhaseInput& ph = in.phases;
+  const Config& c = in.config;
+  const bool cpu = in.accelerator == Accelerator::kCpu;
+  const double P = in.params, ranks = static_cast<double>(in.world_size) / in.nodes;
+  const double largest = ph.largest_tensor > 0 ? static_cast<double>(ph.largest_tensor) : P / 8;
+  const HostState h = StateOnHost(*r, cpu);
+  const bool partitioned = ph.load == ModelLoad::kZeroInit || ph.load == ModelLoad::kLoaded;
+  const double base = static_cast<double>(ph.rank_baseline_bytes) + LoadBytes(ph, h.params16, P);
+  // deepspeed.initialize: the state but the Adam moments (made at the first step); the partitions
+  // exist already unless the whole model was loaded.
+  const double init = base + h.state - h.moments - (partitioned ? h.params16 : 0) +
+                      static_cast<double>(kEngineRuntimeBytes);
+  // After the first step: the moments, and the step's device side where it is host memory.
+  const double steady = init + h.moments + DeviceSideOnHost(in, h.state, r);
   const double workers =
       static_cast<double>(ph.dataloader_workers) * static_cast<double>(kDataLoaderWorkerBytes);
   const double fork_spillway = static_cast<double>(r->fork_extra_spillway_per_node) / ranks;
   const double window =
       static_cast<double>(c.aio.block_size) * static_cast<double>(c.aio.queue_depth);
-  auto add = [&](const char* name, double rank0, double other, double naive_rank0,
-                 double naive_other) {
-    PhasePeak p;
-    p.name = name;
-    p.rank0 = Bytes(rank0);
-    p.other_rank = Bytes(other);
-    p.node = Bytes(rank0 + (ranks - 1) * other);
-    p.naive_node = Bytes(naive_rank0 + (ranks - 1) * naive_other);
-    r->phases.push_back(p);
-  };
   // Without fork-safe arenas a fork copies the private state: on the CPU accelerator all of it
   // (its GPU share is host memory too), on CUDA what the pinned mapping does not hold.
-  const double dc = cpu ? state : static_cast<double>(copied);
-  add("load", base, base, base, base);
-  add("initialize", init, init, init, init);
-  add("epoch boundary", steady + workers + fork_spillway, steady + workers + fork_spillway,
-      steady + workers + dc, steady + workers + dc);
+  const double dc = cpu ? h.state : static_cast<double>(copied);
+  AddPhase(r, ranks, "load", base, base, base, base);
+  AddPhase(r, ranks, "initialize", init, init, init, init);
+  AddPhase(r, ranks, "epoch boundary", steady + workers + fork_spillway,
+           steady + workers + fork_spillway, steady + workers + dc, steady + workers + dc);
   // Rank 0 writes the 16-bit model: Spillway streams it a tensor at a time; DeepSpeed gathers it.
-  add("checkpoint", steady + window + 2 * largest, steady + window, steady + 2 * P, steady);
-  add("final save", steady + 2 * largest, steady, steady + 2 * P, steady);
+  AddPhase(r, ranks, "checkpoint", steady + window + 2 * largest, steady + window, steady + 2 * P,
+           steady);
+  AddPhase(r, ranks, "final save", steady + 2 * largest, steady, steady + 2 * P, steady);
 }
 
 // Checks the plan's input: sizes in range, the world a multiple of the nodes, the phases' flags
