@@ -189,61 +189,27 @@ class Reader {
           Fail(p, StrCat("is ", c.bounce_buffers, "; at most ", allocator::kMaxBounceBuffers,
                          " bounce buffers"));
         }
-      } else if (k == "escape_policy") {
-        if (v.is_object()) {
-          for (const auto& [tier, pv] : v.items()) {
-            if (tier == "host")
-              Policy(pv, p + ".host", &c.host_escape_policy);
-            else if (tier == "nvme")
-              Policy(pv, p + ".nvme", &c.nvme_escape_policy);
-            else
-              Fail(StrCat(p, ".", tier), "is not a tier; allowed keys: host, nvme");
-          }
-        } else if (Policy(v, p, &c.host_escape_policy)) {
-          c.nvme_escape_policy = c.host_escape_policy;
-        }
-      } else if (k == "metrics_address") {
-        if (String(v, p, &c.metrics_address) && c.metrics_address != "off" &&
-            c.metrics_address.find(':') == std::string::npos) {
-          Fail(p, StrCat("is \"", c.metrics_address, "\"; expected host:port or \"off\""));
-        }
-      } else if (k == "checksum")
+      } else if (k == "escape_policy")
+        EscapePolicies(v, p);
+      else if (k == "metrics_address")
+        MetricsAddress(v, p, &c.metrics_address);
+      else if (k == "checksum")
         Bool(v, p, &c.checksum);
       else if (k == "capture_backtraces")
         Bool(v, p, &c.capture_backtraces);
-      else if (k == "fork_safety") {
-        std::string s;
-        if (String(v, p, &s)) {
-          auto f = allocator::ParseForkSafety(s);
-          if (f.ok())
-            c.fork_safety = *f;
-          else
-            Fail(p, f.status().message());
-        }
-      } else if (k == "spill_path")
+      else if (k == "fork_safety")
+        ForkSafetySetting(v, p, &c.fork_safety);
+      else if (k == "spill_path")
         String(v, p, &c.spill_path);
       else if (k == "prefetch_partitions") {
         if (Count(v, p, 0, &c.prefetch_partitions) && c.prefetch_partitions > 1024) {
           Fail(p, StrCat("is ", c.prefetch_partitions, "; at most 1024 partitions ahead"));
         }
-      } else if (k == "eviction") {
-        std::string s;
-        if (String(v, p, &s)) {
-          if (s == "opt")
-            c.eviction = Eviction::kOpt;
-          else if (s == "lru")
-            c.eviction = Eviction::kLru;
-          else
-            Fail(p,
-                 StrCat("is \"", s, "\"; expected \"opt\" (the schedule's next use) or \"lru\""));
-        }
-      } else if (k == "peak_slack") {
-        if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
-          Fail(p, StrCat("is ", Describe(v), "; expected a fraction in [0, 1]"));
-        } else {
-          c.peak_slack = v.get<double>();
-        }
-      } else {
+      } else if (k == "eviction")
+        EvictionOrder(v, p, &c.eviction);
+      else if (k == "peak_slack")
+        UnitFraction(v, p, &c.peak_slack);
+      else {
         Fail(p,
              "is not a Spillway setting; allowed keys: host_budget_bytes, nvme_budget_bytes, "
              "escape_policy, metrics_address, checksum, fork_safety, capture_backtraces, "
@@ -251,7 +217,65 @@ class Reader {
              "prefetch_partitions, eviction");
       }
     }
-    if (!region_set) return;  // the default region is checked by the arena against its budget
+    // The default region is checked by the arena against its budget.
+    if (region_set) CheckHostRegion();
+  }
+  // spillway.escape_policy: one policy for both tiers, or an object of "host" and "nvme".
+  void EscapePolicies(const json& v, const std::string& p) {
+    auto& c = c_->spillway;
+    if (v.is_object()) {
+      for (const auto& [tier, pv] : v.items()) {
+        if (tier == "host")
+          Policy(pv, p + ".host", &c.host_escape_policy);
+        else if (tier == "nvme")
+          Policy(pv, p + ".nvme", &c.nvme_escape_policy);
+        else
+          Fail(StrCat(p, ".", tier), "is not a tier; allowed keys: host, nvme");
+      }
+    } else if (Policy(v, p, &c.host_escape_policy)) {
+      c.nvme_escape_policy = c.host_escape_policy;
+    }
+  }
+  // spillway.metrics_address: host:port, or "off".
+  void MetricsAddress(const json& v, const std::string& p, std::string* out) {
+    if (String(v, p, out) && *out != "off" && out->find(':') == std::string::npos) {
+      Fail(p, StrCat("is \"", *out, "\"; expected host:port or \"off\""));
+    }
+  }
+  // spillway.fork_safety, as allocator::ParseForkSafety reads it.
+  void ForkSafetySetting(const json& v, const std::string& p, allocator::ForkSafety* out) {
+    std::string s;
+    if (String(v, p, &s)) {
+      auto f = allocator::ParseForkSafety(s);
+      if (f.ok())
+        *out = *f;
+      else
+        Fail(p, f.status().message());
+    }
+  }
+  // spillway.eviction: "opt" or "lru".
+  void EvictionOrder(const json& v, const std::string& p, Eviction* out) {
+    std::string s;
+    if (String(v, p, &s)) {
+      if (s == "opt")
+        *out = Eviction::kOpt;
+      else if (s == "lru")
+        *out = Eviction::kLru;
+      else
+        Fail(p, StrCat("is \"", s, "\"; expected \"opt\" (the schedule's next use) or \"lru\""));
+    }
+  }
+  // A fraction in [0, 1].
+  void UnitFraction(const json& v, const std::string& p, double* out) {
+    if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
+      Fail(p, StrCat("is ", Describe(v), "; expected a fraction in [0, 1]"));
+    } else {
+      *out = v.get<double>();
+    }
+  }
+  // A spillway.host_region_bytes that was set: at least a page, and within the host budget.
+  void CheckHostRegion() {
+    const auto& c = c_->spillway;
     const std::string p = "spillway.host_region_bytes";
     if (c.host_region_bytes < 4096) {
       Fail(p, StrCat("is ", c.host_region_bytes, "; at least 4096 (one page)"));
