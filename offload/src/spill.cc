@@ -13,6 +13,32 @@
 #include "spillway/offload/partition_store.h"
 
 namespace spillway::offload {
+namespace {
+
+// Why a spill freed nothing when no other thread holds host memory: this thread's own handles
+// (`by_me`) do, or allocations outside the store.
+std::string NothingSpillableNote(uint64_t by_me) {
+  return by_me > 0
+             ? StrCat(FormatBytes(by_me),
+                      " of host memory is held by this thread's own live "
+                      "handles and nothing else can spill; release handles before acquiring more")
+             : std::string(
+                   "no partition can spill: the budget is held by allocations outside "
+                   "the store (staging and bounce buffers, other users of the arena); "
+                   "raise the host budget");
+}
+
+// Why a spill gave up after waiting `wait_ms` for the `by_others` bytes other threads hold.
+std::string WaitedInVainNote(int64_t wait_ms, uint64_t by_others, uint64_t by_me) {
+  return StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others),
+                " that other "
+                "threads hold (live handles, spills or swap-ins in progress) and not enough "
+                "came free; this thread's own handles hold ",
+                FormatBytes(by_me),
+                ". Release handles sooner, raise the host budget, or raise memory_wait");
+}
+
+}  // namespace
 
 SpillNote& ThisThreadsSpillNote() {
   thread_local SpillNote note;
@@ -83,27 +109,13 @@ uint64_t PartitionStore::Spill(const allocator::HostArena::SpillRequest& request
     uint64_t by_others = 0, by_me = 0;
     HeldBytesLocked(&by_others, &by_me);
     if (by_others == 0) {
-      note =
-          by_me > 0
-              ? StrCat(FormatBytes(by_me),
-                       " of host memory is held by this thread's own live "
-                       "handles and nothing else can spill; release handles before acquiring more")
-              : std::string(
-                    "no partition can spill: the budget is held by allocations outside "
-                    "the store (staging and bounce buffers, other users of the arena); "
-                    "raise the host budget");
+      note = NothingSpillableNote(by_me);
       break;
     }
     if (!may_wait) break;
-    const auto wait_ms = memory_wait_.count();
     if (std::chrono::steady_clock::now() >= deadline) {
       stats_.memory_wait_timeouts++;
-      note = StrCat("waited ", wait_ms, " ms for the ", FormatBytes(by_others),
-                    " that other "
-                    "threads hold (live handles, spills or swap-ins in progress) and not enough "
-                    "came free; this thread's own handles hold ",
-                    FormatBytes(by_me),
-                    ". Release handles sooner, raise the host budget, or raise memory_wait");
+      note = WaitedInVainNote(memory_wait_.count(), by_others, by_me);
       break;
     }
     if (!waited) stats_.memory_waits++;
