@@ -269,77 +269,20 @@ void PartitionStore::HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const
 Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Placement where) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
   SPILLWAY_RETURN_IF_ERROR(process_.Check("PartitionStore", "Acquire"));  // Note [Fork]
-  bool need_swap_in = false;
-  bool need_fill = false;
-  uint64_t handle_id;
   const bool device = where == Placement::kDevice;
   const bool host_write = !device && access == Access::kReadWrite;  // counted in write_pins
+  uint64_t handle_id;
+  bool need_io = false;  // a swap-in (host) or a fill (device), `id` busy for this thread
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (id >= parts_.size() || parts_[id].bytes == 0) {
-      return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
-    }
-    if (where == Placement::kNvme) {
-      return Status::InvalidArgument(
-          "Acquire: a view is host or device memory; kNvme is a home "
-          "tier, not a view");
-    }
-    if (device && views_ == nullptr) {
-      return Status::FailedPrecondition(
-          "Acquire on the device tier: no device attached; call AttachDevice with a pipeline");
-    }
-    busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
-    Part& p = parts_[id];
-    const std::thread::id me = std::this_thread::get_id();
-    const uint32_t other_tier_pins = device ? p.pins - p.device_pins : p.device_pins;
-    if (!device && p.device != nullptr && p.device_pins == 0) {
-      // Only a kept view is here with no device handle: its write-back failed, and it holds the
-      // only good copy. A host copy made now would read what NVMe or the host had before it.
-      return Status::FailedPrecondition(StrCat(
-          "Acquire of ", Describe(id),
-          " on host: its device view holds the newest bytes and "
-          "writing them back failed; acquire it on the device tier and release it to retry the "
-          "write-back"));
-    }
-    if (other_tier_pins > 0) {
-      return Status::FailedPrecondition(
-          StrCat("Acquire of ", Describe(id), " on ", PlacementName(where), ": it is in use on ",
-                 PlacementName(device ? Placement::kHost : Placement::kDevice), " by ",
-                 other_tier_pins, " handles; a partition is used in one tier at a time"));
-    }
-    // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
-    // helper thread) does not: the host-tier schedule is the store's own order.
-    if (schedule_.Has(id) && off_schedule_ == 0 && !device) {
-      schedule_.Advance(id);
-      QueuePrefetchLocked();
-    }
-    p.pins++;
-    p.last_use = ++use_clock_;
-    if (device) {
-      p.device_pins++;
-      if (p.device == nullptr) {
-        MarkBusy(p);
-        need_fill = true;
-      }
-    } else if (p.host == nullptr) {
-      MarkBusy(p);
-      need_swap_in = true;
-    }
-    if (host_write) p.write_pins++;
-    handle_id = next_handle_id_++;
-    live_handles_.emplace(handle_id, HandleInfo{id, me});
-    stats_.live_handles = live_handles_.size();
+    SPILLWAY_ASSIGN_OR_RETURN(handle_id, PinLocked(lock, id, access, where, &need_io));
   }
-  if (need_swap_in || need_fill) {
-    Status st = need_fill ? FillDevice(id) : SwapIn(id);
+  if (need_io) {
+    Status st = device ? FillDevice(id) : SwapIn(id);
     std::lock_guard<std::mutex> lock(mu_);
     ClearBusyLocked(id);
     if (!st.ok()) {
-      parts_[id].pins--;
-      if (device) parts_[id].device_pins--;
-      if (host_write) parts_[id].write_pins--;
-      live_handles_.erase(handle_id);
-      stats_.live_handles = live_handles_.size();
+      UnpinLocked(id, device, host_write, handle_id);
       return st.WithContext(StrCat("acquiring ", Describe(id), " on ", PlacementName(where)));
     }
   }
@@ -354,6 +297,69 @@ Result<Handle> PartitionStore::Acquire(PartitionId id, Access access, Placement 
   h.write_ = access == Access::kReadWrite;
   h.device_ = device;
   return h;
+}
+
+Result<uint64_t> PartitionStore::PinLocked(std::unique_lock<std::mutex>& lock, PartitionId id,
+                                           Access access, Placement where, bool* io) {
+  const bool device = where == Placement::kDevice;
+  const bool host_write = !device && access == Access::kReadWrite;
+  if (id >= parts_.size() || parts_[id].bytes == 0) {
+    return Status::InvalidArgument(StrCat("Acquire: partition ", id, " is not registered"));
+  }
+  if (where == Placement::kNvme) {
+    return Status::InvalidArgument(
+        "Acquire: a view is host or device memory; kNvme is a home "
+        "tier, not a view");
+  }
+  if (device && views_ == nullptr) {
+    return Status::FailedPrecondition(
+        "Acquire on the device tier: no device attached; call AttachDevice with a pipeline");
+  }
+  busy_cv_.wait(lock, [&] { return !parts_[id].busy; });
+  Part& p = parts_[id];
+  const std::thread::id me = std::this_thread::get_id();
+  const uint32_t other_tier_pins = device ? p.pins - p.device_pins : p.device_pins;
+  if (!device && p.device != nullptr && p.device_pins == 0) {
+    // Only a kept view is here with no device handle: its write-back failed, and it holds the
+    // only good copy. A host copy made now would read what NVMe or the host had before it.
+    return Status::FailedPrecondition(StrCat(
+        "Acquire of ", Describe(id),
+        " on host: its device view holds the newest bytes and "
+        "writing them back failed; acquire it on the device tier and release it to retry the "
+        "write-back"));
+  }
+  if (other_tier_pins > 0) {
+    return Status::FailedPrecondition(
+        StrCat("Acquire of ", Describe(id), " on ", PlacementName(where), ": it is in use on ",
+               PlacementName(device ? Placement::kHost : Placement::kDevice), " by ",
+               other_tier_pins, " handles; a partition is used in one tier at a time"));
+  }
+  // Advance the schedule cursor to this use. A device view (taken ahead of use by the trainer's
+  // helper thread) does not: the host-tier schedule is the store's own order.
+  if (schedule_.Has(id) && off_schedule_ == 0 && !device) {
+    schedule_.Advance(id);
+    QueuePrefetchLocked();
+  }
+  p.pins++;
+  p.last_use = ++use_clock_;
+  if (device) p.device_pins++;
+  if (device ? p.device == nullptr : p.host == nullptr) {
+    MarkBusy(p);
+    *io = true;
+  }
+  if (host_write) p.write_pins++;
+  const uint64_t handle_id = next_handle_id_++;
+  live_handles_.emplace(handle_id, HandleInfo{id, me});
+  stats_.live_handles = live_handles_.size();
+  return handle_id;
+}
+
+void PartitionStore::UnpinLocked(PartitionId id, bool device, bool host_write, uint64_t handle_id) {
+  parts_[id].pins--;
+  if (device) parts_[id].device_pins--;
+  if (host_write) parts_[id].write_pins--;
+  live_handles_.erase(handle_id);
+  stats_.live_handles = live_handles_.size();
 }
 
 Status PartitionStore::FillDevice(PartitionId id) {

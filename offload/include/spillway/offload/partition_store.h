@@ -255,6 +255,13 @@ class PartitionStore {
   static void MarkBusy(Part& p);
   // mu_ held. Clears busy (only its owner may) and wakes waiters.
   void ClearBusyLocked(PartitionId id);
+  // mu_ held (`lock`, waited on while `id` is busy): Acquire's checks, then pins `id` for the
+  // handle and records it. Returns the handle's id; *io: the caller must swap `id` in (host) or
+  // fill its device view, without mu_ (`id` is then busy for it).
+  Result<uint64_t> PinLocked(std::unique_lock<std::mutex>& lock, PartitionId id, Access access,
+                             Placement where, bool* io);
+  // mu_ held. Undoes PinLocked's pin and handle when the swap-in or the fill failed.
+  void UnpinLocked(PartitionId id, bool device, bool host_write, uint64_t handle_id);
   // mu_ held: bytes of resident partitions that other threads hold (busy or pinned) and no handle
   // of this thread pins; and the bytes this thread's own handles pin.
   void HeldBytesLocked(uint64_t* by_others, uint64_t* by_me) const;
