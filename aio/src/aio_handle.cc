@@ -152,14 +152,7 @@ class AioHandleImpl {
       return Fail(StrCat(op, " ", name, ": ", n, " bytes is not divisible by intra_op_parallelism=",
                          intra_op_, " (DeepSpeed's rule); pad the tensor or use 1"));
     }
-    std::shared_ptr<allocator::IoEngine> engine;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (engine_ != nullptr && !closing_) {
-        engine = engine_;
-        active_++;  // close() waits for this call to have submitted (or failed)
-      }
-    }
+    const std::shared_ptr<allocator::IoEngine> engine = BeginCall();
     if (engine == nullptr) {
       *raise = ClosedError();
       return -1;
@@ -205,8 +198,25 @@ class AioHandleImpl {
       Unpin(f);
       return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
     }
+    return Track(engine.get(), *t, StrCat(op, " ", name), f, std::move(buffer.keep), mode, raise);
+  }
+
+  // Transfer's entry under mu_: the engine, with this call counted in active_; null when the
+  // handle is closed or closing.
+  std::shared_ptr<allocator::IoEngine> BeginCall() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (engine_ == nullptr || closing_) return nullptr;
+    active_++;  // close() waits for this call to have submitted (or failed)
+    return engine_;
+  }
+
+  // Transfer's end: records the submitted op `t` (its seq outstanding, `f` pinned by it until it
+  // is waited for). kAsync leaves it to wait(); kSync and kAlone wait for it here, without mu_,
+  // and kSync then for the async ops submitted before it. Returns as Transfer does.
+  int Track(allocator::IoEngine* engine, allocator::Ticket t, std::string what, FilePtr f,
+            std::shared_ptr<const void> keep, AioMode mode, Status* raise) {
     std::unique_lock<std::mutex> lock(mu_);
-    Pending p{*t, next_seq_++, StrCat(op, " ", name), f, std::move(buffer.keep)};
+    Pending p{t, next_seq_++, std::move(what), std::move(f), std::move(keep)};
     outstanding_.insert(p.seq);
     if (mode == AioMode::kAsync) {
       pending_.push_back(std::move(p));  // f stays pinned by the op until it is waited for
@@ -217,7 +227,7 @@ class AioHandleImpl {
     const uint64_t own = p.seq;
     std::vector<Pending> one;
     one.push_back(std::move(p));
-    const std::string error = Finish(engine.get(), &one);
+    const std::string error = Finish(engine, &one);
     // kSync: then the async ops submitted before it, as wait() does (DeepSpeed's _wait_locked()),
     // never those other threads submitted while it ran: those are their wait()'s.
     const int earlier = mode == AioMode::kSync ? Wait(raise, own) : 0;
