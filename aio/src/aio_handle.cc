@@ -298,16 +298,7 @@ class AioHandleImpl {
                             const std::string& filename, bool write, bool direct,
                             struct stat* now) {
     const std::string key = StrCat(write ? "w" : "r", direct ? "d:" : ":", filename);
-    FilePtr cached;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = files_.find(key);
-      if (it != files_.end()) {
-        cached = it->second;
-        cached->users++;
-        cached->last_use = ++use_clock_;
-      }
-    }
+    FilePtr cached = PinCached(key);
     if (cached != nullptr) {
       if (::stat(filename.c_str(), now) == 0 && now->st_dev == cached->dev &&
           now->st_ino == cached->ino) {
@@ -342,49 +333,77 @@ class AioHandleImpl {
     std::vector<Pending> early;  // async ops of an evicted file, completed here to free its slot
     {
       std::lock_guard<std::mutex> lock(mu_);
-      f->last_use = ++use_clock_;
-      auto it = files_.find(key);
-      if (it != files_.end()) {  // another thread opened it meanwhile: ours replaces it
-        it->second->in_table = false;
-        evicted.push_back(it->second);
-        files_.erase(it);
-      }
-      while (files_.size() >= kMaxOpenFiles) {
-        // The least recently used file nobody is using; failing that, the least recently used one
-        // whose users are async ops still waiting for wait(): those are completed now (their
-        // results wait for wait()), so its descriptor and fixed-file slot can go.
-        auto lru = files_.end(), lru_busy = files_.end();
-        for (auto i = files_.begin(); i != files_.end(); ++i) {
-          auto& best = i->second->users == 0 ? lru : lru_busy;
-          if (best == files_.end() || i->second->last_use < best->second->last_use) best = i;
-        }
-        if (lru == files_.end()) lru = lru_busy;
-        if (lru == files_.end()) break;
-        for (auto p = pending_.begin(); p != pending_.end();) {
-          if (p->file == lru->second) {
-            early.push_back({p->ticket, p->seq, p->what, p->file, nullptr, true, false, Status()});
-            done_early_.push_back(std::move(*p));  // visible to wait()/close() from now on
-            done_early_.back().done = true;
-            done_early_.back().ready = false;
-            p = pending_.erase(p);
-          } else {
-            ++p;
-          }
-        }
-        lru->second->in_table = false;
-        evicted.push_back(lru->second);
-        files_.erase(lru);
-      }
-      files_[key] = f;
+      EnterLocked(key, f, &evicted, &early);
     }
-    for (Pending& p : early) {
+    CompleteEarly(engine.get(), &early);
+    for (const FilePtr& e : evicted) CloseIfUnused(e);
+    return f;
+  }
+
+  // Pins, under mu_, the table's descriptor for `key`; null when there is none.
+  FilePtr PinCached(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(key);
+    if (it == files_.end()) return nullptr;
+    FilePtr cached = it->second;
+    cached->users++;
+    cached->last_use = ++use_clock_;
+    return cached;
+  }
+
+  // Assumes mu_. Enters `f` in the table under `key`, replacing one another thread entered
+  // meanwhile and making room under kMaxOpenFiles. *evicted: the files that left the table (closed
+  // by the caller once unused); *early: the async ops of an evicted file, which the caller
+  // completes without mu_ (CompleteEarly) to free its fixed-file slot.
+  void EnterLocked(const std::string& key, const FilePtr& f, std::vector<FilePtr>* evicted,
+                   std::vector<Pending>* early) {
+    f->last_use = ++use_clock_;
+    auto it = files_.find(key);
+    if (it != files_.end()) {  // another thread opened it meanwhile: ours replaces it
+      it->second->in_table = false;
+      evicted->push_back(it->second);
+      files_.erase(it);
+    }
+    while (files_.size() >= kMaxOpenFiles) {
+      // The least recently used file nobody is using; failing that, the least recently used one
+      // whose users are async ops still waiting for wait(): those are completed now (their
+      // results wait for wait()), so its descriptor and fixed-file slot can go.
+      auto lru = files_.end(), lru_busy = files_.end();
+      for (auto i = files_.begin(); i != files_.end(); ++i) {
+        auto& best = i->second->users == 0 ? lru : lru_busy;
+        if (best == files_.end() || i->second->last_use < best->second->last_use) best = i;
+      }
+      if (lru == files_.end()) lru = lru_busy;
+      if (lru == files_.end()) break;
+      for (auto p = pending_.begin(); p != pending_.end();) {
+        if (p->file == lru->second) {
+          early->push_back({p->ticket, p->seq, p->what, p->file, nullptr, true, false, Status()});
+          done_early_.push_back(std::move(*p));  // visible to wait()/close() from now on
+          done_early_.back().done = true;
+          done_early_.back().ready = false;
+          p = pending_.erase(p);
+        } else {
+          ++p;
+        }
+      }
+      lru->second->in_table = false;
+      evicted->push_back(lru->second);
+      files_.erase(lru);
+    }
+    files_[key] = f;
+  }
+
+  // Without mu_: waits for the ops EnterLocked completed early, then records their results for
+  // wait() under mu_ and wakes the waiters.
+  void CompleteEarly(allocator::IoEngine* engine, std::vector<Pending>* early) {
+    for (Pending& p : *early) {
       p.status = engine->Wait(p.ticket);
       Unpin(p.file);
     }
-    if (!early.empty()) {
+    if (!early->empty()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        for (const Pending& e : early) {
+        for (const Pending& e : *early) {
           for (Pending& d : done_early_) {
             if (d.seq == e.seq) {
               d.status = e.status;
@@ -396,8 +415,6 @@ class AioHandleImpl {
       }
       done_.notify_all();
     }
-    for (const FilePtr& e : evicted) CloseIfUnused(e);
-    return f;
   }
 
   // Takes `f` out of the table (if it is still there).
