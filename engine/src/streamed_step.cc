@@ -62,18 +62,8 @@ Status Annotate(const Status& st, const StreamedGroup& g, size_t index, uint64_t
       st.sys_error());
 }
 
-}  // namespace
-
-void FailThreadLaunchesForTesting(int n) { g_failing_launches.store(n, std::memory_order_relaxed); }
-
-Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
-                                std::span<const StreamedGroup> groups, const StepOptions& options,
-                                StreamedStepStats* stats, const NormReducer& reduce_sum) {
-  StreamedStepStats local;
-  StreamedStepStats& s = stats ? *stats : local;
-  s = StreamedStepStats{};
-  const uint64_t t_start = NowNs();
-  // Validate every group's partitions before anything moves.
+// Every group's three state partitions must hold its numel fp32 elements.
+Status CheckGroups(const PartitionStore& store, std::span<const StreamedGroup> groups) {
   for (size_t i = 0; i < groups.size(); ++i) {
     const StreamedGroup& g = groups[i];
     for (PartitionId id : StateOf(g)) {
@@ -87,7 +77,13 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       }
     }
   }
-  // The norm: the gradients are host buffers, read once here.
+  return Status::Ok();
+}
+
+// The gradients' sum of squares over every group (they are host buffers, read once here), summed
+// over the ranks by `reduce_sum` when there is one.
+Result<double> GradSumOfSquares(HostOptimizer& optimizer, std::span<const StreamedGroup> groups,
+                                const NormReducer& reduce_sum) {
   double sum = 0.0;
   for (const StreamedGroup& g : groups) {
     SubGroup view;
@@ -101,6 +97,60 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
   if (reduce_sum) {
     SPILLWAY_ASSIGN_OR_RETURN(sum, reduce_sum(sum));
   }
+  return sum;
+}
+
+// Applies the step to group `g` through its acquired state handles `h` (master, exp_avg,
+// exp_avg_sq), then releases them. Returns the update's error, else the first release's.
+Status UpdateGroup(HostOptimizer& optimizer, PartitionStore& store, const StreamedGroup& g,
+                   const StepReport& plan, std::vector<offload::Handle>* h, StreamedStepStats* s) {
+  SubGroup view;
+  view.name = g.name;
+  view.numel = g.numel;
+  view.master = static_cast<float*>((*h)[0].data());
+  view.exp_avg = static_cast<float*>((*h)[1].data());
+  view.exp_avg_sq = static_cast<float*>((*h)[2].data());
+  view.grad = g.grad;
+  view.grad_dtype = g.grad_dtype;
+  view.param = g.param;
+  view.param_dtype = g.param_dtype;
+  const uint64_t t0 = NowNs();
+  Status st = optimizer.Update(view, plan);
+  s->update_ns += NowNs() - t0;
+  for (offload::Handle& v : *h) {
+    Status rs = store.Release(v);
+    if (st.ok() && !rs.ok()) st = rs;
+  }
+  return st;
+}
+
+// A failed write-back of group `failed`, found after group `last` was updated: groups up to
+// `last` have the step; `failed` (and `last`) are still in host memory.
+Status WriteBackFailed(const Status& st, uint64_t step, size_t failed, size_t last, size_t groups) {
+  return Status::Make(
+      st.code(),
+      StrCat("streamed step ", step, ": ", st.message(), "; groups 0..", last,
+             " have the step applied and group ", failed,
+             "'s state is still in host memory (nothing lost): PartitionStore::Flush() retries",
+             " the write",
+             last + 1 < groups ? StrCat("; groups ", last + 1, ".. do not have the step")
+                               : std::string()),
+      st.sys_error());
+}
+
+}  // namespace
+
+void FailThreadLaunchesForTesting(int n) { g_failing_launches.store(n, std::memory_order_relaxed); }
+
+Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
+                                std::span<const StreamedGroup> groups, const StepOptions& options,
+                                StreamedStepStats* stats, const NormReducer& reduce_sum) {
+  StreamedStepStats local;
+  StreamedStepStats& s = stats ? *stats : local;
+  s = StreamedStepStats{};
+  const uint64_t t_start = NowNs();
+  SPILLWAY_RETURN_IF_ERROR(CheckGroups(store, groups));  // before anything moves
+  SPILLWAY_ASSIGN_OR_RETURN(const double sum, GradSumOfSquares(optimizer, groups, reduce_sum));
   auto plan = optimizer.Plan(sum, options);
   if (!plan.ok() || plan->skipped) return plan;
 
@@ -128,15 +178,7 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
   // `last` have the step; `failed` (and `last`) are still in host memory.
   auto write_failed = [&](const Status& st, size_t failed, size_t last) -> Status {
     if (reading.valid()) reading.get().IgnoreError();
-    return Status::Make(
-        st.code(),
-        StrCat("streamed step ", plan->step, ": ", st.message(), "; groups 0..", last,
-               " have the step applied and group ", failed,
-               "'s state is still in host memory (nothing lost): PartitionStore::Flush() retries",
-               " the write",
-               last + 1 < groups.size() ? StrCat("; groups ", last + 1, ".. do not have the step")
-                                        : std::string()),
-        st.sys_error());
+    return WriteBackFailed(st, plan->step, failed, last, groups.size());
   };
 
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -159,23 +201,7 @@ Result<StepReport> StreamedStep(HostOptimizer& optimizer, PartitionStore& store,
       if (!v.ok()) return fail(v.status(), i);
       h.push_back(std::move(*v));
     }
-    SubGroup view;
-    view.name = g.name;
-    view.numel = g.numel;
-    view.master = static_cast<float*>(h[0].data());
-    view.exp_avg = static_cast<float*>(h[1].data());
-    view.exp_avg_sq = static_cast<float*>(h[2].data());
-    view.grad = g.grad;
-    view.grad_dtype = g.grad_dtype;
-    view.param = g.param;
-    view.param_dtype = g.param_dtype;
-    const uint64_t t0 = NowNs();
-    Status st = optimizer.Update(view, *plan);
-    s.update_ns += NowNs() - t0;
-    for (offload::Handle& v : h) {
-      Status rs = store.Release(v);
-      if (st.ok() && !rs.ok()) st = rs;
-    }
+    Status st = UpdateGroup(optimizer, store, g, *plan, &h, &s);
     if (!st.ok()) return fail(st, i);
     ++s.groups;  // group i has the step (counted before its write-back, which may still fail)
     // Keep one write-back in flight: group i - 1 must be out before group i goes.
