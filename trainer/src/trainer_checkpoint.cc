@@ -414,6 +414,90 @@ Status RestoreRng(const CheckedCheckpoint& c, size_t i) {
   return Status::Ok();
 }
 
+// Save's checks of its options and of the trainer's state (out_of_step: not ok when a failed load
+// left the state partly a checkpoint's); `extra` is the caller's state, parsed.
+Status CheckSaveOptions(const CheckpointOptions& o, const Status& out_of_step, const json& extra) {
+  if (o.io == nullptr) {
+    return Status::InvalidArgument("Save needs CheckpointOptions::io (the io_uring engine)");
+  }
+  if (!out_of_step.ok()) {
+    return Status::FailedPrecondition(StrCat(
+        "Save refused: this trainer's state is not one step's (", out_of_step.message(), ")"));
+  }
+  if (!extra.is_object()) {
+    return Status::InvalidArgument(
+        StrCat("CheckpointOptions::extra_json must be a JSON object; got '",
+               o.extra_json.substr(0, 80), "'"));
+  }
+  if (o.keep < 0) {
+    return Status::InvalidArgument(
+        StrCat("CheckpointOptions::keep = ", o.keep, "; use 0 (keep all) or more"));
+  }
+  return Status::Ok();
+}
+
+// Rank 0's first step of a save: DIR and the temporary directory `tmp` in it (a killed save's
+// leftovers of the same step go), DIR made durable.
+Status MakeSaveDirectory(const std::string& dir, const std::string& tmp) {
+  Status st = Fs(StrCat("creating ", tmp), [&] {
+    fs::create_directories(dir);
+    fs::remove_all(tmp);
+    fs::create_directory(tmp);
+  });
+  // DIR itself must survive a power cut once a checkpoint in it is reported saved.
+  if (st.ok()) st = engine::checkpoint::FsyncDirectory(fs::absolute(dir).parent_path().string());
+  return st;
+}
+
+// The manifest's "ranks": each rank's file with the checksum list it wrote beside it in `tmp`.
+Result<json> ReadRankLists(const std::string& tmp, int world) {
+  json files = json::array();
+  for (int r = 0; r < world; ++r) {
+    const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
+    SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(sidecar));
+    json t = json::parse(text, nullptr, false);
+    if (!t.is_object())
+      return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
+    files.push_back({{"file", RankFile(r, world)}, {"tensors", std::move(t)}});
+  }
+  return files;
+}
+
+// Rank 0's last step of a save: the manifest into `tmp`, the checksum lists out of it, `tmp`
+// renamed into place as `name` (name.N when that is taken: *suffix), `latest` naming it, and the
+// checkpoints beyond `keep` pruned (a failure there only warns). Each step is made durable
+// before the next; the fault hook sees the manifest, the rename and `latest`.
+Status PublishCheckpoint(const std::string& dir, const std::string& tmp, const std::string& name,
+                         const json& manifest, int world, int64_t step, const CheckpointOptions& o,
+                         int* suffix) {
+  const auto hook = [&](std::string_view point) {
+    if (o.fault_hook) o.fault_hook(point);
+  };
+  hook("manifest");
+  SPILLWAY_RETURN_IF_ERROR(
+      engine::checkpoint::WriteFileDurably((fs::path(tmp) / kManifest).string(), manifest.dump(1)));
+  SPILLWAY_RETURN_IF_ERROR(Fs("removing the per-rank checksum lists", [&] {
+    for (int r = 0; r < world; ++r) fs::remove(fs::path(tmp) / SidecarFile(r, world));
+  }));
+  SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(tmp));
+  std::string final_name = name;
+  std::error_code ec;
+  while (fs::exists(fs::path(dir) / final_name, ec)) final_name = StrCat(name, ".", ++*suffix);
+  hook("rename");
+  SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"),
+                              [&] { fs::rename(tmp, fs::path(dir) / final_name); }));
+  SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(dir));
+  hook("latest");
+  SPILLWAY_RETURN_IF_ERROR(
+      engine::checkpoint::WriteFileDurably((fs::path(dir) / kLatest).string(), final_name + "\n"));
+  // Now the new checkpoint is the one loaded. Older ones beyond `keep`, and temporary
+  // directories of killed saves, go (every rank finished writing in step 2). The save has
+  // succeeded whatever happens to them.
+  Status pruned = Prune(dir, final_name, step, o.keep);
+  if (!pruned.ok()) Log(LogLevel::kWarning, StrCat("checkpoint saved, but ", pruned.message()));
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::vector<TensorSpec> Trainer::CheckpointSpecs(uint64_t rng_bytes) const {
@@ -446,33 +530,10 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
   const int rank = coll_->rank(), world = coll_->world_size();
   const std::string name = StepName(steps_);
   const std::string tmp = (fs::path(dir) / (".tmp-" + name)).string();
-  const auto hook = [&](std::string_view point) {
-    if (o.fault_hook) o.fault_hook(point);
-  };
   // 1. Rank 0 makes the temporary directory (a killed save's leftovers of the same step go).
-  Status st;
   json extra = json::parse(o.extra_json, nullptr, /*allow_exceptions=*/false);
-  if (o.io == nullptr) {
-    st = Status::InvalidArgument("Save needs CheckpointOptions::io (the io_uring engine)");
-  } else if (!out_of_step_.ok()) {
-    st = Status::FailedPrecondition(StrCat("Save refused: this trainer's state is not one step's (",
-                                           out_of_step_.message(), ")"));
-  } else if (!extra.is_object()) {
-    st =
-        Status::InvalidArgument(StrCat("CheckpointOptions::extra_json must be a JSON object; got '",
-                                       o.extra_json.substr(0, 80), "'"));
-  } else if (o.keep < 0) {
-    st = Status::InvalidArgument(
-        StrCat("CheckpointOptions::keep = ", o.keep, "; use 0 (keep all) or more"));
-  } else if (rank == 0) {
-    st = Fs(StrCat("creating ", tmp), [&] {
-      fs::create_directories(dir);
-      fs::remove_all(tmp);
-      fs::create_directory(tmp);
-    });
-    // DIR itself must survive a power cut once a checkpoint in it is reported saved.
-    if (st.ok()) st = engine::checkpoint::FsyncDirectory(fs::absolute(dir).parent_path().string());
-  }
+  Status st = CheckSaveOptions(o, out_of_step_, extra);
+  if (st.ok() && rank == 0) st = MakeSaveDirectory(dir, tmp);
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: preparing the directory"));
 
   // 2. Every rank streams its partitions into its own file, then lists their checksums beside it.
@@ -501,53 +562,22 @@ Result<CheckpointInfo> Trainer::Save(const std::string& dir, const CheckpointOpt
   CheckpointInfo info;
   info.step = steps_;
   info.extra_json = extra.dump();
-  std::string final_name = name;
   int suffix = 0;  // step-N.suffix when step-N is taken (a second save of the same step)
   if (rank == 0) {
     st = CatchTorch("checkpoint save", [&]() -> Status {
-      json files = json::array();
-      for (int r = 0; r < world; ++r) {
-        const std::string sidecar = (fs::path(tmp) / SidecarFile(r, world)).string();
-        SPILLWAY_ASSIGN_OR_RETURN(auto text, engine::checkpoint::ReadSmallFile(sidecar));
-        json t = json::parse(text, nullptr, false);
-        if (!t.is_object())
-          return Status::Internal(StrCat(sidecar, " is not the JSON this save wrote"));
-        files.push_back({{"file", RankFile(r, world)}, {"tensors", std::move(t)}});
-      }
-      const GptConfig& m = options_.model;
-      json manifest = {
+      SPILLWAY_ASSIGN_OR_RETURN(json files, ReadRankLists(tmp, world));
+      const json manifest = {
           {"format", kFormat},
           {"version", kVersion},
           {"world_size", world},
           {"step", steps_},
           {"adam_step", optimizer_->step()},
-          {"model", ModelJson(m)},
+          {"model", ModelJson(options_.model)},
           {"dtypes",
            {{"param", "F32"}, {"master", "F32"}, {"exp_avg", "F32"}, {"exp_avg_sq", "F32"}}},
           {"extra", extra},
           {"ranks", std::move(files)}};
-      hook("manifest");
-      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::WriteFileDurably(
-          (fs::path(tmp) / kManifest).string(), manifest.dump(1)));
-      SPILLWAY_RETURN_IF_ERROR(Fs("removing the per-rank checksum lists", [&] {
-        for (int r = 0; r < world; ++r) fs::remove(fs::path(tmp) / SidecarFile(r, world));
-      }));
-      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(tmp));
-      std::error_code ec;
-      while (fs::exists(fs::path(dir) / final_name, ec)) final_name = StrCat(name, ".", ++suffix);
-      hook("rename");
-      SPILLWAY_RETURN_IF_ERROR(Fs(StrCat("renaming ", tmp, " into place"),
-                                  [&] { fs::rename(tmp, fs::path(dir) / final_name); }));
-      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::FsyncDirectory(dir));
-      hook("latest");
-      SPILLWAY_RETURN_IF_ERROR(engine::checkpoint::WriteFileDurably(
-          (fs::path(dir) / kLatest).string(), final_name + "\n"));
-      // Now the new checkpoint is the one loaded. Older ones beyond `keep`, and temporary
-      // directories of killed saves, go (every rank finished writing in step 2). The save has
-      // succeeded whatever happens to them.
-      Status pruned = Prune(dir, final_name, steps_, o.keep);
-      if (!pruned.ok()) Log(LogLevel::kWarning, StrCat("checkpoint saved, but ", pruned.message()));
-      return Status::Ok();
+      return PublishCheckpoint(dir, tmp, name, manifest, world, steps_, o, &suffix);
     });
   }
   SPILLWAY_RETURN_IF_ERROR(Agree(st, "checkpoint save: the manifest and the rename"));
