@@ -237,6 +237,63 @@ struct TakeAhead {
     }
   }
 };
+
+// What Step's error says of a failed optimizer step: how many of the `n` units took Adam step
+// `adam_step` before it failed.
+std::string OptimizerFailure(size_t applied, size_t n, uint64_t adam_step) {
+  return applied == 0   ? std::string("failed in the optimizer before any unit took the step")
+         : applied == n ? StrCat("failed in the optimizer after all ", n,
+                                 " units took the step (Adam step ", adam_step, ")")
+                        : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
+                                 " took the step (Adam step ", adam_step, "); units ", applied,
+                                 "..", n - 1, " did not");
+}
+
+// The streamed step's group of unit `u` (a Trainer::Unit): its optimizer state partitions; the
+// gradient and parameter views are the caller's to set.
+template <typename Unit>
+engine::StreamedGroup StreamedGroupOf(const Unit& unit, size_t u) {
+  engine::StreamedGroup g;
+  g.name = StrCat("unit ", u);
+  g.numel = static_cast<uint64_t>(unit.shard);
+  g.master = unit.master;
+  g.exp_avg = unit.exp_avg;
+  g.exp_avg_sq = unit.exp_avg_sq;
+  g.param_dtype = DType::kFp32;
+  return g;
+}
+
+// The sum of squares of a unit's gradient, read through a host view of it.
+template <typename Unit>
+Result<double> UnitGradSumOfSquares(offload::PartitionStore& store,
+                                    engine::HostOptimizer& optimizer, const Unit& unit) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto g, store.Acquire(unit.grad, offload::Access::kRead));
+  engine::SubGroup view;
+  view.name = "unit";
+  view.numel = static_cast<uint64_t>(unit.shard);
+  view.grad = g.data();
+  view.grad_dtype = DType::kFp32;
+  auto s = optimizer.SumOfSquares(view);
+  SPILLWAY_RETURN_IF_ERROR(store.Release(g));
+  return s;
+}
+
+// The update's view of a unit through its five host handles: grad, param, master, exp_avg and
+// exp_avg_sq, in that order.
+template <typename Unit>
+engine::SubGroup UnitSubGroup(const Unit& unit, const std::vector<offload::Handle>& views) {
+  engine::SubGroup g;
+  g.name = "unit";
+  g.numel = static_cast<uint64_t>(unit.shard);
+  g.grad = views[0].data();
+  g.grad_dtype = DType::kFp32;
+  g.param = views[1].data();
+  g.param_dtype = DType::kFp32;
+  g.master = static_cast<float*>(views[2].data());
+  g.exp_avg = static_cast<float*>(views[3].data());
+  g.exp_avg_sq = static_cast<float*>(views[4].data());
+  return g;
+}
 }  // namespace
 
 std::future<Result<torch::Tensor>> Trainer::ShardAhead(int64_t u) {
@@ -359,13 +416,7 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
     std::vector<offload::Handle> held;
     std::vector<engine::StreamedGroup> groups(units_.size());
     for (size_t u = 0; u < units_.size(); ++u) {
-      engine::StreamedGroup& g = groups[u];
-      g.name = StrCat("unit ", u);
-      g.numel = static_cast<uint64_t>(units_[u].shard);
-      g.master = units_[u].master;
-      g.exp_avg = units_[u].exp_avg;
-      g.exp_avg_sq = units_[u].exp_avg_sq;
-      g.param_dtype = DType::kFp32;
+      engine::StreamedGroup& g = groups[u] = StreamedGroupOf(units_[u], u);
       SPILLWAY_ASSIGN_OR_RETURN(auto grad,
                                 store_->Acquire(units_[u].grad, offload::Access::kReadWrite));
       g.grad = grad.data();
@@ -390,16 +441,8 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
   // states only has to hold one unit's working set (the store spills the rest). Pass 1: the norm.
   double local = 0.0;
   for (const Unit& unit : units_) {
-    SPILLWAY_ASSIGN_OR_RETURN(auto g, store_->Acquire(unit.grad, offload::Access::kRead));
-    engine::SubGroup view;
-    view.name = "unit";
-    view.numel = static_cast<uint64_t>(unit.shard);
-    view.grad = g.data();
-    view.grad_dtype = DType::kFp32;
-    auto s = optimizer_->SumOfSquares(view);
-    SPILLWAY_RETURN_IF_ERROR(store_->Release(g));
-    if (!s.ok()) return s.status();
-    local += *s;
+    SPILLWAY_ASSIGN_OR_RETURN(const double s, UnitGradSumOfSquares(*store_, *optimizer_, unit));
+    local += s;
   }
   SPILLWAY_ASSIGN_OR_RETURN(auto global, coll_->AllReduceSum(local));
   Result<engine::StepReport> report = optimizer_->Plan(global, so);
@@ -415,17 +458,7 @@ Result<engine::StepReport> Trainer::OptimizerStep(engine::StreamedStepStats* str
       SPILLWAY_ASSIGN_OR_RETURN(auto v, store_->Acquire(id, offload::Access::kReadWrite));
       views.push_back(std::move(v));
     }
-    engine::SubGroup g;
-    g.name = "unit";
-    g.numel = static_cast<uint64_t>(unit.shard);
-    g.grad = views[0].data();
-    g.grad_dtype = DType::kFp32;
-    g.param = views[1].data();
-    g.param_dtype = DType::kFp32;
-    g.master = static_cast<float*>(views[2].data());
-    g.exp_avg = static_cast<float*>(views[3].data());
-    g.exp_avg_sq = static_cast<float*>(views[4].data());
-    Status st = optimizer_->Update(g, *report);
+    Status st = optimizer_->Update(UnitSubGroup(unit, views), *report);
     std::memset(views[0].data(), 0, static_cast<size_t>(unit.shard) * 4);
     for (offload::Handle& v : views) {
       Status rs = store_->Release(v);
@@ -576,13 +609,7 @@ Result<TrainStepResult> Trainer::Step(const std::vector<torch::Tensor>& micro_ba
       optimizer_->Unplan(planned)
           .IgnoreError();  // no unit used that Adam step: the next step reuses it
     }
-    std::string what =
-        applied == 0   ? std::string("failed in the optimizer before any unit took the step")
-        : applied == n ? StrCat("failed in the optimizer after all ", n,
-                                " units took the step (Adam step ", optimizer_->step(), ")")
-                       : StrCat("failed in the optimizer after units 0..", applied - 1, " of ", n,
-                                " took the step (Adam step ", optimizer_->step(), "); units ",
-                                applied, "..", n - 1, " did not");
+    std::string what = OptimizerFailure(applied, n, optimizer_->step());
     if (coll_->world_size() > 1) {
       // The other ranks may have taken the step and be in the next collective: the group is out
       // of step, and going on would pair mismatched collectives. Every later Step says so.
