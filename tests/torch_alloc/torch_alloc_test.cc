@@ -238,8 +238,9 @@ TEST_F(TorchAllocDeathTest, AForkedChildAllocatesTaggedTensorsFromItsOwnArena) {
                 std::string(e.what()).find("forked after spillway.install()") != std::string::npos;
           }
           REQUIRE(refused);
-          REQUIRE(Installation::Install(host, pinned, 1, 100).code() ==
-                  StatusCode::kFailedPrecondition);
+          const Status in_child = Installation::Install(host, pinned, 1, 100);
+          REQUIRE(in_child.code() == StatusCode::kFailedPrecondition);
+          REQUIRE(Mentions(in_child, "install in the parent"));
           std::_Exit(0);
         }
         int status = 0;

@@ -5,6 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <mutex>
 #include <utility>
 
 #include "spillway/torch_alloc/cpu_router.h"
@@ -28,6 +29,10 @@ Status CheckInstallable(const std::shared_ptr<SharedArena>& host,
     return Status::InvalidArgument(StrCat("spillway.install(priority=", priority,
                                           "): must be 1..255 "
                                           "(torch's own allocators register at 0)"));
+  }
+  if (Installation::Forked()) {
+    return Status::FailedPrecondition(
+        "spillway.install() in a process forked after install: install in the parent");
   }
   if (Installation::Installed()) {
     return Status::FailedPrecondition(
