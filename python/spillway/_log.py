@@ -1,7 +1,7 @@
 """Spillway's C++ log lines in Python's `logging`, under the logger "spillway".
 
 The C++ core emits a line when its level is enabled: SPILLWAY_LOG (error, warning, info or debug;
-default warning), or spillway.set_log_level(). Its lines queue in C++ (python/src/log_bridge.cc:
+default warning), or spillway.set_log_level(). Its lines queue in C++ (python/src/bind_base.cc:
 the threads that log may hold Spillway's locks, so they never wait for the GIL), and the interpreter
 hands them to `_emit` on the main thread between two bytecodes (Py_AddPendingCall). No thread is
 started: a process that imports spillway stays single-threaded for fork(). Where no handler is

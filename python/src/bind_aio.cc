@@ -2,7 +2,7 @@
 // aio_handle contract on Spillway's I/O engine; Note [aio_handle] in docs/aio.md) and _SwapStore
 // (aio::SwapStore, DeepSpeed's swap files in Spillway's NVMe arena; Note [DeepSpeed swap] in
 // docs/deepspeed.md). They turn tensors into buffers (checked with the GIL held), release the GIL
-// for every call into the library, and keep the pinned tensors of new_cpu_locked_tensor.
+// around every transfer and wait, and keep the pinned tensors of new_cpu_locked_tensor.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>

@@ -73,6 +73,7 @@ TEST_F(SwapStoreTest, FilesReadBackExactly) {
 
 TEST_F(SwapStoreTest, ARewriteWithAnotherSizeRemakesTheExtent) {
   auto s = Make();
+  ASSERT_NE(s, nullptr);
   const auto a = Random(8192, 3), b = Random(100, 4);
   ASSERT_TRUE(s->Write("p", a.data(), a.size(), Kind::kParam).ok());
   ASSERT_TRUE(s->Write("p", b.data(), b.size(), Kind::kParam).ok());
@@ -85,6 +86,7 @@ TEST_F(SwapStoreTest, ARewriteWithAnotherSizeRemakesTheExtent) {
 
 TEST_F(SwapStoreTest, PrefixesListAndRemove) {
   auto s = Make();
+  ASSERT_NE(s, nullptr);
   const auto v = Random(512, 5);
   for (const char* p : {"/d/2", "/d/1", "/e/1"}) {
     ASSERT_TRUE(s->Write(p, v.data(), v.size(), Kind::kParam).ok());
@@ -97,8 +99,9 @@ TEST_F(SwapStoreTest, PrefixesListAndRemove) {
   EXPECT_EQ(s->arena().Stats().requested_bytes, 512u);
 }
 
-TEST_F(SwapStoreTest, RefusalsNameThePathAndLoseNothing) {
+TEST_F(SwapStoreTest, RefusalsNameThePathAndLeaveTheOtherFiles) {
   auto s = Make();
+  ASSERT_NE(s, nullptr);
   const auto v = Random(4096, 6);
   ASSERT_TRUE(s->Write("kept", v.data(), v.size(), Kind::kParam).ok());
   std::vector<char> in(4096);
@@ -121,6 +124,7 @@ TEST_F(SwapStoreTest, RefusalsNameThePathAndLoseNothing) {
 
 TEST_F(SwapStoreTest, TheBudgetHoldsAndNamesTheKnob) {
   auto s = Make(1 * kMiB);
+  ASSERT_NE(s, nullptr);
   const auto big = Random(768 * 1024, 7);
   ASSERT_TRUE(s->Write("a", big.data(), big.size(), Kind::kParam).ok());
   const Status over = s->Write("b", big.data(), big.size(), Kind::kParam);
@@ -134,6 +138,7 @@ TEST_F(SwapStoreTest, TheBudgetHoldsAndNamesTheKnob) {
 
 TEST_F(SwapStoreTest, AFlippedByteOnDiskIsAChecksumError) {
   auto s = Make();
+  ASSERT_NE(s, nullptr);
   const auto v = Random(65536, 8);
   ASSERT_TRUE(s->Write("c", v.data(), v.size(), Kind::kOptimizerState).ok());
   ASSERT_TRUE(s->CorruptForTesting("c", 777).ok());

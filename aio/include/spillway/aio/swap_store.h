@@ -40,7 +40,9 @@ class SwapStore {
   SwapStore& operator=(const SwapStore&) = delete;
 
   // The whole buffer into the path's extent (made, or remade when the size changed), booked as
-  // `kind`. A failure names the path; the store's other files are untouched.
+  // `kind`. A failure names the path; the store's other files are untouched. A rewrite with another
+  // size frees the old extent first (DeepSpeed replaces the file whole), so a failed one drops the
+  // path, and a failed write leaves its extent unwritten: read it again only after a good write.
   Status Write(const std::string& path, const void* data, uint64_t bytes, allocator::Kind kind);
   // The path's extent into the buffer, its checksum verified. The buffer must be the extent's
   // size: DeepSpeed writes and reads whole files.
