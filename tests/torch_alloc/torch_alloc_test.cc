@@ -62,6 +62,19 @@ struct ForwardingAllocator final : c10::Allocator {
   }
 };
 
+// Another pinned host allocator, registered above Spillway's priority.
+struct OtherHostAllocator final : at::HostAllocator {
+  c10::DataPtr allocate(size_t n) override { return c10::GetDefaultCPUAllocator()->allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  bool record_event(void*, void*, c10::Stream) override { return false; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return {}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
+};
+
 class TorchAllocDeathTest : public ::testing::Test {
  protected:
   void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
@@ -291,6 +304,27 @@ TEST_F(TorchAllocDeathTest, InstallBelowAnotherAllocatorsPriorityNamesIt) {
         REQUIRE(c10::GetCPUAllocator() == &other);
         const Status again = Installation::Install(host, pinned, 1, 255);
         REQUIRE(Mentions(again, "an earlier spillway.install() in this process failed"));
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// The pinned registration is refused after the CPU one took: the CPU allocator is put back, so
+// nothing is left installed.
+TEST_F(TorchAllocDeathTest, APinnedAllocatorAboveOursLeavesNothingInstalled) {
+  EXPECT_EXIT(
+      {
+        auto host = MakeArena("host");
+        auto pinned = MakeArena("pinned", 0, host);
+        static OtherHostAllocator other;
+        at::setHostAllocator(at::kCUDA, &other, 200);
+        c10::Allocator* before = c10::GetCPUAllocator();
+        const Status kept = Installation::Install(host, pinned, 1, 100);
+        REQUIRE(kept.code() == StatusCode::kFailedPrecondition);
+        REQUIRE(Mentions(kept, "torch kept its pinned host allocator"));
+        REQUIRE(!Installation::Installed());
+        REQUIRE(c10::GetCPUAllocator() == before);
+        REQUIRE(at::getHostAllocator(at::kCUDA) == &other);
         std::exit(0);
       },
       ::testing::ExitedWithCode(0), "");
