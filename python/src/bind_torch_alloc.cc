@@ -37,17 +37,10 @@ namespace {
 using torch_alloc::Blocks;
 using torch_alloc::BlockStats;
 using torch_alloc::CpuRouter;
+using torch_alloc::CurrentCudaHostAllocator;
 using torch_alloc::Installation;
 using torch_alloc::SharedArena;
 using torch_alloc::TagScope;
-
-at::HostAllocator* CurrentCudaHostAllocator() {
-  try {
-    return at::getHostAllocator(at::kCUDA);
-  } catch (const c10::Error&) {
-    return nullptr;  // a CPU-only torch has none registered
-  }
-}
 
 at::HostAllocator* CudaHostAllocatorOrRaise() {
   at::HostAllocator* a = CurrentCudaHostAllocator();

@@ -14,14 +14,6 @@
 namespace spillway::torch_alloc {
 namespace {
 
-at::HostAllocator* CurrentCudaHostAllocator() {
-  try {
-    return at::getHostAllocator(at::kCUDA);
-  } catch (const c10::Error&) {
-    return nullptr;  // a CPU-only torch has none registered
-  }
-}
-
 Status CheckInstallable(const std::shared_ptr<SharedArena>& host,
                         const std::shared_ptr<SharedArena>& pinned, uint64_t small_bytes,
                         int priority) {

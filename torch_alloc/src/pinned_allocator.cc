@@ -1,7 +1,9 @@
-// The pinned allocator's view of the current stream, for the CUDA-graph pools' filters.
+// The pinned allocator's view of the current stream, for the CUDA-graph pools' filters, and of
+// torch's registered CUDA host allocator.
 #include "spillway/torch_alloc/pinned_allocator.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 
 namespace spillway::torch_alloc {
 
@@ -13,6 +15,14 @@ c10::Stream CurrentStream() {
   // A CUDA build of torch on a machine without a usable GPU: getDevice() would throw (no driver).
   if (impl->deviceCount() == 0) return host;
   return impl->getStream(impl->getDevice());
+}
+
+at::HostAllocator* CurrentCudaHostAllocator() {
+  try {
+    return at::getHostAllocator(at::kCUDA);
+  } catch (const c10::Error&) {
+    return nullptr;  // a CPU-only torch has none registered
+  }
 }
 
 }  // namespace spillway::torch_alloc

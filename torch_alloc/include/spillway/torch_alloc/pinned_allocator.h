@@ -19,6 +19,10 @@ namespace spillway::torch_alloc {
 // CUDA call of Spillway's own); a CPU stream where torch has no CUDA (the tests' pools).
 c10::Stream CurrentStream();
 
+// torch's registered host allocator for CUDA (Spillway's once installed), or null where a CPU-only
+// torch has none.
+at::HostAllocator* CurrentCudaHostAllocator();
+
 // Thread-safe (Blocks is). Memory the allocator did not make goes to the allocator it replaced.
 class PinnedAllocator final : public at::HostAllocator {
  public:
