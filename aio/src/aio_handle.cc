@@ -60,6 +60,23 @@ struct Pending {
   bool done = false;  // completed early (to free its file's slot); `status` is its result
   bool ready = true;  // for done ops: false while the thread that completes it is still waiting
   Status status;
+  // A DeepSpeed swap (SubmitSwap): the store's transfer, completed by the store, whose failure is
+  // raised as a Status (a checksum mismatch names the swap file), not only reported as -1.
+  std::shared_ptr<SwapStore> store;
+  SwapStore::Transfer swap;
+  std::string path;
+};
+
+// The first failed op of a batch: "<op> <file>: <status>" for last_error, and the Status of the
+// first failed swap, which is raised.
+struct Failure {
+  std::string message;
+  Status raise;
+  void Note(const Pending& p, const Status& st) {
+    if (st.ok()) return;
+    if (message.empty()) message = StrCat(p.what, ": ", st.ToString());
+    if (p.store != nullptr && raise.ok()) raise = st;
+  }
 };
 
 }  // namespace
@@ -80,15 +97,15 @@ class AioHandleImpl {
   static constexpr size_t kMaxOpenFiles = 128;
 
   // Wait()'s body: the ops submitted before it, or (a sync op's drain) before
-  // seq `before` only. `closed` receives the error of a closed handle.
-  int Wait(Status* closed, uint64_t before = UINT64_MAX) {
+  // seq `before` only. `raise` receives the error of a closed handle or of a failed swap.
+  int Wait(Status* raise, uint64_t before = UINT64_MAX) {
     std::vector<Pending> ops;
     std::shared_ptr<allocator::IoEngine> engine;
     uint64_t horizon = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (engine_ == nullptr) {
-        *closed = ClosedError();
+        *raise = ClosedError();
         return -1;
       }
       horizon = std::min(next_seq_, before);
@@ -100,19 +117,17 @@ class AioHandleImpl {
       TakeReadyEarly(&ops, horizon);
       engine = engine_;
     }
-    std::string first_error = Finish(engine.get(), &ops);
+    Failure failure = Finish(engine.get(), &ops);
     std::vector<Pending> late;  // destroyed after the lock (a buffer's deleter may free memory)
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [&] { return outstanding_.empty() || *outstanding_.begin() >= horizon; });
     // Ops submitted before this wait that another thread was completing early (to close their
     // file) when it began: finished now, so their results are this wait's, errors included.
     TakeReadyEarly(&late, horizon);
-    for (const Pending& p : late) {
-      if (!p.status.ok() && first_error.empty())
-        first_error = StrCat(p.what, ": ", p.status.ToString());
-    }
-    if (!first_error.empty()) {
-      last_error_ = first_error;
+    for (const Pending& p : late) failure.Note(p, p.status);
+    if (!failure.message.empty()) {
+      last_error_ = failure.message;
+      if (!failure.raise.ok()) *raise = failure.raise;
       return -1;
     }
     return static_cast<int>(ops.size() + late.size());
@@ -157,16 +172,7 @@ class AioHandleImpl {
       *raise = ClosedError();
       return -1;
     }
-    struct Active {
-      AioHandleImpl* h;
-      ~Active() {
-        {
-          std::lock_guard<std::mutex> lock(h->mu_);
-          h->active_--;
-        }
-        h->done_.notify_all();
-      }
-    } active{this};
+    Active active{this};
     if (fd_op && fd < 0) return Fail(StrCat(op, " ", name, ": not a descriptor"));
     // Page-aligned requests on a named file go through O_DIRECT (DeepSpeed's mode: no page cache,
     // no double copy); others through a buffered descriptor, so no size or offset is refused.
@@ -198,8 +204,45 @@ class AioHandleImpl {
       Unpin(f);
       return Fail(StrCat(op, " ", name, ": ", t.status().ToString()));
     }
-    return Track(engine.get(), *t, StrCat(op, " ", name), f, std::move(buffer.keep), mode, raise);
+    Pending p{*t, 0, StrCat(op, " ", name), f, std::move(buffer.keep)};
+    return Track(engine.get(), std::move(p), mode, raise);
   }
+
+  // SubmitSwap's body: the transfer queued by the store (on its engine), then tracked as any op.
+  // A transfer that cannot be submitted raises its error (it names the swap file).
+  int SwapTransfer(AioBuffer buffer, std::shared_ptr<SwapStore> store, const std::string& path,
+                   bool write, allocator::Kind kind, AioMode mode, Status* raise) {
+    const std::shared_ptr<allocator::IoEngine> engine = BeginCall();
+    if (engine == nullptr) {
+      *raise = ClosedError();
+      return -1;
+    }
+    Active active{this};
+    Result<SwapStore::Transfer> t = write
+                                        ? store->SubmitWrite(path, buffer.data, buffer.bytes, kind)
+                                        : store->SubmitRead(path, buffer.data, buffer.bytes);
+    if (!t.ok()) {
+      *raise = t.status();
+      return Fail(StrCat(write ? "pwrite " : "pread ", path, ": ", t.status().ToString()));
+    }
+    Pending p{0, 0, StrCat(write ? "pwrite " : "pread ", path), nullptr, std::move(buffer.keep)};
+    p.store = std::move(store);
+    p.swap = *std::move(t);
+    p.path = path;
+    return Track(engine.get(), std::move(p), mode, raise);
+  }
+
+  // A call between BeginCall and its submission: close() waits for it.
+  struct Active {
+    AioHandleImpl* h;
+    ~Active() {
+      {
+        std::lock_guard<std::mutex> lock(h->mu_);
+        h->active_--;
+      }
+      h->done_.notify_all();
+    }
+  };
 
   // Transfer's entry under mu_: the engine, with this call counted in active_; null when the
   // handle is closed or closing.
@@ -210,13 +253,12 @@ class AioHandleImpl {
     return engine_;
   }
 
-  // Transfer's end: records the submitted op `t` (its seq outstanding, `f` pinned by it until it
-  // is waited for). kAsync leaves it to wait(); kSync and kAlone wait for it here, without mu_,
+  // Transfer's end: records the submitted op `p` (its seq outstanding, its file pinned by it until
+  // it is waited for). kAsync leaves it to wait(); kSync and kAlone wait for it here, without mu_,
   // and kSync then for the async ops submitted before it. Returns as Transfer does.
-  int Track(allocator::IoEngine* engine, allocator::Ticket t, std::string what, FilePtr f,
-            std::shared_ptr<const void> keep, AioMode mode, Status* raise) {
+  int Track(allocator::IoEngine* engine, Pending p, AioMode mode, Status* raise) {
     std::unique_lock<std::mutex> lock(mu_);
-    Pending p{t, next_seq_++, std::move(what), std::move(f), std::move(keep)};
+    p.seq = next_seq_++;
     outstanding_.insert(p.seq);
     if (mode == AioMode::kAsync) {
       pending_.push_back(std::move(p));  // f stays pinned by the op until it is waited for
@@ -227,31 +269,37 @@ class AioHandleImpl {
     const uint64_t own = p.seq;
     std::vector<Pending> one;
     one.push_back(std::move(p));
-    const std::string error = Finish(engine, &one);
+    const Failure failure = Finish(engine, &one);
     // kSync: then the async ops submitted before it, as wait() does (DeepSpeed's _wait_locked()),
     // never those other threads submitted while it ran: those are their wait()'s.
     const int earlier = mode == AioMode::kSync ? Wait(raise, own) : 0;
-    if (!error.empty()) return Fail(error);
+    if (!failure.message.empty()) {
+      if (!failure.raise.ok()) *raise = failure.raise;  // this op's failure before earlier ones'
+      return Fail(failure.message);
+    }
     return earlier < 0 ? -1 : 1 + earlier;
   }
 
-  // Waits for `ops` without the lock; then retires them (seq done, file unpinned). Returns the
-  // first error as "<op> <file>: <status>", or "".
-  std::string Finish(allocator::IoEngine* engine, std::vector<Pending>* ops) {
-    std::string first_error;
+  // Waits for `ops` without the lock (a swap is completed by its store); then retires them (seq
+  // done, file unpinned). Returns the first failure.
+  Failure Finish(allocator::IoEngine* engine, std::vector<Pending>* ops) {
+    Failure failure;
     for (Pending& p : *ops) {
-      const Status st = p.done ? p.status : engine->Wait(p.ticket);
-      if (!st.ok() && first_error.empty()) first_error = StrCat(p.what, ": ", st.ToString());
+      const Status st = p.done               ? p.status
+                        : p.store != nullptr ? p.store->Complete(p.swap, p.path)
+                                             : engine->Wait(p.ticket);
+      failure.Note(p, st);
     }
     for (Pending& p : *ops) {
-      if (!p.done) Unpin(p.file);  // early ones were unpinned when they completed
+      if (!p.done && p.file != nullptr)
+        Unpin(p.file);  // early ones were unpinned when they completed
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const Pending& p : *ops) outstanding_.erase(p.seq);
     }
     done_.notify_all();
-    return first_error;
+    return failure;
   }
 
   // The caller's descriptor, dup'd at the time of the call: the op writes the file the number named
@@ -499,6 +547,11 @@ class AioHandleImpl {
     for (const FilePtr& f : files) CloseIfUnused(f);
   }
 
+  std::shared_ptr<allocator::IoEngine> Engine() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return engine_;
+  }
+
   std::string LastError() {
     std::lock_guard<std::mutex> lock(mu_);
     return last_error_;
@@ -608,11 +661,30 @@ Result<int> AioHandle::SubmitFd(AioBuffer buffer, int fd, int64_t offset, bool w
   return rc;
 }
 
+Result<int> AioHandle::SubmitSwap(AioBuffer buffer, std::shared_ptr<SwapStore> store,
+                                  const std::string& path, bool write, allocator::Kind kind,
+                                  AioMode mode) {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  if (store == nullptr) return Status::InvalidArgument(StrCat("swap ", path, ": no swap store"));
+  Status raise;
+  const int rc =
+      impl_->SwapTransfer(std::move(buffer), std::move(store), path, write, kind, mode, &raise);
+  SPILLWAY_RETURN_IF_ERROR(raise);
+  return rc;
+}
+
+Result<std::shared_ptr<allocator::IoEngine>> AioHandle::engine() const {
+  SPILLWAY_RETURN_IF_ERROR(CheckProcess());
+  std::shared_ptr<allocator::IoEngine> engine = impl_->Engine();
+  if (engine == nullptr) return ClosedError();
+  return engine;
+}
+
 Result<int> AioHandle::Wait() {
   SPILLWAY_RETURN_IF_ERROR(CheckProcess());
-  Status closed;
-  const int rc = impl_->Wait(&closed);
-  SPILLWAY_RETURN_IF_ERROR(closed);
+  Status raise;
+  const int rc = impl_->Wait(&raise);
+  SPILLWAY_RETURN_IF_ERROR(raise);
   return rc;
 }
 

@@ -12,16 +12,11 @@
 namespace spillway::aio {
 
 Result<std::unique_ptr<SwapStore>> SwapStore::Create(const SwapStoreOptions& options) {
-  if (options.host == nullptr || options.ledger == nullptr) {
-    return Status::InvalidArgument(
-        "SwapStore: the host arena (bounce buffers) and the ledger must be given");
+  if (options.engine == nullptr || options.ledger == nullptr) {
+    return Status::InvalidArgument("SwapStore: the I/O engine and the ledger must be given");
   }
   std::unique_ptr<SwapStore> s(new SwapStore());
-  allocator::IoEngineOptions eo;
-  eo.arena = options.host;
-  eo.block_size = options.block_size;
-  eo.queue_depth = options.queue_depth;
-  SPILLWAY_ASSIGN_OR_RETURN(s->engine_, allocator::IoEngine::Create(eo));
+  s->engine_ = options.engine;
   uint64_t budget = options.budget_bytes;
   if (budget == 0) {
     struct statvfs vfs {};
@@ -48,11 +43,25 @@ SwapStore::~SwapStore() {
 
 Status SwapStore::Write(const std::string& path, const void* data, uint64_t bytes,
                         allocator::Kind kind) {
-  SPILLWAY_ASSIGN_OR_RETURN(const uint64_t offset, ExtentFor(path, bytes, kind));
-  return arena_->Write(offset, data, bytes).WithContext(StrCat("DeepSpeed swap file ", path));
+  SPILLWAY_ASSIGN_OR_RETURN(const Transfer t, SubmitWrite(path, data, bytes, kind));
+  return Complete(t, path);
 }
 
 Status SwapStore::Read(const std::string& path, void* data, uint64_t bytes) {
+  SPILLWAY_ASSIGN_OR_RETURN(const Transfer t, SubmitRead(path, data, bytes));
+  return Complete(t, path);
+}
+
+Result<SwapStore::Transfer> SwapStore::SubmitWrite(const std::string& path, const void* data,
+                                                   uint64_t bytes, allocator::Kind kind) {
+  SPILLWAY_ASSIGN_OR_RETURN(const uint64_t offset, ExtentFor(path, bytes, kind));
+  Result<Transfer> t = arena_->SubmitWrite(offset, data, bytes);
+  if (!t.ok()) return t.status().WithContext(StrCat("DeepSpeed swap file ", path));
+  return t;
+}
+
+Result<SwapStore::Transfer> SwapStore::SubmitRead(const std::string& path, void* data,
+                                                  uint64_t bytes) {
   uint64_t offset = 0, held = 0;
   bool found = false;
   {
@@ -75,7 +84,13 @@ Status SwapStore::Read(const std::string& path, void* data, uint64_t bytes) {
         "; Spillway's swap store reads whole files (DeepSpeed's "
         "offload_optimizer.fast_init reads a prefix: turn it off)"));
   }
-  return arena_->Read(offset, data, bytes).WithContext(StrCat("DeepSpeed swap file ", path));
+  Result<Transfer> t = arena_->SubmitRead(offset, data, bytes);
+  if (!t.ok()) return t.status().WithContext(StrCat("DeepSpeed swap file ", path));
+  return t;
+}
+
+Status SwapStore::Complete(const Transfer& transfer, const std::string& path) {
+  return arena_->Complete(transfer).WithContext(StrCat("DeepSpeed swap file ", path));
 }
 
 bool SwapStore::Contains(const std::string& path) const {

@@ -358,70 +358,113 @@ Status NvmeArena::CheckExtentLocked(uint64_t offset, uint64_t bytes, const char*
 }
 
 Status NvmeArena::Write(uint64_t offset, const void* src, uint64_t bytes) {
-  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Write"));
-  if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
-  std::string what;
-  uint64_t generation;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &what));
-    generation =
-        NewGenerationLocked(offset);  // until this write completes, the old contents are gone
-  }
-  const uint32_t crc = options_.checksum ? Crc32c(src, bytes) : 0;
-  Status st = engine_->Write(file_id_, offset, src, bytes);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = checks_.find(offset);
-  if (!st.ok()) {
-    stats_.write_failures++;
-    return st.WithContext(StrCat("writing ", what, "; the host copy is untouched and still valid"));
-  }
-  if (it == checks_.end() || it->second.generation != generation) {
-    return Status::FailedPrecondition(StrCat("writing ", what, ": ", StaleWrite(offset)));
-  }
-  it->second = Check{true, crc, generation};
-  stats_.written_bytes += bytes;
-  return Status::Ok();
+  SPILLWAY_ASSIGN_OR_RETURN(const Transfer t, SubmitWrite(offset, src, bytes));
+  return Complete(t);
 }
 
 Status NvmeArena::Read(uint64_t offset, void* dst, uint64_t bytes) {
-  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Read"));
-  if (dst == nullptr) return Status::InvalidArgument("NvmeArena::Read: null destination");
-  std::string what;
-  Check check;
+  SPILLWAY_ASSIGN_OR_RETURN(const Transfer t, SubmitRead(offset, dst, bytes));
+  return Complete(t);
+}
+
+Result<NvmeArena::Transfer> NvmeArena::SubmitWrite(uint64_t offset, const void* src,
+                                                   uint64_t bytes) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Write"));
+  if (src == nullptr) return Status::InvalidArgument("NvmeArena::Write: null source");
+  Transfer t;
+  t.offset = offset;
+  t.bytes = bytes;
+  t.write = true;
+  t.data = src;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Read", &what));
-    check = checks_.at(offset);
+    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Write", &t.what));
+    // Until this write completes, the old contents are gone.
+    t.generation = NewGenerationLocked(offset);
+  }
+  Result<Ticket> ticket = engine_->SubmitWrite(file_id_, offset, src, bytes);
+  if (!ticket.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.write_failures++;
+    return ticket.status().WithContext(
+        StrCat("writing ", t.what, "; the host copy is untouched and still valid"));
+  }
+  t.ticket = *ticket;
+  return t;
+}
+
+Result<NvmeArena::Transfer> NvmeArena::SubmitRead(uint64_t offset, void* dst, uint64_t bytes) {
+  SPILLWAY_RETURN_IF_ERROR(process_.Check("NvmeArena", "Read"));
+  if (dst == nullptr) return Status::InvalidArgument("NvmeArena::Read: null destination");
+  Transfer t;
+  t.offset = offset;
+  t.bytes = bytes;
+  t.data = dst;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(CheckExtentLocked(offset, bytes, "NvmeArena::Read", &t.what));
+    const Check& check = checks_.at(offset);
     if (!check.valid) {
-      return Status::FailedPrecondition(StrCat("reading ", what,
+      return Status::FailedPrecondition(StrCat("reading ", t.what,
                                                ": it holds no valid data (never written, or its "
                                                "last write failed)"));
     }
+    t.crc = check.crc;
   }
-  Status st = engine_->Read(file_id_, offset, dst, bytes);
+  Result<Ticket> ticket = engine_->SubmitRead(file_id_, offset, dst, bytes);
+  if (!ticket.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.read_failures++;
+    return ticket.status().WithContext(
+        StrCat("reading ", t.what, "; the destination is not valid"));
+  }
+  t.ticket = *ticket;
+  return t;
+}
+
+Status NvmeArena::Complete(const Transfer& t) {
+  SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
+  // The checksum is computed while the transfer is in flight (a write's source is unmodified and
+  // a read's is checked after it landed).
+  const uint32_t write_crc = t.write && options_.checksum ? Crc32c(t.data, t.bytes) : 0;
+  const Status st = engine_->Wait(t.ticket);
+  if (t.write) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = checks_.find(t.offset);
+    if (!st.ok()) {
+      stats_.write_failures++;
+      return st.WithContext(
+          StrCat("writing ", t.what, "; the host copy is untouched and still valid"));
+    }
+    if (it == checks_.end() || it->second.generation != t.generation) {
+      return Status::FailedPrecondition(StrCat("writing ", t.what, ": ", StaleWrite(t.offset)));
+    }
+    it->second = Check{true, write_crc, t.generation};
+    stats_.written_bytes += t.bytes;
+    return Status::Ok();
+  }
   if (!st.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.read_failures++;
-    return st.WithContext(StrCat("reading ", what, "; the destination is not valid"));
+    return st.WithContext(StrCat("reading ", t.what, "; the destination is not valid"));
   }
   if (options_.checksum) {
-    const uint32_t crc = Crc32c(dst, bytes);
-    if (crc != check.crc) {
+    const uint32_t crc = Crc32c(t.data, t.bytes);
+    if (crc != t.crc) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.checksum_failures++;
       char hex[64];
-      std::snprintf(hex, sizeof(hex), "stored crc32c 0x%08x, read back 0x%08x", check.crc, crc);
+      std::snprintf(hex, sizeof(hex), "stored crc32c 0x%08x, read back 0x%08x", t.crc, crc);
       return Status::Make(StatusCode::kChecksumMismatch,
-                          StrCat("checksum mismatch reading ", what, ": ", hex,
+                          StrCat("checksum mismatch reading ", t.what, ": ", hex,
                                  ". The data on disk is corrupt; the destination holds the bad "
                                  "bytes and must not be used. Restore from the host copy or a "
                                  "checkpoint"));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  stats_.read_bytes += bytes;
+  stats_.read_bytes += t.bytes;
   return Status::Ok();
 }
 

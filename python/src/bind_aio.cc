@@ -44,6 +44,22 @@ Result<aio::AioBuffer> TensorBuffer(const torch::Tensor& t, const char* what) {
                         std::make_shared<const torch::Tensor>(t)};
 }
 
+std::pair<void*, uint64_t> SwapBytes(const torch::Tensor& t, const std::string& path) {
+  if (!t.device().is_cpu() || !t.is_contiguous() || t.nbytes() == 0) {
+    Raise(Status::InvalidArgument(StrCat("DeepSpeed swap file ", path,
+                                         ": the buffer must be a non-empty contiguous CPU "
+                                         "tensor")));
+  }
+  return {t.data_ptr(), static_cast<uint64_t>(t.nbytes())};
+}
+
+// The store and the host arena whose ledger it books on and whose bounce buffers its engine (the
+// aio handle's) uses (declared first: outlives the store and the engine it keeps).
+struct PySwapStore {
+  std::shared_ptr<torch_alloc::SharedArena> host;
+  std::shared_ptr<aio::SwapStore> store;
+};
+
 // Thread-safe. Entry points validate their tensors with the GIL held, then release it before any
 // call into the handle, so a thread holding the handle's lock never waits for the GIL.
 class PyAioHandle {
@@ -122,6 +138,42 @@ class PyAioHandle {
   }
   int PreadFd(const torch::Tensor& b, int fd, int64_t off) {
     return Transfer(b, true, "", fd, off, false, aio::AioMode::kAsync, false);
+  }
+
+  // An op on DeepSpeed's swap file `path` in `s` (spillway.deepspeed's swap routing): async, or
+  // sync as pread/pwrite with async false. A failed swap raises (it names the file).
+  int Swap(const torch::Tensor& b, const PySwapStore& s, const std::string& path, bool write,
+           const std::string& kind, bool async) {
+    Check(handle_->CheckProcess());
+    const allocator::Kind k = Check(allocator::ParseKind(kind));
+    const auto [ptr, bytes] = SwapBytes(b, path);
+    aio::AioBuffer buffer{ptr, bytes, std::make_shared<const torch::Tensor>(b)};
+    Result<int> r = 0;
+    {
+      py::gil_scoped_release nogil;
+      r = handle_->SubmitSwap(std::move(buffer), s.store, path, write, k,
+                              async ? aio::AioMode::kAsync : aio::AioMode::kSync);
+    }
+    return Check(std::move(r));
+  }
+
+  // A swap store for DeepSpeed's nvme_path `directory` on this handle's engine, booked in its
+  // arena's ledger.
+  std::shared_ptr<PySwapStore> MakeSwapStore(const std::string& directory, uint64_t budget_bytes) {
+    Check(handle_->CheckProcess());
+    aio::SwapStoreOptions o;
+    o.directory = directory;
+    o.budget_bytes = budget_bytes;
+    o.engine = Check(handle_->engine());
+    o.ledger = &arena_->ledger();  // install()'s ledger: its boundaries see the store
+    auto made = std::make_shared<PySwapStore>();
+    made->host = arena_;
+    Result<std::unique_ptr<aio::SwapStore>> store = [&] {
+      py::gil_scoped_release nogil;  // the swap file is made and sized: syscalls
+      return aio::SwapStore::Create(o);
+    }();
+    made->store = Check(std::move(store));
+    return made;
   }
 
   int Wait() {
@@ -252,6 +304,10 @@ static void BindAioHandle(py::module_& m) {
       .def("async_pread", &PyAioHandle::PreadFd, py::arg("buffer"), py::arg("fd"),
            py::arg("file_offset") = 0)
       .def("wait", &PyAioHandle::Wait)
+      .def("_swap", &PyAioHandle::Swap, py::arg("buffer"), py::arg("store"), py::arg("path"),
+           py::arg("write"), py::arg("kind"), py::arg("async"))
+      .def("_swap_store", &PyAioHandle::MakeSwapStore, py::arg("directory"),
+           py::arg("budget_bytes"))
       .def("new_cpu_locked_tensor", &PyAioHandle::NewLockedTensor, py::arg("num_elem"),
            py::arg("example_tensor"))
       .def("free_cpu_locked_tensor", &PyAioHandle::FreeLockedTensor)
@@ -260,22 +316,6 @@ static void BindAioHandle(py::module_& m) {
 }
 
 namespace {
-
-std::pair<void*, uint64_t> SwapBytes(const torch::Tensor& t, const std::string& path) {
-  if (!t.device().is_cpu() || !t.is_contiguous() || t.nbytes() == 0) {
-    Raise(Status::InvalidArgument(StrCat("DeepSpeed swap file ", path,
-                                         ": the buffer must be a non-empty contiguous CPU "
-                                         "tensor")));
-  }
-  return {t.data_ptr(), static_cast<uint64_t>(t.nbytes())};
-}
-
-// The store and the host arena whose ledger and bounce buffers it uses (declared first: outlives
-// the store).
-struct PySwapStore {
-  std::shared_ptr<torch_alloc::SharedArena> host;
-  std::unique_ptr<aio::SwapStore> store;
-};
 
 py::dict SwapStats(const PySwapStore& s) {
   const allocator::NvmeArenaStats st = s.store->arena().Stats();
@@ -298,23 +338,6 @@ py::dict SwapStats(const PySwapStore& s) {
 
 static void BindSwapStore(py::module_& m) {
   py::class_<PySwapStore, std::shared_ptr<PySwapStore>>(m, "_SwapStore")
-      .def(py::init([](const std::string& directory, uint64_t budget_bytes, uint64_t block_size,
-                       uint32_t queue_depth, std::shared_ptr<torch_alloc::SharedArena> host) {
-             if (host == nullptr) Raise(Status::InvalidArgument("_SwapStore: host must be given"));
-             aio::SwapStoreOptions o;
-             o.directory = directory;
-             o.budget_bytes = budget_bytes;
-             o.block_size = block_size;
-             o.queue_depth = queue_depth;
-             o.host = host->get();
-             o.ledger = &host->ledger();  // install()'s ledger: its boundaries see the store
-             auto made = std::make_shared<PySwapStore>();
-             made->host = std::move(host);
-             made->store = Check(aio::SwapStore::Create(o));
-             return made;
-           }),
-           py::arg("directory"), py::arg("budget_bytes"), py::arg("block_size"),
-           py::arg("queue_depth"), py::arg("host"))
       .def("write",
            [](PySwapStore& s, const std::string& path, const torch::Tensor& t,
               const std::string& kind) {

@@ -332,11 +332,113 @@ TEST_P(AioHandleTest, ThreadsShareOneHandle) {
   }
 }
 
+// DeepSpeed's swaps (AioHandle::SubmitSwap): a SwapStore on the handle's own engine, its
+// transfers the handle's ops. Note [DeepSpeed swap] in docs/deepspeed.md.
+class AioHandleSwapTest : public AioHandleTest {
+ protected:
+  void SetUp() override {
+    AioHandleTest::SetUp();
+    if (IsSkipped() || handle_ == nullptr) return;
+    SwapStoreOptions o;
+    o.directory = NvmeTestDir();
+    o.budget_bytes = 64 * kMiB;
+    o.engine = *handle_->engine();
+    o.ledger = &ledger_;
+    auto s = SwapStore::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    store_ = std::move(*s);
+  }
+  void TearDown() override {
+    store_.reset();  // it keeps the handle's engine: before the arena of its bounce buffers
+    AioHandleTest::TearDown();
+  }
+  Result<int> Swap(AioBuffer b, const std::string& path, bool write, AioMode mode) {
+    return handle_->SubmitSwap(std::move(b), store_, path, write, Kind::kOptimizerState, mode);
+  }
+  std::shared_ptr<SwapStore> store_;
+};
+
+TEST_P(AioHandleSwapTest, SwapsAreTheHandlesOpsOnItsOneEngine) {
+  Dir dir;
+  const uint64_t engine_writes = (*handle_->engine())->Stats().write_bytes;
+  std::vector<AioBuffer> out;
+  for (int i = 0; i < 3; ++i) out.push_back(Buffer(65536 * (i + 1) + 512 * i, 40 + i));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(*Swap(out[i], "/swap/f" + std::to_string(i), true, AioMode::kAsync), 0);
+  }
+  AioBuffer file = Buffer(65536, 49);
+  EXPECT_EQ(*handle_->Submit(file, dir.File("plain"), 0, true, AioMode::kAsync), 0);
+  EXPECT_EQ(*handle_->Wait(), 4) << "wait() counts the swaps with the handle's other ops";
+  EXPECT_EQ(store_->files(), 3u);
+  EXPECT_GE((*handle_->engine())->Stats().write_bytes - engine_writes,
+            out[0].bytes + out[1].bytes + out[2].bytes + file.bytes)
+      << "the swaps ran on the handle's engine";
+  std::vector<AioBuffer> in;
+  for (int i = 0; i < 3; ++i) in.push_back(Buffer(out[i].bytes, 90 + i));
+  EXPECT_EQ(*Swap(in[0], "/swap/f0", false, AioMode::kAsync), 0);
+  EXPECT_EQ(*Swap(in[1], "/swap/f1", false, AioMode::kAsync), 0);
+  EXPECT_EQ(*Swap(in[2], "/swap/f2", false, AioMode::kSync), 3)
+      << "a sync swap waits for the async ops before it, as a sync file op does";
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Bytes(in[i]), Bytes(out[i])) << i;
+  EXPECT_EQ(*handle_->Wait(), 0);
+}
+
+TEST_P(AioHandleSwapTest, AFailedSwapRaisesOnceEveryOpItWaitsForHasFinished) {
+  Dir dir;
+  AioBuffer good = Buffer(65536, 50), bad = Buffer(65536, 51);
+  EXPECT_EQ(*Swap(good, "/swap/good", true, AioMode::kSync), 1);
+  EXPECT_EQ(*Swap(bad, "/swap/bad", true, AioMode::kSync), 1);
+  ASSERT_TRUE(store_->CorruptForTesting("/swap/bad", 4097).ok());
+  AioBuffer good_in = Buffer(65536, 52), bad_in = Buffer(65536, 53), file = Buffer(65536, 54);
+  EXPECT_EQ(*Swap(bad_in, "/swap/bad", false, AioMode::kAsync), 0);
+  EXPECT_EQ(*Swap(good_in, "/swap/good", false, AioMode::kAsync), 0);
+  EXPECT_EQ(*handle_->Submit(file, dir.File("plain"), 0, true, AioMode::kAsync), 0);
+  auto w = handle_->Wait();
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kChecksumMismatch);
+  EXPECT_TRUE(Has(w.status(), "DeepSpeed swap file /swap/bad")) << w.status().ToString();
+  EXPECT_NE(handle_->last_error()->find("pread /swap/bad"), std::string::npos)
+      << *handle_->last_error();
+  EXPECT_EQ(Bytes(good_in), Bytes(good)) << "the other ops of the wait finished and landed";
+  EXPECT_EQ(ReadAll(dir.File("plain")), Bytes(file));
+  EXPECT_EQ(*handle_->Wait(), 0) << "nothing is left in flight";
+  // Refused at the call, naming the file, with nothing submitted.
+  auto missing = Swap(good_in, "/swap/never", false, AioMode::kAsync);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_TRUE(Has(missing.status(), "DeepSpeed swap file /swap/never"))
+      << missing.status().ToString();
+  AioBuffer small = Buffer(4096, 55);
+  auto prefix = Swap(small, "/swap/good", false, AioMode::kAsync);
+  ASSERT_FALSE(prefix.ok());
+  EXPECT_EQ(prefix.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Has(prefix.status(), "fast_init")) << prefix.status().ToString();
+  EXPECT_EQ(*handle_->Wait(), 0);
+  AioBuffer again = Buffer(65536, 56);
+  EXPECT_EQ(*Swap(again, "/swap/good", false, AioMode::kSync), 1) << "the store is intact";
+  EXPECT_EQ(Bytes(again), Bytes(good));
+}
+
+TEST_P(AioHandleSwapTest, TheStoreKeepsTheEngineOfAClosedHandle) {
+  AioBuffer b = Buffer(65536, 60);
+  EXPECT_EQ(*Swap(b, "/swap/kept", true, AioMode::kAsync), 0);
+  EXPECT_TRUE(handle_->Close().ok()) << "close() completes the swap in flight";
+  auto r = Swap(b, "/swap/kept", false, AioMode::kAsync);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(Has(r.status(), "aio_handle is closed")) << r.status().ToString();
+  EXPECT_FALSE(handle_->engine().ok());
+  std::string in(b.bytes, '\0');
+  ASSERT_TRUE(store_->Read("/swap/kept", in.data(), in.size()).ok())
+      << "the store still runs on the engine it shares";
+  EXPECT_EQ(in, Bytes(b));
+}
+
 std::string BackendName(const ::testing::TestParamInfo<const char*>& param) {
   return std::string(param.param) == "uring" ? "Uring" : "ThreadPool";
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AioHandleTest, ::testing::Values("uring", "thread_pool"),
+                         BackendName);
+INSTANTIATE_TEST_SUITE_P(Backends, AioHandleSwapTest, ::testing::Values("uring", "thread_pool"),
                          BackendName);
 
 }  // namespace

@@ -28,13 +28,22 @@ class SwapStoreTest : public ::testing::Test {
     auto o = PageableOptions(&ledger_);
     o.budget_bytes = 64 * kMiB;
     host_ = MakeArena(o);
+    allocator::IoEngineOptions eo;
+    eo.arena = host_.get();
+    eo.block_size = 64 * 1024;
+    auto engine = allocator::IoEngine::Create(eo);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(*engine);
+  }
+  void TearDown() override {
+    engine_.reset();  // before the arena its bounce buffers come from
+    host_.reset();
   }
   std::unique_ptr<SwapStore> Make(uint64_t budget = 0) {
     SwapStoreOptions o;
     o.directory = NvmeTestDir();
     o.budget_bytes = budget;
-    o.block_size = 64 * 1024;
-    o.host = host_.get();
+    o.engine = engine_;
     o.ledger = &ledger_;
     auto s = SwapStore::Create(o);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -48,6 +57,7 @@ class SwapStoreTest : public ::testing::Test {
 
   allocator::Ledger ledger_;
   std::unique_ptr<allocator::HostArena> host_;
+  std::shared_ptr<allocator::IoEngine> engine_;
 };
 
 TEST_F(SwapStoreTest, FilesReadBackExactly) {
@@ -116,7 +126,7 @@ TEST_F(SwapStoreTest, RefusalsNameThePathAndLeaveTheOtherFiles) {
   SwapStoreOptions none;
   none.directory = NvmeTestDir();
   EXPECT_EQ(SwapStore::Create(none).status().code(), StatusCode::kInvalidArgument);
-  none.host = host_.get();
+  none.engine = engine_;
   none.ledger = &ledger_;
   none.directory = "/no/such/swap/folder";
   EXPECT_EQ(SwapStore::Create(none).status().code(), StatusCode::kIoError);

@@ -7,28 +7,29 @@ parameters with offload_param nvme) write each swapped tensor whole to a file of
 handles Spillway's op makes route those two calls, for paths under a swapper's folder, to one
 SwapStore per nvme_path: extents of one O_TMPFILE swap file (nothing is left on disk after a kill),
 a CRC32C per extent verified on every read, a budget (SPILLWAY_NVME_BUDGET_BYTES, else the space the
-disk has free at the first swap), Spillway's stats. The folders DeepSpeed names keep existing, and
+disk has free at the first swap), Spillway's stats. The store runs on the I/O engine of the aio
+handle of the first swapper that names its nvme_path, and a routed call is that handle's op like
+any other (aio_handle._swap): queued on the engine, counted and waited for by wait(), no thread of
+its own. The folders DeepSpeed names keep existing, and
 DeepSpeed's checkpoint save and load, which copy the optimizer's swap folder as files, see files:
 save_checkpoint writes the folder's tensors out before DeepSpeed copies it and removes them after,
 and while load_checkpoint runs a real file found at a swap path (it copies them in) is taken into
 the store on its first read. Swap files an earlier run left in a folder are removed when the
 swapper is made.
 """
-import concurrent.futures
 import functools
 import os
 import threading
 
 import torch
 
-from .. import _metrics_registry, _spillway, _torch_allocators
+from .. import _metrics_registry, _spillway
 from ._common import _defined
 from .._log import logger
 
 _lock = threading.Lock()
 _stores = {}    # (pid, nvme_path) -> _SwapStore
 _folders = {}   # (pid, folder + os.sep) -> _SwapStore: the swappers' folders
-_pools = {}     # pid -> ThreadPoolExecutor running the store's transfers
 _loading = {}   # pid -> True while DeepSpeedEngine.load_checkpoint runs
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta")
 
@@ -55,28 +56,27 @@ def _budget():
     return value
 
 
-def _store_for(nvme_path, block_size, queue_depth):
+def _store_for(nvme_path, handle):
+    """The store of `nvme_path`, made on the engine of `handle` (Spillway's aio_handle) and booked in its
+    arena (install()'s pinned arena, as the handle's locked buffers) when this process has none."""
     key = (os.getpid(), os.path.realpath(nvme_path))
     with _lock:
         store = _stores.get(key)
         made = store is None
         if made:
-            runtime = _torch_allocators.installed()
-            host = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else \
-                _spillway.default_arena()
-            store = _stores[key] = _spillway._SwapStore(key[1], _budget(), block_size, queue_depth, host)
+            store = _stores[key] = handle._swap_store(key[1], _budget())
     if made:
         _metrics_registry.watch_swap_store(store)
     return store
 
 
-def register(folder, nvme_path, block_size, queue_depth, wipe=False):
+def register(folder, nvme_path, handle, wipe=False):
     """A swapper's folder: its paths go to the store of `nvme_path`. `wipe` forgets what the store
     holds under it (the parameter swapper empties its folder on disk when it is made). Swap files
     already in the folder are an earlier run's (DeepSpeed's optimizer swapper does not empty its
     folder, and rewrites every tensor before it reads one): they are removed, and said so, so that
     none is ever read as this run's state."""
-    store = _store_for(nvme_path, block_size, queue_depth)
+    store = _store_for(nvme_path, handle)
     prefix = os.path.join(os.path.realpath(folder), "")
     stale = [os.path.join(prefix, f) for f in sorted(os.listdir(prefix)) if f.endswith(".tensor.swp")]
     for path in stale:
@@ -110,34 +110,9 @@ def _folder_store(folder):
         return _folders.get((os.getpid(), os.path.join(real, "")), None), real
 
 
-def _pool():
-    pid = os.getpid()
-    with _lock:
-        pool = _pools.get(pid)
-        if pool is None:
-            pool = _pools[pid] = concurrent.futures.ThreadPoolExecutor(max_workers=2,
-                                                                       thread_name_prefix="spillway-swap")
-        return pool
-
-
 def _buffer(t):
     # DeepSpeed's buffers are often narrow() views of a pool: their own bytes, not the storage's.
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _write(store, path, t):
-    store.write(path, _buffer(t), _kind(path))
-
-
-def _read(store, path, t):
-    # While load_checkpoint runs, a real file at a swap path is the checkpoint's (DeepSpeed copies
-    # them into the folder, then reads every sub-group): the newer copy. Outside it the store's is.
-    if _loading.get(os.getpid()) and os.path.lexists(path):
-        _import(store, path, t)
-        return
-    if not t.is_contiguous():
-        raise _spillway.InvalidArgument(f"DeepSpeed swap file {path}: the read buffer is not contiguous")
-    store.read(path, t)
 
 
 def _import(store, path, t):
@@ -155,25 +130,17 @@ def _import(store, path, t):
 
 class Handle:
     """Spillway's aio handle with DeepSpeed's swap paths routed to the swap store. Every other call
-    is the wrapped handle's. wait() returns the handle's count plus the store transfers this
-    handle submitted since the last wait, as DeepSpeed's op counts them; a failed store transfer
-    raises its error (a checksum mismatch names the swap file) once all of them have finished."""
+    is the wrapped handle's. A routed call is the handle's own op on the store (aio_handle._swap), so
+    wait() counts it with the rest, as DeepSpeed's op does; a failed one raises its error (a checksum
+    mismatch names the swap file) once every op the wait takes has finished."""
 
     def __init__(self, inner):
         self._inner = inner
-        self._pending = []
-        self._mu = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _submit(self, fn, store, path, t):
-        future = _pool().submit(fn, store, path, t)
-        with self._mu:
-            self._pending.append((t, future))  # the buffer stays referenced until wait()
-        return 0
-
-    def _route(self, method, fn, args, kwargs):
+    def _route(self, method, args, kwargs):
         """A call naming a swap path (positionally or as filename=) goes to the store; every other
         one (a descriptor, fd=, a path outside the swap folders) to the handle, as it was made."""
         filename = args[1] if len(args) > 1 else kwargs.get("filename")
@@ -186,34 +153,29 @@ class Handle:
             raise _spillway.InvalidArgument(
                 f"DeepSpeed swap file {path}: a transfer at file offset {offset}; Spillway's swap store holds "
                 "whole files (DeepSpeed's swappers write and read them at offset 0)")
-        self._submit(fn, store, path, buffer)
-        return 0 if method.startswith("async_") else self.wait()
+        write = method.endswith("pwrite")
+        if write:
+            buffer = _buffer(buffer)  # the copy is held by the op until it is waited for
+        elif not buffer.is_contiguous():
+            raise _spillway.InvalidArgument(f"DeepSpeed swap file {path}: the read buffer is not contiguous")
+        elif _loading.get(os.getpid()) and os.path.lexists(path):
+            # While load_checkpoint runs, a real file at a swap path is the checkpoint's (DeepSpeed
+            # copies them into the folder, then reads every sub-group): the newer copy, taken into the
+            # store first. Outside it the store's is.
+            _import(store, path, buffer)
+        return self._inner._swap(buffer, store, path, write, _kind(path), method.startswith("async_"))
 
     def async_pwrite(self, *args, **kwargs):
-        return self._route("async_pwrite", _write, args, kwargs)
+        return self._route("async_pwrite", args, kwargs)
 
     def async_pread(self, *args, **kwargs):
-        return self._route("async_pread", _read, args, kwargs)
+        return self._route("async_pread", args, kwargs)
 
     def sync_pwrite(self, *args, **kwargs):
-        return self._route("sync_pwrite", _write, args, kwargs)
+        return self._route("sync_pwrite", args, kwargs)
 
     def sync_pread(self, *args, **kwargs):
-        return self._route("sync_pread", _read, args, kwargs)
-
-    def wait(self):
-        inner = self._inner.wait()
-        with self._mu:
-            pending, self._pending = self._pending, []
-        error = None
-        for _t, future in pending:
-            try:
-                future.result()
-            except BaseException as e:  # noqa: BLE001 (every transfer finishes before one is raised)
-                error = error or e
-        if error is not None:
-            raise error
-        return inner + len(pending) if inner >= 0 else inner
+        return self._route("sync_pread", args, kwargs)
 
 
 def _registering(original, folder_of, wipe):
@@ -222,8 +184,12 @@ def _registering(original, folder_of, wipe):
         original(self, *args, **kwargs)
         if getattr(self, "use_gds", False):  # GPUDirect Storage: DeepSpeed's gds_handle, its own files
             return
-        folder, nvme_path, aio = folder_of(self)
-        register(folder, nvme_path, aio.get("block_size", 1 << 20), aio.get("queue_depth", 8), wipe=wipe)
+        folder, nvme_path, handle = folder_of(self)
+        if not isinstance(handle, Handle):  # not Spillway's op: its swaps go to DeepSpeed's files
+            logger.warning("spillway.deepspeed: %s's aio handle is not Spillway's (%s); its swap files stay "
+                           "DeepSpeed's files in %s", type(self).__name__, type(handle).__name__, folder)
+            return
+        register(folder, nvme_path, handle._inner, wipe=wipe)
     __init__.__spillway_original__ = original
     return __init__
 
@@ -231,16 +197,12 @@ def _registering(original, folder_of, wipe):
 def _optimizer_folder(swapper):
     # OptimizerSwapper: swap_folder = <base_folder>/optimizer/rank<R>, base_folder = <nvme_path>/zero_stage_3
     folder = swapper.swap_folder
-    return folder, os.path.dirname(os.path.dirname(os.path.dirname(folder))), _aio_dict(swapper.aio_config)
+    return folder, os.path.dirname(os.path.dirname(os.path.dirname(folder))), swapper.aio_handle
 
 
 def _param_folder(swapper):
     folder = swapper.swap_folder  # <nvme_path>/zero_stage_3/<dtype>params/rank<R>
-    return folder, swapper.swap_config.nvme_path, _aio_dict(swapper.aio_config)
-
-
-def _aio_dict(aio):
-    return aio if isinstance(aio, dict) else {}
+    return folder, swapper.swap_config.nvme_path, swapper.aio_read_handle
 
 
 def _saving(original):

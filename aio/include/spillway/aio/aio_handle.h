@@ -1,7 +1,7 @@
 // AioHandle: DeepSpeed's aio_handle contract (deepspeed/ops/csrc/aio) over Spillway's I/O engine,
 // in C++ with no torch and no Python. It owns the file table (named files kept open, checked
 // against the path on every use), the pending async ops, and the rules that make one handle safe to
-// share between threads. spillway.aio_handle (python/src/aio_binding.cc) is its binding.
+// share between threads. spillway.aio_handle (python/src/bind_aio.cc) is its binding.
 // Note [aio_handle] in docs/aio.md.
 #pragma once
 
@@ -9,7 +9,10 @@
 #include <memory>
 #include <string>
 
+#include "spillway/aio/swap_store.h"
 #include "spillway/allocator/host_arena.h"
+#include "spillway/allocator/io_engine.h"
+#include "spillway/allocator/owner.h"
 #include "spillway/allocator/process.h"
 #include "spillway/base/status.h"
 
@@ -69,6 +72,13 @@ class AioHandle {
                      AioMode mode);
   // An async op on the file `fd` names at this call (a dup, closed when the op has finished).
   Result<int> SubmitFd(AioBuffer buffer, int fd, int64_t offset, bool write);
+  // One op on DeepSpeed's swap file `path`, held whole in `store` (Note [DeepSpeed swap] in
+  // docs/deepspeed.md): queued on the store's engine and tracked with this handle's other ops, so
+  // wait() counts it and a sync mode waits for it. Returns as Submit does; unlike a file op, a
+  // swap that fails raises its Status (from this call, or from the Wait() or sync call that
+  // completes it, once every op it takes has finished), as the store's errors name the file.
+  Result<int> SubmitSwap(AioBuffer buffer, std::shared_ptr<SwapStore> store,
+                         const std::string& path, bool write, allocator::Kind kind, AioMode mode);
   // Waits for this handle's async ops: those this call takes, and those other threads' Wait()
   // took that were submitted before this call. Returns how many it took, or -1 if any failed.
   Result<int> Wait();
@@ -89,6 +99,9 @@ class AioHandle {
   // DeepSpeed's get_alignment(): intra_op_parallelism sectors of 512 bytes.
   int alignment() const { return options_.intra_op_parallelism * 512; }
   allocator::HostArena* arena() const { return options_.arena; }
+  // The I/O engine the handle's ops run on, for a SwapStore to share (one engine serves the
+  // handle's files and DeepSpeed's swaps). FailedPrecondition once the handle is closed.
+  Result<std::shared_ptr<allocator::IoEngine>> engine() const;
 
  private:
   AioHandle(const AioHandleOptions& options, std::unique_ptr<AioHandleImpl> impl);

@@ -11,7 +11,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "spillway/allocator/host_arena.h"
 #include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/ledger.h"
 #include "spillway/allocator/nvme_arena.h"
@@ -23,10 +22,11 @@ namespace spillway::aio {
 struct SwapStoreOptions {
   std::string directory;      // DeepSpeed's nvme_path (swap folder): must exist
   uint64_t budget_bytes = 0;  // 0: what the folder's filesystem has free now
-  uint64_t block_size = 1ull << 20;
-  uint32_t queue_depth = 32;
-  allocator::HostArena* host = nullptr;  // required: the engine's bounce pool and fixed buffers
-  allocator::Ledger* ledger = nullptr;   // required: its boundaries and scopes see the store
+  // Required: the engine the store's transfers run on; the store keeps it alive. spillway.deepspeed
+  // passes the engine of the swapper's aio handle, so one engine serves DeepSpeed's swaps and its
+  // other aio ops (AioHandle::engine()).
+  std::shared_ptr<allocator::IoEngine> engine;
+  allocator::Ledger* ledger = nullptr;  // required: its boundaries and scopes see the store
 };
 
 // Thread-safe. mu_ guards the path table only: no I/O and no arena call runs under it. DeepSpeed
@@ -47,6 +47,15 @@ class SwapStore {
   // The path's extent into the buffer, its checksum verified. The buffer must be the extent's
   // size: DeepSpeed writes and reads whole files.
   Status Read(const std::string& path, void* data, uint64_t bytes);
+  // Write and Read in two halves, for the aio handle that keeps DeepSpeed's swaps in flight on
+  // its engine (AioHandle::SubmitSwap): Submit* queues the transfer, Complete waits for it and
+  // records or verifies its checksum. Errors are Write's and Read's, naming the path. Each
+  // submitted transfer is completed exactly once; the buffer stays valid until then.
+  using Transfer = allocator::NvmeArena::Transfer;
+  Result<Transfer> SubmitWrite(const std::string& path, const void* data, uint64_t bytes,
+                               allocator::Kind kind);
+  Result<Transfer> SubmitRead(const std::string& path, void* data, uint64_t bytes);
+  Status Complete(const Transfer& transfer, const std::string& path);
   bool Contains(const std::string& path) const;
   int64_t Size(const std::string& path) const;  // -1: no such file
   // Paths that start with `prefix`, sorted.
@@ -69,7 +78,7 @@ class SwapStore {
   // The path's extent of exactly `bytes`, made or remade.
   Result<uint64_t> ExtentFor(const std::string& path, uint64_t bytes, allocator::Kind kind);
 
-  std::unique_ptr<allocator::IoEngine> engine_;  // declared first: outlives the arena on it
+  std::shared_ptr<allocator::IoEngine> engine_;  // declared first: outlives the arena on it
   std::unique_ptr<allocator::NvmeArena> arena_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> paths_;  // guarded by mu_

@@ -88,6 +88,25 @@ class NvmeArena final : public Tier {
   // naming the owner; an extent never written (or whose last write failed) is an error too.
   Status Read(uint64_t offset, void* dst, uint64_t bytes);
 
+  // Write and Read in two halves, for callers that keep several whole-extent transfers in flight
+  // on the engine (the aio handle's DeepSpeed swaps): Submit* checks the extent and queues the
+  // transfer; Complete waits for it, then records the checksum (a write) or verifies it (a read),
+  // with Write's and Read's errors and counts. Each submitted transfer is completed exactly once;
+  // its buffer stays valid, and unmodified for a write, until then.
+  struct Transfer {
+    Ticket ticket = 0;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+    uint64_t generation = 0;  // a write's (CommitWrite's rule: a newer one wins)
+    uint32_t crc = 0;         // a read's expected checksum
+    bool write = false;
+    const void* data = nullptr;
+    std::string what;  // the extent, for messages
+  };
+  Result<Transfer> SubmitWrite(uint64_t offset, const void* src, uint64_t bytes);
+  Result<Transfer> SubmitRead(uint64_t offset, void* dst, uint64_t bytes);
+  Status Complete(const Transfer& t);
+
   // Chunked access, for the transfer pipeline that streams an extent through staging buffers.
   // Ranges start on the alignment; only the last may end unaligned (at the extent's end).
   // The checksum an extent's data must have; FAILED_PRECONDITION when it holds no valid data.
