@@ -302,15 +302,30 @@ class HostArena::SpillCallGuard {
   const bool active_;
 };
 
+namespace {
+
+// RoundUp to the page size, a power of two: a mask, where RoundUp divides (twice per allocation).
+inline uint64_t RoundUpToPage(uint64_t v, uint64_t page) { return (v + page - 1) & ~(page - 1); }
+
+}  // namespace
+
 // One Allocate call's request, checked: the size rounded to pages, the owner, where the extent may
-// come from, and the backtrace to record with it.
+// come from, and the backtrace to record with it. Built by its constructor, not zero-filled and
+// then assigned: it is made on every allocation, and the fill (a `rep stos`) showed in profiles.
 struct HostArena::AllocRequest {
-  uint64_t bytes = 0;    // as asked
-  uint64_t rounded = 0;  // to pages
+  AllocRequest(uint64_t bytes_in, uint64_t rounded_in, bool dedicated_in, uint64_t max_extent_in,
+               const OwnerTag& owner_in)
+      : bytes(bytes_in),
+        rounded(rounded_in),
+        dedicated(dedicated_in),
+        max_extent(max_extent_in),
+        owner(owner_in) {}
+  uint64_t bytes;    // as asked
+  uint64_t rounded;  // to pages
   // Small requests stay in shared regions (extents no larger than a region); large ones reuse an
   // extent only when it wastes at most 1/reuse_waste_divisor of it (Note [Regions]).
-  bool dedicated = false;
-  uint64_t max_extent = 0;
+  bool dedicated;
+  uint64_t max_extent;
   OwnerTag owner;
   std::vector<void*> frames;  // moved into the live record by the round that places it
 };
@@ -389,7 +404,7 @@ Status HostArena::CheckRequest(uint64_t bytes, const OwnerTag& tag) {
                                           " overflows when rounded to a page; the size is "
                                           "probably a negative number cast to unsigned"));
   }
-  const uint64_t rounded = RoundUp(bytes, page_);
+  const uint64_t rounded = RoundUpToPage(bytes, page_);
   if (rounded > options_.budget_bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.over_budget_count++;
@@ -407,14 +422,15 @@ Status HostArena::CheckRequest(uint64_t bytes, const OwnerTag& tag) {
 }
 
 HostArena::AllocRequest HostArena::MakeRequest(uint64_t bytes, const OwnerTag& tag) const {
-  AllocRequest req;
-  req.bytes = bytes;
-  req.rounded = RoundUp(bytes, page_);
-  req.owner = tag;
-  req.dedicated = req.rounded >= options_.region_bytes / options_.dedicated_divisor;
-  req.max_extent = req.dedicated ? req.rounded + req.rounded / options_.reuse_waste_divisor
-                                 : options_.region_bytes;
-  return req;
+  const uint64_t rounded = RoundUpToPage(bytes, page_);
+  // rounded >= region_bytes / dedicated_divisor (floor), without a division on the fast path:
+  // floor(R / d) <= x exactly when (x + 1) * d > R.
+  uint64_t scaled = 0;
+  const bool dedicated = __builtin_mul_overflow(rounded + 1, options_.dedicated_divisor, &scaled) ||
+                         scaled > options_.region_bytes;
+  const uint64_t max_extent =
+      dedicated ? rounded + rounded / options_.reuse_waste_divisor : options_.region_bytes;
+  return AllocRequest(bytes, rounded, dedicated, max_extent, tag);
 }
 
 void* HostArena::TakeFreeExtent(AllocRequest* req) {
