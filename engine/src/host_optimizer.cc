@@ -20,6 +20,11 @@ static_assert(kernels::kF32 == static_cast<int>(DType::kFp32) &&
 
 namespace {
 
+// The kernel tables' state index: kF32 (0) or kBf16 (1), as Check allows.
+int StateIndex(const SubGroup& g) {
+  return g.state_dtype == DType::kBf16 ? kernels::kBf16 : kernels::kF32;
+}
+
 const kernels::Table& TableFor(Isa isa) {
   switch (isa) {
     case Isa::kAvx2:
@@ -127,14 +132,21 @@ Status HostOptimizer::Check(const SubGroup& g, bool needs_state) const {
         DTypeName(g.param_dtype), "; both must be float32, bfloat16 or float16"));
   }
   if (!needs_state) return Status::Ok();
+  if (g.state_dtype != DType::kFp32 && g.state_dtype != DType::kBf16) {
+    return Status::InvalidArgument(StrCat(GroupName(g), " has state dtype ",
+                                          DTypeName(g.state_dtype),
+                                          "; master weights and moments must be float32 or "
+                                          "bfloat16"));
+  }
+  const uint64_t state_bytes = g.numel * DTypeBytes(g.state_dtype);
   struct Range {
     const char* what;
     const void* p;
     uint64_t bytes;
   };
-  const Range ranges[] = {{"master", g.master, g.numel * 4},
-                          {"exp_avg", g.exp_avg, g.numel * 4},
-                          {"exp_avg_sq", g.exp_avg_sq, g.numel * 4},
+  const Range ranges[] = {{"master", g.master, state_bytes},
+                          {"exp_avg", g.exp_avg, state_bytes},
+                          {"exp_avg_sq", g.exp_avg_sq, state_bytes},
                           {"grad", g.grad, g.numel * DTypeBytes(g.grad_dtype)},
                           {"param", g.param, g.numel * DTypeBytes(g.param_dtype)}};
   for (const Range& r : ranges) {
@@ -251,14 +263,14 @@ void HostOptimizer::RunAdam(std::span<const SubGroup> groups, const AdamWConfig&
     a.grad = g.grad;
     a.param = g.param;
     const int p = (g.param == nullptr || !fused) ? kernels::kNone : static_cast<int>(g.param_dtype);
-    t.adam[static_cast<int>(g.grad_dtype)][p](a, k.begin, k.end);
+    t.adam[StateIndex(g)][static_cast<int>(g.grad_dtype)][p](a, k.begin, k.end);
   });
   if (!fused) {  // pass 4: the 16-bit copy
     pool_->Run(tasks.size(), [&](size_t i) {
       const Task& k = tasks[i];
       const SubGroup& g = groups[k.group];
       if (g.param != nullptr)
-        t.cast[static_cast<int>(g.param_dtype)](g.master, g.param, k.begin, k.end);
+        t.cast[StateIndex(g)][static_cast<int>(g.param_dtype)](g.master, g.param, k.begin, k.end);
     });
   }
 }

@@ -22,12 +22,13 @@ inline constexpr size_t kBlock = 16;
 enum DTypeIndex : int { kF32 = 0, kBf16 = 1, kF16 = 2, kNone = 3 };
 
 struct AdamArgs {
-  float* master;      // fp32 master weights, updated in place
-  float* exp_avg;     // first moment
-  float* exp_avg_sq;  // second moment
-  const void* grad;   // gradients in grad dtype
-  void* param;        // 16-bit (or fp32) parameter copy written from the new master; may be null
-  float grad_scale;   // combined unscale and clip factor, applied to every gradient element
+  // The state, in the state dtype (kF32, or kBf16: DeepSpeed's bf16_optimizer_states).
+  void* master;      // master weights, updated in place
+  void* exp_avg;     // first moment
+  void* exp_avg_sq;  // second moment
+  const void* grad;  // gradients in grad dtype
+  void* param;       // 16-bit (or fp32) parameter copy written from the new master; may be null
+  float grad_scale;  // combined unscale and clip factor, applied to every gradient element
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float eps;
@@ -41,12 +42,12 @@ struct Table {
   const char* name;
   // Sum of squares of grad[begin, end) in double, 16 lanes, fixed reduction order.
   double (*sum_sq[3])(const void* grad, size_t begin, size_t end);
-  // The fused step: [grad dtype][param dtype].
-  void (*adam[3][4])(const AdamArgs& args, size_t begin, size_t end);
+  // The fused step: [state dtype: kF32 or kBf16][grad dtype][param dtype].
+  void (*adam[2][3][4])(const AdamArgs& args, size_t begin, size_t end);
   // The unfused sequence's passes (the baseline DeepSpeed runs): grad *= scale in place, and the
-  // master -> parameter copy.
+  // master -> parameter copy, [state dtype][param dtype].
   void (*scale[3])(void* grad, float scale, size_t begin, size_t end);
-  void (*cast[3])(const float* master, void* param, size_t begin, size_t end);
+  void (*cast[2][3])(const void* master, void* param, size_t begin, size_t end);
 };
 
 const Table& ScalarTable();

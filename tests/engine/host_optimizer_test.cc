@@ -344,6 +344,65 @@ TEST(HostOptimizerTest, UpdateWithTheCallersStepAndConfigEqualsUpdate) {
   EXPECT_EQ(b.master, before);
 }
 
+// DeepSpeed's bf16_optimizer_states: master weights and moments in bf16. Each element is the fp32
+// step on the widened bf16 values, every state rounded to nearest even, on every path.
+TEST(HostOptimizerTest, Bf16StateIsTheFp32StepOnWidenedValuesRoundedToNearestEven) {
+  constexpr uint64_t kN = 2 * 4096 + 16 * 3 + 5;  // several chunks and a padded tail
+  auto widen = [](uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); };
+  AdamWConfig c;
+  c.lr = 3e-3;
+  c.weight_decay = 0.1;
+  for (Isa isa : SupportedIsas()) {
+    for (DType gd : {DType::kBf16, DType::kFp32}) {
+      SCOPED_TRACE(StrCat(IsaName(isa), " grad ", DTypeName(gd)));
+      GroupBuffers want(kN, gd, DType::kBf16, true, 17);
+      // The state in bf16, and the reference's fp32 state holding exactly those values.
+      std::vector<uint16_t> master(kN), m(kN), v(kN);
+      for (uint64_t i = 0; i < kN; ++i) {
+        master[i] = RefBf16(want.master[i]);
+        m[i] = RefBf16(want.exp_avg[i]);
+        v[i] = RefBf16(std::fabs(want.exp_avg_sq[i]));
+        want.master[i] = widen(master[i]);
+        want.exp_avg[i] = widen(m[i]);
+        want.exp_avg_sq[i] = widen(v[i]);
+      }
+      std::vector<uint16_t> param(kN);
+      auto opt = MakeOptimizer(isa, 2, c);
+      for (uint64_t step = 1; step <= 3; ++step) {
+        want.FillGrad(300 + step, 4.0f);
+        SubGroup g = want.View();
+        g.master = master.data();
+        g.exp_avg = m.data();
+        g.exp_avg_sq = v.data();
+        g.state_dtype = DType::kBf16;
+        g.param = param.data();
+        ASSERT_TRUE(opt->UpdateWith(g, c, step, 0.25).ok());
+        ReferenceStep(want, c, step, 0.25f);
+        for (uint64_t i = 0; i < kN; ++i) {  // the reference's state, rounded as stored
+          want.master[i] = widen(RefBf16(want.master[i]));
+          want.exp_avg[i] = widen(RefBf16(want.exp_avg[i]));
+          want.exp_avg_sq[i] = widen(RefBf16(want.exp_avg_sq[i]));
+        }
+        for (uint64_t i = 0; i < kN; ++i) {
+          ASSERT_EQ(master[i], RefBf16(want.master[i])) << "step " << step << " master " << i;
+          ASSERT_EQ(m[i], RefBf16(want.exp_avg[i])) << "step " << step << " exp_avg " << i;
+          ASSERT_EQ(v[i], RefBf16(want.exp_avg_sq[i])) << "step " << step << " exp_avg_sq " << i;
+          ASSERT_EQ(param[i], master[i]) << "the 16-bit copy is the new master";
+        }
+      }
+    }
+  }
+  // A state dtype other than float32 or bfloat16 is refused by name, and nothing is touched.
+  GroupBuffers b(64, DType::kFp32, DType::kBf16, true, 3);
+  SubGroup g = b.View();
+  g.state_dtype = DType::kFp16;
+  const std::vector<float> before = b.master;
+  const Status st = MakeOptimizer(Isa::kScalar)->UpdateWith(g, c, 1, 1.0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("state dtype float16"), std::string::npos) << st.ToString();
+  EXPECT_EQ(b.master, before);
+}
+
 TEST(HostOptimizerTest, TheUnfusedSequenceComputesTheSameStepForFp32Gradients) {
   constexpr uint64_t kN = 30'001;
   GroupBuffers fused(kN, DType::kFp32, DType::kBf16, true, 8),

@@ -33,10 +33,14 @@ struct AdamWConfig {
 struct SubGroup {
   std::string_view name;  // for error messages ("layer3.exp_avg group 7")
   uint64_t numel = 0;
-  float* master = nullptr;      // fp32 master weights (updated)
-  float* exp_avg = nullptr;     // (updated)
-  float* exp_avg_sq = nullptr;  // (updated)
-  const void* grad = nullptr;   // gradients, still multiplied by the loss scale
+  // The state, in `state_dtype`: fp32, or bf16 (DeepSpeed's bf16_optimizer_states with
+  // bf16_master_weights_and_grads: loaded to fp32, updated in fp32, stored rounded to nearest
+  // even).
+  void* master = nullptr;      // master weights (updated)
+  void* exp_avg = nullptr;     // (updated)
+  void* exp_avg_sq = nullptr;  // (updated)
+  DType state_dtype = DType::kFp32;
+  const void* grad = nullptr;  // gradients, still multiplied by the loss scale
   DType grad_dtype = DType::kFp32;
   void* param = nullptr;  // parameter copy written from the new master; null: none
   DType param_dtype = DType::kBf16;
