@@ -18,7 +18,8 @@ cpu) after spillway.deepspeed.install(); each round times engine.step() with Dee
 no guard (optimizer.spillway_step = spillway_guard = False: plain DeepSpeed), with Spillway's step
 and no guard, with Spillway's step under the default device guard (what install() runs: every op of
 the first steps and of steps whose tensors moved, Note [Device guard]), and under guard="always"
-(every op of every step), interleaved.
+(every op of every step), interleaved. `--bf16-moments` runs it with DeepSpeed's
+bf16_master_weights_and_grads and bf16_optimizer_states: masters, gradients and Adam moments in bf16.
 
 Last line: one JSON object."""
 import argparse
@@ -138,7 +139,8 @@ def zero3(args):
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-              "bf16": {"enabled": True},
+              "bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                           if args.bf16_moments else {})},
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                     "offload_param": {"device": "cpu"}, "sub_group_size": int(float(args.sub_group))}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -158,7 +160,8 @@ def zero3(args):
             if r > 0:  # round 0 warms up
                 times[k].append(time.perf_counter() - t0)
     n = sum(p.ds_numel for p in model.parameters())
-    print(f"DeepSpeed ZeRO-3 engine.step(), {n / 1e6:.1f}M parameters, {args.rounds} interleaved rounds "
+    print(f"DeepSpeed ZeRO-3 engine.step(){' with bf16 masters and moments' if args.bf16_moments else ''}, "
+          f"{n / 1e6:.1f}M parameters, {args.rounds} interleaved rounds "
           "(s, median [min, max]; speed-up = deepspeed / variant)")
     out = {}
     for k in variants:
@@ -174,7 +177,7 @@ def zero3(args):
     a = [x / y for x, y in zip(times["spillway"][1:], times["spillway"][:-1])]  # A/A: one variant against itself
     print(f"  A/A: spillway round r / round r-1 x{statistics.median(a):.3f} [{min(a):.3f}, {max(a):.3f}]")
     out["aa_spread"] = [min(a), max(a)]
-    return {"params": n, **out}
+    return {"params": n, "bf16_moments": args.bf16_moments, **out}
 
 
 def main():
@@ -185,6 +188,8 @@ def main():
     ap.add_argument("--params", default="33e6")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bf16-moments", action="store_true",
+                    help="zero3: bf16 masters, gradients and Adam moments (DeepSpeed's bf16_optimizer_states)")
     args = ap.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != str(args.threads):  # DeepSpeedCPUAdam's OpenMP reads it at load
         os.environ["OMP_NUM_THREADS"] = str(args.threads)

@@ -77,22 +77,26 @@ class AdamKernel {
     for (auto [what, t] : {std::pair{"exp_avg", &exp_avg}, std::pair{"exp_avg_sq", &exp_avg_sq}}) {
       Check(CheckTensor(*t, what, name, n));
     }
+    // The state: all float32, or all bfloat16 (DeepSpeed's bf16_optimizer_states).
+    const auto state = master.scalar_type();
     for (auto [what, t] : {std::pair{"the master weights", &master}, std::pair{"exp_avg", &exp_avg},
                            std::pair{"exp_avg_sq", &exp_avg_sq}}) {
-      if (t->scalar_type() != torch::kFloat32) {
+      if ((state != torch::kFloat32 && state != torch::kBFloat16) || t->scalar_type() != state) {
         Raise(Status::InvalidArgument(
             StrCat(name, ": ", what, " is ", c10::toString(t->scalar_type()),
-                   "; Spillway's step keeps master weights and moments in "
-                   "float32 (fp32_optimizer_states)")));
+                   " and the master weights ", c10::toString(state),
+                   "; Spillway's step keeps master weights and moments all in float32 "
+                   "(fp32_optimizer_states) or all in bfloat16 (bf16_optimizer_states)")));
       }
     }
     Check(CheckTensor(grad, "the gradient", name, n));
     engine::SubGroup g;
     g.name = name;
     g.numel = static_cast<uint64_t>(n);
-    g.master = master.data_ptr<float>();
-    g.exp_avg = exp_avg.data_ptr<float>();
-    g.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+    g.master = master.data_ptr();
+    g.exp_avg = exp_avg.data_ptr();
+    g.exp_avg_sq = exp_avg_sq.data_ptr();
+    g.state_dtype = state == torch::kBFloat16 ? DType::kBf16 : DType::kFp32;
     g.grad = grad.data_ptr();
     g.grad_dtype = Check(DTypeOf(grad, "the gradient", name));
     if (param.has_value() && param->defined()) {

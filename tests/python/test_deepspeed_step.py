@@ -173,6 +173,36 @@ def test_zero_1_and_2_with_offload_run_spillways_step_within_the_control(tmp_pat
     assert ours["losses"][-1] < 0.8 * ours["losses"][0]
 
 
+@pytest.mark.parametrize("variant", ["bf16-moments", "bf16-moments-zero2"])
+def test_bf16_masters_and_moments_run_spillways_step_as_deepspeed_runs_its_own(tmp_path, variant):
+    # DeepSpeed's bf16_optimizer_states (with bf16_master_weights_and_grads): the masters, the
+    # gradients and both Adam moments in bf16, 6 bytes of state per parameter where fp32 keeps 12.
+    # DeepSpeedCPUAdam widens each to fp32, updates and rounds to nearest even; so does the fused
+    # pass. There is no torch-Adam control here: DeepSpeed refuses torch_adam with
+    # bf16_optimizer_states under offload.
+    r = {w: run(tmp_path, w, steps=30, variant=variant) for w in ("deepspeed", "spillway")}
+    ours, theirs = r["spillway"], r["deepspeed"]
+    assert ours["kernel"] and not theirs["kernel"], ours["warnings"]
+    assert not [w for w in ours["warnings"] if "own optimizer step runs" in w], ours["warnings"]
+    assert ours["steps"] == theirs["steps"] == [30] * ours["sub_groups"] and ours["lrs"] == theirs["lrs"]
+    for run_ in (ours, theirs):
+        dtypes = {t.dtype for t in run_["masters"] + run_["exp_avg"] + run_["exp_avg_sq"]}
+        assert dtypes == {torch.bfloat16}, dtypes
+    # The first step: the fp32 updates differ by a few fp32 ulp at most (the bound above), so the
+    # stored bf16 masters are equal except where that straddles a rounding boundary.
+    for i, (a, b) in enumerate(zip(theirs["first"]["masters"], ours["first"]["masters"])):
+        differ = a != b
+        assert differ.float().mean().item() <= 1e-3, f"sub-group {i}: {int(differ.sum())} elements differ"
+        ulp16 = torch.finfo(torch.bfloat16).eps * a.float().abs()
+        assert ((a.float() - b.float()).abs() <= ulp16 + 1e-30).all(), f"sub-group {i}"
+    for i, (a, b, start) in enumerate(zip(theirs["masters"], ours["masters"], theirs["first"]["masters"])):
+        a, b, start = a.float(), b.float(), start.float()
+        print(f"{variant} sub-group {i}: rms spillway-ds {rms(a, b):.3e}, moved {rms(a, start):.3e}")
+        assert rms(a, b) < 0.05 * rms(a, start), i
+    assert abs(ours["losses"][-1] - theirs["losses"][-1]) <= 0.01 * theirs["losses"][-1]
+    assert ours["losses"][-1] < 0.8 * ours["losses"][0]
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
                     reason="DeepSpeed's CPU accelerator refuses fp16 where mkldnn has no fp16 kernels (they need "
                            "AVX-512 FP16 or AMX): run on such a machine, or on a GPU")

@@ -48,9 +48,16 @@ def _why_not_ours(opt, sub_group_id):
     return _why_not_adam(opt, Stage3, _STEP_SEAM, opt.fp32_partitioned_groups_flat[sub_group_id])
 
 
+def _state_dtype(inner, master):
+    """The dtype DeepSpeedCPUAdam makes the moments in: float32, or the master's own dtype with
+    fp32_optimizer_states off (bf16_optimizer_states turns it off)."""
+    return torch.float32 if getattr(inner, "fp32_optimizer_states", True) else master.dtype
+
+
 def _why_not_adam(opt, base, seam, fp32):
     """What both ZeRO optimizers need of the step: the seam as patched, DeepSpeedCPUAdam stepping
-    an fp32 master partition on the CPU with its gradient there. None, or the reason."""
+    a master partition on the CPU with its gradient there, the master and the moments both float32
+    or both bfloat16 (DeepSpeed's bf16_optimizer_states). None, or the reason."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
 
     # A subclass that overrides part of the seam (SuperOffload's _optimizer_step, for one) calls
@@ -66,12 +73,15 @@ def _why_not_adam(opt, base, seam, fp32):
         return "torch autocast's GradScaler steps the optimizer"
     if getattr(opt, "zenflow", False):
         return "ZenFlow steps the optimizer"
-    if not getattr(inner, "fp32_optimizer_states", True):
-        return "fp32_optimizer_states is off (Spillway keeps the moments in fp32)"
-    if fp32.dtype != torch.float32 or fp32.device.type != "cpu":
-        return f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants fp32 on the CPU)"
-    if fp32.grad is None or fp32.grad.device.type != "cpu" or fp32.grad.dtype != torch.float32:
-        return "the master partition's gradient is missing or not fp32 on the CPU"
+    if fp32.dtype not in (torch.float32, torch.bfloat16) or fp32.device.type != "cpu":
+        return (f"the master partition is {fp32.dtype} on {fp32.device} (Spillway's step wants float32 or "
+                "bfloat16 on the CPU)")
+    if _state_dtype(inner, fp32) != fp32.dtype:
+        return (f"the master partition is {fp32.dtype} and the moments {_state_dtype(inner, fp32)} "
+                "(bf16_master_weights_and_grads without bf16_optimizer_states); Spillway's step keeps the master "
+                "and the moments in one dtype")
+    if fp32.grad is None or fp32.grad.device.type != "cpu" or fp32.grad.dtype not in (torch.float32, torch.bfloat16):
+        return "the master partition's gradient is missing or not float32 or bfloat16 on the CPU"
     return None
 
 
@@ -130,8 +140,8 @@ def _fused_adam(opt, group_id, fp32, shadow, scale, what):
     state = inner.state[fp32]
     if len(state) == 0:  # as DeepSpeedCPUAdam.step does at the first step
         state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
-        state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=torch.float, device="cpu")
+        state["exp_avg"] = torch.zeros_like(fp32.data, dtype=_state_dtype(inner, fp32), device="cpu")
+        state["exp_avg_sq"] = torch.zeros_like(fp32.data, dtype=_state_dtype(inner, fp32), device="cpu")
     for key in ("exp_avg", "exp_avg_sq"):
         if state[key].shape != fp32.shape:
             raise _spillway.InvalidArgument(

@@ -92,6 +92,10 @@ elif variant == "bf16-params-on-device":  # offload_optimizer only: the 16-bit p
     del config["zero_optimization"]["offload_param"]
 elif variant in ("bf16-zero2", "bf16-zero1"):
     config["zero_optimization"] = {"stage": int(variant[-1]), "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+elif variant in ("bf16-moments", "bf16-moments-zero2"):  # DeepSpeed's bf16 masters and Adam moments
+    config["bf16"].update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    if variant == "bf16-moments-zero2":
+        config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
 elif variant in ("fp16-zero3", "fp16-zero2"):
     del config["bf16"]
     config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 4,
