@@ -26,10 +26,11 @@ import torch
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python", "workers", "ds_step.py")
 
 
-def one(which, steps, where):
+def one(which, steps, where, width):
     out = os.path.join(where, f"{which}.pt")
     p = subprocess.run([sys.executable, WORKER, which, str(steps), out, "AdamW", "bf16-infinity"],
-                       capture_output=True, text=True, timeout=1800)
+                       capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ, SPILLWAY_DS_STEP_WIDTH=str(width)))
     if p.returncode != 0:
         raise SystemExit(f"the {which} run failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     r = torch.load(out)
@@ -43,6 +44,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dir", default=None, help="where the swap folders go (default: a temp dir under $TMPDIR)")
+    ap.add_argument("--width", type=int, default=1024,
+                    help="the model's width (1024: 3.2M parameters, the test's; 2048: 12.7M, where the swaps "
+                         "outweigh the step's compute on 2 cores)")
     a = ap.parse_args()
     if a.steps < 5:
         ap.error("--steps must be at least 5 (the first three are not timed)")
@@ -54,7 +58,7 @@ def main():
             order = ["deepspeed", "spillway"] if rnd % 2 == 0 else ["spillway", "deepspeed"]
             got = {}
             for which in order:
-                got[which], io = one(which, a.steps, root)
+                got[which], io = one(which, a.steps, root, a.width)
                 times[which].append(got[which])
             ratios.append(got["deepspeed"] / got["spillway"])
             print(f"round {rnd}: step {got['deepspeed'] * 1e3:.1f} ms plain, {got['spillway'] * 1e3:.1f} ms Spillway, "
@@ -62,7 +66,7 @@ def main():
                   f"{io['write_bytes'] / 2**20:.0f} MiB out", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"bench": "zero_infinity", "rounds": a.rounds, "steps": a.steps,
+    print(json.dumps({"bench": "zero_infinity", "width": a.width, "rounds": a.rounds, "steps": a.steps,
                       "step_ms_deepspeed": round(statistics.median(times["deepspeed"]) * 1e3, 2),
                       "step_ms_spillway": round(statistics.median(times["spillway"]) * 1e3, 2),
                       "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),

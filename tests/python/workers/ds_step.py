@@ -46,10 +46,13 @@ world_from_env_or_single()
 deepspeed.init_distributed(dist_backend=backend(), auto_mpi_discovery=False)
 
 torch.manual_seed(0)
+# bf16-infinity's width: 1024 in the tests; bench/compare_zero_infinity.py --width makes the swaps
+# outweigh the compute.
+WIDTH = int(os.environ.get("SPILLWAY_DS_STEP_WIDTH", "1024"))
 if variant == "bf16-infinity":  # sub-groups and partitions above DeepSpeed's 1 MiB swap threshold
-    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.LayerNorm(1024),
-                                torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
-                                torch.nn.GELU(), torch.nn.Linear(1024, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(64, WIDTH), torch.nn.GELU(), torch.nn.LayerNorm(WIDTH),
+                                torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH),
+                                torch.nn.GELU(), torch.nn.Linear(WIDTH, 8))
 else:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
                                 torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
@@ -87,6 +90,8 @@ if variant == "bf16-nvme-ga2":
     config["aio"] = {"block_size": 1 << 18, "queue_depth": 8}
 elif variant == "bf16-infinity":
     zero, config["aio"] = infinity_offload(out + ".swap")  # ZeRO-Infinity, really swapping (_dist.py)
+    # A parameter swap buffer holds the largest weight.
+    zero["offload_param"]["buffer_size"] = max(zero["offload_param"]["buffer_size"], WIDTH * WIDTH + 1024)
     config["zero_optimization"].update(zero)
 elif variant == "bf16-params-on-device":  # offload_optimizer only: the 16-bit partitions stay on the accelerator
     del config["zero_optimization"]["offload_param"]
