@@ -137,6 +137,15 @@ def run(a, stage, spillway, mode, d):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def drop_page_cache():
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root, or without --cold")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="9.7e6")
@@ -144,6 +153,9 @@ def main():
     ap.add_argument("--steps-between", type=int, default=2)
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before each load (root: /proc/sys/vm/drop_caches), so both read "
+                         "from the disk as a job resumed after a restart does")
     ap.add_argument("--_worker", choices=("save", "load"))
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--spillway", action="store_true")
@@ -156,6 +168,8 @@ def main():
         for spillway in (False, True):
             d = tempfile.mkdtemp(prefix="ds-ckpt-", dir=a.dir)
             s = run(a, stage, spillway, "save", d)
+            if a.cold:
+                drop_page_cache()
             load = run(a, stage, spillway, "load", d)
             s["load"] = load["load"]
             results.append(s)

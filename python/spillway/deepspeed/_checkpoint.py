@@ -2,8 +2,9 @@
 (docs/deepspeed.md, Note [DeepSpeed checkpoints]): the files stay DeepSpeed's (torch.save's zip
 format, the same names and contents), and
 
-- each file is written to a temporary name, fsynced and renamed into place, its CRC32C and length
-  taken as torch.save writes it; at DeepSpeed's commit each rank writes a manifest of its files
+- each file is written to a temporary name with O_DIRECT through Spillway's aio op, double-buffered
+  (_direct_file.py), fsynced and renamed into place, its CRC32C and length taken as torch.save
+  writes it; at DeepSpeed's commit each rank writes a manifest of its files
   (spillway-checkpoint-rank<R>.json) and fsyncs the directory; `latest` is written after every
   rank committed, atomically (a temporary file renamed over it), so it never names a checkpoint
   that is not whole on disk;
@@ -34,6 +35,7 @@ import torch
 
 from .. import _spillway, _torch_allocators
 from ._common import _defined
+from ._direct_file import DirectFiles
 from .._log import logger
 from ..safetensors_stream import _fsync_directory
 
@@ -42,27 +44,6 @@ MANIFEST_FORMAT = "spillway-deepspeed-checkpoint/1"
 _CHUNK = 8 << 20  # the read size when checking a file's CRC32C
 # The fault seam of the tests: SIGKILL after this many files of one save are in place.
 _KILL_AFTER_FILES = "SPILLWAY_TESTING_CHECKPOINT_KILL_AFTER_FILES"
-
-
-class _CrcWriter:
-    """A binary file being written, with the CRC32C and length of what went in. torch.save's zip
-    writer calls write() with a memoryview of each record (a tensor's storage is written from its
-    own memory, not copied first)."""
-
-    def __init__(self, f):
-        self._f = f
-        self.crc = 0
-        self.bytes = 0
-
-    def write(self, data):
-        view = memoryview(data)
-        self.crc = _spillway.crc32c(view, self.crc)
-        self._f.write(view)
-        self.bytes += view.nbytes
-        return view.nbytes
-
-    def flush(self):
-        self._f.flush()
 
 
 def file_crc32c(path, buf, sync=False):
@@ -136,6 +117,7 @@ def engine_class():
                 self._dir = None  # save_dir/tag of this save
                 self._written = {}  # path relative to _dir -> {"bytes", "crc32c"}
                 self._saved_files = 0
+                self._direct = None  # DirectFiles of this process, made at the first file
 
             def create(self, info):
                 super().create(info)
@@ -179,19 +161,22 @@ def engine_class():
             def _save(self, state_dict, path):
                 # Always torch's zip format (DeepSpeed's default; its checkpoint_serialization=false
                 # asks for the legacy one, which torch.load cannot map).
-                w = _replace_durably(_temporary(path), path, lambda f: self._save_into(state_dict, f))
+                if self._direct is None or self._direct.pid != os.getpid():
+                    self._direct = DirectFiles()
+                tmp = _temporary(path)
+                try:
+                    w = self._direct.write(tmp, lambda writer: torch.save(state_dict, writer), path)
+                    os.replace(tmp, path)
+                except BaseException:
+                    with contextlib.suppress(OSError):  # the first error is the one to report
+                        os.unlink(tmp)
+                    raise
                 if self._dir is not None:
                     self._written[os.path.relpath(path, self._dir)] = {"bytes": w.bytes, "crc32c": w.crc}
                 self._saved_files += 1
                 kill_after = os.environ.get(_KILL_AFTER_FILES)
                 if kill_after is not None and self._saved_files >= int(kill_after):
                     os.kill(os.getpid(), signal.SIGKILL)
-
-            @staticmethod
-            def _save_into(state_dict, f):
-                w = _CrcWriter(f)
-                torch.save(state_dict, w)
-                return w
 
             def load(self, path, map_location=None):
                 return load_file(path, map_location)
