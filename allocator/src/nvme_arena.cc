@@ -391,6 +391,8 @@ Result<NvmeArena::Transfer> NvmeArena::SubmitWrite(uint64_t offset, const void* 
         StrCat("writing ", t.what, "; the host copy is untouched and still valid"));
   }
   t.ticket = *ticket;
+  // The checksum, while the transfer is in flight (the source is unmodified until Complete).
+  t.crc = options_.checksum ? Crc32c(src, bytes) : 0;
   return t;
 }
 
@@ -425,9 +427,6 @@ Result<NvmeArena::Transfer> NvmeArena::SubmitRead(uint64_t offset, void* dst, ui
 
 Status NvmeArena::Complete(const Transfer& t) {
   SPILLWAY_VALIDATE_ON_EXIT(*this);  // first: runs after every lock below is released
-  // The checksum is computed while the transfer is in flight (a write's source is unmodified and
-  // a read's is checked after it landed).
-  const uint32_t write_crc = t.write && options_.checksum ? Crc32c(t.data, t.bytes) : 0;
   const Status st = engine_->Wait(t.ticket);
   if (t.write) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -440,7 +439,7 @@ Status NvmeArena::Complete(const Transfer& t) {
     if (it == checks_.end() || it->second.generation != t.generation) {
       return Status::FailedPrecondition(StrCat("writing ", t.what, ": ", StaleWrite(t.offset)));
     }
-    it->second = Check{true, write_crc, t.generation};
+    it->second = Check{true, t.crc, t.generation};
     stats_.written_bytes += t.bytes;
     return Status::Ok();
   }

@@ -142,16 +142,20 @@ class PyAioHandle {
 
   // An op on DeepSpeed's swap file `path` in `s` (spillway.deepspeed's swap routing): async, or
   // sync as pread/pwrite with async false. A failed swap raises (it names the file).
-  int Swap(const torch::Tensor& b, const PySwapStore& s, const std::string& path, bool write,
-           const std::string& kind, bool async) {
+  int Swap(const torch::Tensor& b, const std::shared_ptr<PySwapStore>& s, const std::string& path,
+           bool write, const std::string& kind, bool async) {
     Check(handle_->CheckProcess());
     const allocator::Kind k = Check(allocator::ParseKind(kind));
     const auto [ptr, bytes] = SwapBytes(b, path);
-    aio::AioBuffer buffer{ptr, bytes, std::make_shared<const torch::Tensor>(b)};
+    // The op keeps the tensor and the store's wrapper (and with it the arena the store books on
+    // and its engine bounces through) until it is waited for.
+    aio::AioBuffer buffer{
+        ptr, bytes,
+        std::make_shared<const std::pair<torch::Tensor, std::shared_ptr<PySwapStore>>>(b, s)};
     Result<int> r = 0;
     {
       py::gil_scoped_release nogil;
-      r = handle_->SubmitSwap(std::move(buffer), s.store, path, write, k,
+      r = handle_->SubmitSwap(std::move(buffer), s->store, path, write, k,
                               async ? aio::AioMode::kAsync : aio::AioMode::kSync);
     }
     return Check(std::move(r));

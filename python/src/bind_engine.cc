@@ -81,7 +81,12 @@ class AdamKernel {
     const auto state = master.scalar_type();
     for (auto [what, t] : {std::pair{"the master weights", &master}, std::pair{"exp_avg", &exp_avg},
                            std::pair{"exp_avg_sq", &exp_avg_sq}}) {
-      if ((state != torch::kFloat32 && state != torch::kBFloat16) || t->scalar_type() != state) {
+      if (state != torch::kFloat32 && state != torch::kBFloat16) {
+        Raise(Status::InvalidArgument(
+            StrCat(name, ": the master weights are ", c10::toString(state),
+                   "; Spillway's step takes float32 or bfloat16 master weights")));
+      }
+      if (t->scalar_type() != state) {
         Raise(Status::InvalidArgument(
             StrCat(name, ": ", what, " is ", c10::toString(t->scalar_type()),
                    " and the master weights ", c10::toString(state),

@@ -432,6 +432,37 @@ TEST_P(AioHandleSwapTest, TheStoreKeepsTheEngineOfAClosedHandle) {
   EXPECT_EQ(in, Bytes(b));
 }
 
+// DeepSpeed's pipelined swapper reads on one handle and writes on another, and the store runs
+// on the engine of whichever handle its swapper named first: swaps of handle B on A's engine,
+// with A closed (and gone) while B's swaps are in flight.
+TEST_P(AioHandleSwapTest, AnotherHandlesSwapsRunOnTheStoresEngineAfterItsHandleIsGone) {
+  std::unique_ptr<AioHandle> other = Make(AioHandleOptions{});
+  ASSERT_NE(other, nullptr);
+  std::vector<AioBuffer> out;
+  for (int i = 0; i < 4; ++i) out.push_back(Buffer(65536 * (i + 1), 70 + i));
+  for (int i = 0; i < 2; ++i) {
+    auto r = other->SubmitSwap(out[i], store_, "/swap/b" + std::to_string(i), true,
+                               Kind::kOptimizerState, AioMode::kAsync);
+    ASSERT_TRUE(r.ok() && *r == 0) << r.status().ToString();
+  }
+  EXPECT_TRUE(handle_->Close().ok());
+  handle_.reset();  // the store keeps its engine
+  for (int i = 2; i < 4; ++i) {
+    auto r = other->SubmitSwap(out[i], store_, "/swap/b" + std::to_string(i), true,
+                               Kind::kOptimizerState, AioMode::kAsync);
+    ASSERT_TRUE(r.ok() && *r == 0) << r.status().ToString();
+  }
+  EXPECT_EQ(*other->Wait(), 4);
+  for (int i = 0; i < 4; ++i) {
+    AioBuffer in = Buffer(out[i].bytes, 80 + i);
+    EXPECT_EQ(*other->SubmitSwap(in, store_, "/swap/b" + std::to_string(i), false,
+                                 Kind::kOptimizerState, AioMode::kSync),
+              1);
+    EXPECT_EQ(Bytes(in), Bytes(out[i])) << i;
+  }
+  store_.reset();  // before `other`'s arena (the fixture's) goes
+}
+
 std::string BackendName(const ::testing::TestParamInfo<const char*>& param) {
   return std::string(param.param) == "uring" ? "Uring" : "ThreadPool";
 }

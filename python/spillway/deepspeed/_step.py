@@ -80,8 +80,8 @@ def _why_not_adam(opt, base, seam, fp32):
         return (f"the master partition is {fp32.dtype} and the moments {_state_dtype(inner, fp32)} "
                 "(bf16_master_weights_and_grads without bf16_optimizer_states); Spillway's step keeps the master "
                 "and the moments in one dtype")
-    if fp32.grad is None or fp32.grad.device.type != "cpu" or fp32.grad.dtype not in (torch.float32, torch.bfloat16):
-        return "the master partition's gradient is missing or not float32 or bfloat16 on the CPU"
+    if fp32.grad is None or fp32.grad.device.type != "cpu" or fp32.grad.dtype not in (torch.float32, fp32.dtype):
+        return "the master partition's gradient is missing, or not on the CPU in float32 or the master's dtype"
     return None
 
 

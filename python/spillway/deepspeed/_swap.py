@@ -187,7 +187,9 @@ def _registering(original, folder_of, wipe):
         folder, nvme_path, handle = folder_of(self)
         if not isinstance(handle, Handle):  # not Spillway's op: its swaps go to DeepSpeed's files
             logger.warning("spillway.deepspeed: %s's aio handle is not Spillway's (%s); its swap files stay "
-                           "DeepSpeed's files in %s", type(self).__name__, type(handle).__name__, folder)
+                           "DeepSpeed's files in %s (call spillway.deepspeed.install() before deepspeed.initialize, "
+                           "so that DeepSpeed's aio op is Spillway's)", type(self).__name__, type(handle).__name__,
+                           folder)
             return
         register(folder, nvme_path, handle._inner, wipe=wipe)
     __init__.__spillway_original__ = original

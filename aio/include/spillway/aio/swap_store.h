@@ -30,8 +30,11 @@ struct SwapStoreOptions {
 };
 
 // Thread-safe. mu_ guards the path table only: no I/O and no arena call runs under it. DeepSpeed
-// never has two transfers of one path in flight; two here would be serialized by the arena's
-// generation check (a write that lost the race is refused, never recorded as valid).
+// never has two transfers of one path in flight, and the store does not order them: two writes of
+// one path and size share its extent, and the one completed last records its checksum, whichever
+// bytes landed last (a later read's checksum check is what catches a mismatch); a read in flight
+// across a rewrite fails its checksum check. A write that another write or a free overtook (the
+// arena's generation check) is refused, never recorded as valid.
 class SwapStore {
  public:
   static Result<std::unique_ptr<SwapStore>> Create(const SwapStoreOptions& options);

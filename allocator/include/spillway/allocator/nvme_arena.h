@@ -98,7 +98,7 @@ class NvmeArena final : public Tier {
     uint64_t offset = 0;
     uint64_t bytes = 0;
     uint64_t generation = 0;  // a write's (CommitWrite's rule: a newer one wins)
-    uint32_t crc = 0;         // a read's expected checksum
+    uint32_t crc = 0;         // a write's checksum (computed at submit), a read's expected one
     bool write = false;
     const void* data = nullptr;
     std::string what;  // the extent, for messages
