@@ -249,12 +249,16 @@ void PlanPhases(const PlanInput& in, uint64_t copied, PlanReport* r) {
   const double dc = cpu ? h.state : static_cast<double>(copied);
   AddPhase(r, ranks, "load", base, base, base, base);
   AddPhase(r, ranks, "initialize", init, init, init, init);
-  AddPhase(r, ranks, "epoch boundary", steady + workers + fork_spillway,
-           steady + workers + fork_spillway, steady + workers + dc, steady + workers + dc);
+  // Spillway's checkpoint writer holds its buffers from the first save on (a boundary after an
+  // epoch's checkpoint has them; counted at every boundary, the plan is an upper bound there).
+  const double writer = static_cast<double>(kCheckpointWriterBytes);
+  AddPhase(r, ranks, "epoch boundary", steady + workers + fork_spillway + writer,
+           steady + workers + fork_spillway + writer, steady + workers + dc, steady + workers + dc);
   // Rank 0 writes the 16-bit model: Spillway streams it a tensor at a time; DeepSpeed gathers it.
-  AddPhase(r, ranks, "checkpoint", steady + window + 2 * largest, steady + window, steady + 2 * P,
+  AddPhase(r, ranks, "checkpoint", steady + window + writer + 2 * largest, steady + window + writer,
+           steady + 2 * P, steady);
+  AddPhase(r, ranks, "final save", steady + writer + 2 * largest, steady + writer, steady + 2 * P,
            steady);
-  AddPhase(r, ranks, "final save", steady + 2 * largest, steady, steady + 2 * P, steady);
 }
 
 // Checks the plan's input: sizes in range, the world a multiple of the nodes, the phases' flags
