@@ -447,8 +447,11 @@ TEST(NodeGovernorTest, ASegmentOfAnotherLayoutIsNamedAsSuch) {
   NodeGovernorOptions o = Options(UniqueJob("layout"), 0, 0);
   o.lock_timeout = 3000ms;
   const std::string path = NodeGovernor::SegmentPath(o.dir, o.ledger);
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  ASSERT_GE(fd, 0) << path;
+  // Written under another name and renamed into place: an empty segment file is what a sweep of
+  // dead segments by any other process's Join (tests beside this one) removes as never initialized.
+  const std::string staged = StrCat(o.dir, "/.gtest-layout-", getpid());
+  const int fd = open(staged.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0) << staged;
   const uint64_t magic = 0x31454430'4e4c5753ull;  // node::kMagic, "SWLN0DE1"
   const uint32_t version = 4;
   std::vector<char> bytes(121424, 0);
@@ -456,6 +459,7 @@ TEST(NodeGovernorTest, ASegmentOfAnotherLayoutIsNamedAsSuch) {
   std::memcpy(bytes.data() + sizeof(magic), &version, sizeof(version));
   ASSERT_EQ(write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
   close(fd);
+  ASSERT_EQ(rename(staged.c_str(), path.c_str()), 0) << path;
   const auto start = std::chrono::steady_clock::now();
   auto refused = NodeGovernor::Join(o);
   const auto took = std::chrono::steady_clock::now() - start;
