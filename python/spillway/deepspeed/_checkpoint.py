@@ -61,20 +61,29 @@ def file_crc32c(path, buf, sync=False):
     return total, crc
 
 
-def _replace_durably(tmp, path, write):
-    """Writes `tmp` with write(file), fsyncs it and renames it to `path`; `tmp` is removed if any
-    step fails (the error goes on)."""
+def _into_place(tmp, path, make):
+    """make(tmp) writes and fsyncs `tmp`, which is then renamed to `path`; `tmp` is removed if any
+    step fails (the error goes on). Returns what make returned."""
     try:
-        with open(tmp, "wb") as f:
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        result = make(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # the first error is the one to report
             os.unlink(tmp)
         raise
     return result
+
+
+def _replace_durably(tmp, path, write):
+    """Writes `tmp` with write(file) through a buffered file, fsyncs it and renames it to `path`
+    (_into_place)."""
+    def make(name):
+        with open(name, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        return result
+    return _into_place(tmp, path, make)
 
 
 def _temporary(path):
@@ -163,14 +172,8 @@ def engine_class():
                 # asks for the legacy one, which torch.load cannot map).
                 if self._direct is None or self._direct.pid != os.getpid():
                     self._direct = DirectFiles()
-                tmp = _temporary(path)
-                try:
-                    w = self._direct.write(tmp, lambda writer: torch.save(state_dict, writer), path)
-                    os.replace(tmp, path)
-                except BaseException:
-                    with contextlib.suppress(OSError):  # the first error is the one to report
-                        os.unlink(tmp)
-                    raise
+                w = _into_place(_temporary(path), path,
+                                lambda tmp: self._direct.write(tmp, lambda writer: torch.save(state_dict, writer), path))
                 if self._dir is not None:
                     self._written[os.path.relpath(path, self._dir)] = {"bytes": w.bytes, "crc32c": w.crc}
                 self._saved_files += 1
