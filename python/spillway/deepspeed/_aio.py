@@ -15,19 +15,21 @@ from . import _swap
 _swap_to_arena = False  # install(nvme_swap="arena"): DeepSpeed's swap files in Spillway's NVMe arena
 
 
+def pinned_arena():
+    """The pinned arena spillway.install() made, for Spillway's handles' locked buffers; None (the
+    process's default arena) without install(), or in a process forked after it, where the
+    runtime's arenas are the parent's."""
+    runtime = _torch_allocators.installed()
+    return runtime.pinned if runtime is not None and not _spillway._forked_after_install() else None
+
+
 def _aio_handle(*args, arena=None, **kwargs):
     """DeepSpeed's `aio_handle(block_size, queue_depth, single_submit, overlap_events,
     intra_op_parallelism)`: Spillway's, with its locked buffers (new_cpu_locked_tensor, DeepSpeed's
     NVMe swap buffers) in the pinned arena spillway.install() made, so they count against its budget,
     in its ledger and in what spillway.metrics.serve() watches. Without install(), or in a process
     forked after it, the process's default arena."""
-    if arena is None:
-        runtime = _torch_allocators.installed()
-        # In a process forked after install() the runtime's arenas are the parent's: a handle the
-        # child makes draws on a default arena of the child's own instead.
-        if runtime is not None and not _spillway._forked_after_install():
-            arena = runtime.pinned
-    handle = _spillway.aio_handle(*args, arena=arena, **kwargs)
+    handle = _spillway.aio_handle(*args, arena=arena if arena is not None else pinned_arena(), **kwargs)
     # DeepSpeed's swap files go to Spillway's NVMe arena (install(nvme_swap="arena"), the default).
     return _swap.Handle(handle) if _swap_to_arena else handle
 

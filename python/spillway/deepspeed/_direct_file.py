@@ -15,8 +15,9 @@ import os
 
 import torch
 
-from .. import _spillway, _torch_allocators
+from .. import _spillway
 from .._log import logger
+from ._aio import pinned_arena
 
 STAGE_BYTES = 8 << 20  # per staging buffer: 8 MiB holds the disk busy as 16 did (measured)
 _STAGES = 2
@@ -30,9 +31,7 @@ class DirectFiles:
     file it writes. Not thread-safe: one file at a time."""
 
     def __init__(self):
-        runtime = _torch_allocators.installed()
-        # In a process forked after install() the runtime's arenas are the parent's.
-        arena = runtime.pinned if runtime is not None and not _spillway._forked_after_install() else None
+        arena = pinned_arena()
         self._handles = [_spillway.aio_handle(block_size=1 << 20, queue_depth=16, arena=arena)
                          for _ in range(_STAGES)]
         example = torch.empty(0, dtype=torch.uint8)
