@@ -3,11 +3,11 @@ two ranks under torchrun, each with spillway.deepspeed.install(), real DeepSpeed
 accelerator, Gloo), HF Trainer, ZeRO-3 with optimizer state and parameters offloaded to the CPU,
 bf16, a GPT-2 of 34M parameters saved with save_pretrained (safetensors) and as a torch .bin
 (tests/python/workers/ds_phases.py). The test samples the node's memory, the ranks' and their
-DataLoader workers' anonymous and shared PSS summed, every few milliseconds, and takes each phase's
-peak: loading the model (from_pretrained under zero.Init and whole on every rank, from each format),
-the epoch boundary (the first step after the DataLoader forked), the epoch checkpoint and the final
+DataLoader workers' anonymous and shared PSS summed, a sweep every ~80 ms (and each rank reads its
+own as each phase ends), and takes each phase's peak: loading the model (from_pretrained under
+zero.Init and whole on every rank, from each format), the epoch boundary (the first step after the DataLoader forked), the epoch checkpoint and the final
 save_model. Each must be within 10% of `spillway plan`'s figure for the same run (a .bin loaded
-under zero.Init within 20%: glibc's share of torch.load's reads moves between runs), computed from
+under zero.Init within 20%: what glibc's heap keeps of it moves between runs), computed from
 the level the ranks held before loading (the interpreter and its libraries, which the plan takes as
 given: `--rank-baseline`)."""
 import json
@@ -40,7 +40,7 @@ def node_bytes(root):
 def run(out, model_dir, init, train):
     """(samples [(time, node bytes)], [rank records]) of one torchrun of ds_phases.py."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port",
            str(free_port()), str(WORKER), str(out), str(model_dir), init] + (["--train"] if train else [])
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -67,7 +67,9 @@ def peaks(samples, ranks):
     """({phase: node peak}, the node's level before loading). A phase's peak is the largest sum over
     the ranks in the union of their intervals of it (the k-th occurrence on every rank is one
     phase, named "<phase> <k>" where it recurs), or the first sample after it when it was shorter
-    than the sampling period."""
+    than the sampling period; at least the sum of what each rank held as its interval ended (the
+    load's memory rises to its last instant: a sweep of the node every ~80 ms caught its top
+    anywhere from 0 to 110 MiB short, which read as a plan 6% to 21% over)."""
     out = {}
     names = [p["name"] for p in ranks[0]["phases"]]
     for i, name in enumerate(names):
@@ -76,7 +78,7 @@ def peaks(samples, ranks):
         lo, hi = min(s["start"] for s in spans), max(s["end"] for s in spans)
         inside = [sum(b.values()) for t, b in samples if lo <= t <= hi] or \
             [sum(b.values()) for t, b in samples if t > hi][:1]
-        out[f"{name} {k}" if names.count(name) > 1 else name] = max(inside)
+        out[f"{name} {k}" if names.count(name) > 1 else name] = max(max(inside), sum(s["end_bytes"] for s in spans))
     load = min(r["phases"][0]["start"] for r in ranks)
     before = [b for t, b in samples if t <= load]
     assert before and len(before[-1]) == len(ranks), ("no sample of the ranks before loading", samples[:3])
@@ -156,9 +158,9 @@ def test_each_phase_peak_is_within_ten_percent_of_the_plan(tmp_path, model_dirs,
                       f"{ph['node'] / measured - 1:+.1%}")
                 judged[f"{ph['name']} (admission)"] = (measured, ph["node"])
         assert len(judged) == 5 + 4, judged
-    # A .bin under zero.Init: what glibc's heap keeps of torch.load's reads moved from 5% to 70%
-    # of the file between runs (its mmap threshold moves with what was freed before): the plan
-    # counts the middle, and that one phase is held within 20%.
+    # A .bin under zero.Init: what glibc's heap keeps of it moves between runs (949 to 1038 MiB in
+    # six runs with the end readings; its mmap threshold moves with what was freed before): the
+    # plan counts the middle, and that one phase is held within 20%.
     tolerance = 0.20 if (init, fmt) == ("zero-init", "bin") else 0.10
     assert all(abs(p - measured) <= tolerance * measured for measured, p in judged.values()), judged
 

@@ -7,7 +7,8 @@ final save_model.
 
     torchrun --nproc-per-node N ds_phases.py OUT_DIR MODEL_DIR {zero-init|whole} [--train]
 
-Each rank writes OUT_DIR/rank<R>.json: the wall-clock interval of each phase ("load": HF's TrainingArguments under zero.Init, and from_pretrained;
+Each rank writes OUT_DIR/rank<R>.json: the wall-clock interval of each phase and the rank's own
+anonymous and shared PSS at its end ("load": HF's TrainingArguments under zero.Init, and from_pretrained;
 "initialize": Trainer.train up to its first step, deepspeed.initialize inside; "boundary": the
 first epoch after the first, from its start to the end of its first optimizer step, the step that
 writes the state after the DataLoader forked; "checkpoint": each epoch's checkpoint; "final save":
@@ -30,6 +31,7 @@ spillway.deepspeed.install()  # the one line
 import deepspeed  # noqa: E402
 import transformers  # noqa: E402
 from _dist import world_from_env_or_single  # noqa: E402
+from _launch import tree_bytes  # noqa: E402
 
 out_dir, model_dir, init = sys.argv[1:4]
 train = "--train" in sys.argv[4:]
@@ -41,7 +43,10 @@ phases = []
 
 
 def phase(name, start):
-    phases.append({"name": name, "start": start, "end": time.time()})
+    # The rank's own anonymous and shared PSS as the phase ends: the load's memory still rises in
+    # its last tenth of a second, faster than the caller's sampler sweeps the node (~80 ms).
+    held = tree_bytes(os.getpid(), ("Pss_Anon:", "Pss_Shmem:"))
+    phases.append({"name": name, "start": start, "end": time.time(), "end_bytes": held})
 
 
 def ds_config():
