@@ -15,10 +15,20 @@ anonymous RSS after each save minus before the first, the peak during each save 
 over the RSS just before it, what the load left behind, and the seconds of each save and of the
 load (the memory numbers do not depend on the machine's load; the seconds do, and the plain and
 Spillway runs are sequential, not interleaved).
-Last line: one JSON object."""
+Last line: one JSON object.
+
+With --rounds N it times instead, interleaved: each round saves a checkpoint plain and with
+Spillway (the order alternating between rounds, each save a process of its own), writes and reads
+a file of the same bytes with fio (O_DIRECT, io_uring, 1 MiB blocks, 32 in flight, fsync at the
+end: the disk's sequential rate in that directory), then loads both checkpoints into fresh engines
+(with --cold the page cache dropped before each load and each fio read). Printed: the medians of
+each, the per-round ratios with their spread, and Spillway's save rate against fio's write rate.
+Needs fio (scripts/install-deps installs it)."""
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -146,6 +156,67 @@ def drop_page_cache():
         raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root, or without --cold")
 
 
+def fio_seconds(directory, nbytes, rw, cold):
+    """fio's own runtime for one sequential pass of `nbytes` in `directory` (rw "write": a new file,
+    fsynced at the end; "read": the file the write left)."""
+    if cold and rw == "read":
+        drop_page_cache()
+    p = subprocess.run(["fio", "--name=seq", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
+                        "--ioengine=io_uring", "--direct=1", f"--size={nbytes}", "--end_fsync=1",
+                        "--output-format=json"], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"fio failed (exit {p.returncode}) to {rw} {nbytes} bytes in {directory}:\n{p.stderr[:2000]}")
+    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+    return job["job_runtime"] / 1e3
+
+
+def tree_size(d):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(d) for f in fs)
+
+
+def rounds(a):
+    """--rounds: save and load times interleaved, with fio's rates beside them."""
+    if shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (scripts/install-deps installs it): it is the disk's yardstick")
+    a.saves, a.steps_between = 1, 1
+    t = {k: [] for k in ("save plain", "save spillway", "load plain", "load spillway", "fio write", "fio read")}
+    nbytes = 0
+    for stage in a.stages:
+        for r in range(a.rounds):
+            dirs = {}
+            for spillway in ((False, True) if r % 2 == 0 else (True, False)):
+                name = "spillway" if spillway else "plain"
+                dirs[name] = tempfile.mkdtemp(prefix=f"ds-ckpt-{name}-", dir=a.dir)
+                t[f"save {name}"].append(run(a, stage, spillway, "save", dirs[name])["saves"][0]["seconds"])
+            nbytes = tree_size(dirs["spillway"])
+            fio_dir = tempfile.mkdtemp(prefix="fio-", dir=a.dir)
+            t["fio write"].append(fio_seconds(fio_dir, nbytes, "write", a.cold))
+            t["fio read"].append(fio_seconds(fio_dir, nbytes, "read", a.cold))
+            shutil.rmtree(fio_dir)
+            for name in (("plain", "spillway") if r % 2 == 0 else ("spillway", "plain")):
+                if a.cold:
+                    drop_page_cache()
+                t[f"load {name}"].append(run(a, stage, name == "spillway", "load", dirs[name])["load"]["seconds"])
+            for d in dirs.values():
+                shutil.rmtree(d)
+            print(f"ZeRO-{stage} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    ratio = {op: [p / s for p, s in zip(t[f"{op} plain"], t[f"{op} spillway"])] for op in ("save", "load")}
+    rate = [nbytes / s / 1e9 for s in t["save spillway"]]
+    fio_rate = [nbytes / s / 1e9 for s in t["fio write"]]
+    vs_fio = [x / f for x, f in zip(rate, fio_rate)]
+    print(f"\n{nbytes / MIB:.0f} MiB per checkpoint, {len(t['fio write'])} rounds{' (cold loads)' if a.cold else ''}; medians:")
+    for k, v in med.items():
+        print(f"  {k:14} {v:6.2f} s  ({min(t[k]):.2f}..{max(t[k]):.2f})")
+    for op, xs in ratio.items():
+        print(f"  {op}: spillway x{statistics.median(xs):.2f} plain's speed ({min(xs):.2f}..{max(xs):.2f})")
+    print(f"  save rate {statistics.median(rate):.2f} GB/s, fio's sequential write {statistics.median(fio_rate):.2f} "
+          f"GB/s: x{statistics.median(vs_fio):.2f} ({min(vs_fio):.2f}..{max(vs_fio):.2f})")
+    print(json.dumps({"bench": "deepspeed_checkpoint_rounds", "cold": a.cold, "bytes": nbytes, "seconds": t,
+                      "save_x": statistics.median(ratio["save"]), "load_x": statistics.median(ratio["load"]),
+                      "save_vs_fio_write": statistics.median(vs_fio)}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="9.7e6")
@@ -156,6 +227,8 @@ def main():
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache before each load (root: /proc/sys/vm/drop_caches), so both read "
                          "from the disk as a job resumed after a restart does")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="time saves and loads instead, plain and Spillway alternating, this many rounds, with fio")
     ap.add_argument("--_worker", choices=("save", "load"))
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--spillway", action="store_true")
@@ -163,6 +236,8 @@ def main():
     if a._worker:
         a.mode = a._worker
         return worker(a)
+    if a.rounds:
+        return rounds(a)
     results = []
     for stage in a.stages:
         for spillway in (False, True):
