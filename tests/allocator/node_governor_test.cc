@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -671,10 +672,19 @@ TEST(NodeGovernorTest, AKilledRanksBytesComeBackWithinTheWatchInterval) {
 
 TEST(NodeGovernorTest, AJobKilledWholeLeavesASegmentTheNextJobRemoves) {
   if (testing::kUnderSanitizer) GTEST_SKIP() << "sanitizers reroute fork and signals";
+  // A directory of its own: any other test's Join in /dev/shm (ctest runs them side by side)
+  // would remove the dead job's segment before this test looks for it.
+  char tmpl[] = "/dev/shm/spillway-gtest-dead-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  auto in_dir = [&](NodeGovernorOptions o) {
+    o.dir = dir;
+    return o;
+  };
   const std::string job = UniqueJob("dead");
-  const std::string path = NodeGovernor::SegmentPath("/dev/shm", Options(job, 0, 0).ledger);
+  const std::string path = NodeGovernor::SegmentPath(dir, Options(job, 0, 0).ledger);
   ChildRank c = ChildRank::Start([&](int ready) {
-    auto r = NodeGovernor::Join(Options(job, 0, 100 * kMiB));
+    auto r = NodeGovernor::Join(in_dir(Options(job, 0, 100 * kMiB)));
     if (!r.ok()) return 1;
     SignalReady(ready);
     pause();
@@ -684,8 +694,12 @@ TEST(NodeGovernorTest, AJobKilledWholeLeavesASegmentTheNextJobRemoves) {
   c.Kill();
   EXPECT_EQ(c.Wait(), 128 + SIGKILL);
   EXPECT_TRUE(Exists(path)) << "SIGKILL runs no destructor";
-  auto next = JoinOrDie(Options(UniqueJob("next"), 0, 100 * kMiB));
-  EXPECT_FALSE(Exists(path)) << "a later job's Join removes a segment whose ranks are all dead";
+  {
+    auto next = JoinOrDie(in_dir(Options(UniqueJob("next"), 0, 100 * kMiB)));
+    EXPECT_FALSE(Exists(path)) << "a later job's Join removes a segment whose ranks are all dead";
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
 }
 
 TEST(NodeGovernorTest, PressureTrimsTheOtherRanksRetainedCaches) {
