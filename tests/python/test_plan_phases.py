@@ -69,7 +69,9 @@ def peaks(samples, ranks):
     phase, named "<phase> <k>" where it recurs), or the first sample after it when it was shorter
     than the sampling period; at least the sum of what each rank held as its interval ended (the
     load's memory rises to its last instant: a sweep of the node every ~80 ms caught its top
-    anywhere from 0 to 110 MiB short, which read as a plan 6% to 21% over)."""
+    anywhere from 0 to 110 MiB short, which read as a plan 6% to 21% over). That sum is a level the
+    node held where each rank keeps what it held until the last one ends, as after the load and
+    the final save (a barrier follows each); for the epoch phases it is taken as one."""
     out = {}
     names = [p["name"] for p in ranks[0]["phases"]]
     for i, name in enumerate(names):
