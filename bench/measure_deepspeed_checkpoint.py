@@ -17,14 +17,16 @@ load (the memory numbers do not depend on the machine's load; the seconds do, an
 Spillway runs are sequential, not interleaved).
 Last line: one JSON object.
 
-With --rounds N it times instead, interleaved: each round saves a checkpoint plain and with
-Spillway (the order alternating between rounds, each save a process of its own), writes and reads
-a file of the same bytes with fio (O_DIRECT, io_uring, 1 MiB blocks, 32 in flight, fsync at the
+With --rounds N (one stage, and --dir on the disk to measure) it times instead, interleaved: each
+round saves a checkpoint plain and with Spillway (the order alternating between rounds, each save
+a process of its own), writes and reads a file of the same bytes with fio (O_DIRECT, io_uring, 1 MiB blocks, 32 in flight, fsync at the
 end: the disk's sequential rate in that directory), then loads both checkpoints into fresh engines
 (with --cold the page cache dropped before each load and each fio read). Printed: the medians of
 each, the per-round ratios with their spread, and Spillway's save rate against fio's write rate.
+Every timed save, load and fio run starts after a sync (no earlier write still in flight).
 Needs fio (scripts/install-deps installs it)."""
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -159,14 +161,19 @@ def drop_page_cache():
 def fio_seconds(directory, nbytes, rw, cold):
     """fio's own runtime for one sequential pass of `nbytes` in `directory` (rw "write": a new file,
     fsynced at the end; "read": the file the write left)."""
+    os.sync()  # no other write still in flight under the timed one
     if cold and rw == "read":
         drop_page_cache()
     p = subprocess.run(["fio", "--name=seq", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
                         "--ioengine=io_uring", "--direct=1", f"--size={nbytes}", "--end_fsync=1",
                         "--output-format=json"], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"fio failed (exit {p.returncode}) to {rw} {nbytes} bytes in {directory}:\n{p.stderr[:2000]}")
-    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+    job = None
+    if p.returncode == 0:
+        with contextlib.suppress(ValueError, KeyError, IndexError):
+            job = json.JSONDecoder().raw_decode(p.stdout, p.stdout.index("{"))[0]["jobs"][0]
+    if job is None or job.get("error"):
+        raise SystemExit(f"fio failed (exit {p.returncode}, job error {job and job.get('error')}) to {rw} {nbytes} "
+                         f"bytes in {directory}:\n{p.stderr[:2000]}{p.stdout[:2000]}")
     return job["job_runtime"] / 1e3
 
 
@@ -174,47 +181,65 @@ def tree_size(d):
     return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(d) for f in fs)
 
 
+def one_round(a, stage, r, t):
+    """One round of --rounds into `t`: both saves, fio's write and read, both loads. Returns the
+    bytes Spillway's save wrote. Everything it made under --dir is removed, whatever fails."""
+    made = []
+    try:
+        dirs = {}
+        for spillway in ((False, True) if r % 2 == 0 else (True, False)):
+            name = "spillway" if spillway else "plain"
+            dirs[name] = tempfile.mkdtemp(prefix=f"ds-ckpt-{name}-", dir=a.dir)
+            made.append(dirs[name])
+            os.sync()  # the other save's buffered writes are on the disk before this one starts
+            t[f"save {name}"].append(run(a, stage, spillway, "save", dirs[name])["saves"][0]["seconds"])
+        nbytes = tree_size(dirs["spillway"])
+        made.append(tempfile.mkdtemp(prefix="fio-", dir=a.dir))
+        t["fio write"].append(fio_seconds(made[-1], nbytes, "write", a.cold))
+        t["fio read"].append(fio_seconds(made[-1], nbytes, "read", a.cold))
+        for name in (("plain", "spillway") if r % 2 == 0 else ("spillway", "plain")):
+            os.sync()
+            if a.cold:
+                drop_page_cache()
+            t[f"load {name}"].append(run(a, stage, name == "spillway", "load", dirs[name])["load"]["seconds"])
+        return nbytes
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def rounds(a):
     """--rounds: save and load times interleaved, with fio's rates beside them."""
     if shutil.which("fio") is None:
         raise SystemExit("fio is not installed (scripts/install-deps installs it): it is the disk's yardstick")
+    if len(a.stages) != 1 or a.dir is None:
+        raise SystemExit("--rounds times one stage (--stages 3 or --stages 2) in a directory on the disk to "
+                         "measure (--dir: a temporary directory may be a tmpfs, where fio's O_DIRECT fails)")
+    if not a.cold:
+        print("note: without --cold, plain DeepSpeed's load reads its files from the page cache its save "
+              "left them in, and Spillway's from the disk (its saves bypass the page cache)")
     a.saves, a.steps_between = 1, 1
     t = {k: [] for k in ("save plain", "save spillway", "load plain", "load spillway", "fio write", "fio read")}
-    nbytes = 0
-    for stage in a.stages:
-        for r in range(a.rounds):
-            dirs = {}
-            for spillway in ((False, True) if r % 2 == 0 else (True, False)):
-                name = "spillway" if spillway else "plain"
-                dirs[name] = tempfile.mkdtemp(prefix=f"ds-ckpt-{name}-", dir=a.dir)
-                t[f"save {name}"].append(run(a, stage, spillway, "save", dirs[name])["saves"][0]["seconds"])
-            nbytes = tree_size(dirs["spillway"])
-            fio_dir = tempfile.mkdtemp(prefix="fio-", dir=a.dir)
-            t["fio write"].append(fio_seconds(fio_dir, nbytes, "write", a.cold))
-            t["fio read"].append(fio_seconds(fio_dir, nbytes, "read", a.cold))
-            shutil.rmtree(fio_dir)
-            for name in (("plain", "spillway") if r % 2 == 0 else ("spillway", "plain")):
-                if a.cold:
-                    drop_page_cache()
-                t[f"load {name}"].append(run(a, stage, name == "spillway", "load", dirs[name])["load"]["seconds"])
-            for d in dirs.values():
-                shutil.rmtree(d)
-            print(f"ZeRO-{stage} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+    sizes = []
+    for r in range(a.rounds):
+        sizes.append(one_round(a, a.stages[0], r, t))
+        print(f"ZeRO-{a.stages[0]} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+    nbytes = statistics.median(sizes)
     med = {k: statistics.median(v) for k, v in t.items()}
     ratio = {op: [p / s for p, s in zip(t[f"{op} plain"], t[f"{op} spillway"])] for op in ("save", "load")}
-    rate = [nbytes / s / 1e9 for s in t["save spillway"]]
-    fio_rate = [nbytes / s / 1e9 for s in t["fio write"]]
-    vs_fio = [x / f for x, f in zip(rate, fio_rate)]
-    print(f"\n{nbytes / MIB:.0f} MiB per checkpoint, {len(t['fio write'])} rounds{' (cold loads)' if a.cold else ''}; medians:")
+    vs_fio = [f / s for s, f in zip(t["save spillway"], t["fio write"])]  # same bytes each round
+    print(f"\nZeRO-{a.stages[0]}, {nbytes / MIB:.0f} MiB per checkpoint, {a.rounds} rounds"
+          f"{' (cold loads)' if a.cold else ''}; medians:")
     for k, v in med.items():
         print(f"  {k:14} {v:6.2f} s  ({min(t[k]):.2f}..{max(t[k]):.2f})")
     for op, xs in ratio.items():
         print(f"  {op}: spillway x{statistics.median(xs):.2f} plain's speed ({min(xs):.2f}..{max(xs):.2f})")
-    print(f"  save rate {statistics.median(rate):.2f} GB/s, fio's sequential write {statistics.median(fio_rate):.2f} "
-          f"GB/s: x{statistics.median(vs_fio):.2f} ({min(vs_fio):.2f}..{max(vs_fio):.2f})")
-    print(json.dumps({"bench": "deepspeed_checkpoint_rounds", "cold": a.cold, "bytes": nbytes, "seconds": t,
-                      "save_x": statistics.median(ratio["save"]), "load_x": statistics.median(ratio["load"]),
-                      "save_vs_fio_write": statistics.median(vs_fio)}))
+    print(f"  save rate {nbytes / med['save spillway'] / 1e9:.2f} GB/s, fio's sequential write "
+          f"{nbytes / med['fio write'] / 1e9:.2f} GB/s: x{statistics.median(vs_fio):.2f} "
+          f"({min(vs_fio):.2f}..{max(vs_fio):.2f})")
+    print(json.dumps({"bench": "deepspeed_checkpoint_rounds", "stage": a.stages[0], "cold": a.cold, "bytes": sizes,
+                      "seconds": t, "save_x": statistics.median(ratio["save"]),
+                      "load_x": statistics.median(ratio["load"]), "save_vs_fio_write": statistics.median(vs_fio)}))
 
 
 def main():
