@@ -23,4 +23,10 @@ uint32_t Crc32cExtend(uint32_t previous, const void* data, size_t bytes) {
   return ~crc;
 }
 
+uint32_t Crc32ZipExtend(uint32_t crc, const void* data, size_t bytes) {
+  // crc32_gzip_refl inverts on entry and exit itself, as zlib's crc32 does, and takes a 64-bit
+  // length.
+  return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), bytes);
+}
+
 }  // namespace spillway::allocator

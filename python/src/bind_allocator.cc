@@ -124,6 +124,17 @@ void BindAllocator(py::module_& m) {
       py::arg("data"), py::arg("crc") = 0,
       "The CRC32C of `data` (a contiguous buffer) continuing `crc`: crc32c(b, crc32c(a)) == "
       "crc32c(a + b).");
+  m.def(
+      "crc32",
+      [](const py::object& data, uint32_t crc) {
+        Py_buffer view;  // as crc32c: contiguous only, the GIL released while it runs
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> release(&view, PyBuffer_Release);
+        py::gil_scoped_release unlocked;
+        return allocator::Crc32ZipExtend(crc, view.buf, static_cast<size_t>(view.len));
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "zip's CRC-32 of `data` continuing `crc`, as zlib.crc32(data, crc) (ISA-L's, vectorised).");
 
   m.def("_node_job", [] {
     const allocator::NodeJob job = Check(allocator::NodeJobFromEnvironment());
