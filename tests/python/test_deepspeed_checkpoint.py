@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import _zygote
@@ -145,6 +146,20 @@ def test_zero_to_fp32_gives_the_same_weights_from_either_engines_files(saves):
     theirs = get_fp32_state_dict_from_zero_checkpoint(str(d / "plain"))
     assert set(ours) == set(theirs) and len(ours) > 2
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_every_file_of_a_save_is_a_zip_whose_records_check(saves):
+    # torch computes no CRC-32 while Spillway's writer saves: the writer computes it as the bytes
+    # pass and writes it in (deepspeed/_direct_file.py). Python's zipfile checks each record's
+    # CRC-32 as it reads it, as zip tools do; DeepSpeed's own files, same state, are the control.
+    _, d = saves.get(3)
+    for which in ("ours", "plain"):
+        files = sorted((d / which / "global_step2").glob("*.pt"))
+        assert files, which
+        for f in files:
+            with zipfile.ZipFile(f) as z:
+                assert z.testzip() is None, f
+                assert all(i.CRC for i in z.infolist() if i.file_size), f
 
 
 def test_twenty_saves_stay_flat(tmp_path):
@@ -283,12 +298,30 @@ def test_use_node_local_storage_loads_each_nodes_part_from_its_own_directory(tmp
     assert str(victim) in r["error"] and r["digest"] == r["digest_before_error"], r["error"]
 
 
+def same_archive_but_its_id(got, want, what):
+    """`got` is the archive `want` is, record for record at the same offsets, with the same CRC-32s,
+    but for .data/serialization_id: torch makes it from the records' CRC-32s as it computes them,
+    which it did not where Spillway's writer computed them (torch uses it for usage logging)."""
+    import io
+
+    assert len(got) == len(want), what
+    with zipfile.ZipFile(io.BytesIO(got)) as g, zipfile.ZipFile(io.BytesIO(want)) as w:
+        assert g.testzip() is None, what
+        gi, wi = g.infolist(), w.infolist()
+        assert [(i.filename, i.header_offset, i.file_size) for i in gi] == \
+            [(i.filename, i.header_offset, i.file_size) for i in wi], what
+        for a, b in zip(gi, wi):
+            if not a.filename.endswith(".data/serialization_id"):
+                assert (a.CRC, g.read(a)) == (b.CRC, w.read(b)), (what, a.filename)
+
+
 @pytest.mark.parametrize("where", ["disk", "tmpfs", "buffered-by-choice"])
 def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, where, monkeypatch):
     # The checkpoint files' writer (deepspeed/_direct_file.py): O_DIRECT on this disk, tmpfs (which
     # refuses O_DIRECT at open before Linux 6.6: then buffered), and buffered when
-    # SPILLWAY_CHECKPOINT_DIRECT=0. Each file holds exactly what torch.save writes (sizes around the
-    # staging buffers' and the O_DIRECT granule's edges), with its CRC32C and length.
+    # SPILLWAY_CHECKPOINT_DIRECT=0. Each file holds exactly what torch.save writes with its CRC-32
+    # on (sizes around the staging buffers' and the O_DIRECT granule's edges), though torch computed
+    # none (the writer did), with its CRC32C and length.
     import io
 
     import spillway
@@ -307,7 +340,10 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
     files = DirectFiles()
     sizes = [0, 1, 4095, 4097, STAGE_BYTES - 7, 2 * STAGE_BYTES + 4096 * 3 + 5]
     for i, n in enumerate(sizes):
-        state = {"t": torch.arange(n // 4 + 1, dtype=torch.int32)[: n // 4], "tail": bytes(range(n % 4)), "i": i}
+        # A record whose bytes read as a data descriptor of an empty record, and an empty one.
+        lookalike = torch.tensor([0x08074B50, 7, 0, 0], dtype=torch.int32)
+        state = {"t": torch.arange(n // 4 + 1, dtype=torch.int32)[: n // 4], "tail": bytes(range(n % 4)), "i": i,
+                 "lookalike": lookalike, "empty": torch.empty(0)}
         want = io.BytesIO()
         torch.save(state, want)
         path = base / f"spillway-direct-test-{os.getpid()}-{where}-{i}.pt"
@@ -316,7 +352,63 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
             got = path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
-        assert got == want.getvalue(), (where, n)
+        same_archive_but_its_id(got, want.getvalue(), (where, n))
         assert (w.bytes, w.crc) == (len(got), spillway._spillway.crc32c(got)), (where, n)
         if where != "tmpfs":  # tmpfs takes O_DIRECT since Linux 6.6 and refuses it before
             assert w.direct == (where == "disk"), (where, n)
+        assert w.zip is not None and not w.zip.failed, (where, n)  # its own CRC-32, no second write
+    assert torch.serialization.get_crc32_options()  # back as it was
+
+
+
+def test_an_archive_of_another_layout_is_written_again_with_torchs_crc(tmp_path, monkeypatch, caplog):
+    # What the writer does where torch.save's archive is not the layout it computes the CRC-32 for
+    # (a later torch): it says so once and writes the file again, and every later one, with torch's.
+    import spillway.deepspeed._direct_file as direct
+
+    monkeypatch.setattr(direct, "_layout_unknown", [])
+    files, calls = direct.DirectFiles(), []
+
+    def not_a_zip(writer):
+        calls.append(torch.serialization.get_crc32_options())
+        writer.write(b"not torch's archive")
+
+    path = tmp_path / "f.pt"
+    w = files.write(str(path), not_a_zip, str(path))
+    assert calls == [False, True] and path.read_bytes() == b"not torch's archive" and w.zip is None
+    assert "no local header at offset 0" in caplog.text and "written again" in caplog.text
+    state = {"w": torch.arange(10.0)}
+    files.write(str(path), lambda writer: torch.save(state, writer), str(path))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    assert torch.serialization.get_crc32_options() and caplog.text.count("written again") == 1
+
+
+def test_overlapping_writes_leave_the_setting_as_the_first_one_found_it():
+    # Two files written at once (two threads): the first done must not turn torch's CRC-32 back on
+    # under the second, and the last done restores what was set before either (here: off).
+    from spillway.deepspeed._direct_file import _without_zip_crc
+
+    try:
+        for before in (False, True):
+            torch.serialization.set_crc32_options(before)
+            a, b = _without_zip_crc(), _without_zip_crc()
+            a.__enter__()
+            b.__enter__()
+            a.__exit__(None, None, None)
+            assert not torch.serialization.get_crc32_options(), before
+            b.__exit__(None, None, None)
+            assert torch.serialization.get_crc32_options() == before
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_spillways_crc32_is_zlibs():
+    import zlib
+
+    from spillway import _spillway
+
+    data = os.urandom((1 << 20) + 13)
+    assert _spillway.crc32(b"123456789") == 0xCBF43926
+    assert _spillway.crc32(data) == zlib.crc32(data)
+    assert _spillway.crc32(data[777:], _spillway.crc32(data[:777])) == zlib.crc32(data)

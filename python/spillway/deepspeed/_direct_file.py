@@ -10,10 +10,14 @@ first write, as some FUSE and NFS mounts do) the file is written buffered, said 
 SPILLWAY_CHECKPOINT_DIRECT=0 asks for buffered writes everywhere. Private: _checkpoint.py writes
 every checkpoint file through it.
 """
+import contextlib
 import errno
 import os
+import struct
+import threading
 
 import torch
+from torch.serialization import get_crc32_options, set_crc32_options
 
 from .. import _spillway
 from .._log import logger
@@ -23,6 +27,29 @@ STAGE_BYTES = 8 << 20  # per staging buffer: 8 MiB holds the disk busy as 16 did
 _STAGES = 2
 _ALIGN = 4096  # O_DIRECT's granule of offsets, lengths and addresses
 _buffered_said = set()  # directories without O_DIRECT, said once each
+_layout_unknown = []  # why torch.save's archive was not one _ZipCrc knows, once it was not
+_ZIP_CRC_LOCK = threading.Lock()
+_zip_crc_off = [0, True]  # [writes with torch's CRC-32 off now, the setting before the first]
+
+
+@contextlib.contextmanager
+def _without_zip_crc():
+    """torch.save computes no CRC-32 of its zip records while the block runs (leaves 0 where it
+    would write it; torch.serialization.set_crc32_options). The setting is process-wide: a
+    torch.save on another thread meanwhile writes 0 too. Overlapping blocks count in: the last one
+    out restores what was set before the first one came in."""
+    with _ZIP_CRC_LOCK:
+        if _zip_crc_off[0] == 0:
+            _zip_crc_off[1] = get_crc32_options()
+            set_crc32_options(False)
+        _zip_crc_off[0] += 1
+    try:
+        yield
+    finally:
+        with _ZIP_CRC_LOCK:
+            _zip_crc_off[0] -= 1
+            if _zip_crc_off[0] == 0:
+                set_crc32_options(_zip_crc_off[1])
 
 
 class DirectFiles:
@@ -41,11 +68,26 @@ class DirectFiles:
     def write(self, path, save, name):
         """Writes `path` (created or truncated) with save(writer), where the writer takes what
         torch.save writes; returns the writer (its .crc and .bytes). `name` is the file the caller
-        renames it to, for messages. On error the file's content is undefined: the caller removes it."""
+        renames it to, for messages. On error the file's content is undefined: the caller removes it.
+        torch computes no CRC-32 while it saves: the writer does, as the bytes pass (_ZipCrc).
+        Where torch's archive is not the layout _ZipCrc knows, the file is written again with
+        torch's CRC-32, as is every later file of the process (said once)."""
+        if not _layout_unknown:
+            try:
+                with _without_zip_crc():
+                    return self._write(path, save, name, _ZipCrc())
+            except ZipLayoutUnexpected as e:
+                _layout_unknown.append(str(e))
+                logger.warning("spillway.deepspeed: torch.save's zip archive for %s is not in the layout Spillway "
+                               "computes its CRC-32 for (%s); it is written again, and checkpoint files from now "
+                               "on, with torch's own CRC-32 (slower)", name, e)
+        return self._write(path, save, name, None)
+
+    def _write(self, path, save, name, zip_crc):
         fd, direct = self._open(path)
         try:
             writer = _Writer(self._handles, self._stages, fd, name)
-            writer.direct = direct
+            writer.direct, writer.zip = direct, zip_crc
             try:
                 save(writer)
                 writer.finish()
@@ -86,6 +128,154 @@ class DirectFiles:
         return os.open(path, flags, 0o644), False
 
 
+class ZipLayoutUnexpected(Exception):
+    """What torch.save wrote is not the zip layout _ZipCrc knows: the file is written again with
+    torch's own CRC-32."""
+
+
+_LOCAL, _DESCRIPTOR, _CENTRAL = b"PK\x03\x04", b"PK\x07\x08", b"PK\x01\x02"
+_END = (b"PK\x06\x06", b"PK\x05\x06")  # zip64 end of central directory, end of central directory
+
+
+class _ZipCrc:
+    """The CRC-32 of each record of torch.save's zip archive, computed as its bytes pass (ISA-L's,
+    overlapping the disk), and written where torch, told not to compute it, left 0: the record's
+    data descriptor and its central directory entry, both of which pass after the record's data.
+
+    torch's writer (miniz) marks every record but an empty one "sizes and CRC in a data
+    descriptor" and writes a record as its local header, its data in one write, then the
+    descriptor in one write (an empty record is its header alone, sizes and CRC-32 0 in it). A write
+    in a record's data is taken for its descriptor only where it is one (16 bytes, or 24 in the
+    zip64 form) whose sizes are the data's bytes so far, and not 0 (a record's first write is its
+    data, whatever its bytes); the central directory, held until the end, must then list
+    exactly the records seen, at the offsets and sizes seen. Anything else raises
+    ZipLayoutUnexpected (the caller writes the file again with torch's CRC-32): no byte of a
+    record's data is ever changed in a file that is kept."""
+
+    def __init__(self):
+        self.pos = 0           # bytes of the archive seen
+        self.records = []      # (local header offset, data bytes, crc)
+        self._head = bytearray()  # the local header being read
+        self._start = 0        # its offset
+        self._data = None      # (data bytes so far, crc) while in a record's data
+        self._tail = None      # the central directory and end records, held
+        self.failed = None     # why the archive is not the layout known, once it is not
+
+    def feed(self, view):
+        """(what to write in place of `view`: itself or a patched copy, or None while the bytes are
+        held; whether all of it is record data, whose CRC-32 the caller adds with data() as it
+        copies it)."""
+        if self.failed is not None:
+            return view, False
+        if self._tail is not None:
+            self._tail += view
+            return None, False
+        try:
+            return self._feed(view)
+        except ZipLayoutUnexpected as e:
+            # Not raised through torch.save (its writer would report a position error instead):
+            # the bytes pass unchanged, and the writer raises this once torch.save returned.
+            self.failed = str(e)
+            return view, False
+
+    def _feed(self, view):
+        out, whole_data, i, n = view, False, 0, view.nbytes
+        while i < n:
+            if self._data is not None:
+                size, crc = self._data
+                part = view[i:]
+                if size and part[:4] == _DESCRIPTOR and _descriptor_sizes(part) == (size, size):
+                    patched = bytearray(view)
+                    struct.pack_into("<I", patched, i + 4, crc)
+                    self.records.append((self._start, size, crc))
+                    self._data = None
+                    out = memoryview(patched)
+                elif i == 0:
+                    whole_data = True  # the caller's data() adds it, a staging buffer at a time
+                else:
+                    self.data(part)
+                break
+            if not self._head:
+                self._start = self.pos + i
+                if view[i:i + 4] == _CENTRAL:
+                    if i:
+                        raise ZipLayoutUnexpected("the central directory begins inside a write")
+                    self._tail = bytearray(view)
+                    return None, False
+            names = int.from_bytes(self._head[26:28], "little") + int.from_bytes(self._head[28:30], "little")
+            need = 30 if len(self._head) < 30 else 30 + names
+            take = min(need - len(self._head), n - i)
+            self._head += view[i:i + take]
+            i += take
+            if len(self._head) >= 4 and self._head[:4] != _LOCAL:
+                raise ZipLayoutUnexpected(f"no local header at offset {self._start}")
+            if len(self._head) >= 30 and len(self._head) == 30 + int.from_bytes(self._head[26:28], "little") + \
+                    int.from_bytes(self._head[28:30], "little"):
+                if int.from_bytes(self._head[6:8], "little") & 8:
+                    self._data = (0, 0)  # sizes and CRC-32 in the descriptor after the data
+                elif struct.unpack_from("<III", self._head, 14) == (0, 0, 0):
+                    self.records.append((self._start, 0, 0))  # an empty record: all in its header
+                else:
+                    raise ZipLayoutUnexpected(f"the record at offset {self._start} has its sizes in its header")
+                self._head = bytearray()
+        self.pos += n
+        return out, whole_data
+
+    def data(self, piece):
+        size, crc = self._data
+        self._data = (size + piece.nbytes, _spillway.crc32(piece, crc))
+
+    def finish(self):
+        """The held tail, each central directory entry's CRC-32 written in, after checking that it
+        lists the records seen."""
+        if self.failed is not None:
+            raise ZipLayoutUnexpected(self.failed)
+        if self._tail is None or self._data is not None or self._head:
+            raise ZipLayoutUnexpected("the archive ended inside a record")
+        t, at = self._tail, 0
+        for start, size, crc in self.records:
+            if t[at:at + 4] != _CENTRAL or len(t) < at + 46:
+                raise ZipLayoutUnexpected(f"central directory entry {at} is not one")
+            names, extras, comments = struct.unpack_from("<HHH", t, at + 28)
+            comp, uncomp = struct.unpack_from("<II", t, at + 20)
+            offset = struct.unpack_from("<I", t, at + 42)[0]
+            z64 = _zip64(t[at + 46 + names:at + 46 + names + extras], uncomp, comp, offset)
+            if z64 != (size, size, start):
+                raise ZipLayoutUnexpected(f"central directory entry {at} lists {z64}, seen {(size, size, start)}")
+            struct.pack_into("<I", t, at + 16, crc)
+            at += 46 + names + extras + comments
+        if t[at:at + 4] not in _END:
+            raise ZipLayoutUnexpected(f"{len(self.records)} records, and the central directory lists more")
+        return memoryview(t)
+
+
+def _descriptor_sizes(part):
+    """(compressed, uncompressed) of a write that is a whole data descriptor (16 bytes, or 24 in
+    the zip64 form), else None."""
+    if part.nbytes == 16:
+        return struct.unpack_from("<II", part, 8)
+    if part.nbytes == 24:
+        return struct.unpack_from("<QQ", part, 8)
+    return None
+
+
+def _zip64(extra, uncomp, comp, offset):
+    """(uncompressed, compressed, local header offset) of a central directory entry, the fields
+    at 0xFFFFFFFF read from its zip64 extra field."""
+    fields = [uncomp, comp, offset]
+    at = 0
+    while at + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, at)
+        if tag == 1:
+            k = at + 4
+            for j in range(3):
+                if fields[j] == 0xFFFFFFFF:
+                    fields[j] = struct.unpack_from("<Q", extra, k)[0]
+                    k += 8
+        at += 4 + size
+    return tuple(fields)
+
+
 class _Writer:
     """torch.save's file: write() copies into the staging buffer being filled and hands it to
     its handle when full."""
@@ -99,23 +289,39 @@ class _Writer:
         self._offset = 0   # its offset in the file
         self._pending = [False] * len(stages)
         self.direct = False  # set by DirectFiles.write: written with O_DIRECT
+        self.zip = None  # a _ZipCrc where torch.save computes no CRC-32 (DirectFiles.write)
         self.crc = 0
         self.bytes = 0
 
     def write(self, data):
         view = memoryview(data).cast("B")
-        self.crc = _spillway.crc32c(view, self.crc)
+        n = view.nbytes
+        whole_data = False
+        if self.zip is not None:
+            view, whole_data = self.zip.feed(view)
+            if view is None:  # the archive's tail, held until finish()
+                self.bytes += n
+                return n
+        self._put(view, whole_data)
+        self.bytes += n
+        return n
+
+    def _put(self, view, whole_data=False):
+        """Copies `view` into the staging buffers, its CRC32C (and its zip CRC-32 where it is a
+        record's data) taken a buffer's worth at a time, so that they overlap the disk."""
         n, done = view.nbytes, 0
         while done < n:
             stage = self._views[self._at]
             take = min(n - done, STAGE_BYTES - self._fill)
-            stage[self._fill:self._fill + take] = view[done:done + take]
+            piece = view[done:done + take]
+            self.crc = _spillway.crc32c(piece, self.crc)
+            if whole_data:
+                self.zip.data(piece)
+            stage[self._fill:self._fill + take] = piece
             self._fill += take
             done += take
             if self._fill == STAGE_BYTES:
                 self._submit(STAGE_BYTES)
-        self.bytes += n
-        return n
 
     def flush(self):
         pass
@@ -141,6 +347,8 @@ class _Writer:
     def finish(self):
         """The last partial block (zero-padded to the O_DIRECT granule), every write waited for,
         the file cut to its length and fsynced."""
+        if self.zip is not None:
+            self._put(self.zip.finish())
         if self._fill > 0:
             padded = -(-self._fill // _ALIGN) * _ALIGN
             self._views[self._at][self._fill:padded] = bytes(padded - self._fill)
