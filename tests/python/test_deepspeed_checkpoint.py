@@ -347,8 +347,13 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
         want = io.BytesIO()
         torch.save(state, want)
         path = base / f"spillway-direct-test-{os.getpid()}-{where}-{i}.pt"
+        during = []
+
+        def save(writer, state=state, during=during):
+            torch.save(state, writer)
+            during.append(torch.serialization.get_crc32_options())  # back on after the first write
         try:
-            w = files.write(str(path), lambda writer: torch.save(state, writer), str(path))
+            w = files.write(str(path), save, str(path))
             got = path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
@@ -357,6 +362,7 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
         if where != "tmpfs":  # tmpfs takes O_DIRECT since Linux 6.6 and refuses it before
             assert w.direct == (where == "disk"), (where, n)
         assert w.zip is not None and not w.zip.failed, (where, n)  # its own CRC-32, no second write
+        assert during == [True], (where, n)
     assert torch.serialization.get_crc32_options()  # back as it was
 
 
@@ -384,20 +390,88 @@ def test_an_archive_of_another_layout_is_written_again_with_torchs_crc(tmp_path,
     assert torch.serialization.get_crc32_options() and caplog.text.count("written again") == 1
 
 
+def test_a_record_written_in_two_parts_is_not_patched_and_the_file_is_written_again(tmp_path, monkeypatch):
+    # The layout check's worst case: a record's data reaches the writer in two writes (torch 2.13
+    # writes it in one), the second of which reads as that record's data descriptor, sizes and all.
+    # The writer must not take it for one and change the data: the real descriptor then comes where
+    # a header should, and the file is written again with torch's CRC-32, equal to torch's own.
+    import io
+    import struct
+
+    import spillway.deepspeed._direct_file as direct
+
+    monkeypatch.setattr(direct, "_layout_unknown", [])
+    tail = struct.pack("<4sIII", b"PK\x07\x08", 7, 16, 16)
+    state = {"t": torch.frombuffer(bytearray(b"\x01" * 16 + tail), dtype=torch.uint8)}
+
+    class Split:
+        def __init__(self, writer):
+            self.writer = writer
+
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            if view.nbytes == 32 and bytes(view[16:]) == tail:
+                return self.writer.write(view[:16]) + self.writer.write(view[16:])
+            return self.writer.write(view)
+
+        def flush(self):
+            pass
+
+    path = tmp_path / "split.pt"
+    w = direct.DirectFiles().write(str(path), lambda writer: torch.save(state, Split(writer)), str(path))
+    want = io.BytesIO()
+    torch.save(state, want)
+    assert w.zip is None and "no local header" in direct._layout_unknown[0]
+    assert path.read_bytes() == want.getvalue()
+
+
+def test_a_record_over_4_gib_takes_the_zip64_forms(tmp_path):
+    # A ZeRO rank's flat fp32 partition is one record, often over 4 GiB: its descriptor is 24 bytes
+    # and its sizes and offsets are in zip64 extra fields. Fed through the layout check alone (no
+    # disk): the CRC-32s it writes in are the records' own, and its central directory checks. The
+    # tensor is untouched memory, the zero page: it adds almost no resident memory.
+    import spillway.deepspeed._direct_file as direct
+    from spillway import _spillway
+
+    big = torch.empty((4 << 30) + 1, dtype=torch.uint8)
+    small = torch.ones(3)
+    zc, out = direct._ZipCrc(), []
+
+    class Sink:
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            got, whole = zc.feed(view)
+            if whole:
+                zc.data(got)
+            return view.nbytes
+
+        def flush(self):
+            pass
+
+    with direct._TorchCrcOff():
+        torch.save({"big": big, "small": small}, Sink())
+    zc.finish()
+    assert not zc.failed
+    sizes = {size: crc for _, size, crc in zc.records}
+    assert sizes[big.numel()] == _spillway.crc32(big.numpy())
+    assert sizes[12] == _spillway.crc32(small.numpy())
+
+
 def test_overlapping_writes_leave_the_setting_as_the_first_one_found_it():
     # Two files written at once (two threads): the first done must not turn torch's CRC-32 back on
     # under the second, and the last done restores what was set before either (here: off).
-    from spillway.deepspeed._direct_file import _without_zip_crc
+    from spillway.deepspeed._direct_file import _TorchCrcOff
 
     try:
         for before in (False, True):
             torch.serialization.set_crc32_options(before)
-            a, b = _without_zip_crc(), _without_zip_crc()
+            a, b = _TorchCrcOff(), _TorchCrcOff()
             a.__enter__()
             b.__enter__()
             a.__exit__(None, None, None)
             assert not torch.serialization.get_crc32_options(), before
             b.__exit__(None, None, None)
+            a.release()  # a second release counts nothing
             assert torch.serialization.get_crc32_options() == before
     finally:
         torch.serialization.set_crc32_options(True)

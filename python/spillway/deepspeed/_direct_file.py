@@ -10,7 +10,6 @@ first write, as some FUSE and NFS mounts do) the file is written buffered, said 
 SPILLWAY_CHECKPOINT_DIRECT=0 asks for buffered writes everywhere. Private: _checkpoint.py writes
 every checkpoint file through it.
 """
-import contextlib
 import errno
 import os
 import struct
@@ -32,24 +31,49 @@ _ZIP_CRC_LOCK = threading.Lock()
 _zip_crc_off = [0, True]  # [writes with torch's CRC-32 off now, the setting before the first]
 
 
-@contextlib.contextmanager
-def _without_zip_crc():
-    """torch.save computes no CRC-32 of its zip records while the block runs (leaves 0 where it
-    would write it; torch.serialization.set_crc32_options). The setting is process-wide: a
-    torch.save on another thread meanwhile writes 0 too. Overlapping blocks count in: the last one
-    out restores what was set before the first one came in."""
-    with _ZIP_CRC_LOCK:
-        if _zip_crc_off[0] == 0:
-            _zip_crc_off[1] = get_crc32_options()
-            set_crc32_options(False)
-        _zip_crc_off[0] += 1
-    try:
-        yield
-    finally:
+class _TorchCrcOff:
+    """torch.save computes no CRC-32 of its zip records (it leaves 0 where it would write it;
+    torch.serialization.set_crc32_options) from entry until release(), which the writer calls at
+    the archive's first write (torch reads the setting as it opens its writer), or until exit. The
+    setting is process-wide: a torch.save on another thread in that window, or one nested in the
+    pickling, writes 0 too. Overlapping windows count in: the last one out restores what was set
+    before the first one came in (a set_crc32_options call inside the window is undone). A child
+    forked inside a window gets the setting from before it."""
+
+    def __init__(self):
+        self._pid = None
+
+    def __enter__(self):
         with _ZIP_CRC_LOCK:
+            if _zip_crc_off[0] == 0:
+                _zip_crc_off[1] = get_crc32_options()
+                set_crc32_options(False)
+            _zip_crc_off[0] += 1
+            self._pid = os.getpid()
+        return self
+
+    def release(self):
+        with _ZIP_CRC_LOCK:
+            if self._pid != os.getpid():  # released already, or entered in the parent of a fork
+                return
+            self._pid = None
             _zip_crc_off[0] -= 1
             if _zip_crc_off[0] == 0:
                 set_crc32_options(_zip_crc_off[1])
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _after_fork_in_child():
+    global _ZIP_CRC_LOCK
+    _ZIP_CRC_LOCK = threading.Lock()  # another thread of the parent may have held it
+    if _zip_crc_off[0]:
+        _zip_crc_off[0] = 0
+        set_crc32_options(_zip_crc_off[1])
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DirectFiles:
@@ -74,8 +98,8 @@ class DirectFiles:
         torch's CRC-32, as is every later file of the process (said once)."""
         if not _layout_unknown:
             try:
-                with _without_zip_crc():
-                    return self._write(path, save, name, _ZipCrc())
+                with _TorchCrcOff() as off:
+                    return self._write(path, save, name, _ZipCrc(), off.release)
             except ZipLayoutUnexpected as e:
                 _layout_unknown.append(str(e))
                 logger.warning("spillway.deepspeed: torch.save's zip archive for %s is not in the layout Spillway "
@@ -83,11 +107,11 @@ class DirectFiles:
                                "on, with torch's own CRC-32 (slower)", name, e)
         return self._write(path, save, name, None)
 
-    def _write(self, path, save, name, zip_crc):
+    def _write(self, path, save, name, zip_crc, first_write=None):
         fd, direct = self._open(path)
         try:
             writer = _Writer(self._handles, self._stages, fd, name)
-            writer.direct, writer.zip = direct, zip_crc
+            writer.direct, writer.zip, writer.first_write = direct, zip_crc, first_write
             try:
                 save(writer)
                 writer.finish()
@@ -232,6 +256,12 @@ class _ZipCrc:
             raise ZipLayoutUnexpected(self.failed)
         if self._tail is None or self._data is not None or self._head:
             raise ZipLayoutUnexpected("the archive ended inside a record")
+        try:
+            return self._patch_central_directory()
+        except (struct.error, IndexError) as e:  # an entry or extra field cut short
+            raise ZipLayoutUnexpected(f"the central directory does not parse ({e})") from e
+
+    def _patch_central_directory(self):
         t, at = self._tail, 0
         for start, size, crc in self.records:
             if t[at:at + 4] != _CENTRAL or len(t) < at + 46:
@@ -290,10 +320,14 @@ class _Writer:
         self._pending = [False] * len(stages)
         self.direct = False  # set by DirectFiles.write: written with O_DIRECT
         self.zip = None  # a _ZipCrc where torch.save computes no CRC-32 (DirectFiles.write)
+        self.first_write = None  # called at the first write (_TorchCrcOff.release)
         self.crc = 0
         self.bytes = 0
 
     def write(self, data):
+        if self.first_write is not None:
+            self.first_write, release = None, self.first_write
+            release()
         view = memoryview(data).cast("B")
         n = view.nbytes
         whole_data = False
