@@ -21,7 +21,7 @@ from spillway import ResourceExhausted
 from spillway import Unavailable
 import torch
 import typing
-__all__: list[str] = ['AdamKernel', 'ChecksumMismatch', 'Error', 'Escaped', 'Exporter', 'ExternalError', 'FailedPrecondition', 'HostArena', 'InternalError', 'InvalidArgument', 'IoError', 'NoSpace', 'OutOfMemory', 'OverBudget', 'ResourceExhausted', 'Unavailable', 'aio_handle', 'crc32c', 'default_arena', 'default_host_budget', 'memory_limit_bytes', 'set_log_level']
+__all__: list[str] = ['AdamKernel', 'ChecksumMismatch', 'Error', 'Escaped', 'Exporter', 'ExternalError', 'FailedPrecondition', 'HostArena', 'InternalError', 'InvalidArgument', 'IoError', 'NoSpace', 'OutOfMemory', 'OverBudget', 'ResourceExhausted', 'Unavailable', 'aio_handle', 'crc32', 'crc32c', 'default_arena', 'default_host_budget', 'memory_limit_bytes', 'set_log_level']
 class HostArena:
     def __init__(self, budget_bytes: typing.SupportsInt | typing.SupportsIndex = 0, pinned: bool = True, policy: str = 'report', name: str = 'python', share_ledger_with: HostArena = None) -> None:
         ...
@@ -179,6 +179,10 @@ def _torch_allocators_are_spillways() -> tuple[bool, bool]:
     ...
 def _train_gpt(config_json: str, model: dict, steps: typing.SupportsInt | typing.SupportsIndex, micro_batches: typing.SupportsInt | typing.SupportsIndex, batch_rows: typing.SupportsInt | typing.SupportsIndex, data_seed: typing.SupportsInt | typing.SupportsIndex, device: str, group: typing.Any, save: str = '', resume: str = '') -> dict:
     ...
+def crc32(data: typing.Any, crc: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
+    """
+    zip's CRC-32 of `data` continuing `crc`, as zlib.crc32(data, crc) (ISA-L's, vectorised).
+    """
 def crc32c(data: typing.Any, crc: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
     """
     The CRC32C of `data` (a contiguous buffer) continuing `crc`: crc32c(b, crc32c(a)) == crc32c(a + b).
