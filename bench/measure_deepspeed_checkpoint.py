@@ -19,9 +19,10 @@ Last line: one JSON object.
 
 With --rounds N (one stage, and --dir on the disk to measure) it times instead, interleaved: each
 round saves a checkpoint plain and with Spillway (the order alternating between rounds, each save
-a process of its own), writes and reads a file of the same bytes with fio (O_DIRECT, io_uring, 1 MiB blocks, 32 in flight, fsync at the
-end: the disk's sequential rate in that directory), then loads both checkpoints into fresh engines
-(with --cold the page cache dropped before each load and each fio read). Printed: the medians of
+a process of its own), writes and reads a file of the same bytes with fio (O_DIRECT, io_uring,
+1 MiB blocks, 32 in flight, fsync at the end: the disk's sequential rate in that directory), then
+loads both checkpoints into fresh engines (with --cold the page cache dropped before each load and
+each fio read). Printed: the medians of
 each, the per-round ratios with their spread, and Spillway's save rate against fio's write rate.
 Every timed save, load and fio run starts after a sync (no earlier write still in flight).
 Needs fio (scripts/install-deps installs it)."""
@@ -158,12 +159,19 @@ def drop_page_cache():
         raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root, or without --cold")
 
 
+def settle(cold):
+    """Before a timed step: no earlier write still in flight under it, and with `cold` the page
+    cache dropped (drop_page_cache syncs first)."""
+    if cold:
+        drop_page_cache()
+    else:
+        os.sync()
+
+
 def fio_seconds(directory, nbytes, rw, cold):
     """fio's own runtime for one sequential pass of `nbytes` in `directory` (rw "write": a new file,
     fsynced at the end; "read": the file the write left)."""
-    os.sync()  # no other write still in flight under the timed one
-    if cold and rw == "read":
-        drop_page_cache()
+    settle(cold and rw == "read")
     p = subprocess.run(["fio", "--name=seq", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
                         "--ioengine=io_uring", "--direct=1", f"--size={nbytes}", "--end_fsync=1",
                         "--output-format=json"], capture_output=True, text=True)
@@ -191,16 +199,14 @@ def one_round(a, stage, r, t):
             name = "spillway" if spillway else "plain"
             dirs[name] = tempfile.mkdtemp(prefix=f"ds-ckpt-{name}-", dir=a.dir)
             made.append(dirs[name])
-            os.sync()  # the other save's buffered writes are on the disk before this one starts
+            settle(False)  # the other save's buffered writes are on the disk before this one starts
             t[f"save {name}"].append(run(a, stage, spillway, "save", dirs[name])["saves"][0]["seconds"])
         nbytes = tree_size(dirs["spillway"])
         made.append(tempfile.mkdtemp(prefix="fio-", dir=a.dir))
         t["fio write"].append(fio_seconds(made[-1], nbytes, "write", a.cold))
         t["fio read"].append(fio_seconds(made[-1], nbytes, "read", a.cold))
         for name in (("plain", "spillway") if r % 2 == 0 else ("spillway", "plain")):
-            os.sync()
-            if a.cold:
-                drop_page_cache()
+            settle(a.cold)
             t[f"load {name}"].append(run(a, stage, name == "spillway", "load", dirs[name])["load"]["seconds"])
         return nbytes
     finally:

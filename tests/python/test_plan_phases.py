@@ -5,11 +5,11 @@ bf16, a GPT-2 of 34M parameters saved with save_pretrained (safetensors) and as 
 (tests/python/workers/ds_phases.py). The test samples the node's memory, the ranks' and their
 DataLoader workers' anonymous and shared PSS summed, a sweep every ~80 ms (and each rank reads its
 own as each phase ends), and takes each phase's peak: loading the model (from_pretrained under
-zero.Init and whole on every rank, from each format), the epoch boundary (the first step after the DataLoader forked), the epoch checkpoint and the final
-save_model. Each must be within 10% of `spillway plan`'s figure for the same run (a .bin loaded
-under zero.Init within 20%: what glibc's heap keeps of it moves between runs), computed from
-the level the ranks held before loading (the interpreter and its libraries, which the plan takes as
-given: `--rank-baseline`)."""
+zero.Init and whole on every rank, from each format), the epoch boundary (the first step after the
+DataLoader forked), the epoch checkpoint and the final save_model. Each must be within 10% of
+`spillway plan`'s figure for the same run (a .bin loaded under zero.Init within 20%: what glibc's
+heap keeps of it moves between runs), computed from the level the ranks held before loading (the
+interpreter and its libraries, which the plan takes as given: `--rank-baseline`)."""
 import json
 import os
 import statistics

@@ -226,15 +226,12 @@ class _ZipCrc:
                         raise ZipLayoutUnexpected("the central directory begins inside a write")
                     self._tail = bytearray(view)
                     return None, False
-            names = int.from_bytes(self._head[26:28], "little") + int.from_bytes(self._head[28:30], "little")
-            need = 30 if len(self._head) < 30 else 30 + names
-            take = min(need - len(self._head), n - i)
+            take = min(_header_bytes(self._head) - len(self._head), n - i)
             self._head += view[i:i + take]
             i += take
             if len(self._head) >= 4 and self._head[:4] != _LOCAL:
                 raise ZipLayoutUnexpected(f"no local header at offset {self._start}")
-            if len(self._head) >= 30 and len(self._head) == 30 + int.from_bytes(self._head[26:28], "little") + \
-                    int.from_bytes(self._head[28:30], "little"):
+            if len(self._head) >= 30 and len(self._head) == _header_bytes(self._head):
                 if int.from_bytes(self._head[6:8], "little") & 8:
                     self._data = (0, 0)  # sizes and CRC-32 in the descriptor after the data
                 elif struct.unpack_from("<III", self._head, 14) == (0, 0, 0):
@@ -277,6 +274,14 @@ class _ZipCrc:
         if t[at:at + 4] not in _END:
             raise ZipLayoutUnexpected(f"{len(self.records)} records, and the central directory lists more")
         return memoryview(t)
+
+
+def _header_bytes(head):
+    """A local header's length, name and extra field included, as far as `head` (its first bytes)
+    tells: 30 until its fixed part is there."""
+    if len(head) < 30:
+        return 30
+    return 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
 
 
 def _descriptor_sizes(part):
@@ -333,10 +338,8 @@ class _Writer:
         whole_data = False
         if self.zip is not None:
             view, whole_data = self.zip.feed(view)
-            if view is None:  # the archive's tail, held until finish()
-                self.bytes += n
-                return n
-        self._put(view, whole_data)
+        if view is not None:  # None: the archive's tail, held until finish()
+            self._put(view, whole_data)
         self.bytes += n
         return n
 
