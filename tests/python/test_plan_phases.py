@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 WORKER = Path(__file__).parent / "workers" / "ds_phases.py"
 MIB = 1 << 20
 RANKS = 2
+BARRIER_AFTER = ("load", "final save")  # ds_phases.py: torch.distributed.barrier() after these
 
 
 def node_bytes(root):
@@ -69,9 +70,10 @@ def peaks(samples, ranks):
     phase, named "<phase> <k>" where it recurs), or the first sample after it when it was shorter
     than the sampling period; at least the sum of what each rank held as its interval ended (the
     load's memory rises to its last instant: a sweep of the node every ~80 ms caught its top
-    anywhere from 0 to 110 MiB short, which read as a plan 6% to 21% over). That sum is a level the
-    node held where each rank keeps what it held until the last one ends, as after the load and
-    the final save (a barrier follows each); for the epoch phases it is taken as one."""
+    anywhere from 0 to 110 MiB short, which read as a plan 6% to 21% over), for the phases a
+    barrier follows. The epoch phases have none, so their readings at the ranks' different ends need
+    not add up to a level the node held (a clean run with them counted measured a boundary at 3130
+    MiB against 2335 planned; which of the two measurements gave it was not recorded)."""
     out = {}
     names = [p["name"] for p in ranks[0]["phases"]]
     for i, name in enumerate(names):
@@ -80,7 +82,10 @@ def peaks(samples, ranks):
         lo, hi = min(s["start"] for s in spans), max(s["end"] for s in spans)
         inside = [sum(b.values()) for t, b in samples if lo <= t <= hi] or \
             [sum(b.values()) for t, b in samples if t > hi][:1]
-        out[f"{name} {k}" if names.count(name) > 1 else name] = max(max(inside), sum(s["end_bytes"] for s in spans))
+        # The ranks' readings at their ends add up to a level the node held only where a barrier
+        # follows the phase (each rank holds still until the last one ends): the load, the final save.
+        ends = sum(s["end_bytes"] for s in spans) if name in BARRIER_AFTER else 0
+        out[f"{name} {k}" if names.count(name) > 1 else name] = max(max(inside), ends)
     load = min(r["phases"][0]["start"] for r in ranks)
     before = [b for t, b in samples if t <= load]
     assert before and len(before[-1]) == len(ranks), ("no sample of the ranks before loading", samples[:3])
