@@ -147,8 +147,9 @@ def check_zero_infinity(r):
 
 @pytest.mark.parametrize("stage", [2, 1])
 def test_zero_1_and_2_with_offload_run_spillways_step_within_the_control(tmp_path, stage):
-    # ZeRO-1/2's offload step: per parameter group, the unscale and clip and DeepSpeedCPUAdam's
-    # update become the fused pass; DeepSpeed's own 16-bit copy stays (it is inline in step()).
+    # ZeRO-1/2's offload step: per parameter group, the unscale and clip, DeepSpeedCPUAdam's update
+    # and the fp32 to 16-bit copy into the offload buffer become the fused pass; DeepSpeed's copy of
+    # that buffer to the accelerator stays.
     variant = f"bf16-zero{stage}"
     r = {w: run(tmp_path, w, steps=30, variant=variant) for w in ("deepspeed", "torch-adam", "spillway")}
     ours, theirs, control = r["spillway"], r["deepspeed"], r["torch-adam"]
@@ -167,8 +168,14 @@ def test_zero_1_and_2_with_offload_run_spillways_step_within_the_control(tmp_pat
         assert rms(a, b) <= 2 * rms(a, c), i
         assert (a - b).abs().max() <= 2 * (a - c).abs().max(), i
         assert rms(a, b) < 0.05 * rms(a, start), i
+    # DeepSpeed's own copies were skipped at every step of every group: on the CPU accelerator the
+    # fused pass wrote the 16-bit partition itself (the round to nearest even of the new master, as
+    # DeepSpeed's copy_ would), so both the fp32 to 16-bit copy into the offload buffer and the
+    # buffer's copy to the partition are no-ops.
+    assert ours["params16_device"] == "cpu"
+    assert ours["copies_skipped"] == 2 * 30 * ours["sub_groups"] and theirs["copies_skipped"] == 0
     for master, p16 in zip(ours["masters"], ours["params16"]):
-        assert torch.equal(master.to(p16.dtype), p16)  # DeepSpeed's copy ran on the new master
+        assert torch.equal(master.to(p16.dtype), p16)
     assert abs(ours["losses"][-1] - theirs["losses"][-1]) <= 0.01 * theirs["losses"][-1]
     assert ours["losses"][-1] < 0.8 * ours["losses"][0]
 
@@ -185,6 +192,8 @@ def test_bf16_masters_and_moments_run_spillways_step_as_deepspeed_runs_its_own(t
     assert ours["kernel"] and not theirs["kernel"], ours["warnings"]
     assert not [w for w in ours["warnings"] if "own optimizer step runs" in w], ours["warnings"]
     assert ours["steps"] == theirs["steps"] == [30] * ours["sub_groups"] and ours["lrs"] == theirs["lrs"]
+    # ZeRO-2: the fused pass writes the 16-bit partition (ZeRO-3 skips its copy another way).
+    assert ours["copies_skipped"] == (2 * 30 * ours["sub_groups"] if variant.endswith("zero2") else 0)
     for run_ in (ours, theirs):
         dtypes = {t.dtype for t in run_["masters"] + run_["exp_avg"] + run_["exp_avg_sq"]}
         assert dtypes == {torch.bfloat16}, dtypes

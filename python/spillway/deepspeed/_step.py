@@ -158,6 +158,15 @@ def _fused_adam(opt, group_id, fp32, shadow, scale, what):
     state["step"] += 1
 
 
+def _shadow_or_none(shadow, fp32):
+    """`shadow` where the fused pass can write it as DeepSpeed's copy_ from `fp32` would: a
+    contiguous 16-bit tensor on the CPU of the same length; else None."""
+    if shadow is None or shadow.device.type != "cpu" or shadow.dtype not in (torch.bfloat16, torch.float16) \
+            or shadow.numel() != fp32.numel() or not shadow.is_contiguous():
+        return None
+    return shadow
+
+
 def _fused_optimizer_step(original):
     @functools.wraps(original)
     def _optimizer_step(self, sub_group_id):
@@ -170,9 +179,7 @@ def _fused_optimizer_step(original):
         # The 16-bit partition is written in the same pass only where the pass can reach it: on
         # the CPU (with offload_param off it lives on the accelerator; DeepSpeed's own copy in
         # _reassign_or_swap_out_partitioned_parameters moves it there).
-        if shadow is not None and (shadow.device.type != "cpu" or shadow.dtype not in (torch.bfloat16, torch.float16)
-                                   or shadow.numel() != fp32.numel() or not shadow.is_contiguous()):
-            shadow = None
+        shadow = _shadow_or_none(shadow, fp32)
         _fused_adam(self, group_id, fp32, shadow, scale, f"sub-group {sub_group_id}")
         if shadow is not None:
             self.__dict__.setdefault("_spillway_copied", set()).add(sub_group_id)
@@ -196,10 +203,15 @@ def _fused_reassign(original):
 # read from DeepSpeed 0.19.8:
 #   unscale_and_clip_grads([fp32[i].grad], norm)  grad *= 1 / combined_scale         (pass 1)
 #   _optimizer_step(i)                            DeepSpeedCPUAdam.step()            (pass 2)
-#   buffer[i].copy_(fp32[i]); bit16[i].copy_(buffer[i])  inline in step()           (pass 3)
-# Spillway records the scale in the first and runs one fused pass in the second. The third is
-# written inline in step(), with no method to patch, so it stays DeepSpeed's: the fused pass does
-# not write the 16-bit copy here (it would be written twice).
+#   buffer[i].data.copy_(fp32[i].data)            inline in step()                   (pass 3)
+#   bit16[i].data.copy_(buffer[i].data)           the offload buffer to the accelerator
+# Spillway records the scale in the first and runs one fused pass in the second, which also writes
+# the 16-bit copy of the new master: the partition itself where it is on the CPU (the CPU
+# accelerator), else the offload buffer. The copies are inline in step(), with no method to patch:
+# step() runs under _WrittenCopies, which makes a copy_ a no-op where the fused pass wrote its
+# destination in this step (matched by both tensors' addresses; any other op runs). What is left is
+# DeepSpeed's copy of the buffer to the accelerator, where the partition is there. step() is
+# verified (_ALSO), so the two copies are the ones above, in that order.
 _STEP_SEAM_ZERO12 = ("unscale_and_clip_grads", "_optimizer_step")
 
 
@@ -258,11 +270,74 @@ def _fused_optimizer_step_zero12(original):
         scale = self.__dict__.get("_spillway_scale", {}).pop(group_no, None)
         if scale is None:  # unscale_and_clip_grads declined it (or a caller skipped it): DeepSpeed's path
             return original(self, group_no)
-        _fused_adam(self, group_no, self.single_partition_of_fp32_groups[group_no], None, scale,
+        fp32 = self.single_partition_of_fp32_groups[group_no]
+        buffer, partition = _zero12_copies_of(self, group_no)
+        # Where the 16-bit partition itself is on the CPU (the CPU accelerator), the pass writes it
+        # and both of step()'s copies are no-ops (the buffer, read by nothing else, is left as it
+        # was); else it writes the offload buffer and the copy to the accelerator stays.
+        written = [(partition, buffer), (buffer, fp32)] if _shadow_or_none(partition, fp32) is not None \
+            else [(buffer, fp32)] if _shadow_or_none(buffer, fp32) is not None else []
+        _fused_adam(self, group_no, fp32, written[0][0] if written else None, scale,
                     f"ZeRO-{2 if self.partition_gradients else 1} partition {group_no}")
+        self.__dict__.setdefault("_spillway_written", set()).update((d.data_ptr(), s.data_ptr()) for d, s in written)
         self._lazy_init_hp_params_optimizer_state()  # what the original does after the step
     _optimizer_step.__spillway_original__ = original
     return _optimizer_step
+
+
+def _zero12_copies_of(opt, group_no):
+    """(the 16-bit offload buffer, this rank's 16-bit partition) of a parameter group, each None
+    where this optimizer has no such tensor: what step() copies the new master through."""
+    from deepspeed import comm as dist  # noqa: PLC0415
+
+    buffers = getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)
+    buffer = buffers[group_no] if buffers is not None and group_no < len(buffers) else None
+    try:
+        partition = opt.parallel_partitioned_bit16_groups[group_no][
+            dist.get_rank(group=opt.real_dp_process_group[group_no])]
+    except (AttributeError, IndexError, TypeError):
+        partition = None
+    return (buffer, partition) if buffer is not None else (None, None)
+
+
+_COPY = torch.Tensor.copy_
+
+
+class _WrittenCopies(torch.overrides.TorchFunctionMode):
+    """Active while a ZeRO-1/2 step() runs: a Tensor.copy_(src) whose destination and source are
+    a pair the fused pass wrote in this step (the 16-bit offload buffer from the master, the
+    partition from the buffer) returns the destination as it is (counted in
+    _spillway_copies_skipped); every other op runs unchanged."""
+
+    def __init__(self, opt):
+        super().__init__()
+        self._opt = opt
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        written = self._opt.__dict__.get("_spillway_written")
+        if written and func is _COPY:  # Tensor.copy_(self, src, non_blocking=False)
+            src = args[1] if len(args) > 1 else (kwargs or {}).get("src")
+            key = (args[0].data_ptr(), src.data_ptr()) if isinstance(src, torch.Tensor) else None
+            if key in written:
+                written.discard(key)
+                self._opt._spillway_copies_skipped = self._opt.__dict__.get("_spillway_copies_skipped", 0) + 1
+                return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _written_copies_step_zero12(original):
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        if not getattr(self, "cpu_offload", False):  # no fused pass, no buffer: DeepSpeed's step alone
+            return original(self, *args, **kwargs)
+        self.__dict__.pop("_spillway_written", None)  # only what this step's fused passes write
+        try:
+            with _WrittenCopies(self):
+                return original(self, *args, **kwargs)
+        finally:  # a pair not met (step() raised) is forgotten: its destination holds the new master
+            self.__dict__.pop("_spillway_written", None)
+    step.__spillway_original__ = original
+    return step
 
 
 # What each ZeRO optimizer's step() must call, in this order, and what else must be as verified.
@@ -316,6 +391,7 @@ def _install_step():
         _patch(Zero12, "unscale_and_clip_grads",
                _fused_unscale_and_clip_grads_zero12(_defined(Zero12, "unscale_and_clip_grads")))
         _patch(Zero12, "_optimizer_step", _fused_optimizer_step_zero12(_defined(Zero12, "_optimizer_step")))
+        _patch(Zero12, "step", _written_copies_step_zero12(_defined(Zero12, "step")))
         installed = True
     else:
         _decline_once(f"ZeRO-1/2 on DeepSpeed {deepspeed.__version__}: {why}")

@@ -195,6 +195,7 @@ torch.save({
     "params16_device": str(p16[0].device) if p16 and p16[0] is not None else None,
     "warnings": [str(w.message) for w in caught if "spillway" in str(w.message)],
     "kernel": getattr(opt, "_spillway_kernel", None) is not None,
+    "copies_skipped": opt.__dict__.get("_spillway_copies_skipped", 0),
     "step_s": step_s,
     "io": {"read_bytes": io_after[0] - io_before[0], "write_bytes": io_after[1] - io_before[1]},
     "swap_stats": __import__("spillway").deepspeed.swap_stats() if which == "spillway" else {},
