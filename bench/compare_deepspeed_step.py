@@ -2,6 +2,7 @@
 
     PYTHONPATH=build/default/python python3 bench/compare_deepspeed_step.py host [--elems 64e6 256e6]
     PYTHONPATH=build/default/python python3 bench/compare_deepspeed_step.py zero3 [--params 33e6]
+    PYTHONPATH=build/default/python python3 bench/compare_deepspeed_step.py zero2 [--params 33e6]
 
 `host`: the per-sub-group sequence stage3 runs with offload_optimizer cpu, on the same buffers, the
 same threads (OMP_NUM_THREADS and torch's intra-op threads = --threads), rounds interleaved:
@@ -20,6 +21,9 @@ and no guard, with Spillway's step under the default device guard (what install(
 the first steps and of steps whose tensors moved, Note [Device guard]), and under guard="always"
 (every op of every step), interleaved. `--bf16-moments` runs it with DeepSpeed's
 bf16_master_weights_and_grads and bf16_optimizer_states: masters, gradients and Adam moments in bf16.
+
+`zero2`: the same with ZeRO-2 (offload_optimizer cpu; the 16-bit parameters stay on the
+accelerator, here the CPU).
 
 Last line: one JSON object."""
 import argparse
@@ -119,7 +123,7 @@ def host(args):
     return results
 
 
-def zero3(args):
+def engine_step(args, stage):
     import socket
 
     import torch
@@ -141,8 +145,9 @@ def zero3(args):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
               "bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
                                            if args.bf16_moments else {})},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                    "offload_param": {"device": "cpu"}, "sub_group_size": int(float(args.sub_group))}}
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    if stage == 3:
+        config["zero_optimization"].update(offload_param={"device": "cpu"}, sub_group_size=int(float(args.sub_group)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     opt = engine.optimizer
     variants = {"deepspeed": (False, False), "spillway": (True, False), "spillway+guard": (True, True),
@@ -159,8 +164,8 @@ def zero3(args):
             engine.step()
             if r > 0:  # round 0 warms up
                 times[k].append(time.perf_counter() - t0)
-    n = sum(p.ds_numel for p in model.parameters())
-    print(f"DeepSpeed ZeRO-3 engine.step(){' with bf16 masters and moments' if args.bf16_moments else ''}, "
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    print(f"DeepSpeed ZeRO-{stage} engine.step(){' with bf16 masters and moments' if args.bf16_moments else ''}, "
           f"{n / 1e6:.1f}M parameters, {args.rounds} interleaved rounds "
           "(s, median [min, max]; speed-up = deepspeed / variant)")
     out = {}
@@ -177,19 +182,19 @@ def zero3(args):
     a = [x / y for x, y in zip(times["spillway"][1:], times["spillway"][:-1])]  # A/A: one variant against itself
     print(f"  A/A: spillway round r / round r-1 x{statistics.median(a):.3f} [{min(a):.3f}, {max(a):.3f}]")
     out["aa_spread"] = [min(a), max(a)]
-    return {"params": n, "bf16_moments": args.bf16_moments, **out}
+    return {"stage": stage, "params": n, "bf16_moments": args.bf16_moments, **out}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("host", "zero3"))
+    ap.add_argument("part", choices=("host", "zero3", "zero2"))
     ap.add_argument("--elems", nargs="+", default=["64e6", "256e6"])
     ap.add_argument("--sub-group", default="32e6", help="elements per sub-group (DeepSpeed's sub_group_size)")
     ap.add_argument("--params", default="33e6")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bf16-moments", action="store_true",
-                    help="zero3: bf16 masters, gradients and Adam moments (DeepSpeed's bf16_optimizer_states)")
+                    help="zero3, zero2: bf16 masters, gradients and Adam moments (DeepSpeed's bf16_optimizer_states)")
     args = ap.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != str(args.threads):  # DeepSpeedCPUAdam's OpenMP reads it at load
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -197,7 +202,7 @@ def main():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     torch.set_num_threads(args.threads)
-    out = host(args) if args.part == "host" else zero3(args)
+    out = host(args) if args.part == "host" else engine_step(args, int(args.part[-1]))
     print(json.dumps({"bench": f"deepspeed_step_{args.part}", **out}))
 
 
