@@ -596,6 +596,10 @@ Result<std::unique_ptr<AioHandle>> AioHandle::Create(const AioHandleOptions& opt
     return Status::InvalidArgument(
         StrCat("aio_handle(backend='", backend, "'): one of 'auto', 'uring', 'thread_pool'"));
   }
+  if (options.bounce_buffers == 0 || options.bounce_buffers > allocator::kMaxBounceBuffers) {
+    return Status::InvalidArgument(StrCat("aio_handle(bounce_buffers=", options.bounce_buffers,
+                                          "): use 1..", allocator::kMaxBounceBuffers));
+  }
   if (options.arena == nullptr) {
     return Status::InvalidArgument(
         "aio_handle: no arena for the engine's bounce buffers; pass one");
@@ -604,6 +608,7 @@ Result<std::unique_ptr<AioHandle>> AioHandle::Create(const AioHandleOptions& opt
   eo.arena = options.arena;
   eo.block_size = (options.block_size + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
   eo.queue_depth = static_cast<uint32_t>(options.queue_depth);
+  eo.bounce_buffers = options.bounce_buffers;
   eo.force_thread_pool = backend == "thread_pool";
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<allocator::IoEngine> engine,
                             allocator::IoEngine::Create(eo));

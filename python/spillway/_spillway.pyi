@@ -47,7 +47,7 @@ class HostArena:
     def name(self) -> str:
         ...
 class aio_handle:
-    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex = 1048576, queue_depth: typing.SupportsInt | typing.SupportsIndex = 128, single_submit: bool = False, overlap_events: bool = False, intra_op_parallelism: typing.SupportsInt | typing.SupportsIndex = 1, arena: HostArena = None, backend: str = 'auto') -> None:
+    def __init__(self, block_size: typing.SupportsInt | typing.SupportsIndex = 1048576, queue_depth: typing.SupportsInt | typing.SupportsIndex = 128, single_submit: bool = False, overlap_events: bool = False, intra_op_parallelism: typing.SupportsInt | typing.SupportsIndex = 1, arena: HostArena = None, backend: str = 'auto', bounce_buffers: typing.SupportsInt | typing.SupportsIndex = 8) -> None:
         ...
     @typing.overload
     def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: typing.SupportsInt | typing.SupportsIndex = 0) -> int:

@@ -66,7 +66,7 @@ class PyAioHandle {
  public:
   PyAioHandle(uint64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
               int intra_op_parallelism, std::shared_ptr<torch_alloc::SharedArena> arena,
-              const std::string& backend)
+              const std::string& backend, uint32_t bounce_buffers)
       : arena_(std::move(arena)) {
     aio::AioHandleOptions o;
     o.block_size = block_size;
@@ -76,6 +76,7 @@ class PyAioHandle {
     o.intra_op_parallelism = intra_op_parallelism;
     o.arena = arena_->get();
     o.backend = backend;
+    o.bounce_buffers = bounce_buffers;
     handle_ = Check(aio::AioHandle::Create(o));
   }
   ~PyAioHandle() {
@@ -254,16 +255,16 @@ class PyAioHandle {
 
 static void BindAioHandle(py::module_& m) {
   py::class_<PyAioHandle>(m, "aio_handle")
-      .def(
-          py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop,
-                      std::shared_ptr<torch_alloc::SharedArena> arena, const std::string& backend) {
-            return std::make_unique<PyAioHandle>(bs, qd, ss, oe, iop,
-                                                 ArenaOrDefault(std::move(arena)), backend);
-          }),
-          py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
-          py::arg("single_submit") = false, py::arg("overlap_events") = false,
-          py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
-          py::arg("backend") = "auto")
+      .def(py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop,
+                       std::shared_ptr<torch_alloc::SharedArena> arena, const std::string& backend,
+                       uint32_t bounce_buffers) {
+             return std::make_unique<PyAioHandle>(
+                 bs, qd, ss, oe, iop, ArenaOrDefault(std::move(arena)), backend, bounce_buffers);
+           }),
+           py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
+           py::arg("single_submit") = false, py::arg("overlap_events") = false,
+           py::arg("intra_op_parallelism") = 1, py::arg("arena") = nullptr,
+           py::arg("backend") = "auto", py::arg("bounce_buffers") = 8)
       .def("get_block_size", &PyAioHandle::block_size)
       .def("get_queue_depth", &PyAioHandle::queue_depth)
       .def("get_single_submit", &PyAioHandle::single_submit)

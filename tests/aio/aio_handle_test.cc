@@ -241,9 +241,28 @@ TEST_P(AioHandleTest, BadSettingsAreRefusedByName) {
   bad(AioHandleOptions{.queue_depth = 0}, "each must be positive");
   bad(AioHandleOptions{.intra_op_parallelism = -1}, "each must be positive");
   bad(AioHandleOptions{.backend = "libaio"}, "one of 'auto', 'uring', 'thread_pool'");
+  bad(AioHandleOptions{.bounce_buffers = 0}, "aio_handle(bounce_buffers=0): use 1..1024");
+  bad(AioHandleOptions{.bounce_buffers = 1025}, "aio_handle(bounce_buffers=1025): use 1..1024");
   auto h = AioHandle::Create(AioHandleOptions{});  // no arena
   ASSERT_FALSE(h.ok());
   EXPECT_TRUE(Has(h.status(), "no arena")) << h.status().ToString();
+}
+
+TEST_P(AioHandleTest, TheBouncePoolIsAsManyBlocksAsAskedFor) {
+  // A handle whose buffers are all in the arena (the checkpoint writer's staging buffers) needs
+  // no bounce pool of DeepSpeed's size: each bounce buffer is one block of the arena.
+  for (uint32_t n : {1u, 3u}) {
+    const uint64_t before = arena_->Stats().live_bytes;
+    AioHandleOptions o;
+    o.bounce_buffers = n;
+    auto h = Make(o);
+    ASSERT_NE(h, nullptr);
+    EXPECT_EQ(arena_->Stats().live_bytes - before, n * 64 * 1024) << n;
+    Dir dir;
+    AioBuffer b = Buffer(256 * 1024, 5);
+    EXPECT_EQ(*h->Submit(b, dir.File("a"), 0, true, AioMode::kAlone), 1);
+    EXPECT_EQ(ReadAll(dir.File("a")), Bytes(b));
+  }
 }
 
 TEST_P(AioHandleTest, AClosedHandleRefusesEveryCall) {

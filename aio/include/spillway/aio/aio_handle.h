@@ -32,6 +32,9 @@ struct AioHandleOptions {
   // "auto" (io_uring, else the thread pool), "uring" (refused where io_uring is not available),
   // or "thread_pool".
   std::string backend = "auto";
+  // Blocks of the arena the engine bounces a buffer outside it through (1..1024). A handle whose
+  // buffers are all in the arena needs one: the default is DeepSpeed's swap pattern's.
+  uint32_t bounce_buffers = 8;
 };
 
 // When a call returns. kAsync: once submitted; wait() waits for it. kSync: once it and every async
