@@ -29,9 +29,9 @@ MIB = 1 << 20
 # torch.load's small objects (the pickled dicts, the loss scaler, the parameter groups).
 SLACK = 8 * MIB
 # What the O_DIRECT writer holds from the first save on, once per engine and process whatever the
-# model (deepspeed/_direct_file.py): two 8 MiB staging buffers (each an exact region of the pinned
-# arena) and its two handles' 1 MiB bounce buffers, which share one 32 MiB region.
-DIRECT_FILES = 2 * 8 * MIB + 32 * MIB
+# model (deepspeed/_direct_file.py): eight 4 MiB staging buffers (each an exact region of the
+# pinned arena) and its eight handles' 1 MiB bounce buffers, which share one 32 MiB region.
+DIRECT_FILES = 8 * 4 * MIB + 32 * MIB
 
 
 def run(tmp_path, name, spec, expect_rc=0):

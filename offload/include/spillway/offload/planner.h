@@ -58,10 +58,10 @@ struct PhaseInput {
 inline constexpr uint64_t kClientRuntimeBytes = 106ull << 20;
 inline constexpr uint64_t kEngineRuntimeBytes = 72ull << 20;
 inline constexpr uint64_t kDataLoaderWorkerBytes = 20ull << 20;
-// spillway.deepspeed's O_DIRECT checkpoint writer on each rank, from its first save on: two 8 MiB
-// staging buffers and its two handles' bounce buffers, which share one 32 MiB region of the pinned
-// arena (deepspeed/_direct_file.py; test_deepspeed_checkpoint.py measures it).
-inline constexpr uint64_t kCheckpointWriterBytes = 48ull << 20;
+// spillway.deepspeed's O_DIRECT checkpoint writer on each rank, from its first save on: eight
+// 4 MiB staging buffers and its eight handles' 1 MiB bounce buffers, which share one 32 MiB region
+// of the pinned arena (deepspeed/_direct_file.py; test_deepspeed_checkpoint.py measures it).
+inline constexpr uint64_t kCheckpointWriterBytes = 64ull << 20;
 
 // One phase's peak on node 0: rank 0 (which writes the saves) and each other rank.
 struct PhasePeak {
