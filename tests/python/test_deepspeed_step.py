@@ -194,6 +194,8 @@ def test_bf16_masters_and_moments_run_spillways_step_as_deepspeed_runs_its_own(t
     assert ours["steps"] == theirs["steps"] == [30] * ours["sub_groups"] and ours["lrs"] == theirs["lrs"]
     # ZeRO-2: the fused pass writes the 16-bit partition (ZeRO-3 skips its copy another way).
     assert ours["copies_skipped"] == (2 * 30 * ours["sub_groups"] if variant.endswith("zero2") else 0)
+    for master, p16 in zip(ours["masters"], ours["params16"]):  # the 16-bit copy of the last update
+        assert torch.equal(master.to(p16.dtype), p16)
     for run_ in (ours, theirs):
         dtypes = {t.dtype for t in run_["masters"] + run_["exp_avg"] + run_["exp_avg_sq"]}
         assert dtypes == {torch.bfloat16}, dtypes
@@ -239,6 +241,11 @@ def test_fp16_overflow_steps_are_skipped_and_the_scale_halved_as_deepspeed_does(
         assert (a - b).abs().max() <= 2 * (a - c).abs().max(), i
     finite = [(x, y) for x, y in zip(ours["losses"], theirs["losses"]) if x != float("inf")]
     assert len(finite) == 26 and abs(finite[-1][0] - finite[-1][1]) <= 0.01 * finite[-1][1]
+    # ZeRO-2: the fused pass wrote the fp16 partition at the 26 steps taken, none at the 4 skipped.
+    assert ours["copies_skipped"] == (2 * 26 * ours["sub_groups"] if stage == 2 else 0)
+    if stage == 2:
+        for master, p16 in zip(ours["masters"], ours["params16"]):
+            assert torch.equal(master.to(p16.dtype), p16)
 
 
 def test_the_16_bit_partition_is_the_round_to_nearest_even_of_the_new_master(runs):
@@ -302,6 +309,44 @@ else:
     s, _ = zero_optimizer(SuperOffloadOptimizer_Stage3, "cpu")
     print("SUPEROFFLOAD:", spillway.deepspeed._why_not_ours(s, 0))
 
+# ZeRO-1/2 with the 16-bit partition off the CPU (meta stands in for a GPU): the fused pass writes
+# the host staging buffer, and of step()'s two copies only the buffer's is skipped.
+import socket
+import deepspeed
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero12
+from spillway.deepspeed import _step
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+z = Zero12.__new__(Zero12)
+fp32 = torch.nn.Parameter(torch.randn(1000))
+fp32.grad = torch.randn(1000)
+buffer = torch.zeros(1000, dtype=torch.bfloat16)
+partition = torch.empty(1000, dtype=torch.bfloat16, device="meta")
+z.single_partition_of_fp32_groups, z.param_buffer_of_bit16_for_cpu_offload_groups = [fp32], [buffer]
+z.parallel_partitioned_bit16_groups, z.real_dp_process_group = [[partition]], [None]
+z.cpu_offload, z.partition_gradients, z.torch_autocast_gradscaler, z.zenflow = True, True, None, False
+z.custom_loss_scaler, z.external_loss_scale, z.clip_grad = True, 1.0, 0.0
+z.optimizer = DeepSpeedCPUAdam([fp32], lr=1e-3)
+z._lazy_init_hp_params_optimizer_state = lambda: None
+z.unscale_and_clip_grads([fp32.grad], torch.tensor(1.0))
+z._optimizer_step(0)
+assert z.optimizer.state[fp32]["step"] == 1 and torch.equal(buffer, fp32.detach().to(torch.bfloat16))
+assert z._spillway_written == {(buffer.data_ptr(), fp32.data_ptr())}, z._spillway_written
+with _step._WrittenCopies(z):  # step()'s two copies, as 0.19.8 writes them
+    buffer.data.copy_(fp32.data)  # the fused pass wrote it: skipped
+    partition.data.copy_(buffer.data, non_blocking=True)  # to the device: runs
+assert z._spillway_copies_skipped == 1 and not z._spillway_written
+assert torch.equal(buffer, fp32.detach().to(torch.bfloat16))
+print("ZERO-2 OFF-CPU PARTITION: the buffer's copy skipped, the device's ran")
+z._spillway_written = {(buffer.data_ptr(), fp32.data_ptr())}
+with _step._WrittenCopies(z):
+    buffer.data.copy_(torch.zeros(1000))  # another source: runs
+assert not buffer.any() and z._spillway_copies_skipped == 1 and z._spillway_written
+print("ZERO-2 OFF-CPU PARTITION: a copy from another source ran")
+
 # Bad input: a parameter group DeepSpeed's optimizer does not have, a moment of another shape.
 for what in ("group", "state"):
     b, fp32 = zero_optimizer(Stage3, "cpu")
@@ -324,6 +369,8 @@ def test_a_16_bit_partition_off_the_cpu_a_subclass_and_bad_groups_or_states():
     p = subprocess.run([sys.executable, "-c", SEAM], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "OFF-CPU SHADOW: updated, copy left to DeepSpeed" in p.stdout
+    assert "ZERO-2 OFF-CPU PARTITION: the buffer's copy skipped, the device's ran" in p.stdout
+    assert "ZERO-2 OFF-CPU PARTITION: a copy from another source ran" in p.stdout
     import importlib.util  # noqa: PLC0415
 
     superoffload = importlib.util.find_spec("deepspeed.runtime.superoffload") is not None

@@ -143,6 +143,27 @@ def test_gpu_fused_step_matches_deepspeedcpuadam(tmp_path, variant):
     assert ours["losses"][-1] < 0.8 * ours["losses"][0] and control["losses"][-1] < 0.8 * control["losses"][0]
 
 
+def test_gpu_zero2_fused_pass_writes_the_staging_buffer_deepspeed_copies_to_the_device(tmp_path):
+    """ZeRO-2 with the 16-bit partition on cuda:0: the fused pass writes the host staging buffer
+    (one of step()'s copies skipped per group and step) and DeepSpeed's own copy takes it to the
+    device, where it is the round to nearest even of the new master."""
+    import test_deepspeed_step as cpu
+
+    runs = {w: run_step(tmp_path, w, "bf16-zero2", steps=30) for w in ("deepspeed", "torch-adam", "spillway")}
+    ours, theirs, control = runs["spillway"], runs["deepspeed"], runs["torch-adam"]
+    record("fused_step_bf16-zero2", {
+        "params16_device": ours["params16_device"], "copies_skipped": ours["copies_skipped"],
+        "median_step_s": {w: statistics.median(r["step_s"][5:]) for w, r in runs.items()},
+        "rms_vs_deepspeed": {w: max(cpu.rms(a, b) for a, b in zip(r["masters"], theirs["masters"]))
+                             for w, r in runs.items() if w != "deepspeed"}})
+    assert ours["params16_device"] == "cuda:0" and ours["kernel"], ours["params16_device"]
+    assert ours["copies_skipped"] == 30 * ours["sub_groups"] and theirs["copies_skipped"] == 0
+    for master, p16 in zip(ours["masters"], ours["params16"]):
+        assert torch.equal(master.to(p16.dtype), p16)
+    for i, (a, b, c) in enumerate(zip(theirs["masters"], ours["masters"], control["masters"])):
+        assert cpu.rms(a, b) <= 2 * cpu.rms(a, c), i
+
+
 @pytest.mark.parametrize("stage", [3, 2])
 def test_gpu_seed_000_scale_on_cuda_0_is_named_by_the_guard(stage):
     """Seed 000 as users met it: DeepSpeed on CUDA, the combined scale made on cuda:0 while the fp32

@@ -17,8 +17,8 @@ What it does (docs/deepspeed.md):
   read, budgeted; deepspeed/_swap.py, Note [DeepSpeed swap] in docs/deepspeed.md);
 - the host optimizer step runs on Spillway's fused pass (`step=True`, the default): in ZeRO-3, per
   sub-group, the unscale and clip, DeepSpeedCPUAdam's update and the fp32 to 16-bit copy become one
-  pass over the data; in ZeRO-1/2 with offload_optimizer, per parameter group, the unscale and clip
-  and the update (Note [DeepSpeed step] in docs/deepspeed.md).
+  pass over the data; in ZeRO-1/2 with offload_optimizer, per parameter group, the unscale and clip,
+  the update and the 16-bit copy step() makes of it (Note [DeepSpeed step] in docs/deepspeed.md).
 - the device guard (`guard=True`, the default) checks the ops of the ZeRO optimizer's step (stage
   1, 2 or 3) for tensors on mixed devices and names them (spillway.DeviceMismatch): every op of the
   first two steps and of any step whose partitions, gradients or optimizer state changed device,

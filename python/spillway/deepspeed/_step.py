@@ -328,8 +328,8 @@ class _WrittenCopies(torch.overrides.TorchFunctionMode):
 def _written_copies_step_zero12(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
-        if not getattr(self, "cpu_offload", False):  # no fused pass, no buffer: DeepSpeed's step alone
-            return original(self, *args, **kwargs)
+        if not getattr(self, "cpu_offload", False) or not getattr(self, "spillway_step", True):
+            return original(self, *args, **kwargs)  # no fused pass can run: DeepSpeed's step alone
         self.__dict__.pop("_spillway_written", None)  # only what this step's fused passes write
         try:
             with _WrittenCopies(self):
