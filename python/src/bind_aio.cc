@@ -17,6 +17,7 @@
 #include "errors.h"
 #include "spillway/aio/aio_handle.h"
 #include "spillway/aio/swap_store.h"
+#include "spillway/allocator/io_engine.h"
 #include "spillway/allocator/nvme_arena.h"
 #include "spillway/metrics/exporter.h"
 #include "spillway/torch_alloc/shared_arena.h"
@@ -257,9 +258,15 @@ static void BindAioHandle(py::module_& m) {
   py::class_<PyAioHandle>(m, "aio_handle")
       .def(py::init([](uint64_t bs, int qd, bool ss, bool oe, int iop,
                        std::shared_ptr<torch_alloc::SharedArena> arena, const std::string& backend,
-                       uint32_t bounce_buffers) {
-             return std::make_unique<PyAioHandle>(
-                 bs, qd, ss, oe, iop, ArenaOrDefault(std::move(arena)), backend, bounce_buffers);
+                       int64_t bounce_buffers) {
+             // Taken as int64 so that a negative count is refused by name, as Create refuses 0.
+             if (bounce_buffers < 1 || bounce_buffers > allocator::kMaxBounceBuffers) {
+               Raise(Status::InvalidArgument(StrCat("aio_handle(bounce_buffers=", bounce_buffers,
+                                                    "): use 1..", allocator::kMaxBounceBuffers)));
+             }
+             return std::make_unique<PyAioHandle>(bs, qd, ss, oe, iop,
+                                                  ArenaOrDefault(std::move(arena)), backend,
+                                                  static_cast<uint32_t>(bounce_buffers));
            }),
            py::arg("block_size") = 1048576, py::arg("queue_depth") = 128,
            py::arg("single_submit") = false, py::arg("overlap_events") = false,

@@ -213,6 +213,8 @@ def test_bad_input_raises_or_returns_minus_one_and_the_process_survives(handle, 
         spillway.aio_handle(block_size=0)
     with pytest.raises(spillway.InvalidArgument, match=r"aio_handle\(bounce_buffers=0\): use 1\.\.1024"):
         spillway.aio_handle(bounce_buffers=0)
+    with pytest.raises(spillway.InvalidArgument, match=r"aio_handle\(bounce_buffers=-1\): use 1\.\.1024"):
+        spillway.aio_handle(bounce_buffers=-1)
     with pytest.raises(spillway.InvalidArgument, match="num_elem"):
         handle.new_cpu_locked_tensor(-1, torch.empty(0))
     handle.close()
