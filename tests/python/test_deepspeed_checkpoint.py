@@ -325,7 +325,7 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
     import io
 
     import spillway
-    from spillway.deepspeed._direct_file import STAGE_BYTES, DirectFiles
+    from spillway.deepspeed._direct_file import _STAGES, STAGE_BYTES, DirectFiles
 
     base = Path("/dev/shm") if where == "tmpfs" else tmp_path
     if where == "tmpfs" and not base.is_dir():
@@ -338,7 +338,9 @@ def test_the_direct_writer_writes_torch_saves_bytes_and_their_crc(tmp_path, wher
         except OSError as e:
             pytest.skip(f"the test directory's filesystem has no O_DIRECT ({e})")
     files = DirectFiles()
-    sizes = [0, 1, 4095, 4097, STAGE_BYTES - 7, 2 * STAGE_BYTES + 4096 * 3 + 5]
+    # The last: past the ring's end, so a buffer is waited for and filled again.
+    sizes = [0, 1, 4095, 4097, STAGE_BYTES - 7, 2 * STAGE_BYTES + 4096 * 3 + 5,
+             (_STAGES + 1) * STAGE_BYTES + 4096 * 3 + 5]
     for i, n in enumerate(sizes):
         # A record whose bytes read as a data descriptor of an empty record, and an empty one.
         lookalike = torch.tensor([0x08074B50, 7, 0, 0], dtype=torch.int32)

@@ -22,9 +22,9 @@ from .. import _spillway
 from .._log import logger
 from ._aio import pinned_arena
 
-# 32 MiB in flight, as fio's 32 x 1 MiB: with two 8 MiB buffers the disk idled while the one
-# being filled waited (x0.74-0.94 of fio's O_DIRECT write; eight of 4 MiB: x0.96-1.00, measured
-# interleaved, docs/benchmarks.md).
+# 32 MiB in flight, as fio's 32 x 1 MiB: with two 8 MiB buffers the disk idled whenever the one
+# write in flight finished before the other buffer was full (saves at x0.93 of fio's O_DIRECT
+# write rate; eight of 4 MiB: x1.07; docs/benchmarks.md, "Eight staging buffers").
 STAGE_BYTES = 4 << 20
 _STAGES = 8
 _ALIGN = 4096  # O_DIRECT's granule of offsets, lengths and addresses
