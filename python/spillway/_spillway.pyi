@@ -23,7 +23,7 @@ import torch
 import typing
 __all__: list[str] = ['AdamKernel', 'ChecksumMismatch', 'Error', 'Escaped', 'Exporter', 'ExternalError', 'FailedPrecondition', 'HostArena', 'InternalError', 'InvalidArgument', 'IoError', 'NoSpace', 'OutOfMemory', 'OverBudget', 'ResourceExhausted', 'Unavailable', 'aio_handle', 'crc32', 'crc32c', 'default_arena', 'default_host_budget', 'memory_limit_bytes', 'set_log_level']
 class HostArena:
-    def __init__(self, budget_bytes: typing.SupportsInt | typing.SupportsIndex = 0, pinned: bool = True, policy: str = 'report', name: str = 'python', share_ledger_with: HostArena = None) -> None:
+    def __init__(self, budget_bytes: typing.SupportsInt | typing.SupportsIndex = 0, pinned: bool = True, policy: str = 'report', name: str = 'python', share_ledger_with: HostArena = None, peak_slack: typing.SupportsFloat | typing.SupportsIndex = 0.0) -> None:
         ...
     def _begin_epoch(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...

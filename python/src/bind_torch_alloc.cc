@@ -131,7 +131,8 @@ std::shared_ptr<SharedArena> ArenaOrDefault(std::shared_ptr<SharedArena> arena) 
 void BindTorchAlloc(py::module_& m) {
   py::class_<SharedArena, std::shared_ptr<SharedArena>>(m, "HostArena")
       .def(py::init([](uint64_t budget_bytes, bool pinned, const std::string& policy,
-                       const std::string& name, std::shared_ptr<SharedArena> share_ledger_with) {
+                       const std::string& name, std::shared_ptr<SharedArena> share_ledger_with,
+                       double peak_slack) {
              const allocator::EscapePolicy p = Check(allocator::ParseEscapePolicy(policy));
              if (p == allocator::EscapePolicy::kReclaim) {
                // Reclaim frees escaped allocations at a boundary; a Python tensor may still view
@@ -146,10 +147,12 @@ void BindTorchAlloc(py::module_& m) {
              o.budget_bytes = budget_bytes;
              o.pin = pinned ? allocator::PinMode::kAuto : allocator::PinMode::kPageable;
              o.policy = p;
+             o.peak_slack = peak_slack;
              return Check(SharedArena::Create(o, share_ledger_with));
            }),
            py::arg("budget_bytes") = 0, py::arg("pinned") = true, py::arg("policy") = "report",
-           py::arg("name") = "python", py::arg("share_ledger_with") = nullptr)
+           py::arg("name") = "python", py::arg("share_ledger_with") = nullptr,
+           py::arg("peak_slack") = allocator::HostArenaOptions{}.peak_slack)
       .def(
           "empty",
           [](const std::shared_ptr<SharedArena>& a, std::vector<int64_t> shape, py::object dtype,

@@ -14,6 +14,7 @@ Result<std::shared_ptr<SharedArena>> SharedArena::Create(
   o.budget_bytes = options.budget_bytes;
   o.pin = options.pin;
   o.policy = options.policy;
+  o.peak_slack = options.peak_slack;
   o.ledger = made->ledger_.get();
   SPILLWAY_ASSIGN_OR_RETURN(made->arena_, allocator::HostArena::Create(o));
   return made;

@@ -20,6 +20,8 @@ struct SharedArenaOptions {
   uint64_t budget_bytes = 0;
   allocator::PinMode pin = allocator::PinMode::kAuto;
   allocator::EscapePolicy policy = allocator::EscapePolicy::kReport;
+  // HostArenaOptions::peak_slack: how far the retained cache may lift the high-water mark.
+  double peak_slack = allocator::HostArenaOptions{}.peak_slack;
 };
 
 // Thread-safe (HostArena and Ledger are). Tensors over it keep it alive through shared_ptr.
