@@ -15,6 +15,8 @@ namespace py = pybind11;
 namespace spillway::python {
 
 void BindOffload(py::module_& m) {
+  // install()'s host arena takes the slack the phase plan counts (offload/planner.h).
+  m.attr("_ONE_LINE_HOST_PEAK_SLACK") = offload::kOneLineHostPeakSlack;
   // The planner's per-rank host need for a DeepSpeed run (offload/planner.h), for admission.
   m.def(
       "_plan_deepspeed",

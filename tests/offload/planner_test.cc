@@ -262,19 +262,24 @@ TEST(PlannerTest, PhasePeaksFollowTheNoteOnTheCpuAccelerator) {
   const uint64_t init = load + 120'000'000 + kEngineRuntimeBytes;
   EXPECT_EQ(r->phases[1].other_rank, init);
   // steady: + moments 8p (96 MB) + the bucket's touched pages 2P (48 MB) + retained transients
-  // 5/6 x 3 x 2P (120 MB; under the cap 0.25 x (240 MB state + 1 GB bucket)).
-  const uint64_t steady = init + 96'000'000 + 48'000'000 + 120'000'000;
+  // 5/6 x 3 x 2P (120 MB) + what the one line's peak slack lets the cache keep beyond the arena's
+  // need at its peak, 5% of (240 MB state + 1 GB bucket reserved + 144 MB transients): 69.2 MB;
+  // together under the cap 0.25 x (240 MB state + 1 GB bucket).
+  static_assert(kOneLineHostPeakSlack == 0.05);
+  const uint64_t naive_steady = init + 96'000'000 + 48'000'000 + 120'000'000;
+  const uint64_t steady = naive_steady + 69'200'000;
   // The boundary with Spillway: + its checkpoint writer's buffers (held from the first save on).
   EXPECT_EQ(r->phases[2].other_rank, steady + 2 * kDataLoaderWorkerBytes + kCheckpointWriterBytes);
-  // The boundary without Spillway copies every private byte of the state (240 MB per rank).
-  EXPECT_EQ(r->phases[2].naive_node, 2 * (steady + 2 * kDataLoaderWorkerBytes + 240'000'000));
+  // The boundary without Spillway copies every private byte of the state (240 MB per rank); its
+  // transients are torch's allocator's, with no peak slack.
+  EXPECT_EQ(r->phases[2].naive_node, 2 * (naive_steady + 2 * kDataLoaderWorkerBytes + 240'000'000));
   // checkpoint: the I/O window (8 x 1 MiB) and the checkpoint writer on every rank, the 16-bit
   // largest tensor on rank 0.
   EXPECT_EQ(r->phases[3].rank0, steady + 8 * kMiB + kCheckpointWriterBytes + 8'000'000);
   EXPECT_EQ(r->phases[3].other_rank, steady + 8 * kMiB + kCheckpointWriterBytes);
   // final save: Spillway streams the largest tensor; DeepSpeed gathers the 16-bit model (2P).
   EXPECT_EQ(r->phases[4].node, 2 * (steady + kCheckpointWriterBytes) + 8'000'000);
-  EXPECT_EQ(r->phases[4].naive_node, 2 * steady + 48'000'000);
+  EXPECT_EQ(r->phases[4].naive_node, 2 * naive_steady + 48'000'000);
   // Loaded whole, the mapped checkpoint adds nothing anonymous; a .bin under zero.Init adds
   // 3/8 of its bytes (the middle of the heap's measured share of torch.load's reads).
   in.phases.load = ModelLoad::kWhole;

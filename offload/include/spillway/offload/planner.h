@@ -62,6 +62,12 @@ inline constexpr uint64_t kDataLoaderWorkerBytes = 20ull << 20;
 // 4 MiB staging buffers and its eight handles' 1 MiB bounce buffers, which share one 32 MiB region
 // of the pinned arena (deepspeed/_direct_file.py; test_deepspeed_checkpoint.py measures it).
 inline constexpr uint64_t kCheckpointWriterBytes = 64ull << 20;
+// The peak_slack of the host arena spillway.install() makes (python/spillway/_torch_allocators.py
+// reads it from here): its retained cache may lift the arena's committed bytes 5% above their need
+// at its peak, so a step's transients stay mapped from one iteration to the next
+// (docs/benchmarks.md, "Whole iterations"). The phases count it in the steady state:
+// Note [Phase peaks].
+inline constexpr double kOneLineHostPeakSlack = 0.05;
 
 // One phase's peak on node 0: rank 0 (which writes the saves) and each other rank.
 struct PhasePeak {
