@@ -283,10 +283,13 @@ static void BindAioHandle(py::module_& m) {
            py::arg("file_offset") = 0)
       .def("write", &PyAioHandle::Write, py::arg("buffer"), py::arg("filename"),
            py::arg("validate"), py::arg("file_offset") = 0)
+      // DeepSpeed names the flag "async", which Python source cannot pass by keyword and which
+      // makes a stub a syntax error for type checkers: "async_", passed by position as DeepSpeed
+      // passes it.
       .def("pread", &PyAioHandle::Pread, py::arg("buffer"), py::arg("filename"),
-           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+           py::arg("validate"), py::arg("async_"), py::arg("file_offset") = 0)
       .def("pwrite", &PyAioHandle::Pwrite, py::arg("buffer"), py::arg("filename"),
-           py::arg("validate"), py::arg("async"), py::arg("file_offset") = 0)
+           py::arg("validate"), py::arg("async_"), py::arg("file_offset") = 0)
       .def(
           "sync_pread",
           [](PyAioHandle& h, const torch::Tensor& b, const std::string& f, int64_t o) {
@@ -317,7 +320,7 @@ static void BindAioHandle(py::module_& m) {
            py::arg("file_offset") = 0)
       .def("wait", &PyAioHandle::Wait)
       .def("_swap", &PyAioHandle::Swap, py::arg("buffer"), py::arg("store"), py::arg("path"),
-           py::arg("write"), py::arg("kind"), py::arg("async"))
+           py::arg("write"), py::arg("kind"), py::arg("async_"))
       .def("_swap_store", &PyAioHandle::MakeSwapStore, py::arg("directory"),
            py::arg("budget_bytes"))
       .def("new_cpu_locked_tensor", &PyAioHandle::NewLockedTensor, py::arg("num_elem"),

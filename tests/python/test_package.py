@@ -29,6 +29,15 @@ def test_the_stub_names_every_public_name_of_the_extension():
     assert not missing, f"_spillway.pyi lacks {missing}: regenerate it (its header says how)"
 
 
+def test_the_stub_is_python_a_type_checker_can_read():
+    # mypy and pyright parse the stub as Python: one parameter named after a keyword (DeepSpeed's
+    # "async") made the whole file a syntax error for them.
+    import ast
+
+    stub = Path(spillway.__file__).parent / "_spillway.pyi"
+    ast.parse(stub.read_text(), filename=str(stub))
+
+
 def test_an_import_under_another_torch_refuses_and_says_to_rebuild():
     code = "import torch; torch.__version__ = '2.99.1+cpu'; import spillway"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
