@@ -275,9 +275,14 @@ def _fused_optimizer_step_zero12(original):
         # Where the 16-bit partition itself is on the CPU (the CPU accelerator), the pass writes it
         # and both of step()'s copies are no-ops (the buffer, read by nothing else, is left as it
         # was); else it writes the offload buffer and the copy to the accelerator stays.
-        written = [(partition, buffer), (buffer, fp32)] if _shadow_or_none(partition, fp32) is not None \
-            else [(buffer, fp32)] if _shadow_or_none(buffer, fp32) is not None else []
-        _fused_adam(self, group_no, fp32, written[0][0] if written else None, scale,
+        # `written`: the (destination, source) pairs of step()'s copies that the pass makes no-ops.
+        if _shadow_or_none(partition, fp32) is not None:
+            shadow, written = partition, [(partition, buffer), (buffer, fp32)]
+        elif _shadow_or_none(buffer, fp32) is not None:
+            shadow, written = buffer, [(buffer, fp32)]
+        else:
+            shadow, written = None, []
+        _fused_adam(self, group_no, fp32, shadow, scale,
                     f"ZeRO-{2 if self.partition_gradients else 1} partition {group_no}")
         self.__dict__.setdefault("_spillway_written", set()).update((d.data_ptr(), s.data_ptr()) for d, s in written)
         self._lazy_init_hp_params_optimizer_state()  # what the original does after the step
