@@ -86,9 +86,10 @@ struct HostArenaOptions {
   // committed bytes above their previous peak, retained regions are released first.
   uint64_t retain_limit_bytes = 1ull << 30;
   double retain_fraction = 0.25;
-  // How far the retained cache may lift the high-water mark, as a fraction of live bytes: at 0 a
-  // new region first evicts retained regions until it fits under the previous peak; larger values
-  // trade peak memory for fewer re-pins (measured in docs/benchmarks.md).
+  // How far the retained cache may lift the high-water mark, as a fraction of the peak of what is
+  // needed (committed bytes less the cache, at their highest so far): at 0 a new region first
+  // evicts retained regions until it fits under that peak; larger values trade peak memory for
+  // fewer re-pins and re-faults (measured in docs/benchmarks.md).
   double peak_slack = 0.0;
   // Requests of at least region_bytes / dedicated_divisor get a region of their own exact size,
   // so large transients never carve holes into regions shared with long-lived extents. They reuse
