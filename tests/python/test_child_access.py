@@ -18,6 +18,11 @@ import torch, spillway
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset
 
+# One intra-op thread, as the DataLoader's workers set: a child forked after the parent's first
+# parallel op (the expected sum below) ran its own sum into libgomp's pool, which a fork does not
+# copy, and hung at its barrier before reading anything (seen once in CI).
+torch.set_num_threads(1)
+
 
 class Reads(Dataset):
     def __init__(self, t):
@@ -50,6 +55,10 @@ def gloo_rank(rank, port):
 
 def exit_of(p):
     p.join(120)
+    if p.exitcode is None:  # hung: killed, so no orphan keeps the caller's pipes open
+        p.kill()
+        p.join(30)
+        return "hung"
     return p.exitcode
 
 
