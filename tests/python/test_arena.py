@@ -62,6 +62,9 @@ def test_errors_are_python_exceptions_with_the_status_message():
         a.empty((1 << 62,), torch.float64)
     with pytest.raises(spillway.InvalidArgument):
         spillway.HostArena(policy="sometimes")
+    for slack in (-0.01, 1.5, float("nan")):  # install() passes 0.05; the binding takes any float
+        with pytest.raises(spillway.InvalidArgument, match=r"peak_slack must be in \[0, 1\]"):
+            spillway.HostArena(pinned=False, peak_slack=slack)
     with pytest.raises(spillway.FailedPrecondition):
         a._end_epoch()  # no epoch began
     t = a.empty((1024,), torch.uint8)  # and the arena still works
