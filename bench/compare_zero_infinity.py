@@ -11,7 +11,13 @@ folder under --dir. Plain DeepSpeed swaps through its own aio op (libaio, JIT-bu
 steps with DeepSpeedCPUAdam; Spillway's run swaps through Spillway's aio op (io_uring) and steps
 with the fused pass. Per run, the median time of a whole step (forward, backward, engine.step) over
 the steps after the first three; per round, the ratio plain / Spillway (> 1: Spillway faster).
-Last line: one JSON object."""
+
+The disk's floor, beside them in every round: fio (io_uring, O_DIRECT, the aio section's block size
+and queue depth) reading and writing one file under --dir at the runs' own mix of reads and writes
+for --fio-seconds. A step cannot move its bytes faster than that rate, so bytes per step / fio's
+rate is the shortest step the disk allows; each run's step is printed as a multiple of it, and plain
+DeepSpeed's multiple is the largest ratio any swap engine could reach on this disk that minute.
+--fio-seconds 0 leaves fio out. Last line: one JSON object."""
 import argparse
 import json
 import os
@@ -22,6 +28,9 @@ import sys
 import tempfile
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python", "workers"))
+from _dist import infinity_offload  # noqa: E402  the runs' aio section: fio's block size and depth
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python", "workers", "ds_step.py")
 
@@ -36,7 +45,29 @@ def one(which, steps, where, width):
     r = torch.load(out)
     shutil.rmtree(out + ".swap", ignore_errors=True)
     os.unlink(out)
-    return statistics.median(r["step_s"][3:]), r["io"]
+    return statistics.median(r["step_s"][3:]), {k: v / len(r["step_s"]) for k, v in r["io"].items()}
+
+
+def fio_rate(where, read_share, seconds):
+    """Bytes per second fio moves in `where` reading and writing one 256 MiB file at random 1 MiB-block
+    offsets, `read_share` of them reads, O_DIRECT through io_uring at the aio section's block size and
+    queue depth: the disk's rate for the runs' mix, from fio's own byte counts and runtime."""
+    aio = infinity_offload(where)[1]
+    p = subprocess.run(["fio", "--name=floor", f"--directory={where}", "--size=256M", "--rw=randrw",
+                        f"--rwmixread={max(1, min(99, round(read_share * 100)))}", f"--bs={aio['block_size']}",
+                        f"--iodepth={aio['queue_depth']}", "--ioengine=io_uring", "--direct=1", "--time_based",
+                        f"--runtime={seconds}", "--output-format=json"], capture_output=True, text=True)
+    job = None
+    if p.returncode == 0:
+        try:
+            job = json.JSONDecoder().raw_decode(p.stdout, p.stdout.index("{"))[0]["jobs"][0]
+        except (ValueError, KeyError, IndexError):
+            job = None
+    if job is None or job.get("error"):
+        raise SystemExit(f"fio failed (exit {p.returncode}, job error {job and job.get('error')}) in {where}:\n"
+                         f"{p.stderr[:2000]}{p.stdout[:2000]}")
+    moved = job["read"]["io_bytes"] + job["write"]["io_bytes"]
+    return moved / (job["job_runtime"] / 1e3)
 
 
 def main():
@@ -47,30 +78,52 @@ def main():
     ap.add_argument("--width", type=int, default=1024,
                     help="the model's width (1024: 3.2M parameters, the test's; 2048: 12.7M, where the swaps "
                          "outweigh the step's compute on 2 cores)")
+    ap.add_argument("--fio-seconds", type=int, default=5,
+                    help="how long fio measures the disk's rate in each round, between the two runs (0: no fio)")
     a = ap.parse_args()
     if a.steps < 5:
         ap.error("--steps must be at least 5 (the first three are not timed)")
+    if a.fio_seconds < 0:
+        ap.error("--fio-seconds must be 0 (no fio) or more")
+    if a.fio_seconds and shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (scripts/install-deps installs it): it measures the disk's floor; "
+                         "or pass --fio-seconds 0")
     root = tempfile.mkdtemp(prefix="spillway-infinity-", dir=a.dir)
     times = {"deepspeed": [], "spillway": []}
-    ratios = []
+    ratios, over_floor = [], {"deepspeed": [], "spillway": []}
     try:
         for rnd in range(a.rounds):
             order = ["deepspeed", "spillway"] if rnd % 2 == 0 else ["spillway", "deepspeed"]
-            got = {}
+            got, moved, rate = {}, {}, None
             for which in order:
                 got[which], io = one(which, a.steps, root, a.width)
+                moved[which] = io["read_bytes"] + io["write_bytes"]
                 times[which].append(got[which])
+                if a.fio_seconds and rate is None:  # between the two runs, at the first one's mix
+                    rate = fio_rate(root, io["read_bytes"] / max(1, moved[which]), a.fio_seconds)
             ratios.append(got["deepspeed"] / got["spillway"])
-            print(f"round {rnd}: step {got['deepspeed'] * 1e3:.1f} ms plain, {got['spillway'] * 1e3:.1f} ms Spillway, "
-                  f"x{ratios[-1]:.3f}; last run moved {io['read_bytes'] / 2**20:.0f} MiB in, "
-                  f"{io['write_bytes'] / 2**20:.0f} MiB out", flush=True)
+            line = (f"round {rnd}: step {got['deepspeed'] * 1e3:.1f} ms plain, {got['spillway'] * 1e3:.1f} ms Spillway, "
+                    f"x{ratios[-1]:.3f}; per step {moved['deepspeed'] / 2**20:.0f} MiB moved plain, "
+                    f"{moved['spillway'] / 2**20:.0f} MiB Spillway")
+            if rate is not None:
+                for which in got:
+                    over_floor[which].append(got[which] / (moved[which] / rate))
+                line += (f"; fio {rate / 1e9:.2f} GB/s: plain x{over_floor['deepspeed'][-1]:.2f} of the disk's floor, "
+                         f"Spillway x{over_floor['spillway'][-1]:.2f}")
+            print(line, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"bench": "zero_infinity", "width": a.width, "rounds": a.rounds, "steps": a.steps,
-                      "step_ms_deepspeed": round(statistics.median(times["deepspeed"]) * 1e3, 2),
-                      "step_ms_spillway": round(statistics.median(times["spillway"]) * 1e3, 2),
-                      "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
-                      "ratio_max": round(max(ratios), 3)}))
+    result = {"bench": "zero_infinity", "width": a.width, "rounds": a.rounds, "steps": a.steps,
+              "step_ms_deepspeed": round(statistics.median(times["deepspeed"]) * 1e3, 2),
+              "step_ms_spillway": round(statistics.median(times["spillway"]) * 1e3, 2),
+              "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
+              "ratio_max": round(max(ratios), 3)}
+    for which, xs in over_floor.items():
+        if xs:  # each run's step as a multiple of the shortest step fio's rate allows (1.0: at the disk)
+            result[f"{which}_over_floor_median"] = round(statistics.median(xs), 3)
+            result[f"{which}_over_floor_min"] = round(min(xs), 3)
+            result[f"{which}_over_floor_max"] = round(max(xs), 3)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
