@@ -25,6 +25,10 @@ bf16_master_weights_and_grads and bf16_optimizer_states: masters, gradients and 
 `zero2`: the same with ZeRO-2 (offload_optimizer cpu; the 16-bit parameters stay on the
 accelerator, here the CPU).
 
+`zero3` and `zero2` run on DS_ACCELERATOR's device (default cpu, the stand-in; cuda on a GPU machine:
+scripts/gpu-check runs both there, with NCCL, the model on cuda:0 and each step timed between two
+device synchronizations, so the host step's copies to the device are inside the time).
+
 Last line: one JSON object."""
 import argparse
 import json
@@ -129,14 +133,18 @@ def engine_step(args, stage):
     import torch
     import deepspeed
 
+    from deepspeed.accelerator import get_accelerator
+
     import spillway
 
     spillway.deepspeed.install()
+    accelerator = get_accelerator()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="nccl" if accelerator.device_name() == "cuda" else "gloo",
+                               auto_mpi_discovery=False)
     width = 2048
     layers = max(1, int(float(args.params) / (width * width)))
     torch.manual_seed(0)
@@ -153,15 +161,17 @@ def engine_step(args, stage):
     variants = {"deepspeed": (False, False), "spillway": (True, False), "spillway+guard": (True, True),
                 "spillway+guard-always": (True, "always")}
     times = {k: [] for k in variants}
-    x = torch.randn(4, width).to(torch.bfloat16)
+    x = torch.randn(4, width).to(torch.bfloat16).to(engine.device)
     for r in range(args.rounds + 1):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for k in order:
             opt.spillway_step, opt.spillway_guard = variants[k]
             loss = engine(x).float().square().mean()
             engine.backward(loss)
+            accelerator.synchronize()  # a no-op on the CPU accelerator
             t0 = time.perf_counter()
             engine.step()
+            accelerator.synchronize()
             if r > 0:  # round 0 warms up
                 times[k].append(time.perf_counter() - t0)
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -182,7 +192,7 @@ def engine_step(args, stage):
     a = [x / y for x, y in zip(times["spillway"][1:], times["spillway"][:-1])]  # A/A: one variant against itself
     print(f"  A/A: spillway round r / round r-1 x{statistics.median(a):.3f} [{min(a):.3f}, {max(a):.3f}]")
     out["aa_spread"] = [min(a), max(a)]
-    return {"stage": stage, "params": n, "bf16_moments": args.bf16_moments, **out}
+    return {"stage": stage, "params": n, "bf16_moments": args.bf16_moments, "device": str(engine.device), **out}
 
 
 def main():
