@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
+#include <utility>
 
 #include "cuda_host.h"
 #include "live_table.h"
@@ -46,12 +48,22 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
         StrCat("host arena '", options.name, "': region_bytes is 0; use e.g. 64 MiB"));
   }
   options.region_bytes = RoundUp(options.region_bytes, page);
-  if (!(options.retain_fraction >= 0.0 && options.retain_fraction <= 1.0) ||
-      !(options.peak_slack >= 0.0 && options.peak_slack <= 1.0) ||
-      options.reuse_waste_divisor == 0 || options.dedicated_divisor == 0) {
-    return Status::InvalidArgument(StrCat("host arena '", options.name,
-                                          "': retain_fraction and peak_slack must be in [0, 1], "
-                                          "dedicated_divisor and reuse_waste_divisor at least 1"));
+  // Each refusal names the option and the value given (NaN fails every comparison).
+  for (const auto& [what, value] :
+       {std::pair<const char*, double>{"retain_fraction", options.retain_fraction},
+        {"peak_slack", options.peak_slack}}) {
+    if (!(value >= 0.0 && value <= 1.0)) {
+      return Status::InvalidArgument(
+          StrCat("host arena '", options.name, "': ", what, " must be in [0, 1], not ", value));
+    }
+  }
+  for (const auto& [what, value] :
+       {std::pair<const char*, uint64_t>{"dedicated_divisor", options.dedicated_divisor},
+        {"reuse_waste_divisor", options.reuse_waste_divisor}}) {
+    if (value == 0) {
+      return Status::InvalidArgument(
+          StrCat("host arena '", options.name, "': ", what, " must be at least 1, not 0"));
+    }
   }
   options.budget_bytes = options.budget_bytes / page * page;
   if (static_cast<size_t>(options.pin) > static_cast<size_t>(PinMode::kPageable) ||

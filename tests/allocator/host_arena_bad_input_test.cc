@@ -1,6 +1,7 @@
 // Bad input to HostArena: one test per case. Each must return a clear error and change nothing.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -169,6 +170,33 @@ TEST_F(BadInputTest, UnknownKindLifetimeAndPinModeStrings) {
   EXPECT_TRUE(Has(ParseForkSafety("copy").status(), "dontfork, wipeonfork, inherit"));
   EXPECT_EQ(*ParseKind("optimizer_state"), Kind::kOptimizerState);
   ExpectUnchanged();
+}
+
+// Each option out of range is refused by name, with the value given (the message once named all
+// four together, whichever was wrong, and no value).
+TEST_F(BadInputTest, OptionsOutOfRangeAreRefusedByNameAndValue) {
+  const struct {
+    void (*set)(HostArenaOptions*);
+    const char* says;
+  } cases[] = {
+      {[](HostArenaOptions* o) { o->retain_fraction = 1.25; },
+       "retain_fraction must be in [0, 1], not 1.25"},
+      {[](HostArenaOptions* o) { o->peak_slack = -0.5; }, "peak_slack must be in [0, 1], not -0.5"},
+      {[](HostArenaOptions* o) { o->peak_slack = std::nan(""); },
+       "peak_slack must be in [0, 1], not nan"},
+      {[](HostArenaOptions* o) { o->dedicated_divisor = 0; },
+       "dedicated_divisor must be at least 1, not 0"},
+      {[](HostArenaOptions* o) { o->reuse_waste_divisor = 0; },
+       "reuse_waste_divisor must be at least 1, not 0"},
+  };
+  for (const auto& c : cases) {
+    HostArenaOptions o = PageableOptions(&ledger_);
+    c.set(&o);
+    auto arena = HostArena::Create(o);
+    ASSERT_FALSE(arena.ok()) << c.says;
+    EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Has(arena.status(), c.says)) << arena.status().ToString();
+  }
 }
 
 TEST_F(BadInputTest, BudgetBelowOnePageIsRefusedAtCreation) {
