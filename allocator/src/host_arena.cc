@@ -6,10 +6,12 @@
 #include <execinfo.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cinttypes>
 #include <cstdio>
 #include <initializer_list>
 #include <memory>
+#include <string_view>
 #include <utility>
 
 #include "cuda_host.h"
@@ -53,8 +55,11 @@ Result<std::unique_ptr<HostArena>> HostArena::Create(HostArenaOptions options) {
        {std::pair<const char*, double>{"retain_fraction", options.retain_fraction},
         {"peak_slack", options.peak_slack}}) {
     if (!(value >= 0.0 && value <= 1.0)) {
-      return Status::InvalidArgument(
-          StrCat("host arena '", options.name, "': ", what, " must be in [0, 1], not ", value));
+      char shown[32];  // the shortest text that reads back as the value (1.0000001, not 1)
+      const std::to_chars_result r = std::to_chars(shown, shown + sizeof(shown), value);
+      return Status::InvalidArgument(StrCat("host arena '", options.name, "': ", what,
+                                            " must be in [0, 1], not ",
+                                            std::string_view(shown, r.ptr - shown)));
     }
   }
   for (const auto& [what, value] :

@@ -182,6 +182,8 @@ TEST_F(BadInputTest, OptionsOutOfRangeAreRefusedByNameAndValue) {
       {[](HostArenaOptions* o) { o->retain_fraction = 1.25; },
        "retain_fraction must be in [0, 1], not 1.25"},
       {[](HostArenaOptions* o) { o->peak_slack = -0.5; }, "peak_slack must be in [0, 1], not -0.5"},
+      {[](HostArenaOptions* o) { o->peak_slack = 1.0000001; },
+       "peak_slack must be in [0, 1], not 1.0000001"},
       {[](HostArenaOptions* o) { o->peak_slack = std::nan(""); },
        "peak_slack must be in [0, 1], not nan"},
       {[](HostArenaOptions* o) { o->dedicated_divisor = 0; },
@@ -197,6 +199,8 @@ TEST_F(BadInputTest, OptionsOutOfRangeAreRefusedByNameAndValue) {
     EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument);
     EXPECT_TRUE(Has(arena.status(), c.says)) << arena.status().ToString();
   }
+  ExpectUnchanged();  // the refused arenas touched nothing of the fixture's, which shares the
+                      // ledger
 }
 
 TEST_F(BadInputTest, BudgetBelowOnePageIsRefusedAtCreation) {
