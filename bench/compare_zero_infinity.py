@@ -12,11 +12,12 @@ steps with DeepSpeedCPUAdam; Spillway's run swaps through Spillway's aio op (io_
 with the fused pass. Per run, the median time of a whole step (forward, backward, engine.step) over
 the steps after the first three; per round, the ratio plain / Spillway (> 1: Spillway faster).
 
-The disk's floor, beside them in every round: fio (io_uring, O_DIRECT, the aio section's block size
-and queue depth) reading and writing one file under --dir at the runs' own mix of reads and writes
-for --fio-seconds. A step cannot move its bytes faster than that rate, so bytes per step / fio's
-rate is the shortest step the disk allows; each run's step is printed as a multiple of it, and plain
-DeepSpeed's multiple is the largest ratio any swap engine could reach on this disk that minute.
+The disk's rate, beside them in every round: fio (io_uring, O_DIRECT, the aio section's block size
+and queue depth) reading and writing one file under --dir at random block offsets, at the first
+run's mix of reads and writes, for --fio-seconds. Each run's step is also printed as a multiple of
+fio's time for the bytes the run moves per timed step: 1.0 is a step that moves its bytes at fio's
+rate with no time left for compute. A reference from the same minute, not a bound: this virtual
+disk's rate drifts between fio's seconds and the runs', and a step can come in under it.
 --fio-seconds 0 leaves fio out. Last line: one JSON object."""
 import argparse
 import json
@@ -45,15 +46,19 @@ def one(which, steps, where, width):
     r = torch.load(out)
     shutil.rmtree(out + ".swap", ignore_errors=True)
     os.unlink(out)
-    return statistics.median(r["step_s"][3:]), {k: v / len(r["step_s"]) for k, v in r["io"].items()}
+    # The bytes of the steps timed (after the first three), per step, as the step time is theirs.
+    (r0, w0), (r1, w1), n = r["io_steps"][2], r["io_steps"][-1], len(r["step_s"]) - 3
+    return statistics.median(r["step_s"][3:]), {"read_bytes": (r1 - r0) / n, "write_bytes": (w1 - w0) / n}
 
 
 def fio_rate(where, read_share, seconds):
     """Bytes per second fio moves in `where` reading and writing one 256 MiB file at random 1 MiB-block
     offsets, `read_share` of them reads, O_DIRECT through io_uring at the aio section's block size and
-    queue depth: the disk's rate for the runs' mix, from fio's own byte counts and runtime."""
+    queue depth: the disk's rate at that mix, from fio's own byte counts and runtime."""
     aio = infinity_offload(where)[1]
-    p = subprocess.run(["fio", "--name=floor", f"--directory={where}", "--size=256M", "--rw=randrw",
+    directory = where.replace(":", "\\:")  # fio reads ':' in --directory as a separator
+    p = subprocess.run(["fio", "--name=disk", f"--directory={directory}", "--size=256M",
+                        "--unlink=1", "--rw=randrw",
                         f"--rwmixread={max(1, min(99, round(read_share * 100)))}", f"--bs={aio['block_size']}",
                         f"--iodepth={aio['queue_depth']}", "--ioengine=io_uring", "--direct=1", "--time_based",
                         f"--runtime={seconds}", "--output-format=json"], capture_output=True, text=True)
@@ -76,7 +81,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dir", default=None, help="where the swap folders go (default: a temp dir under $TMPDIR)")
     ap.add_argument("--width", type=int, default=1024,
-                    help="the model's width (1024: 3.2M parameters, the test's; 2048: 12.7M, where the swaps "
+                    help="the model's width (1024: 2.2M parameters, the test's; 2048: 8.5M, where the swaps "
                          "outweigh the step's compute on 2 cores)")
     ap.add_argument("--fio-seconds", type=int, default=5,
                     help="how long fio measures the disk's rate in each round, between the two runs (0: no fio)")
@@ -86,11 +91,11 @@ def main():
     if a.fio_seconds < 0:
         ap.error("--fio-seconds must be 0 (no fio) or more")
     if a.fio_seconds and shutil.which("fio") is None:
-        raise SystemExit("fio is not installed (scripts/install-deps installs it): it measures the disk's floor; "
+        raise SystemExit("fio is not installed (scripts/install-deps installs it): it measures the disk's rate; "
                          "or pass --fio-seconds 0")
     root = tempfile.mkdtemp(prefix="spillway-infinity-", dir=a.dir)
     times = {"deepspeed": [], "spillway": []}
-    ratios, over_floor = [], {"deepspeed": [], "spillway": []}
+    ratios, vs_fio = [], {"deepspeed": [], "spillway": []}
     try:
         for rnd in range(a.rounds):
             order = ["deepspeed", "spillway"] if rnd % 2 == 0 else ["spillway", "deepspeed"]
@@ -107,9 +112,9 @@ def main():
                     f"{moved['spillway'] / 2**20:.0f} MiB Spillway")
             if rate is not None:
                 for which in got:
-                    over_floor[which].append(got[which] / (moved[which] / rate))
-                line += (f"; fio {rate / 1e9:.2f} GB/s: plain x{over_floor['deepspeed'][-1]:.2f} of the disk's floor, "
-                         f"Spillway x{over_floor['spillway'][-1]:.2f}")
+                    vs_fio[which].append(got[which] / (moved[which] / rate))
+                line += (f"; fio {rate / 1e9:.2f} GB/s: plain's step x{vs_fio['deepspeed'][-1]:.2f} of fio's time for "
+                         f"its bytes, Spillway's x{vs_fio['spillway'][-1]:.2f}")
             print(line, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -118,11 +123,11 @@ def main():
               "step_ms_spillway": round(statistics.median(times["spillway"]) * 1e3, 2),
               "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
               "ratio_max": round(max(ratios), 3)}
-    for which, xs in over_floor.items():
-        if xs:  # each run's step as a multiple of the shortest step fio's rate allows (1.0: at the disk)
-            result[f"{which}_over_floor_median"] = round(statistics.median(xs), 3)
-            result[f"{which}_over_floor_min"] = round(min(xs), 3)
-            result[f"{which}_over_floor_max"] = round(max(xs), 3)
+    for which, xs in vs_fio.items():
+        if xs:  # each run's step as a multiple of fio's time for the bytes it moves (1.0: at fio's rate)
+            result[f"{which}_step_vs_fio_median"] = round(statistics.median(xs), 3)
+            result[f"{which}_step_vs_fio_min"] = round(min(xs), 3)
+            result[f"{which}_step_vs_fio_max"] = round(max(xs), 3)
     print(json.dumps(result))
 
 

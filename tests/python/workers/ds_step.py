@@ -5,7 +5,7 @@ its own, with DeepSpeed's own optimizer step or Spillway's fused one.
     python ds_step.py {deepspeed|torch-adam|spillway} STEPS OUT.pt [OPTIMIZER] [VARIANT]
 
 VARIANT `bf16-cpu` (the default), `bf16-nvme-ga2`: the optimizer state on NVMe (DeepSpeed's
-swapper, on Spillway's aio op) and two micro-batches per step, `bf16-infinity`: a 3.2M-parameter
+swapper, on Spillway's aio op) and two micro-batches per step, `bf16-infinity`: a 2.2M-parameter
 model whose optimizer state and parameters DeepSpeed really swaps to NVMe (above its threshold), or
 `bf16-params-on-device`: offload_optimizer only, the 16-bit partitions on the accelerator (cuda:0
 under DS_ACCELERATOR=cuda: Spillway's pass updates the master, DeepSpeed copies it down), or
@@ -138,7 +138,7 @@ with warnings.catch_warnings(record=True) as caught:
     teacher = torch.randn(64, 8, generator=g)
     losses, lrs, first, scales, skipped = [], [], None, [], []
     io_before = io_bytes()
-    step_s = []
+    step_s, io_steps = [], []
     for step in range(steps):
         t0 = time.perf_counter()
         for _ in range(accumulate):
@@ -153,6 +153,7 @@ with warnings.catch_warnings(record=True) as caught:
         scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
         skipped.append(int(engine.skipped_steps))
         step_s.append(time.perf_counter() - t0)
+        io_steps.append(io_bytes())  # (read, write) so far: a bench takes the steps it times
         lrs.append([pg["lr"] for pg in engine.optimizer.optimizer.param_groups])
         if step == 0 and variant != "bf16-infinity":  # swapped masters are on NVMe between steps
             fp32, p16 = masters_of(engine.optimizer)
@@ -198,6 +199,7 @@ torch.save({
     "copies_skipped": opt.__dict__.get("_spillway_copies_skipped", 0),
     "step_s": step_s,
     "io": {"read_bytes": io_after[0] - io_before[0], "write_bytes": io_after[1] - io_before[1]},
+    "io_steps": [(r - io_before[0], w - io_before[1]) for r, w in io_steps],
     "swap_stats": __import__("spillway").deepspeed.swap_stats() if which == "spillway" else {},
     "swap_files": sorted((os.path.relpath(os.path.join(d, f), out + ".swap"), os.path.getsize(os.path.join(d, f)))
                          for d, _, fs in os.walk(out + ".swap") for f in fs),
