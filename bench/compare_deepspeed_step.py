@@ -27,7 +27,9 @@ accelerator, here the CPU).
 
 `zero3` and `zero2` run on DS_ACCELERATOR's device (default cpu, the stand-in; cuda on a GPU machine:
 scripts/gpu-check runs both there, with NCCL, the model on cuda:0 and each step timed between two
-device synchronizations, so the host step's copies to the device are inside the time).
+device synchronizations). With zero2 the step's copy of the updated 16-bit parameters to the device
+is inside the time; zero3 here offloads the parameters too (offload_param cpu), so its 16-bit
+partitions stay on the host and its step copies almost nothing to the device.
 
 Last line: one JSON object."""
 import argparse
@@ -192,6 +194,7 @@ def engine_step(args, stage):
     a = [x / y for x, y in zip(times["spillway"][1:], times["spillway"][:-1])]  # A/A: one variant against itself
     print(f"  A/A: spillway round r / round r-1 x{statistics.median(a):.3f} [{min(a):.3f}, {max(a):.3f}]")
     out["aa_spread"] = [min(a), max(a)]
+    torch.distributed.destroy_process_group()  # NCCL warns at exit about a group left alive
     return {"stage": stage, "params": n, "bf16_moments": args.bf16_moments, "device": str(engine.device), **out}
 
 
