@@ -385,6 +385,27 @@ def test_step_boundaries_follow_engine_step_and_the_epoch_boundary_is_one_line()
     """)
 
 
+def test_zero3_without_offload_param_keeps_its_flat_16_bit_partition_in_the_arena():
+    # offload_optimizer only: ZeRO-3 moves the 16-bit partitions into one flat buffer on the device
+    # (_create_fp16_partitions_with_defragmentation), which on the CPU accelerator is host memory.
+    # It was untagged: the audit named 0.weight.ds_tensor and told the user to call install()
+    # before the model, which they had.
+    run("""
+        spillway.deepspeed.install()
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        config = dict(CONFIG, zero_optimization={k: v for k, v in CONFIG["zero_optimization"].items()
+                                                 if k != "offload_param"})
+        m = build()
+        engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=config)
+        assert not engine.optimizer.offload_param and engine.optimizer.lp_param_buffer.device.type == "cpu"
+        train(engine, steps=2)
+        audits = engine._spillway_audits
+        assert [w for w, _ in audits] == ["after deepspeed.initialize", "after the first optimizer step"]
+        assert all(not r["missed"] for _, r in audits), audits
+        assert audits[-1][1]["by_kind"].get("param", 0) >= engine.optimizer.lp_param_buffer.nbytes, audits[-1]
+    """)
+
+
 PROMETHEUS = "/usr/bin/prometheus"
 
 

@@ -18,6 +18,10 @@ _SITES = (
     ("deepspeed.runtime.zero.partition_parameters", "Init", "_partition_param", "param"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
      "_create_param_groups_fp16_flat_cpu_memory", "param"),
+    # Without offload_param the 16-bit partitions move into one flat buffer on the device: host
+    # memory on the CPU accelerator (on a GPU the scope sees no host allocation of it).
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+     "_create_fp16_partitions_with_defragmentation", "param"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_setup_for_real_optimizer", "grad"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_create_fp32_partitions",
      "master_weight"),
