@@ -30,6 +30,7 @@ import tempfile
 
 import torch
 
+from _fio import fio_job  # bench/ is sys.path[0]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python", "workers"))
 from _dist import infinity_offload  # noqa: E402  the runs' aio section: fio's block size and depth
 
@@ -57,20 +58,10 @@ def fio_rate(where, read_share, seconds):
     queue depth: the disk's rate at that mix, from fio's own byte counts and runtime."""
     aio = infinity_offload(where)[1]
     directory = where.replace(":", "\\:")  # fio reads ':' in --directory as a separator
-    p = subprocess.run(["fio", "--name=disk", f"--directory={directory}", "--size=256M",
-                        "--unlink=1", "--rw=randrw",
-                        f"--rwmixread={max(1, min(99, round(read_share * 100)))}", f"--bs={aio['block_size']}",
-                        f"--iodepth={aio['queue_depth']}", "--ioengine=io_uring", "--direct=1", "--time_based",
-                        f"--runtime={seconds}", "--output-format=json"], capture_output=True, text=True)
-    job = None
-    if p.returncode == 0:
-        try:
-            job = json.JSONDecoder().raw_decode(p.stdout, p.stdout.index("{"))[0]["jobs"][0]
-        except (ValueError, KeyError, IndexError):
-            job = None
-    if job is None or job.get("error"):
-        raise SystemExit(f"fio failed (exit {p.returncode}, job error {job and job.get('error')}) in {where}:\n"
-                         f"{p.stderr[:2000]}{p.stdout[:2000]}")
+    job = fio_job(["--name=disk", f"--directory={directory}", "--size=256M", "--unlink=1", "--rw=randrw",
+                   f"--rwmixread={max(1, min(99, round(read_share * 100)))}", f"--bs={aio['block_size']}",
+                   f"--iodepth={aio['queue_depth']}", "--ioengine=io_uring", "--direct=1", "--time_based",
+                   f"--runtime={seconds}"], f"read and write at random offsets in {where}")
     moved = job["read"]["io_bytes"] + job["write"]["io_bytes"]
     return moved / (job["job_runtime"] / 1e3)
 

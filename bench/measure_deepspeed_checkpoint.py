@@ -27,7 +27,6 @@ each, the per-round ratios with their spread, and Spillway's save rate against f
 Every timed save, load and fio run starts after a sync (no earlier write still in flight).
 Needs fio (scripts/install-deps installs it)."""
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -37,6 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from _fio import fio_job  # bench/ is first on sys.path (ds_checkpoint.py puts it there too)
 
 MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,16 +173,9 @@ def fio_seconds(directory, nbytes, rw, cold):
     """fio's own runtime for one sequential pass of `nbytes` in `directory` (rw "write": a new file,
     fsynced at the end; "read": the file the write left)."""
     settle(cold and rw == "read")
-    p = subprocess.run(["fio", "--name=seq", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
-                        "--ioengine=io_uring", "--direct=1", f"--size={nbytes}", "--end_fsync=1",
-                        "--output-format=json"], capture_output=True, text=True)
-    job = None
-    if p.returncode == 0:
-        with contextlib.suppress(ValueError, KeyError, IndexError):
-            job = json.JSONDecoder().raw_decode(p.stdout, p.stdout.index("{"))[0]["jobs"][0]
-    if job is None or job.get("error"):
-        raise SystemExit(f"fio failed (exit {p.returncode}, job error {job and job.get('error')}) to {rw} {nbytes} "
-                         f"bytes in {directory}:\n{p.stderr[:2000]}{p.stdout[:2000]}")
+    job = fio_job(["--name=seq", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
+                   "--ioengine=io_uring", "--direct=1", f"--size={nbytes}", "--end_fsync=1"],
+                  f"{rw} {nbytes} bytes in {directory}")
     return job["job_runtime"] / 1e3
 
 
