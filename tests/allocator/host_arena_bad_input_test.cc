@@ -199,8 +199,8 @@ TEST_F(BadInputTest, OptionsOutOfRangeAreRefusedByNameAndValue) {
     EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument);
     EXPECT_TRUE(Has(arena.status(), c.says)) << arena.status().ToString();
   }
-  ExpectUnchanged();  // the refused arenas touched nothing of the fixture's, which shares the
-                      // ledger
+  // The refused arenas touched nothing of the fixture's arena, which shares their ledger.
+  ExpectUnchanged();
 }
 
 TEST_F(BadInputTest, BudgetBelowOnePageIsRefusedAtCreation) {
